@@ -1,0 +1,16 @@
+"""shardopt: a ZeRO-style sharded mixed-precision AdamW for data-parallel PyTorch training."""
+from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
+from shardopt.memory import MemoryReport, ddp_adamw_bytes, predict_bytes
+from shardopt.optimizer import ShardedAdamW
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DynamicScaler",
+    "LossScaler",
+    "MemoryReport",
+    "ShardedAdamW",
+    "StaticScaler",
+    "ddp_adamw_bytes",
+    "predict_bytes",
+]

@@ -1,0 +1,54 @@
+"""Validated, frozen settings of a ``ShardedAdamW`` that are not per-param-group hyperparameters."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from shardopt.master import STRATEGIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardConfig:
+    stage: int = 2
+    master_weights: str = "fp32"
+    bucket_cap_mb: float = 25.0
+    alignment: int = 8
+
+    def __post_init__(self) -> None:
+        if self.stage not in (1, 2) or isinstance(self.stage, bool):
+            raise ValueError(f"stage must be 1 (shard master weights and moments) or 2 (also shard "
+                             f"gradients), got stage={self.stage!r}")
+        if self.master_weights not in STRATEGIES:
+            raise ValueError(f"unknown master_weights={self.master_weights!r}; choose one of {sorted(STRATEGIES)}")
+        if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
+            raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {self.bucket_cap_mb!r}")
+        if not (isinstance(self.alignment, int) and self.alignment >= 1):
+            raise ValueError(f"alignment must be a positive int (elements), got {self.alignment!r}")
+
+    def bucket_numel(self, element_size: int) -> int | None:
+        """Bucket cap in elements of ``element_size`` bytes; None when it exceeds any real model."""
+        n = self.bucket_cap_mb * 2**20 / element_size
+        return None if math.isinf(n) else max(1, int(n))
+
+
+def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:
+    """Raise ValueError naming the first invalid AdamW hyperparameter."""
+    if not (_is_number(lr) and float(lr) >= 0):
+        raise ValueError(f"invalid learning rate lr={lr!r}: need a number >= 0")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)):
+        raise ValueError(f"invalid betas={betas!r}: need a pair of numbers in [0, 1)")
+    for i, b in enumerate(betas):
+        if not 0.0 <= float(b) < 1.0:
+            raise ValueError(f"invalid beta parameter at index {i}: betas={tuple(betas)!r}, each must be in [0, 1)")
+    if not (_is_number(eps) and float(eps) >= 0):
+        raise ValueError(f"invalid epsilon value eps={eps!r}: need a number >= 0")
+    if not (_is_number(weight_decay) and float(weight_decay) >= 0):
+        raise ValueError(f"invalid weight_decay={weight_decay!r}: need a number >= 0")
+
+
+def _is_number(x: object) -> bool:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return x.numel() == 1 and not bool(torch.isnan(x))
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)

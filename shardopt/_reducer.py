@@ -1,0 +1,203 @@
+"""Gradient storage and its reduction over ranks, bucket by bucket, while backward runs.
+
+Owns: where gradients live (stage 1: a full flat gradient buffer whose slices are the
+parameters' ``.grad``; stage 2: only this rank's shard plus short-lived bucket staging), the
+post-accumulate-grad hooks that fill buckets, and the order in which bucket collectives are
+launched. It knows the layout and calls :mod:`shardopt._collectives`; it does no optimizer math.
+
+[Note: launch order]
+Collectives must be issued in the same order on every rank. A bucket whose gradients are all
+ready is launched only after every lower-numbered bucket was launched; a bucket holding a
+parameter that got no gradient is launched when backward ends, by a callback queued on the
+autograd engine, which then waits for every reduction of that backward. Each backward pass is
+therefore one self-contained *round* in which every bucket is reduced exactly once, in bucket
+order, on every rank. Several rounds between two steps accumulate correctly: stage 1 averages
+the accumulated buffer again (the previously averaged part is equal on every rank, so averaging
+it again is exact), stage 2 adds each round's averaged shard into the gradient shard.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from shardopt._collectives import Comm, Pending
+from shardopt._flat import FlatParams
+from shardopt._layout import Range
+
+MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on
+
+
+class GradReducer:
+    """Reduces the gradients of one :class:`FlatParams` buffer over ``comm``'s ranks."""
+
+    flat_grad: Tensor | None  # stage 1: 1D, grad dtype, the whole padded buffer; params' .grad view it
+    grad_shard: Tensor | None  # stage 2: 1D, grad dtype, this rank's shard of the averaged gradient
+
+    def __init__(self, flat: FlatParams, comm: Comm, stage: int) -> None:
+        self.flat, self.comm, self.stage = flat, comm, stage
+        layout = flat.layout
+        self.shard = layout.shard_range(comm.rank)
+        self._bucket_of = [0] * len(layout.params)
+        for b in layout.buckets:
+            for i in b.params:
+                self._bucket_of[i] = b.index
+        self._bucket_size = [len(b.params) for b in layout.buckets]
+        # Per bucket: each rank's piece relative to the bucket start, and this rank's piece
+        # relative to the shard start.
+        self._pieces = [
+            [r.relative_to(b.global_range.start) if r.size else Range(0, 0) for r in layout.bucket_shard_ranges(b.index)]
+            for b in layout.buckets
+        ]
+        self._local = [
+            layout.bucket_shard_ranges(b.index)[comm.rank] for b in layout.buckets
+        ]
+        self.flat_grad = self.grad_shard = None
+        if stage == 1:
+            self.flat_grad = torch.zeros_like(flat.data)
+            for i, p in enumerate(flat.params):
+                p.grad = flat.param_view(self.flat_grad, i)
+        else:
+            self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
+        self.staging_peak_bytes = 0  # high-water mark of bucket staging, bytes
+        self._staging: dict[int, Tensor] = {}
+        self.require_sync = True
+        self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
+        self._rounds = 0  # rounds completed since zero_grad
+        self._reset_round()
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
+        ]
+
+    # -- rounds ---------------------------------------------------------------------------
+    def _reset_round(self) -> None:
+        self._ready = [0] * len(self._bucket_size)
+        self._seen = [False] * len(self.flat.params)
+        self._next = 0
+        self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
+        self._callback_queued = False
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self.require_sync:
+                return
+            if not self._callback_queued:
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_round)
+                self._callback_queued = True
+            self._take(index)
+            b = self._bucket_of[index]
+            self._ready[b] += 1
+            self._launch_ready()
+
+        return hook
+
+    def _take(self, index: int) -> None:
+        """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
+        if self._seen[index]:
+            return
+        self._seen[index] = True
+        p = self.flat.params[index]
+        if self.stage == 1:
+            view = self.flat.param_view(self.flat_grad, index)
+            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)  # .grad was reset to None or replaced: it holds the full sum
+            elif p.grad is None:
+                view.zero_()
+            p.grad = view
+        else:
+            if p.grad is not None:
+                b = self._bucket_of[index]
+                span = self.flat.layout.params[index].global_range
+                start = span.start - self.flat.layout.buckets[b].global_range.start
+                self._staging_for(b)[start:start + span.size].copy_(p.grad.reshape(-1))
+                p.grad = None
+
+    def _staging_for(self, b: int) -> Tensor:
+        if b not in self._staging:
+            size = self.flat.layout.buckets[b].global_range.size
+            self._staging[b] = torch.zeros(size, dtype=self.flat.dtype, device=self.flat.device)
+            held = sum(t.numel() * t.element_size() for t in self._staging.values())
+            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+        return self._staging[b]
+
+    def _launch_ready(self) -> None:
+        while self._next < len(self._bucket_size) and self._ready[self._next] >= self._bucket_size[self._next]:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.flat.layout.buckets[b].global_range
+        if self.stage == 1:
+            self._inflight.append((self.comm.all_reduce_avg(self.flat_grad[bucket.as_slice()]), None, b))
+            return
+        staging = self._staging_for(b)
+        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
+        dest = self.grad_shard[local.as_slice()]
+        if self._fresh:
+            out, after = dest, None
+        else:
+            out = torch.empty_like(dest)
+            after = lambda: dest.add_(out)  # noqa: E731
+        pending = self.comm.reduce_scatter_avg(out, staging, self._pieces[b])
+        self._inflight.append((pending, after, b))
+        # Bound staging memory: at most MAX_INFLIGHT buckets wait on the network at once.
+        while len(self._inflight) > MAX_INFLIGHT:
+            self._complete_oldest()
+
+    def _complete_oldest(self) -> None:
+        pending, after, b = self._inflight.pop(0)
+        pending.wait()
+        if after is not None:
+            after()
+        self._staging.pop(b, None)
+
+    def finish_round(self) -> None:
+        """Launch every bucket not yet launched in this round, in order, and wait for all.
+
+        Runs at the end of each backward pass; call on every rank."""
+        for i in range(len(self.flat.params)):
+            if not self._seen[i]:
+                self._take(i)
+        for b in range(self._next, len(self._bucket_size)):
+            self._launch(b)
+        while self._inflight:
+            self._complete_oldest()
+        assert not self._staging, "staging left behind after a round"
+        self._fresh = False
+        self._rounds += 1
+        self._reset_round()
+
+    # -- what the optimizer sees ---------------------------------------------------------
+    def local_grad(self) -> Tensor:
+        """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements).
+
+        Runs a round first when no backward pass reduced gradients since ``zero_grad`` (e.g.
+        gradients assigned by hand); then every rank must call it."""
+        if self._rounds == 0:
+            self.finish_round()
+        if self.stage == 1:
+            return self.flat_grad[self.shard.as_slice()]
+        return self.grad_shard
+
+    def zero_grad(self) -> None:
+        """Forget all gradients (also any accumulated under ``no_sync``). Local; no communication."""
+        if self.stage == 1:
+            self.flat_grad.zero_()
+            for i, p in enumerate(self.flat.params):
+                p.grad = self.flat.param_view(self.flat_grad, i)
+        else:
+            for p in self.flat.params:
+                p.grad = None
+            self._fresh = True  # the next round overwrites every element of grad_shard
+        self._rounds = 0
+
+    @property
+    def grad_bytes(self) -> int:
+        t = self.flat_grad if self.stage == 1 else self.grad_shard
+        return t.numel() * t.element_size()
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,103 @@
+"""Bytes per rank: predicted from the ZeRO formulas and measured from the tensors actually held.
+
+Categories (all in bytes, on one rank):
+``params`` 16-bit (or fp32) model weights, replicated; ``grads`` gradient storage (stage 1: full,
+stage 2: this rank's shard); ``master`` fp32 master shard (none for fp32 parameters, whose shard
+is its own master); ``exp_avg`` / ``exp_avg_sq`` fp32 Adam moments, sharded; ``extra`` other
+per-element state of the master-weight mode (e.g. remainders); ``buffers`` communication
+staging (high-water mark).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+CATEGORIES = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryReport:
+    """Bytes held on one rank, by category; ``predicted`` holds the formula's figure per category."""
+
+    params: int = 0
+    grads: int = 0
+    master: int = 0
+    exp_avg: int = 0
+    exp_avg_sq: int = 0
+    extra: int = 0
+    buffers: int = 0
+    predicted: dict[str, int] = field(default_factory=dict)
+    num_params: int = 0  # trainable parameter elements (each shared tensor counted once)
+    world_size: int = 1
+    rank: int = 0
+    stage: int = 2
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    @property
+    def predicted_total(self) -> int:
+        return sum(self.predicted.get(c, 0) for c in CATEGORIES)
+
+    @property
+    def optimizer_state(self) -> int:
+        """Bytes of master weights, moments and extras: what ZeRO shards in stage 1."""
+        return self.master + self.exp_avg + self.exp_avg_sq + self.extra
+
+    def __add__(self, other: "MemoryReport") -> "MemoryReport":
+        merged = {c: getattr(self, c) + getattr(other, c) for c in CATEGORIES}
+        pred = {c: self.predicted.get(c, 0) + other.predicted.get(c, 0) for c in CATEGORIES}
+        return MemoryReport(**merged, predicted=pred, num_params=self.num_params + other.num_params,
+                            world_size=self.world_size, rank=self.rank, stage=self.stage)
+
+    def __str__(self) -> str:
+        per = max(self.num_params, 1)
+        rows = [f"memory on rank {self.rank} of {self.world_size} (stage {self.stage}, "
+                f"{self.num_params:,} parameters)",
+                f"| {'category':<10} | {'measured':>14} | {'predicted':>14} | {'B/param':>7} |",
+                f"|{'-' * 12}|{'-' * 16}|{'-' * 16}|{'-' * 9}|"]
+        for c in CATEGORIES + ("total",):
+            m = self.total if c == "total" else getattr(self, c)
+            p = self.predicted_total if c == "total" else self.predicted.get(c, 0)
+            rows.append(f"| {c:<10} | {m:>14,} | {p:>14,} | {m / per:>7.3f} |")
+        return "\n".join(rows)
+
+def predict_bytes(
+    num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32"
+) -> dict[str, int]:
+    """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
+
+    Sharded figures are ``ceil(bytes / world_size)``; padding and bucket staging are not
+    included (staging depends on the bucket size, padding is below one alignment per parameter).
+    """
+    psize = torch.empty((), dtype=param_dtype).element_size()
+    sixteen_bit = psize == 2
+
+    def shard(nbytes_per_elem: int) -> int:
+        return -(-num_params * nbytes_per_elem // world_size)
+
+    master = {"fp32": 4, "remainder": 0, "stochastic": 0, "none": 0}[master_weights] if sixteen_bit else 0
+    extra = 2 if (sixteen_bit and master_weights == "remainder") else 0
+    return {
+        "params": num_params * psize,
+        "grads": num_params * psize if stage == 1 else shard(psize),
+        "master": shard(master),
+        "exp_avg": shard(4),
+        "exp_avg_sq": shard(4),
+        "extra": shard(extra),
+        "buffers": 0,
+    }
+
+def ddp_adamw_bytes(num_params: int, param_dtype: torch.dtype) -> dict[str, int]:
+    """Bytes per rank of the same parameters under DDP with a replicated mixed-precision AdamW."""
+    psize = torch.empty((), dtype=param_dtype).element_size()
+    return {
+        "params": num_params * psize,
+        "grads": num_params * psize,
+        "master": num_params * 4 if psize == 2 else 0,
+        "exp_avg": num_params * 4,
+        "exp_avg_sq": num_params * 4,
+        "extra": 0,
+        "buffers": 0,
+    }

@@ -1,0 +1,300 @@
+"""``ShardedAdamW``: orchestration only. The math lives in ``kernels``, index math in ``_layout``,
+communication in ``_collectives``/``_reducer`` and per-buffer state in ``_sharded_buffer``.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+from shardopt._collectives import Comm, ProcessGroup
+from shardopt._config import ShardConfig, check_hyperparameters
+from shardopt._sharded_buffer import ShardedBuffer
+from shardopt.loss_scale import LossScaler, make_scaler
+from shardopt.memory import MemoryReport
+
+STATE_FORMAT = "shardopt.rank_shard.v1"
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class ShardedAdamW(torch.optim.Optimizer):
+    """AdamW whose master weights, moments and (stage 2) gradients are split over data-parallel ranks.
+
+    Build it on every rank after ``torch.distributed.init_process_group``, with the same
+    parameters in the same order. The parameters become views into one flat buffer per dtype;
+    their values are made equal to rank 0's at construction. Each rank keeps 1/N of the fp32
+    master weights and moments; ``step`` updates this rank's shard and all-gathers the new
+    weights into every rank's model. All methods except ``memory_report`` and ``no_sync`` must be
+    called on every rank, in the same order.
+
+    Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction). Gradients
+    are averaged over ranks; a parameter that got no gradient counts as a zero gradient.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        stage: int = 2,
+        master_weights: str = "fp32",
+        loss_scale: str | float | LossScaler | None = "auto",
+        process_group: ProcessGroup = None,
+        bucket_cap_mb: float = 25.0,
+    ) -> None:
+        check_hyperparameters(lr, betas, eps, weight_decay)
+        self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb)
+        self._built = False
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self._comm = Comm(process_group)
+        trainable = self._trainable()
+        self._check_same_on_all_ranks(trainable)
+        self._buffers = self._build_buffers(trainable)
+        self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
+        self._step = 0
+        self._clip: tuple[bool, float] | None = None  # (found_inf, clip coefficient) from clip_grad_norm_
+        self.step_was_skipped = False
+        self.skipped_steps = 0
+        self._built = True
+
+    # -- construction --------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
+                               "pass every param group to the constructor instead of add_param_group")
+        group = dict(param_group)
+        for k, v in self.defaults.items():
+            group.setdefault(k, v)
+        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        super().add_param_group(param_group)
+
+    def _trainable(self) -> list[tuple[torch.nn.Parameter, int]]:
+        out, devices = [], set()
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if not p.is_leaf:
+                    raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} was passed as a parameter "
+                                     f"(param group {gi}); pass the model's nn.Parameters, not results of ops on them")
+                if not p.requires_grad:
+                    continue
+                if p.dtype not in _SUPPORTED_DTYPES:
+                    raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; ShardedAdamW "
+                                    f"supports {[str(d) for d in _SUPPORTED_DTYPES]}: convert the model first")
+                if p.is_sparse:
+                    raise TypeError(f"parameter of shape {tuple(p.shape)} is sparse; ShardedAdamW needs dense parameters")
+                devices.add(p.device)
+                out.append((p, gi))
+        if not out:
+            raise ValueError("ShardedAdamW got an empty parameter list (or no parameter with requires_grad=True)")
+        if len(devices) > 1:
+            raise ValueError(f"parameters are on different devices {sorted(map(str, devices))}; "
+                             "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")
+        return out
+
+    def _check_same_on_all_ranks(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> None:
+        desc = [(gi, tuple(p.shape), str(p.dtype)) for p, gi in trainable]
+        if self._comm.same_everywhere(desc, trainable[0][0].device):
+            return
+        every = self._comm.all_gather_objects(desc)
+        ref = every[0]
+        for r, other in enumerate(every):
+            if other == ref:
+                continue
+            for i, (a, b) in enumerate(zip(ref, other)):
+                if a != b:
+                    raise ValueError(
+                        f"parameter sets differ across ranks: trainable parameter #{i} is (group, shape, dtype)="
+                        f"{a} on rank 0 but {b} on rank {r}; build the same model and pass the same "
+                        "parameters in the same order on every rank")
+            raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(ref)} trainable parameters, "
+                             f"rank {r} has {len(other)}; build the same model on every rank")
+
+    def _build_buffers(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> list[ShardedBuffer]:
+        by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
+        for p, gi in trainable:
+            by_dtype.setdefault(p.dtype, []).append((p, gi))
+        buffers = []
+        for entries in by_dtype.values():
+            # Gradients become ready roughly in reverse registration order: lay buffers out that
+            # way so bucket 0 fills first during backward.
+            entries = entries[::-1]
+            buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], self._comm, self.config))
+        return buffers
+
+    # -- training loop -------------------------------------------------------------------
+    def backward(self, loss: Tensor, **kwargs: Any) -> None:
+        """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
+        scale = self._scaler.scale
+        (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Inside, backward passes accumulate gradients locally without communicating; the first
+        backward after it reduces everything accumulated. Use for all micro-batches but the last."""
+        previous = [b.reducer.require_sync for b in self._buffers]
+        for b in self._buffers:
+            b.reducer.require_sync = False
+        try:
+            yield
+        finally:
+            for b, prev in zip(self._buffers, previous):
+                b.reducer.require_sync = prev
+
+    def _grad_stats(self, norm_type: float | None) -> tuple[bool, float]:
+        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective."""
+        device = self._buffers[0].flat.device
+        stats = torch.zeros(2, dtype=torch.float32, device=device)
+        for b in self._buffers:
+            g = b.reducer.local_grad()
+            if norm_type is None:
+                stats[0] += (~torch.isfinite(g.sum(dtype=torch.float32))).float()
+            elif math.isinf(norm_type):
+                m = torch.linalg.vector_norm(g, float("inf"), dtype=torch.float32) if g.numel() else stats[1] * 0
+                stats[0] += (~torch.isfinite(m)).float()
+                stats[1] = torch.maximum(stats[1], m)
+            else:
+                s = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type if g.numel() else stats[1] * 0
+                stats[0] += (~torch.isfinite(s)).float()
+                stats[1] += s
+        if norm_type is not None and math.isinf(norm_type):
+            self._comm.all_reduce_max(stats).wait()
+        else:
+            self._comm.all_reduce_sum(stats).wait()
+        found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
+        if norm_type is None or math.isinf(norm_type):
+            return found_inf, float(stats[1])
+        return found_inf, float(stats[1]) ** (1.0 / norm_type)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the averaged gradient to ``max_norm`` (over all ranks and shards); returns the total
+        norm of the unscaled gradient, as ``torch.nn.utils.clip_grad_norm_`` would. The clipping is
+        applied inside the next ``step``. Every rank."""
+        norm_type = float(norm_type)
+        if not norm_type > 0:
+            raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
+        found_inf, norm = self._grad_stats(norm_type)
+        norm /= self._scaler.scale
+        coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
+        self._clip = (found_inf, coef)
+        return torch.tensor(float("nan") if found_inf else norm)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Update this rank's shard and all-gather the new weights; skipped on every rank when any
+        gradient is inf/NaN. Every rank."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf, coef = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0)
+        self._clip = None
+        self.step_was_skipped = found_inf
+        if found_inf:
+            self.skipped_steps += 1
+            self._scaler.update(True, self._step + 1)
+            return loss
+        self._step += 1
+        grad_scale = coef / self._scaler.scale
+        for b in self._buffers:
+            b.update(self._step, grad_scale, self.param_groups)
+        for pending in [b.gather_params() for b in self._buffers]:
+            pending.wait()
+        self._scaler.update(False, self._step)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local."""
+        for b in self._buffers:
+            b.reducer.zero_grad()
+        self._clip = None
+
+    # -- reporting -----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale that ``backward`` applies now."""
+        return self._scaler.scale
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (skipped steps not counted)."""
+        return self._step
+
+    def memory_report(self) -> MemoryReport:
+        """Bytes this rank holds, by category, measured and predicted. Local; no communication."""
+        reports = [b.memory_report() for b in self._buffers]
+        total = reports[0]
+        for r in reports[1:]:
+            total = total + r
+        return total
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler).
+
+        Loadable by ``load_state_dict`` on the same rank at the same world size and layout."""
+        groups = []
+        for g in self.param_groups:
+            groups.append({k: v for k, v in g.items() if k != "params"})
+        return {
+            "format": STATE_FORMAT,
+            "world_size": self._comm.world_size,
+            "rank": self._comm.rank,
+            "stage": self.config.stage,
+            "master_weights": self.config.master_weights,
+            "step": self._step,
+            "skipped_steps": self.skipped_steps,
+            "param_groups": groups,
+            "loss_scaler": self._scaler.state_dict(),
+            "buffers": [
+                {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
+                 "param_shapes": [span.shape for span in b.layout.params],
+                 **{k: v.clone() for k, v in b.master.state_tensors().items()},
+                 "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+                for b in self._buffers
+            ],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a ``state_dict`` taken on this rank at the same world size, and write the restored
+        master weights into the model. Every rank."""
+        sd = state_dict
+        if sd.get("format") != STATE_FORMAT:
+            raise ValueError(f"not a ShardedAdamW rank state dict (format={sd.get('format')!r}); to load a "
+                             "checkpoint at another world size use shardopt.load_checkpoint")
+        if sd["world_size"] != self._comm.world_size or sd["rank"] != self._comm.rank:
+            raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']}, this is rank "
+                             f"{self._comm.rank} of {self._comm.world_size}; use shardopt.save_checkpoint / "
+                             "load_checkpoint to change the world size")
+        if sd["master_weights"] != self.config.master_weights:
+            raise ValueError(f"state dict was saved with master_weights={sd['master_weights']!r}, this optimizer "
+                             f"uses {self.config.master_weights!r}")
+        if len(sd["buffers"]) != len(self._buffers) or len(sd["param_groups"]) != len(self.param_groups):
+            raise ValueError("state dict does not match this optimizer's parameters: "
+                             f"{len(sd['buffers'])} dtype buffers and {len(sd['param_groups'])} param groups saved, "
+                             f"{len(self._buffers)} and {len(self.param_groups)} here")
+        for saved, b in zip(sd["buffers"], self._buffers):
+            shapes = [tuple(s) for s in saved["param_shapes"]]
+            mine = [span.shape for span in b.layout.params]
+            if saved["dtype"] != str(b.dtype) or shapes != mine or saved["layout_numel"] != b.layout.numel:
+                first = next((i for i, (x, y) in enumerate(zip(shapes, mine)) if x != y), min(len(shapes), len(mine)))
+                raise ValueError(f"state dict does not match this optimizer's {b.dtype} parameters: first mismatch "
+                                 f"at parameter #{first} of the buffer ({len(shapes)} saved, {len(mine)} here); "
+                                 "was it saved for another model or another bucket_cap_mb?")
+        for saved, b in zip(sd["buffers"], self._buffers):
+            b.exp_avg.copy_(saved["exp_avg"])
+            b.exp_avg_sq.copy_(saved["exp_avg_sq"])
+            b.master.load_state_tensors(saved)
+        for g, saved in zip(self.param_groups, sd["param_groups"]):
+            g.update(saved)
+        self._step = int(sd["step"])
+        self.skipped_steps = int(sd.get("skipped_steps", 0))
+        self._scaler.load_state_dict(sd["loss_scaler"])
+        for pending in [b.gather_params() for b in self._buffers]:
+            pending.wait()
