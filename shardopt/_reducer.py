@@ -6,14 +6,18 @@ post-accumulate-grad hooks that fill buckets, and the order in which bucket coll
 launched. It knows the layout and calls :mod:`shardopt._collectives`; it does no optimizer math.
 
 [Note: launch order]
-Collectives must be issued in the same order on every rank. A bucket whose gradients are all
-ready is launched only after every lower-numbered bucket was launched; a bucket holding a
-parameter that got no gradient is launched when backward ends, by a callback queued on the
-autograd engine, which then waits for every reduction of that backward. Each backward pass is
-therefore one self-contained *round* in which every bucket is reduced exactly once, in bucket
-order, on every rank. Several rounds between two steps accumulate correctly: stage 1 averages
-the accumulated buffer again (the previously averaged part is equal on every rank, so averaging
-it again is exact), stage 2 adds each round's averaged shard into the gradient shard.
+Collectives must be issued in the same order on every rank, and buckets should be reduced in the
+order their gradients become ready, which the layout cannot know (param groups interleave layers).
+The first backward pass is a *learning round*: hooks only record in which order buckets complete,
+gradients stay in ``p.grad``, and at the end of backward every bucket is staged and reduced in
+bucket order. Rank 0's observed order is then broadcast once and every rank adopts it. From then
+on a bucket is launched from the hook that completes it, as soon as every bucket before it in
+that order has been launched; a bucket holding a parameter that got no gradient is launched when
+backward ends, by a callback queued on the autograd engine, which then waits for every reduction
+of that backward. Each backward pass is thus one *round* in which every bucket is reduced exactly
+once, in the agreed order, on every rank. Several rounds between two steps accumulate correctly:
+stage 1 averages the accumulated buffer again (the part averaged before is equal on every rank,
+so averaging it again is exact), stage 2 adds each round's averaged shard into the gradient shard.
 """
 from __future__ import annotations
 
@@ -65,6 +69,7 @@ class GradReducer:
         self.require_sync = True
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self._rounds = 0  # rounds completed since zero_grad
+        self._order: list[int] | None = None  # agreed bucket launch order, learned in round 1
         self._reset_round()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
@@ -74,7 +79,8 @@ class GradReducer:
     def _reset_round(self) -> None:
         self._ready = [0] * len(self._bucket_size)
         self._seen = [False] * len(self.flat.params)
-        self._next = 0
+        self._pos = 0  # next position in self._order to launch
+        self._completed: list[int] = []  # learning round: buckets in the order they completed
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
         self._callback_queued = False
 
@@ -85,10 +91,16 @@ class GradReducer:
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish_round)
                 self._callback_queued = True
-            self._take(index)
             b = self._bucket_of[index]
             self._ready[b] += 1
-            self._launch_ready()
+            if self._order is None:  # learning round: only watch
+                if self._ready[b] == self._bucket_size[b]:
+                    self._completed.append(b)
+                return
+            self._take(index)
+            while self._pos < len(self._order) and self._ready[self._order[self._pos]] >= self._bucket_size[self._order[self._pos]]:
+                self._launch(self._order[self._pos])
+                self._pos += 1
 
         return hook
 
@@ -98,6 +110,9 @@ class GradReducer:
             return
         self._seen[index] = True
         p = self.flat.params[index]
+        if p.grad is not None and p.grad.is_sparse:
+            raise TypeError(f"parameter #{index} of shape {tuple(p.shape)} got a sparse gradient; ShardedAdamW "
+                            "needs dense gradients (e.g. nn.Embedding(sparse=False))")
         if self.stage == 1:
             view = self.flat.param_view(self.flat_grad, index)
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
@@ -105,13 +120,12 @@ class GradReducer:
             elif p.grad is None:
                 view.zero_()
             p.grad = view
-        else:
-            if p.grad is not None:
-                b = self._bucket_of[index]
-                span = self.flat.layout.params[index].global_range
-                start = span.start - self.flat.layout.buckets[b].global_range.start
-                self._staging_for(b)[start:start + span.size].copy_(p.grad.reshape(-1))
-                p.grad = None
+        elif p.grad is not None:
+            b = self._bucket_of[index]
+            span = self.flat.layout.params[index].global_range
+            start = span.start - self.flat.layout.buckets[b].global_range.start
+            self._staging_for(b)[start:start + span.size].copy_(p.grad.reshape(-1))
+            p.grad = None
 
     def _staging_for(self, b: int) -> Tensor:
         if b not in self._staging:
@@ -121,12 +135,9 @@ class GradReducer:
             self.staging_peak_bytes = max(self.staging_peak_bytes, held)
         return self._staging[b]
 
-    def _launch_ready(self) -> None:
-        while self._next < len(self._bucket_size) and self._ready[self._next] >= self._bucket_size[self._next]:
-            self._launch(self._next)
-            self._next += 1
-
     def _launch(self, b: int) -> None:
+        for i in self.flat.layout.buckets[b].params:
+            self._take(i)  # parameters without a gradient this round count as zero
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             self._inflight.append((self.comm.all_reduce_avg(self.flat_grad[bucket.as_slice()]), None, b))
@@ -156,17 +167,24 @@ class GradReducer:
         """Launch every bucket not yet launched in this round, in order, and wait for all.
 
         Runs at the end of each backward pass; call on every rank."""
-        for i in range(len(self.flat.params)):
-            if not self._seen[i]:
-                self._take(i)
-        for b in range(self._next, len(self._bucket_size)):
+        order = self._order if self._order is not None else list(range(len(self._bucket_size)))
+        for b in order[self._pos:]:
             self._launch(b)
         while self._inflight:
             self._complete_oldest()
         assert not self._staging, "staging left behind after a round"
+        if self._order is None:
+            self._order = self._agree_on_order(self._completed)
         self._fresh = False
         self._rounds += 1
         self._reset_round()
+
+    def _agree_on_order(self, completed: list[int]) -> list[int]:
+        """Rank 0's completion order (then the never-completed buckets), adopted by every rank."""
+        rest = [b for b in range(len(self._bucket_size)) if b not in set(completed)]
+        order = torch.tensor(completed + rest, dtype=torch.int64, device=self.flat.device)
+        self.comm.broadcast(order, src=0).wait()
+        return [int(b) for b in order.tolist()]
 
     # -- what the optimizer sees ---------------------------------------------------------
     def local_grad(self) -> Tensor:

@@ -14,7 +14,7 @@ from shardopt._collectives import Comm, Pending
 from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
-from shardopt._reducer import GradReducer
+from shardopt._reducer import MAX_INFLIGHT, GradReducer
 from shardopt.master import make_master
 from shardopt.memory import MemoryReport, predict_bytes
 
@@ -70,6 +70,8 @@ class ShardedBuffer:
             exp_avg=nbytes(self.exp_avg), exp_avg_sq=nbytes(self.exp_avg_sq), extra=self.master.extra_bytes,
             buffers=self.reducer.staging_peak_bytes,
             predicted=predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
-                                    param_dtype=self.dtype, master_weights=self.config.master_weights),
+                                    param_dtype=self.dtype, master_weights=self.config.master_weights,
+                                    bucket_cap_bytes=self.config.bucket_cap_mb * 2**20,
+                                    staging_buckets=MAX_INFLIGHT + 2),  # in flight, filling, waiting
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             stage=self.config.stage)

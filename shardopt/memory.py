@@ -64,12 +64,15 @@ class MemoryReport:
         return "\n".join(rows)
 
 def predict_bytes(
-    num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32"
+    num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32",
+    bucket_cap_bytes: float = 0.0, staging_buckets: int = 3,
 ) -> dict[str, int]:
     """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
 
-    Sharded figures are ``ceil(bytes / world_size)``; padding and bucket staging are not
-    included (staging depends on the bucket size, padding is below one alignment per parameter).
+    Sharded figures are ``ceil(bytes / world_size)``; padding (below one alignment per parameter
+    and ``world_size * alignment`` per buffer) is not included. Stage 2 stages gradients for at
+    most ``staging_buckets`` buckets of ``bucket_cap_bytes`` at once (never more than the whole
+    gradient); a parameter larger than the cap makes its own, larger bucket.
     """
     psize = torch.empty((), dtype=param_dtype).element_size()
     sixteen_bit = psize == 2
@@ -86,7 +89,7 @@ def predict_bytes(
         "exp_avg": shard(4),
         "exp_avg_sq": shard(4),
         "extra": shard(extra),
-        "buffers": 0,
+        "buffers": int(min(num_params * psize, staging_buckets * bucket_cap_bytes)) if stage == 2 else 0,
     }
 
 def ddp_adamw_bytes(num_params: int, param_dtype: torch.dtype) -> dict[str, int]:

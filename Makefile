@@ -1,0 +1,24 @@
+# `make demo` and `make test` set everything up in .venv (torch 2.13.0 CPU build first if missing).
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
+
+test: setup
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,114 @@
+"""A small GPT (decoder-only transformer) for the examples and benchmarks.
+
+Weights may be stored in 16 bits while the arithmetic runs in ``compute_dtype``: on CPUs without
+16-bit matrix hardware, bf16 weights with fp32 compute keep the optimizer's mixed-precision path
+while the matmuls stay fast. The LM head is tied to the token embedding (one shared parameter).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256  # bytes
+    block_size: int = 64
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    compute_dtype: torch.dtype = torch.float32
+
+
+class Linear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.weight.to(x.dtype), b)
+
+
+class LayerNorm(nn.LayerNorm):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.normalized_shape, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = c.n_head
+        self.ln1, self.ln2 = LayerNorm(c.n_embd), LayerNorm(c.n_embd)
+        self.qkv, self.proj = Linear(c.n_embd, 3 * c.n_embd), Linear(c.n_embd, c.n_embd)
+        self.fc, self.out = Linear(c.n_embd, 4 * c.n_embd), Linear(4 * c.n_embd, c.n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, c: GPTConfig) -> None:
+        super().__init__()
+        self.config = c
+        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
+        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
+        self.ln_f = LayerNorm(c.n_embd)
+        self.head = Linear(c.n_embd, c.vocab_size, bias=False)
+        self.head.weight = self.wte.weight  # tied
+        self.apply(self._init)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "out.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * c.n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, nn.Linear):
+            nn.init.normal_(m.weight, std=0.02)
+            if m.bias is not None:
+                nn.init.zeros_(m.bias)
+        elif isinstance(m, nn.Embedding):
+            nn.init.normal_(m.weight, std=0.02)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        cd = self.config.compute_dtype
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = F.embedding(idx, self.wte.weight.to(cd)) + F.embedding(pos, self.wpe.weight.to(cd))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Weight decay on matrices and embeddings, none on biases and norms (as in GPT-2 recipes)."""
+        decay = [p for p in self.parameters() if p.dim() >= 2]
+        rest = [p for p in self.parameters() if p.dim() < 2]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def load_bytes(path: str | None, limit: int = 8 << 20) -> torch.Tensor:
+    """A byte-level corpus: the file or directory at ``path``, or by default the Python standard
+    library's own ``.py`` sources (present on every Python installation). At most ``limit`` bytes."""
+    import os
+
+    root = path or os.path.dirname(os.__file__)
+    files = [root] if os.path.isfile(root) else sorted(
+        os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs
+        if path or (f.endswith(".py") and "site-packages" not in d))
+    chunks, total = [], 0
+    for f in files:
+        with open(f, "rb") as fh:
+            data = fh.read(limit - total)
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    if total < 1024:
+        raise ValueError(f"corpus at {root!r} has only {total} bytes; give --data a larger text file or folder")
+    return torch.frombuffer(bytearray(b"".join(chunks)), dtype=torch.uint8).long()

@@ -1,0 +1,155 @@
+"""Train a small byte-level GPT with ShardedAdamW under data parallelism.
+
+    torchrun --standalone --nproc_per_node=2 examples/train_gpt.py              # CPU, gloo
+    torchrun --standalone --nproc_per_node=8 examples/train_gpt.py --device cuda --param-dtype bf16 \
+        --compute-dtype bf16 --n-layer 12 --n-embd 768 --n-head 12 --block-size 1024
+
+Each rank reads different batches from a byte-level corpus (default: the Python standard library's
+sources, so it runs offline; --data PATH for your own text). Prints step, loss, learning rate and
+tokens/s as it trains, validation loss at the end, then the memory held per rank: ShardedAdamW
+measured, its formula, and the same model under DDP + AdamW.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import shardopt  # noqa: E402
+from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--data", default=None, help="text file or folder (default: Python's stdlib sources)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--min-lr", type=float, default=3e-4)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--clip", type=float, default=1.0)
+    p.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    p.add_argument("--master-weights", default="fp32")
+    p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES))
+    p.add_argument("--compute-dtype", default="fp32", choices=sorted(DTYPES),
+                   help="dtype of the matmuls (keep fp32 on CPUs without 16-bit matrix units)")
+    p.add_argument("--loss-scale", default="auto")
+    p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="MiB; small model, small buckets")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--seed", type=int, default=1337)
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", 0))) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    log = print if rank == 0 else (lambda *a, **k: None)
+
+    data = load_bytes(args.data)
+    split = int(0.9 * len(data))
+    train, val = data[:split], data[split:]
+    torch.manual_seed(args.seed)  # the same initial model on every rank
+    cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
+                    compute_dtype=DTYPES[args.compute_dtype])
+    model = GPT(cfg).to(device=device, dtype=DTYPES[args.param_dtype])
+    loss_scale = args.loss_scale if args.loss_scale in ("auto", "dynamic", "none") else float(args.loss_scale)
+    opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
+                                stage=args.stage, master_weights=args.master_weights,
+                                loss_scale=None if loss_scale == "none" else loss_scale,
+                                bucket_cap_mb=args.bucket_cap_mb)
+
+    def lr_at(step: int) -> float:  # linear warmup, cosine decay to min_lr, as a factor of lr
+        if step < args.warmup:
+            return (step + 1) / args.warmup
+        t = min(1.0, (step - args.warmup) / max(1, args.steps - args.warmup))
+        return (args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * t))) / args.lr
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # different batches on each rank
+
+    def get_batch(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        ix = torch.randint(len(src) - args.block_size - 1, (args.batch_size,), generator=g)
+        x = torch.stack([src[i:i + args.block_size] for i in ix])
+        y = torch.stack([src[i + 1:i + 1 + args.block_size] for i in ix])
+        return x.to(device), y.to(device)
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"shardopt {shardopt.__version__} | torch {torch.__version__} | {world} ranks ({backend}) | "
+        f"{n_params:,} parameters ({args.param_dtype} weights, {args.compute_dtype} compute) | "
+        f"stage {args.stage}, master_weights={args.master_weights} | corpus {len(data):,} bytes")
+    tokens_per_step = args.batch_size * args.block_size * world
+    t0, losses = time.perf_counter(), []
+    for step in range(args.steps):
+        x, y = get_batch(train, gen)
+        loss = model(x, y)
+        opt.backward(loss)
+        norm = opt.clip_grad_norm_(args.clip)
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        losses.append(loss.item())
+        if step % args.log_every == 0 or step == args.steps - 1:
+            dt = time.perf_counter() - t0
+            log(f"step {step:5d} | loss {loss.item():.4f} | lr {sched.get_last_lr()[0]:.2e} | "
+                f"grad norm {norm.item():.3f} | {tokens_per_step * (step + 1) / dt:,.0f} tok/s"
+                + (f" | loss scale {opt.loss_scale:g}, {opt.skipped_steps} skipped" if opt.loss_scale != 1.0 else ""))
+
+    with torch.no_grad():
+        vgen = torch.Generator().manual_seed(0)
+        val_loss = sum(model(*get_batch(val, vgen)).item() for _ in range(8)) / 8
+    vt = torch.tensor([val_loss], device=device)
+    dist.all_reduce(vt)
+    log(f"final train loss {sum(losses[-10:]) / len(losses[-10:]):.4f} (mean of last 10) | "
+        f"val loss {vt.item() / world:.4f} | {args.steps} steps in {time.perf_counter() - t0:.1f}s")
+
+    report = opt.memory_report()
+    reports = [None] * world
+    dist.all_gather_object(reports, report)
+    log("\n" + memory_table(reports, DTYPES[args.param_dtype]))
+    dist.destroy_process_group()
+
+
+def memory_table(reports: list, param_dtype: torch.dtype) -> str:
+    """Markdown table of bytes per rank: shardopt measured (each rank), formula, and DDP + AdamW."""
+    n = reports[0].num_params
+    ddp = shardopt.ddp_adamw_bytes(n, param_dtype)
+    cats = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers"]
+    head = ["category"] + [f"rank {r.rank} measured" for r in reports] + ["shardopt formula", "DDP + AdamW"]
+    rows = [head, ["---"] * len(head)]
+    for c in cats + ["total"]:
+        m = [r.total if c == "total" else getattr(r, c) for r in reports]
+        f = reports[0].predicted_total if c == "total" else reports[0].predicted.get(c, 0)
+        d = sum(ddp.values()) if c == "total" else ddp[c]
+        rows.append([c] + [f"{v / 2**20:,.2f} MiB" for v in m] + [f"{f / 2**20:,.2f} MiB", f"{d / 2**20:,.2f} MiB"])
+    per_param = [f"{r.total / n:.2f}" for r in reports]
+    rows.append(["bytes/param"] + per_param + [f"{reports[0].predicted_total / n:.2f}", f"{sum(ddp.values()) / n:.2f}"])
+    width = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["| " + " | ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, width))) + " |"
+             for row in rows]
+    lines[1] = "|" + "|".join("-" * (w + 2) for w in width) + "|"
+    ratio = sum(ddp.values()) / max(reports[0].total, 1)
+    return (f"Memory per rank, {n:,} parameters, {len(reports)} ranks, stage {reports[0].stage} "
+            f"(MiB = 2^20 bytes):\n" + "\n".join(lines) + f"\nDDP + AdamW needs {ratio:.2f}x the bytes of rank 0 here.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""Tier 1: partition math, no process group.
+
+Catches shards that overlap or leave gaps, misaligned parameter starts, padding that is not a
+multiple of world_size * alignment, buckets that split a parameter or miss elements, segments
+that do not tile a shard, and views that do not round-trip through the flat buffer.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from shardopt._flat import FlatParams
+from shardopt._layout import build_layout
+
+SHAPES = {
+    "one": [(1,)],
+    "odd": [(7,), (17, 257), (1,), (3, 5, 2)],
+    "tiny": [(1,), (2,), (1,)],
+    "with_empty": [(4,), (0,), (9, 3)],
+    "many": [(i % 13 + 1,) for i in range(40)],
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPES))
+@pytest.mark.parametrize("world_size", range(1, 9))
+@pytest.mark.parametrize("bucket_numel", [None, 1, 50])
+def test_shards_cover_buffer_once(name, world_size, bucket_numel):
+    shapes = SHAPES[name]
+    layout = build_layout(shapes, world_size, alignment=8, bucket_numel=bucket_numel)
+    numels = [math.prod(s) for s in shapes]
+    # Padding: total is the smallest multiple of world_size*8 holding every aligned parameter.
+    assert layout.numel % (world_size * 8) == 0
+    assert layout.numel - layout.params[-1].global_range.end < world_size * 8
+    # Parameters: aligned, in order, not overlapping, right sizes.
+    end = 0
+    for span, n in zip(layout.params, numels):
+        assert span.global_range.start % 8 == 0 and span.global_range.start >= end
+        assert span.numel == n
+        end = span.global_range.end
+    # Shards: equal, contiguous, cover [0, numel) exactly once.
+    covered = torch.zeros(layout.numel, dtype=torch.int32)
+    for r in range(world_size):
+        s = layout.shard_range(r)
+        assert s.size == layout.shard_numel and s.size % 8 == 0
+        covered[s.start:s.end] += 1
+    assert bool((covered == 1).all())
+    # Pieces: every parameter element is owned by exactly one rank, with consistent ranges.
+    owned = [torch.zeros(n, dtype=torch.int32) for n in numels]
+    for r in range(world_size):
+        shard = layout.shard_range(r)
+        for piece in layout.shard_pieces(r):
+            span = layout.params[piece.param]
+            assert piece.global_range.size == piece.param_range.size == piece.local_range.size
+            assert piece.global_range.start == span.global_range.start + piece.param_range.start
+            assert piece.local_range.start == piece.global_range.start - shard.start
+            owned[piece.param][piece.param_range.start:piece.param_range.end] += 1
+    assert all(bool((o == 1).all()) for o in owned)
+    # Buckets: tile the buffer, never split a parameter, respect the cap unless one param is bigger.
+    start = 0
+    members = []
+    for b in layout.buckets:
+        assert b.global_range.start == start
+        start = b.global_range.end
+        members += list(b.params)
+        for i in b.params:
+            r = layout.params[i].global_range
+            assert b.global_range.start <= r.start and r.end <= b.global_range.end
+        if bucket_numel is not None and len(b.params) > 1:
+            last = layout.params[b.params[-1]].global_range.end
+            assert last - b.global_range.start <= bucket_numel
+    assert start == layout.numel and members == list(range(len(shapes)))
+    # Per-bucket rank pieces tile each bucket.
+    for b in layout.buckets:
+        pieces = layout.bucket_shard_ranges(b.index)
+        assert sum(p.size for p in pieces) == b.global_range.size
+
+
+@pytest.mark.parametrize("world_size", [1, 3, 8])
+def test_segments_tile_shard_by_key(world_size):
+    shapes = SHAPES["odd"] + SHAPES["many"]
+    keys = [i % 3 == 0 for i in range(len(shapes))]
+    layout = build_layout(shapes, world_size)
+    for r in range(world_size):
+        segs = layout.segments(r, keys)
+        pos = 0
+        for key, rng in segs:
+            assert rng.start == pos
+            pos = rng.end
+        assert pos == layout.shard_numel
+        for piece in layout.shard_pieces(r):  # every piece lies in a segment with its own key
+            hits = [k for k, rng in segs if rng.start <= piece.local_range.start and piece.local_range.end <= rng.end]
+            assert hits == [keys[piece.param]]
+
+
+def test_more_ranks_than_elements():
+    layout = build_layout([(1,), (2,)], world_size=8)
+    owners = [r for r in range(8) if layout.shard_pieces(r)]
+    assert owners == [0, 1]  # each parameter starts on an 8-element boundary: one per shard
+    assert sum(len(layout.shard_pieces(r)) for r in range(8)) == 2
+
+
+def test_flat_params_are_views_that_round_trip():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(*s)) for s in SHAPES["odd"]]
+    before = [p.detach().clone() for p in params]
+    layout = build_layout([p.shape for p in params], world_size=3)
+    flat = FlatParams(params, layout)
+    for p, b, span in zip(params, before, layout.params):
+        assert torch.equal(p.detach(), b)
+        assert p.data.data_ptr() == flat.data[span.global_range.start:].data_ptr()
+    flat.data.add_(1.0)  # writing the buffer writes the model
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b + 1)
+    padding = torch.ones(layout.numel, dtype=torch.bool)
+    for span in layout.params:
+        padding[span.global_range.start:span.global_range.end] = False
+    assert bool((flat.data[padding] == 1.0).all())  # padding started at zero
+
+
+def test_bad_arguments_name_the_value():
+    with pytest.raises(ValueError, match="world_size=0"):
+        build_layout([(3,)], 0)
+    with pytest.raises(ValueError, match="bucket_numel=0"):
+        build_layout([(3,)], 2, bucket_numel=0)
+    with pytest.raises(ValueError, match="rank=2"):
+        build_layout([(3,)], 2).shard_range(2)
