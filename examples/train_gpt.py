@@ -12,6 +12,7 @@ measured, its formula, and the same model under DDP + AdamW.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
 
+CATEGORIES = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -122,8 +124,10 @@ def main(argv: list[str] | None = None) -> None:
         f"val loss {vt.item() / world:.4f} | {args.steps} steps in {time.perf_counter() - t0:.1f}s")
 
     report = opt.memory_report()
-    reports = [None] * world
-    dist.all_gather_object(reports, report)
+    mine = torch.tensor([getattr(report, c) for c in CATEGORIES], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    reports = [dataclasses.replace(report, rank=r, **dict(zip(CATEGORIES, t.tolist()))) for r, t in enumerate(every)]
     log("\n" + memory_table(reports, DTYPES[args.param_dtype]))
     dist.destroy_process_group()
 
@@ -132,7 +136,7 @@ def memory_table(reports: list, param_dtype: torch.dtype) -> str:
     """Markdown table of bytes per rank: shardopt measured (each rank), formula, and DDP + AdamW."""
     n = reports[0].num_params
     ddp = shardopt.ddp_adamw_bytes(n, param_dtype)
-    cats = ["params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers"]
+    cats = list(CATEGORIES)
     head = ["category"] + [f"rank {r.rank} measured" for r in reports] + ["shardopt formula", "DDP + AdamW"]
     rows = [head, ["---"] * len(head)]
     for c in cats + ["total"]:

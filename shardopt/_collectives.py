@@ -13,6 +13,7 @@ per-rank broadcasts.
 from __future__ import annotations
 
 import hashlib
+import pickle
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
@@ -73,10 +74,20 @@ class Comm:
         return Pending([dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)])
 
     def all_gather_objects(self, obj: object) -> list:
-        """Every rank's ``obj``, in rank order (blocking; for rare error paths only)."""
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        """Every rank's picklable ``obj``, in rank order (blocking; small objects, rare paths).
+
+        Unlike ``dist.all_gather_object`` this needs no NumPy."""
+        data = pickle.dumps(obj)
+        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+        everything = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everything, mine, group=self.group)
+        return [pickle.loads(bytes(t[: int(n)].cpu().tolist())) for t, n in zip(everything, sizes)]
 
     def same_everywhere(self, description: Sequence[object], device: torch.device) -> bool:
         """True on every rank when ``description`` is equal on all ranks: one small all-gather."""

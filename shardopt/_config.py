@@ -13,6 +13,7 @@ class ShardConfig:
     master_weights: str = "fp32"
     bucket_cap_mb: float = 25.0
     alignment: int = 8
+    accumulate_dtype: object = None  # torch.dtype of the no_sync gradient sum for 16-bit params
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -22,6 +23,11 @@ class ShardConfig:
             raise ValueError(f"unknown master_weights={self.master_weights!r}; choose one of {sorted(STRATEGIES)}")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {self.bucket_cap_mb!r}")
+        import torch
+
+        if self.accumulate_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"accumulate_dtype must be torch.float32 (default), None (the parameter dtype), "
+                             f"torch.bfloat16 or torch.float16; got {self.accumulate_dtype!r}")
         if not (isinstance(self.alignment, int) and self.alignment >= 1):
             raise ValueError(f"alignment must be a positive int (elements), got {self.alignment!r}")
 

@@ -39,8 +39,16 @@ class GradReducer:
     flat_grad: Tensor | None  # stage 1: 1D, grad dtype, the whole padded buffer; params' .grad view it
     grad_shard: Tensor | None  # stage 2: 1D, grad dtype, this rank's shard of the averaged gradient
 
-    def __init__(self, flat: FlatParams, comm: Comm, stage: int) -> None:
+    accum: Tensor | None  # 1D fp32, whole buffer: gradients accumulated under no_sync (16-bit params only)
+
+    def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None) -> None:
         self.flat, self.comm, self.stage = flat, comm, stage
+        # [Note: accumulation dtype] autograd accumulates .grad in the parameter's dtype; summing
+        # many bf16 micro-batch gradients in bf16 loses their low bits. Under no_sync each new
+        # gradient is moved into an fp32 buffer instead (allocated only while accumulating), and
+        # rounded to the gradient dtype once, when the last micro-batch is reduced.
+        self.accumulate_dtype = accumulate_dtype if accumulate_dtype not in (None, flat.dtype) else None
+        self.accum = None
         layout = flat.layout
         self.shard = layout.shard_range(comm.rank)
         self._bucket_of = [0] * len(layout.params)
@@ -64,7 +72,7 @@ class GradReducer:
                 p.grad = flat.param_view(self.flat_grad, i)
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-        self.staging_peak_bytes = 0  # high-water mark of bucket staging, bytes
+        self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
         self._staging: dict[int, Tensor] = {}
         self.require_sync = True
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
@@ -87,6 +95,8 @@ class GradReducer:
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             if not self.require_sync:
+                if self.accumulate_dtype is not None:
+                    self._accumulate(index)
                 return
             if not self._callback_queued:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish_round)
@@ -104,6 +114,19 @@ class GradReducer:
 
         return hook
 
+    def _accumulate(self, index: int) -> None:
+        p = self.flat.params[index]
+        if p.grad is None:
+            return
+        if self.accum is None:
+            self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
+            held = self.accum.numel() * self.accum.element_size()
+            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+        self.flat.param_view(self.accum, index).add_(p.grad)
+        if self.stage == 1 and p.grad.data_ptr() == self.flat.param_view(self.flat_grad, index).data_ptr():
+            p.grad.zero_()  # the view was the accumulation target; its content now sits in accum
+        p.grad = None
+
     def _take(self, index: int) -> None:
         """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
         if self._seen[index]:
@@ -113,6 +136,9 @@ class GradReducer:
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError(f"parameter #{index} of shape {tuple(p.shape)} got a sparse gradient; ShardedAdamW "
                             "needs dense gradients (e.g. nn.Embedding(sparse=False))")
+        if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
+            self._accumulate(index)
+            p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype)
         if self.stage == 1:
             view = self.flat.param_view(self.flat_grad, index)
             if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
@@ -173,6 +199,7 @@ class GradReducer:
         while self._inflight:
             self._complete_oldest()
         assert not self._staging, "staging left behind after a round"
+        self.accum = None
         if self._order is None:
             self._order = self._agree_on_order(self._completed)
         self._fresh = False
@@ -208,6 +235,7 @@ class GradReducer:
             for p in self.flat.params:
                 p.grad = None
             self._fresh = True  # the next round overwrites every element of grad_shard
+        self.accum = None
         self._rounds = 0
 
     @property

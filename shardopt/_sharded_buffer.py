@@ -40,7 +40,7 @@ class ShardedBuffer:
         n = self.layout.shard_numel
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
-        self.reducer = GradReducer(self.flat, comm, config.stage)
+        self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype)
         self._gather_pieces = [self.layout.shard_range(r) for r in range(comm.world_size)]
 
     @property

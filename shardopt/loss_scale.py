@@ -6,12 +6,9 @@ step, identically on every rank, whether any gradient anywhere was inf/NaN.
 """
 from __future__ import annotations
 
-import logging
 import warnings
 
 import torch
-
-log = logging.getLogger("shardopt")
 
 
 class LossScaler:
@@ -77,7 +74,6 @@ class DynamicScaler(LossScaler):
             self._clean_steps = 0
             self._hysteresis_left -= 1
             if self._hysteresis_left > 0:
-                log.info("shardopt: step %d skipped (inf/NaN gradients); loss scale stays %g", step, self.scale)
                 return
             self._hysteresis_left = self.hysteresis
             if self.scale <= self.min_scale:
@@ -86,10 +82,8 @@ class DynamicScaler(LossScaler):
                                   f"inf/NaN at step {step}; steps keep being skipped until they are finite. Check the "
                                   "model and the data (or lower min_scale).", RuntimeWarning, stacklevel=3)
                     self._warned_min = True
-                log.info("shardopt: step %d skipped (inf/NaN gradients); loss scale at minimum %g", step, self.scale)
                 return
             self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            log.info("shardopt: step %d skipped (inf/NaN gradients); loss scale lowered to %g", step, self.scale)
             return
         self._hysteresis_left = self.hysteresis
         self._clean_steps += 1

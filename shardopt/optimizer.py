@@ -4,6 +4,7 @@ communication in ``_collectives``/``_reducer`` and per-buffer state in ``_sharde
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 from typing import Any, Callable, Iterable, Iterator
 
@@ -17,6 +18,7 @@ from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 STATE_FORMAT = "shardopt.rank_shard.v1"
+log = logging.getLogger("shardopt")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -47,14 +49,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         loss_scale: str | float | LossScaler | None = "auto",
         process_group: ProcessGroup = None,
         bucket_cap_mb: float = 25.0,
+        accumulate_dtype: torch.dtype | None = torch.float32,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
-        self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb)
+        self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb,
+                                  accumulate_dtype=accumulate_dtype)
+        make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group)
-        trainable = self._trainable()
-        self._check_same_on_all_ranks(trainable)
+        trainable = self._check_params_on_all_ranks()
         self._buffers = self._build_buffers(trainable)
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
@@ -72,6 +76,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         for k, v in self.defaults.items():
             group.setdefault(k, v)
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        params = group["params"]
+        for p in [params] if isinstance(params, Tensor) else list(params):
+            if isinstance(p, Tensor) and not p.is_leaf:
+                raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} (grad_fn={type(p.grad_fn).__name__}) "
+                                 "was passed as a parameter; pass the model's nn.Parameters, not results of ops on them")
         super().add_param_group(param_group)
 
     def _trainable(self) -> list[tuple[torch.nn.Parameter, int]]:
@@ -97,11 +106,24 @@ class ShardedAdamW(torch.optim.Optimizer):
                              "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")
         return out
 
-    def _check_same_on_all_ranks(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> None:
-        desc = [(gi, tuple(p.shape), str(p.dtype)) for p, gi in trainable]
-        if self._comm.same_everywhere(desc, trainable[0][0].device):
-            return
+    def _check_params_on_all_ranks(self) -> list[tuple[torch.nn.Parameter, int]]:
+        """Validate the parameters on every rank and compare them across ranks with one small
+        collective; any problem, local or a mismatch, raises on every rank (never a hang)."""
+        try:
+            trainable, error = self._trainable(), None
+            desc: list = [(gi, tuple(p.shape), str(p.dtype)) for p, gi in trainable]
+            device = trainable[0][0].device
+        except (TypeError, ValueError) as e:
+            trainable, error, desc, device = [], e, [("error", type(e).__name__, str(e))], torch.device("cpu")
+        if self._comm.backend == "nccl" and device.type != "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self._comm.same_everywhere(desc, device) and error is None:
+            return trainable
         every = self._comm.all_gather_objects(desc)
+        for r, other in enumerate(every):
+            if other and other[0][0] == "error":
+                kind = TypeError if other[0][1] == "TypeError" else ValueError
+                raise kind(other[0][2] if r == self._comm.rank else f"on rank {r}: {other[0][2]}")
         ref = every[0]
         for r, other in enumerate(every):
             if other == ref:
@@ -114,6 +136,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                         "parameters in the same order on every rank")
             raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(ref)} trainable parameters, "
                              f"rank {r} has {len(other)}; build the same model on every rank")
+        raise AssertionError("unreachable: descriptions differ but no difference found")
 
     def _build_buffers(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> list[ShardedBuffer]:
         by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
@@ -199,6 +222,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         if found_inf:
             self.skipped_steps += 1
             self._scaler.update(True, self._step + 1)
+            log.info("shardopt: step %d skipped: inf/NaN gradients on some rank; loss scale now %g (%d skipped so far)",
+                     self._step + 1, self._scaler.scale, self.skipped_steps)
             return loss
         self._step += 1
         grad_scale = coef / self._scaler.scale
