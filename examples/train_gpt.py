@@ -48,7 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--compute-dtype", default="fp32", choices=sorted(DTYPES),
                    help="dtype of the matmuls (keep fp32 on CPUs without 16-bit matrix units)")
-    p.add_argument("--loss-scale", default="auto")
+    p.add_argument("--loss-scale", default="auto", help="auto | dynamic | none | a number (static)")
+    p.add_argument("--init-loss-scale", type=float, default=2.0**16, help="first scale of dynamic scaling")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="MiB; small model, small buckets")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-every", type=int, default=10)
@@ -73,7 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                     compute_dtype=DTYPES[args.compute_dtype])
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.param_dtype])
-    loss_scale = args.loss_scale if args.loss_scale in ("auto", "dynamic", "none") else float(args.loss_scale)
+    if args.loss_scale == "dynamic" or (args.loss_scale == "auto" and args.param_dtype == "fp16"):
+        loss_scale = shardopt.DynamicScaler(init_scale=args.init_loss_scale)
+    else:
+        loss_scale = args.loss_scale if args.loss_scale in ("auto", "none") else float(args.loss_scale)
     opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                 stage=args.stage, master_weights=args.master_weights,
                                 loss_scale=None if loss_scale == "none" else loss_scale,
@@ -100,19 +104,26 @@ def main(argv: list[str] | None = None) -> None:
         f"stage {args.stage}, master_weights={args.master_weights} | corpus {len(data):,} bytes")
     tokens_per_step = args.batch_size * args.block_size * world
     t0, losses = time.perf_counter(), []
-    for step in range(args.steps):
+    it = 0
+    while opt.step_count < args.steps:  # count updates: steps skipped on overflow are redone
+        if opt.skipped_steps > 1000:
+            raise RuntimeError(f"{opt.skipped_steps} steps skipped for inf/NaN gradients: training diverged")
+        step = opt.step_count
         x, y = get_batch(train, gen)
         loss = model(x, y)
         opt.backward(loss)
         norm = opt.clip_grad_norm_(args.clip)
         opt.step()
         opt.zero_grad()
+        it += 1
+        if opt.step_was_skipped:
+            continue  # the learning-rate schedule follows the updates actually made
         sched.step()
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.steps - 1:
             dt = time.perf_counter() - t0
             log(f"step {step:5d} | loss {loss.item():.4f} | lr {sched.get_last_lr()[0]:.2e} | "
-                f"grad norm {norm.item():.3f} | {tokens_per_step * (step + 1) / dt:,.0f} tok/s"
+                f"grad norm {norm.item():.3f} | {tokens_per_step * it / dt:,.0f} tok/s"
                 + (f" | loss scale {opt.loss_scale:g}, {opt.skipped_steps} skipped" if opt.loss_scale != 1.0 else ""))
 
     with torch.no_grad():
@@ -120,8 +131,10 @@ def main(argv: list[str] | None = None) -> None:
         val_loss = sum(model(*get_batch(val, vgen)).item() for _ in range(8)) / 8
     vt = torch.tensor([val_loss], device=device)
     dist.all_reduce(vt)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
     log(f"final train loss {sum(losses[-10:]) / len(losses[-10:]):.4f} (mean of last 10) | "
-        f"val loss {vt.item() / world:.4f} | {args.steps} steps in {time.perf_counter() - t0:.1f}s")
+        f"val loss {vt.item() / world:.4f} | {args.steps} steps in {time.perf_counter() - t0:.1f}s | "
+        f"{opt.skipped_steps} skipped | weights finite: {'yes' if finite else 'NO'}")
 
     report = opt.memory_report()
     mine = torch.tensor([getattr(report, c) for c in CATEGORIES], dtype=torch.int64, device=device)

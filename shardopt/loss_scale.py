@@ -20,7 +20,8 @@ class LossScaler:
         self.scale = 1.0
 
     def update(self, found_inf: bool, step: int) -> None:
-        """Record the outcome of step ``step`` (all ranks agree on ``found_inf``)."""
+        """Record the outcome of the ``step``-th call of ``step()`` (skipped ones counted); all ranks
+        agree on ``found_inf``."""
 
     def state_dict(self) -> dict:
         return {"kind": self.kind, "scale": self.scale}

@@ -221,9 +221,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.step_was_skipped = found_inf
         if found_inf:
             self.skipped_steps += 1
-            self._scaler.update(True, self._step + 1)
+            attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
+            self._scaler.update(True, attempt)
             log.info("shardopt: step %d skipped: inf/NaN gradients on some rank; loss scale now %g (%d skipped so far)",
-                     self._step + 1, self._scaler.scale, self.skipped_steps)
+                     attempt, self._scaler.scale, self.skipped_steps)
             return loss
         self._step += 1
         grad_scale = coef / self._scaler.scale
@@ -231,7 +232,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             b.update(self._step, grad_scale, self.param_groups)
         for pending in [b.gather_params() for b in self._buffers]:
             pending.wait()
-        self._scaler.update(False, self._step)
+        self._scaler.update(False, self._step + self.skipped_steps)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -35,3 +35,18 @@ def test_example_trains_and_prints_memory_table():
         assert r0 == r1 and abs(r0 - formula) <= 0.02, (cat, cells)  # measured == formula (+ padding)
         if cat in ("master", "exp_avg", "grads"):
             assert abs(2 * formula - ddp) <= 0.02, (cat, cells)  # sharded over 2 ranks
+
+
+def _final(out: str) -> dict:
+    m = re.search(r"val loss ([0-9.]+) .*\| (\d+) skipped \| weights finite: (\w+)", out)
+    assert m, out
+    return {"val": float(m.group(1)), "skipped": int(m.group(2)), "finite": m.group(3)}
+
+
+def test_fp16_with_absurd_loss_scale_settles_like_bf16():
+    common = ("--steps", "60", "--n-layer", "2", "--n-embd", "64", "--log-every", "20", "--warmup", "5")
+    fp16 = _final(run_example(*common, "--param-dtype", "fp16", "--init-loss-scale", str(2.0**40)))
+    bf16 = _final(run_example(*common, "--param-dtype", "bf16"))
+    assert fp16["finite"] == bf16["finite"] == "yes"
+    assert fp16["skipped"] >= 20 and bf16["skipped"] == 0  # 2**40 halves down to a workable scale
+    assert abs(fp16["val"] - bf16["val"]) < 0.15, (fp16, bf16)
