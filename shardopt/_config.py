@@ -14,6 +14,7 @@ class ShardConfig:
     bucket_cap_mb: float = 25.0
     alignment: int = 8
     accumulate_dtype: object = None  # torch.dtype of the no_sync gradient sum for 16-bit params
+    seed: int = 0  # stochastic rounding: random bits depend on (seed, step, element offset) only
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):

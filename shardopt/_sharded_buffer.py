@@ -15,6 +15,7 @@ from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
 from shardopt._reducer import MAX_INFLIGHT, GradReducer
+from shardopt.kernels import make_scalars, select
 from shardopt.master import make_master
 from shardopt.memory import MemoryReport, predict_bytes
 
@@ -36,7 +37,8 @@ class ShardedBuffer:
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard_range = self.layout.shard_range(comm.rank)
         self.segments = self.layout.segments(comm.rank, self.group_of)
-        self.master = make_master(config.master_weights, self.flat.slice(self.shard_range))
+        self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
+                                  global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
         n = self.layout.shard_numel
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
@@ -54,9 +56,10 @@ class ShardedBuffer:
             hp = param_groups[g]
             beta1, beta2 = hp["betas"]
             s = r.as_slice()
-            self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], lr=float(hp["lr"]),
-                                beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
-                                weight_decay=float(hp["weight_decay"]), step=step, grad_scale=grad_scale)
+            scalars = make_scalars(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
+                                   weight_decay=float(hp["weight_decay"]), step=step, grad_scale=grad_scale,
+                                   device=self.flat.device)
+            self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], scalars, step)
 
     def gather_params(self) -> Pending:
         """All-gather every rank's updated shard into the flat buffer (the model's weights)."""
@@ -70,7 +73,7 @@ class ShardedBuffer:
             exp_avg=nbytes(self.exp_avg), exp_avg_sq=nbytes(self.exp_avg_sq), extra=self.master.extra_bytes,
             buffers=self.reducer.staging_peak_bytes,
             predicted=predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
-                                    param_dtype=self.dtype, master_weights=self.config.master_weights,
+                                    param_dtype=self.dtype, master_weights=self.master.name,
                                     bucket_cap_bytes=self.config.bucket_cap_mb * 2**20,
                                     staging_buckets=MAX_INFLIGHT + 2),  # in flight, filling, waiting
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,

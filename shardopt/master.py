@@ -1,25 +1,30 @@
 """Master-weight strategies: how this rank keeps the high-precision weights of its shard.
 
-Each strategy wraps this rank's shard of a flat parameter buffer (``param_shard``, a 1-D view
-of the model's weights) and offers one interface: ``update_`` runs AdamW on a local range and
-writes the new weights into ``param_shard``; ``state_tensors`` lists what a checkpoint keeps.
+Each strategy wraps this rank's shard of a flat parameter buffer (``param_shard``, a 1-D view of
+the model's weights) behind one interface: ``update_`` runs AdamW on a local range and writes
+the new weights into ``param_shard``; ``fp32`` returns the master as fp32; ``state_tensors`` and
+``load_state_tensors`` checkpoint it (always as the decoded fp32 master, so a checkpoint loads
+into any mode). Extra bytes per element, sharded (16-bit parameters):
 
-``fp32``: an fp32 copy of the shard (for fp32 parameters the shard itself is the master, no copy).
-``none``: no master; fp32 is recomputed from the 16-bit weights and rounded back every step
-(fairseq's memory-efficient optimizer). Updates below half an ulp of a weight are lost: offered
-for comparison only.
+``fp32``        4  an fp32 copy (for fp32 parameters the shard itself is the master, no copy)
+``remainder``   2  an int16 remainder beside the 16-bit weight rebuilds the fp32 master exactly
+                   (bf16: bit for bit; fp16: for 2**-16 <= |w| <= 65504, see kernels.reference)
+``stochastic``  0  no master; the fp32 result is rounded stochastically (unbiased) into 16 bits
+``none``        0  no master; rounded to nearest every step, so updates below half an ulp of a
+                   weight are lost (fairseq's memory-efficient optimizer); for comparison only
+
+With fp32 parameters every mode is ``fp32``: the weights already are the master.
 """
 from __future__ import annotations
 
-from typing import Callable
+import warnings
 
 import torch
 from torch import Tensor
 
 from shardopt._layout import Range
-from shardopt.kernels import adamw_update_, round_to_dtype
-
-UpdateFn = Callable[..., None]
+from shardopt.kernels import Kernels, reference, select
+from shardopt.kernels.reference import Scalars, round_to_dtype
 
 
 class MasterWeights:
@@ -27,25 +32,28 @@ class MasterWeights:
 
     name = ""
 
-    def __init__(self, param_shard: Tensor, update_fn: UpdateFn = adamw_update_) -> None:
+    def __init__(self, param_shard: Tensor, *, global_offset: int = 0, kernels: Kernels | None = None,
+                 seed: int = 0) -> None:
         self.param_shard = param_shard  # 1D, param dtype, view of the flat param buffer (this rank's shard)
-        self.update_fn = update_fn
+        self.global_offset = global_offset  # element offset of the shard in the flat buffer
+        self.kernels = kernels or select()
+        self.seed = seed
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hp: float) -> None:
-        """AdamW over local range ``r`` (``grad``/moments are already sliced to ``r``)."""
+    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+        """AdamW over local range ``r`` (``grad`` and the moments are already sliced to ``r``)."""
         raise NotImplementedError
 
     def fp32(self) -> Tensor:
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
-        raise NotImplementedError
+        return self.param_shard.float()
 
     def state_tensors(self) -> dict[str, Tensor]:
         """Tensors a checkpoint must keep to resume exactly (1-D, shard length)."""
         return {"master": self.fp32()}
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
-        """Restore from ``state_tensors`` output and write the weights into ``param_shard``."""
-        raise NotImplementedError
+        """Restore from ``state_tensors`` output (any mode's) and write the weights into ``param_shard``."""
+        self.param_shard.copy_(round_to_dtype(tensors["master"].float(), self.param_shard.dtype))
 
     @property
     def master_bytes(self) -> int:
@@ -59,15 +67,14 @@ class MasterWeights:
 class FP32Master(MasterWeights):
     name = "fp32"
 
-    def __init__(self, param_shard: Tensor, update_fn: UpdateFn = adamw_update_) -> None:
-        super().__init__(param_shard, update_fn)
+    def __init__(self, param_shard: Tensor, **kw: object) -> None:
+        super().__init__(param_shard, **kw)  # type: ignore[arg-type]
         self.owns_copy = param_shard.dtype != torch.float32
-        # 1D fp32: this rank's master shard; aliases param_shard for fp32 parameters.
-        self.master = param_shard.float().clone() if self.owns_copy else param_shard
+        self.master: Tensor = param_shard.float().clone() if self.owns_copy else param_shard  # 1D fp32; aliases param_shard for fp32 params
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hp: float) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
         out = self.param_shard[r.as_slice()] if self.owns_copy else None
-        self.update_fn(self.master[r.as_slice()], grad, exp_avg, exp_avg_sq, param_out=out, **hp)
+        self.kernels.step_fp32(self.master[r.as_slice()], grad, exp_avg, exp_avg_sq, s, out)
 
     def fp32(self) -> Tensor:
         return self.master
@@ -82,28 +89,64 @@ class FP32Master(MasterWeights):
         return self.master.numel() * 4 if self.owns_copy else 0
 
 
+class RemainderMaster(MasterWeights):
+    name = "remainder"
+
+    def __init__(self, param_shard: Tensor, **kw: object) -> None:
+        super().__init__(param_shard, **kw)  # type: ignore[arg-type]
+        self.remainder: Tensor = torch.zeros_like(param_shard, dtype=torch.int16)  # 1D int16, this rank's shard
+        self.load_state_tensors({"master": param_shard.float()})
+
+    def _codec(self) -> tuple:
+        if self.param_shard.dtype == torch.bfloat16:
+            return reference.encode_bf16, reference.decode_bf16
+        return reference.encode_fp16, reference.decode_fp16
+
+    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+        sl = r.as_slice()
+        self.kernels.step_remainder(self.param_shard[sl], self.remainder[sl], grad, exp_avg, exp_avg_sq, s)
+
+    def fp32(self) -> Tensor:
+        return self._codec()[1](self.param_shard, self.remainder)
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        hi, lo = self._codec()[0](tensors["master"].float().contiguous())
+        self.param_shard.copy_(hi)
+        self.remainder.copy_(lo)
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.remainder.numel() * 2
+
+
+class StochasticMaster(MasterWeights):
+    name = "stochastic"
+
+    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+        dev = self.param_shard.device
+        key = [torch.tensor(v, dtype=torch.int64, device=dev) for v in (self.seed, step, self.global_offset + r.start)]
+        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, *key)
+
+
 class NoMaster(MasterWeights):
     name = "none"
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, **hp: float) -> None:
-        out = self.param_shard[r.as_slice()]
-        work = out.float()  # recomputed fp32 "master", rounded back below: small updates are lost
-        self.update_fn(work, grad, exp_avg, exp_avg_sq, param_out=out if out.dtype != torch.float32 else None, **hp)
-        if out.dtype == torch.float32:
-            out.copy_(work)
-
-    def fp32(self) -> Tensor:
-        return self.param_shard.float()
-
-    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
-        self.param_shard.copy_(round_to_dtype(tensors["master"].float(), self.param_shard.dtype))
+    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+        self.kernels.step_none(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s)
 
 
-STRATEGIES: dict[str, type[MasterWeights]] = {"fp32": FP32Master, "none": NoMaster}
+STRATEGIES: dict[str, type[MasterWeights]] = {
+    "fp32": FP32Master, "remainder": RemainderMaster, "stochastic": StochasticMaster, "none": NoMaster,
+}
 
 
-def make_master(name: str, param_shard: Tensor, update_fn: UpdateFn = adamw_update_) -> MasterWeights:
-    """The strategy called ``name`` over ``param_shard``."""
+def make_master(name: str, param_shard: Tensor, **kw: object) -> MasterWeights:
+    """The strategy called ``name`` over ``param_shard`` (``fp32`` for fp32 parameters, with a warning
+    when another mode was asked for)."""
     if name not in STRATEGIES:
         raise ValueError(f"unknown master_weights={name!r}; choose one of {sorted(STRATEGIES)}")
-    return STRATEGIES[name](param_shard, update_fn)
+    if param_shard.dtype == torch.float32 and name != "fp32":
+        warnings.warn(f"master_weights={name!r} applies to 16-bit parameters; fp32 parameters are their own "
+                      "master and are updated exactly", UserWarning, stacklevel=3)
+        name = "fp32"
+    return STRATEGIES[name](param_shard, **kw)

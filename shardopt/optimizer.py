@@ -50,10 +50,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         process_group: ProcessGroup = None,
         bucket_cap_mb: float = 25.0,
         accumulate_dtype: torch.dtype | None = torch.float32,
+        seed: int = 0,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb,
-                                  accumulate_dtype=accumulate_dtype)
+                                  accumulate_dtype=accumulate_dtype, seed=seed)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -274,6 +275,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             "rank": self._comm.rank,
             "stage": self.config.stage,
             "master_weights": self.config.master_weights,
+            "seed": self.config.seed,
             "step": self._step,
             "skipped_steps": self.skipped_steps,
             "param_groups": groups,

@@ -1,4 +1,64 @@
-"""The AdamW update math: ``reference`` is the readable oracle every faster path is tested against."""
-from shardopt.kernels.reference import adamw_update_, round_to_dtype
+"""The update math: ``reference`` (plain PyTorch, the oracle) and ``fused`` (the same code compiled).
 
-__all__ = ["adamw_update_", "round_to_dtype"]
+:func:`select` picks the implementation: the environment variable ``SHARDOPT_KERNEL`` forces
+``fused`` or ``reference``; otherwise (``auto``) the fused path is used and, should compilation
+fail, the reference with a warning.
+"""
+from __future__ import annotations
+
+import os
+import types
+import warnings
+
+import torch
+
+from shardopt.kernels import reference
+from shardopt.kernels.reference import adamw_update_, make_scalars, round_to_dtype
+
+__all__ = ["adamw_update_", "make_scalars", "round_to_dtype", "reference", "select", "Kernels"]
+
+STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none")
+
+
+class Kernels:
+    """The four step functions of one implementation; a fused one falls back to the reference
+    (with one warning) the first time compilation fails."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._impl: types.ModuleType = reference
+        if name == "fused":
+            from shardopt.kernels import fused
+
+            self._impl = fused
+
+    def __getattr__(self, step_name: str):  # noqa: ANN204
+        if step_name not in STEP_NAMES:
+            raise AttributeError(step_name)
+        fn = getattr(self._impl, step_name)
+        if self._impl is reference:
+            return fn
+
+        def guarded(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            try:
+                fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
+                if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
+                    raise
+                warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(e).__name__}: {e}); "
+                              "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
+                              RuntimeWarning, stacklevel=2)
+                self._impl, self.name = reference, "reference"
+                getattr(reference, step_name)(*args, **kwargs)
+
+        return guarded
+
+
+def select(choice: str | None = None) -> Kernels:
+    """``choice`` or ``$SHARDOPT_KERNEL``: "fused", "reference" or "auto" (fused with fallback)."""
+    choice = choice or os.environ.get("SHARDOPT_KERNEL", "auto")
+    if choice not in ("auto", "fused", "reference"):
+        raise ValueError(f"SHARDOPT_KERNEL must be 'auto', 'fused' or 'reference', got {choice!r}")
+    if choice == "auto" and not hasattr(torch, "compile"):
+        choice = "reference"
+    return Kernels("reference" if choice == "reference" else "fused")

@@ -1,0 +1,182 @@
+"""Tier 1: the update math and the master-weight codecs, no process group.
+
+Catches a fused kernel that drifts from the reference, a remainder codec that is not bit-exact,
+a bf16 cast that differs from round-to-nearest elsewhere than on ties, stochastic rounding that is
+biased or depends on how the buffer is split, and a reference that drifts from torch.optim.AdamW.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardopt.kernels import make_scalars, reference, select
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
+    """Largest distance in units of the last place between two 16-bit tensors of the same sign pattern."""
+    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
+    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)  # sign-magnitude -> monotone integers
+    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
+    return int((ia - ib).abs().max()) if a.numel() else 0
+
+
+def test_reference_matches_torch_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    w = torch.randn(1001)
+    ref = w.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    m, v = torch.zeros_like(w), torch.zeros_like(w)
+    for step in range(1, 6):
+        g = torch.randn(1001)
+        ref.grad = g.clone()
+        opt.step()
+        s = make_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step, grad_scale=1.0)
+        reference.step_fp32(w, g, m, v, s, None)
+    assert torch.allclose(w, ref.detach(), rtol=0, atol=1e-7)
+    assert torch.equal(m, opt.state[ref]["exp_avg"]) or torch.allclose(m, opt.state[ref]["exp_avg"], atol=1e-9)
+
+
+def _run(mode: str, dtype: torch.dtype, n: int, impl: str, steps: int = 3) -> dict:
+    torch.manual_seed(1)
+    K = select(impl)
+    w0 = torch.randn(n) * 0.5
+    m, v = torch.zeros(n), torch.zeros(n)
+    out: dict = {}
+    if mode == "fp32":
+        master = w0.clone()
+        param = w0.to(dtype) if dtype != torch.float32 else None
+    else:
+        param = w0.to(dtype)
+        rem = torch.zeros(n, dtype=torch.int16)
+        if mode == "remainder":
+            hi, rem = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(w0)
+            param = hi.clone()
+    for step in range(1, steps + 1):
+        g = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
+        s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, step=step, grad_scale=0.25)
+        if mode == "fp32":
+            K.step_fp32(master, g, m, v, s, param)
+        elif mode == "remainder":
+            K.step_remainder(param, rem, g, m, v, s)
+        elif mode == "stochastic":
+            K.step_stochastic(param, g, m, v, s, torch.tensor(7), torch.tensor(step), torch.tensor(1000))
+        else:
+            K.step_none(param, g, m, v, s)
+    out.update(m=m, v=v, param=param)
+    if mode == "fp32":
+        out["master"] = master
+    if mode == "remainder":
+        out["rem"] = rem
+    return out
+
+
+CASES = [("fp32", d) for d in DTYPES] + [(m, d) for m in ("remainder", "stochastic", "none")
+                                          for d in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize("mode,dtype", CASES, ids=[f"{m}-{str(d)[6:]}" for m, d in CASES])
+def test_fused_matches_reference(mode, dtype):
+    """Stated tolerance: the compiled lerp may contract to a fused multiply-add where the eager one
+    does not, so fp32 values agree to a couple of ulps of O(1) numbers; 16-bit weights within one ulp."""
+    for n in (1, 17, 4099):
+        ref, fused = _run(mode, dtype, n, "reference"), _run(mode, dtype, n, "fused")
+        assert torch.allclose(ref["m"], fused["m"], rtol=1e-6, atol=1e-7)
+        assert torch.allclose(ref["v"], fused["v"], rtol=1e-6, atol=1e-9)
+        if "master" in ref:
+            assert torch.allclose(ref["master"], fused["master"], rtol=1e-6, atol=2.5e-7)
+        if ref["param"] is not None and dtype != torch.float32:
+            assert _ulps(ref["param"], fused["param"]) <= 1, (mode, dtype, n)
+        if "rem" in ref:  # the decoded masters agree as closely as the fp32 path's
+            decode = reference.decode_bf16 if dtype == torch.bfloat16 else reference.decode_fp16
+            a, b = decode(ref["param"], ref["rem"]), decode(fused["param"], fused["rem"])
+            assert torch.allclose(a, b, rtol=1e-6, atol=2.5e-7), (mode, dtype, n)
+
+
+def _interesting_fp32(n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[torch.isfinite(x)]
+    ties = (torch.randint(0, 2**16, (4096,), generator=g, dtype=torch.int32) << 16 | 0x8000).view(torch.float32)
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 3.4028235e38, -3.4028235e38, 1.1754944e-38, 1e-45, -1e-45,
+                            2.0**-126, 65504.0, 2.0**-16, 2.0**-24])
+    return torch.cat([x, ties[torch.isfinite(ties)], special])
+
+
+def test_bf16_remainder_round_trip_is_bit_exact():
+    x = _interesting_fp32(4_000_000)
+    hi, lo = reference.encode_bf16(x)
+    assert torch.equal(reference.decode_bf16(hi, lo).view(torch.int32), x.view(torch.int32))
+    # The weight the model sees is round-to-nearest-even except on exact ties (one ulp away there).
+    rne = x.to(torch.bfloat16)
+    tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
+    differs = hi.view(torch.int16) != rne.view(torch.int16)
+    assert not bool((differs & ~tie).any())
+
+
+def test_fp16_remainder_round_trip_in_range():
+    x = _interesting_fp32(4_000_000)
+    x = x[x.abs() <= 65504]
+    p, q = reference.encode_fp16(x)
+    assert torch.equal(p, x.to(torch.float16))  # the weight is round-to-nearest-even
+    assert int(q.abs().max()) <= 2**14
+    back = reference.decode_fp16(p, q)
+    exact = (x.abs() >= 2.0**-16) | (x == 0)
+    assert torch.equal(back[exact].view(torch.int32), x[exact].view(torch.int32))
+    assert float((back[~exact] - x[~exact]).abs().max()) <= 2.0**-40
+
+
+def test_random_bits_do_not_depend_on_how_the_buffer_is_split():
+    whole = reference.random_bits(torch.tensor(5), torch.tensor(9), torch.tensor(100), 1000)
+    parts = torch.cat([reference.random_bits(torch.tensor(5), torch.tensor(9), torch.tensor(100 + a), b - a)
+                       for a, b in [(0, 7), (7, 513), (513, 1000)]])
+    assert torch.equal(whole, parts)
+    assert 0 <= int(whole.min()) and int(whole.max()) < 2**32
+    other_step = reference.random_bits(torch.tensor(5), torch.tensor(10), torch.tensor(100), 1000)
+    assert (whole != other_step).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_is_unbiased(dtype):
+    n = 1 << 20
+    bits = reference.random_bits(torch.tensor(0), torch.tensor(1), torch.tensor(0), n)
+    for value in (1.0 + 2.0**-10, -3.0 - 2.0**-12, 0.1, 1000.3):
+        x = torch.full((n,), value)
+        r = reference.stochastic_round(x, dtype, bits).float()
+        lo, hi = float(r.min()), float(r.max())
+        assert lo <= value <= hi and len(torch.unique(r)) <= 2  # only the two neighbours
+        spacing = hi - lo if hi > lo else 1.0
+        # The mean of 2**20 independent draws is within 6 standard errors of the value.
+        assert abs(float(r.double().mean()) - value) <= 6 * 0.5 * spacing / n**0.5, (value, dtype)
+
+
+def test_small_updates_lost_without_master_kept_with_it():
+    """Weights near 1 in bf16: an Adam step of 1e-3 is under half an ulp (2**-9), so rounding back each
+    step freezes the weights, while fp32 and remainder masters accumulate the updates, and stochastic
+    rounding tracks them in expectation."""
+    n, steps = 4096, 40
+    results = {}
+    for mode in ("fp32", "remainder", "stochastic", "none"):
+        param = torch.ones(n, dtype=torch.bfloat16)
+        master, rem = torch.ones(n), torch.zeros(n, dtype=torch.int16)
+        m, v = torch.zeros(n), torch.zeros(n)
+        for step in range(1, steps + 1):
+            g = torch.ones(n, dtype=torch.bfloat16)  # a steady push: every update is -lr
+            s = make_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step, grad_scale=1.0)
+            if mode == "fp32":
+                reference.step_fp32(master, g, m, v, s, param)
+            elif mode == "remainder":
+                reference.step_remainder(param, rem, g, m, v, s)
+            elif mode == "stochastic":
+                reference.step_stochastic(param, g, m, v, s, torch.tensor(0), torch.tensor(step), torch.tensor(0))
+            else:
+                reference.step_none(param, g, m, v, s)
+        results[mode] = (param.float(), master if mode == "fp32" else reference.decode_bf16(param, rem))
+    expected = 1.0 - steps * 1e-3
+    assert torch.equal(results["none"][0], torch.ones(n))  # lost: never moved
+    assert abs(float(results["fp32"][1][0]) - expected) < 1e-5  # the master kept every update
+    assert torch.equal(results["remainder"][1], results["fp32"][1])  # remainder rebuilds it bit for bit
+    assert torch.equal(results["remainder"][0], results["fp32"][0])
+    assert abs(float(results["stochastic"][0].mean()) - expected) < 2e-3  # unbiased on average
