@@ -75,22 +75,26 @@ def round_to_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def encode_bf16(x: Tensor) -> tuple[Tensor, Tensor]:
-    """fp32 -> (bf16 weight rounded half away from zero, int16 remainder); exact inverse of decode_bf16."""
+    """fp32 -> (bf16 weight rounded half away from zero, int16 remainder); exact inverse of decode_bf16.
+
+    Written with 32-bit integer ops and a final exact fp32 -> bf16 conversion (the masked value is
+    already a bf16 value) because that form stays vectorised when compiled."""
     bits = x.view(torch.int32)
-    hi = (bits + 0x8000) >> 16
-    lo = bits - (hi << 16)
-    return hi.to(torch.int16).view(torch.bfloat16), lo.to(torch.int16)
+    hi_bits = (bits + 0x8000) & -65536  # the top 16 bits, rounded half away from zero
+    return hi_bits.view(torch.float32).to(torch.bfloat16), (bits - hi_bits).to(torch.int16)
 
 
 def decode_bf16(hi: Tensor, lo: Tensor) -> Tensor:
     """(bf16 weight, int16 remainder) -> the fp32 master, bit for bit."""
-    return ((hi.view(torch.int16).to(torch.int32) << 16) + lo.to(torch.int32)).view(torch.float32)
+    return (hi.float().view(torch.int32) + lo.to(torch.int32)).view(torch.float32)
 
 
 def _fp16_residual_scale(p: Tensor) -> Tensor:
-    """2**(max(e, 1) - 40) for fp16 ``p`` with biased exponent field e, as fp32 (see [Note: fp16 remainder])."""
-    e = (p.view(torch.int16).to(torch.int32) >> 10) & 0x1F
-    return ((torch.clamp(e, min=1) - 40 + 127) << 23).view(torch.float32)
+    """2**(max(e, 1) - 40) for fp16 ``p`` with biased exponent field e, as fp32 (see [Note: fp16 remainder]).
+
+    Read off the fp32 exponent of float(p): e - 15 + 127, at least 113 for fp16 zeros and subnormals."""
+    exp32 = p.float().view(torch.int32) & 0x7F800000
+    return (torch.clamp(exp32, min=113 << 23) - (25 << 23)).view(torch.float32)
 
 
 def encode_fp16(x: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,166 @@
+"""Update-kernel throughput on one flat shard, next to torch's own AdamW paths and the memory bound.
+
+    python benchmarks/bench_kernels.py                      # 32M elements, 1 thread (one rank's view)
+    python benchmarks/bench_kernels.py --numel 8e6 --threads 2
+
+Every path is first checked against the eager reference on the same inputs, then timed (median of
+--repeats after a warm-up). Melem/s counts elements of the shard updated per second; "% of bound"
+compares with the memory bound measured on the spot: the bandwidth of this machine (bytes read +
+written per second by a large copy or triad, whichever is faster) divided by the bytes the path must
+read + write per element.
+torch.optim.AdamW(fused=True) on an fp32 master followed by a separate cast to 16 bits is what a
+mixed-precision trainer without a fused cast runs today. Results go to stdout and
+benchmarks/results/kernels.md.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from shardopt.kernels import make_scalars, reference, select  # noqa: E402
+
+HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+
+def timed(fn, repeats: int) -> float:
+    fn()  # warm-up (compiles the fused path)
+    fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(numel: int, repeats: int) -> float:
+    """Bytes read + written per second, the best of a large fp32 copy and a triad c = a + s * b."""
+    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    copy = 2 * 4 * numel / timed(lambda: c.copy_(a), repeats)
+    triad = 3 * 4 * numel / timed(lambda: torch.add(a, b, alpha=0.5, out=c), repeats)
+    return max(copy, triad)
+
+
+def make_state(n: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(0)
+    master = torch.randn(n, generator=g) * 0.02
+    return {"master": master, "param": master.to(dtype), "grad": (torch.randn(n, generator=g) * 1e-3).to(dtype),
+            "m": torch.randn(n, generator=g).abs() * 1e-4, "v": torch.randn(n, generator=g).abs() * 1e-8,
+            "rem": torch.zeros(n, dtype=torch.int16)}
+
+
+def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype):
+    s = make_scalars(**HP, step=10, grad_scale=1.0)
+    if mode == "remainder":
+        st["param"], st["rem"] = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
+    seed, step, off = torch.tensor(0), torch.tensor(10), torch.tensor(0)
+    out = st["param"] if dtype != torch.float32 else None
+    return {
+        "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], st["m"], st["v"], s, out),
+        "remainder": lambda: kernels.step_remainder(st["param"], st["rem"], st["grad"], st["m"], st["v"], s),
+        "stochastic": lambda: kernels.step_stochastic(st["param"], st["grad"], st["m"], st["v"], s, seed, step, off),
+        "none": lambda: kernels.step_none(st["param"], st["grad"], st["m"], st["v"], s),
+    }[mode]
+
+
+def torch_path(kind: str, st: dict, dtype: torch.dtype):
+    """torch.optim.AdamW on the fp32 master (grads cast to fp32 first, as it needs), plus the cast."""
+    p = torch.nn.Parameter(st["master"])
+    opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
+                            weight_decay=HP["weight_decay"], fused=kind == "fused", foreach=kind == "foreach")
+    g32 = st["grad"].float()
+
+    def run() -> None:
+        p.grad = g32 if dtype == torch.float32 else st["grad"].float()
+        opt.step()
+        if dtype != torch.float32:
+            st["param"].copy_(p.detach())
+
+    return run
+
+
+# Bytes each path must move per element (read + write): master/params, moments, gradient, 16-bit copy.
+def bytes_per_elem(path: str, dtype: torch.dtype) -> int:
+    g = torch.empty((), dtype=dtype).element_size()
+    if path in ("fp32", "reference") or path.startswith("torch"):
+        base = 8 + 16 + g  # master r/w, moments r/w, grad r
+        extra = 2 if dtype != torch.float32 else 0  # write the 16-bit weight
+        if path.startswith("torch") and dtype != torch.float32:
+            extra += 2 * 2 + 4 * 2  # grad cast to fp32 (r 2, w 4), then read by the step (+4, counted), cast r4 w2
+        return base + extra
+    if path == "remainder":
+        return 16 + g + 2 * 2 + 2 * 2  # moments, grad, weight r/w, remainder r/w
+    return 16 + g + 2 * 2  # stochastic / none: moments, grad, weight r/w
+
+
+def validate(dtype: torch.dtype) -> list[str]:
+    """Each shardopt path (fused) against the reference on 100k elements: fp32 close, 16-bit within one ulp."""
+    notes = []
+    for mode in (["fp32"] if dtype == torch.float32 else ["fp32", "remainder", "stochastic", "none"]):
+        a, b = make_state(100_003, dtype), make_state(100_003, dtype)
+        shardopt_path(select("reference"), mode, a, dtype)()
+        shardopt_path(select("fused"), mode, b, dtype)()
+        if dtype != torch.float32:
+            ia, ib = a["param"].view(torch.int16).int(), b["param"].view(torch.int16).int()
+            worst = int((ia - ib).abs().max())
+            assert worst <= 1, f"{mode} {dtype}: fused differs from reference by {worst} ulps"
+        assert torch.allclose(a["master"], b["master"], rtol=1e-6, atol=1e-7), f"{mode} {dtype}: master differs"
+        notes.append(mode)
+    return notes
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--numel", type=float, default=32e6)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernels.md"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    n = int(args.numel)
+    bw = copy_bandwidth(n, args.repeats)
+    header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) | "
+              f"torch {torch.__version__} | shard {n:,} elements | memory bandwidth {bw / 1e9:.1f} GB/s (read+write, best of copy and triad)")
+    print(header, flush=True)
+    rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | % of bound | vs torch fused+cast |",
+            "|---|---|---:|---:|---:|---:|---:|"]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        validate(dtype)
+        results = {}
+        modes = ["fp32"] if dtype == torch.float32 else ["fp32", "remainder", "stochastic", "none"]
+        paths = [(f"shardopt {m} (fused)", shardopt_path(select("fused"), m, make_state(n, dtype), dtype), m)
+                 for m in modes]
+        paths.append(("shardopt fp32 (eager reference)",
+                      shardopt_path(select("reference"), "fp32", make_state(n, dtype), dtype), "reference"))
+        cast = "" if dtype == torch.float32 else " + cast"
+        paths += [(f"torch AdamW fused{cast}", torch_path("fused", make_state(n, dtype), dtype), "torch"),
+                  (f"torch AdamW foreach{cast}", torch_path("foreach", make_state(n, dtype), dtype), "torch")]
+        for name, fn, kind in paths:
+            results[name] = (timed(fn, args.repeats), kind)
+            print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][0] * 1e3:8.1f} ms", flush=True)
+        base = results[f"torch AdamW fused{cast}"][0]
+        for name, (t, kind) in results.items():
+            b = bytes_per_elem(kind, dtype)
+            rate = n / t
+            bound = bw / b
+            rows.append(f"| {str(dtype)[6:]} | {name} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {b} | "
+                        f"{100 * rate / bound:.0f}% | {base / t:.2f}x |")
+    table = "\n".join(rows)
+    print("\n" + table)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(f"# Update kernels\n\nCommand: `python benchmarks/bench_kernels.py --numel {args.numel:g} --threads "
+                f"{args.threads}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
+                "bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
+    print(f"\nwritten to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
