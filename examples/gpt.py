@@ -22,12 +22,24 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     compute_dtype: torch.dtype = torch.float32
+    # Round activations (and so their gradients) to this dtype between blocks: emulates a 16-bit
+    # model's stored activations while the matmuls accumulate in compute_dtype.
+    activation_dtype: torch.dtype | None = None
 
 
 class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.to(x.dtype), b)
+
+
+class Embedding(nn.Embedding):
+    def __init__(self, num: int, dim: int, compute_dtype: torch.dtype) -> None:
+        super().__init__(num, dim)
+        self.compute_dtype = compute_dtype
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight.to(self.compute_dtype))
 
 
 class LayerNorm(nn.LayerNorm):
@@ -56,8 +68,8 @@ class GPT(nn.Module):
     def __init__(self, c: GPTConfig) -> None:
         super().__init__()
         self.config = c
-        self.wte = nn.Embedding(c.vocab_size, c.n_embd)
-        self.wpe = nn.Embedding(c.block_size, c.n_embd)
+        self.wte = Embedding(c.vocab_size, c.n_embd, c.compute_dtype)
+        self.wpe = Embedding(c.block_size, c.n_embd, c.compute_dtype)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layer))
         self.ln_f = LayerNorm(c.n_embd)
         self.head = Linear(c.n_embd, c.vocab_size, bias=False)
@@ -79,9 +91,10 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         cd = self.config.compute_dtype
         pos = torch.arange(idx.size(1), device=idx.device)
-        x = F.embedding(idx, self.wte.weight.to(cd)) + F.embedding(pos, self.wpe.weight.to(cd))
+        x = self.wte(idx) + self.wpe(pos)  # through the modules, so their forward hooks see the weights
+        ad = self.config.activation_dtype
         for block in self.blocks:
-            x = block(x)
+            x = block(x if ad is None else x.to(ad).to(cd))
         logits = self.head(self.ln_f(x))
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 

@@ -9,13 +9,25 @@ rank into that rank's slice of the output, and cannot take uneven pieces. Broadc
 rank's piece in place also needs no staging: the owner's piece already sits in the output.
 NCCL takes an in-place ``all_gather_into_tensor`` when pieces are equal, else the same
 per-rank broadcasts.
+
+[Note: deterministic reduction]
+On gloo, gradients are averaged with an all-to-all that sends every rank the pieces of the bucket
+it owns, followed by a local sum in rank order and a division by the world size. Unlike gloo's
+reduce-scatter and all-reduce, whose summation order depends on the message size, the result is
+then the same bit for bit whatever the bucket size, and an fp32 sum of 16-bit gradients costs no
+extra bytes on the wire. It moves the same bytes as a ring reduce-scatter and measured 2.9x faster
+than gloo's native one (16M fp32 elements, 2 ranks: 66 ms against 190 ms; all_reduce took 110 ms).
+Its price is memory: a rank receives every rank's copy of its piece, up to world_size x its piece
+of the bucket per reduction in flight, which is why NCCL keeps its native, ring-based collectives
+(bucket-size-dependent summation order, no N-fold buffer).
 """
 from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,20 +39,43 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default gro
 
 
 @dataclass
+class CommStats:
+    """Communication on this rank since the last reset."""
+
+    reduce_bytes: int = 0  # gradient bytes fed into reductions (all-reduce or reduce-scatter input)
+    gather_bytes: int = 0  # parameter bytes assembled by all-gathers (output size)
+    collectives: int = 0  # collective calls issued (a gloo all-gather counts one per sending rank)
+    wait_seconds: float = 0.0  # time spent blocked in wait() on those collectives
+
+    def reset(self) -> None:
+        """Zero the counters in place (handles in flight keep adding their wait time here)."""
+        self.reduce_bytes = self.gather_bytes = self.collectives = 0
+        self.wait_seconds = 0.0
+
+
+@dataclass
 class Pending:
     """Handles of collectives in flight, plus tensors that must stay alive until they finish."""
 
     works: list = field(default_factory=list)
     keep_alive: list = field(default_factory=list)
+    stats: CommStats | None = None
+    then: Callable[[], "Pending | None"] | None = None  # local work once the data has arrived
     done: bool = False
 
     def wait(self) -> None:
         assert not self.done, "a collective handle was waited twice"
+        start = time.perf_counter()
         for w in self.works:
             w.wait()
+        if self.stats is not None:
+            self.stats.wait_seconds += time.perf_counter() - start
         self.done = True
         self.works.clear()
+        follow_up = self.then() if self.then is not None else None
         self.keep_alive.clear()
+        if follow_up is not None:
+            follow_up.wait()
 
 
 class Comm:
@@ -57,21 +92,26 @@ class Comm:
         self.rank: int = dist.get_rank(process_group)
         self.world_size: int = dist.get_world_size(process_group)
         self.backend: str = str(dist.get_backend(process_group))
+        self.stats = CommStats()
+        self.live_bytes = 0  # receive buffers of reductions in flight, bytes
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
 
     # -- small collectives ---------------------------------------------------------------
     def all_reduce_sum(self, t: Tensor) -> Pending:
         """In-place SUM of ``t`` over the group. Call on every rank."""
-        return Pending([dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)])
+        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        return Pending(self._count([work]), stats=self.stats)
 
     def all_reduce_max(self, t: Tensor) -> Pending:
         """In-place MAX of ``t`` over the group. Call on every rank."""
-        return Pending([dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)])
+        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        return Pending(self._count([work]), stats=self.stats)
 
     def broadcast(self, t: Tensor, src: int = 0) -> Pending:
         """Broadcast ``t`` in place from group rank ``src``. Call on every rank."""
-        return Pending([dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)])
+        work = dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)
+        return Pending(self._count([work]), stats=self.stats)
 
     def all_gather_objects(self, obj: object) -> list:
         """Every rank's picklable ``obj``, in rank order (blocking; small objects, rare paths).
@@ -98,19 +138,61 @@ class Comm:
         return all(bool((g == mine).all()) for g in gathered)
 
     # -- bucket collectives --------------------------------------------------------------
-    def all_reduce_avg(self, bucket: Tensor) -> Pending:
-        """Average ``bucket`` over ranks, in place. Call on every rank, same order."""
-        return Pending([dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)])
+    def _count(self, works: list, *, reduced: int = 0, gathered: int = 0) -> list:
+        self.stats.collectives += len(works)
+        self.stats.reduce_bytes += reduced
+        self.stats.gather_bytes += gathered
+        return works
 
     def reduce_scatter_avg(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
-        """Average ``bucket`` over ranks; this rank's piece lands in ``out``.
+        """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once waited.
 
-        ``pieces[r]`` is rank r's range relative to the start of ``bucket`` (uneven and empty
-        pieces allowed; together they tile the bucket). ``out`` has this rank's piece size.
-        """
-        inputs = [bucket[p.as_slice()] for p in pieces]
-        work = dist.reduce_scatter(out, inputs, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-        return Pending([work], keep_alive=[bucket, out])
+        ``pieces[r]`` is rank r's range relative to the start of ``bucket`` (uneven and empty pieces
+        allowed; together they tile the bucket). See [Note: deterministic reduction]. The sum is
+        accumulated in ``out``'s dtype, so an fp32 ``out`` averages 16-bit gradients in fp32 while
+        the wire carries 16 bits. Every rank, same order."""
+        if self.backend == "nccl":  # NCCL's own reduce-scatter: ring-efficient, no N-fold receive buffer
+            src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
+            work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
+                                       group=self.group, async_op=True)
+            return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats)
+        n, mine = self.world_size, pieces[self.rank].size
+        recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)
+        self.live_bytes += recv.nbytes
+        work = dist.all_to_all_single(recv, bucket, output_split_sizes=[mine] * n,
+                                      input_split_sizes=[p.size for p in pieces], group=self.group, async_op=True)
+
+        def finish() -> None:
+            self.live_bytes -= recv.nbytes
+            if mine:
+                parts = recv.view(n, mine)
+                out.copy_(parts[0])
+                for q in range(1, n):  # rank order: the result does not depend on the bucketing
+                    out.add_(parts[q])
+                out.div_(n)
+
+        return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out],
+                       stats=self.stats, then=finish)
+
+    def all_reduce_avg(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None = None) -> Pending:
+        """Average ``bucket`` over ranks, in place: a reduce-scatter (summed in ``sum_dtype``, default
+        the bucket's) followed by an all-gather of the averaged pieces."""
+        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype):
+            work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+            return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats)
+        own = bucket[pieces[self.rank].as_slice()]
+        out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
+        reduced = self.reduce_scatter_avg(out, bucket, pieces)
+        inner = reduced.then
+
+        def gather() -> Pending:
+            inner()
+            if out is not own:
+                own.copy_(out)
+            return self.all_gather_inplace(bucket, pieces)
+
+        reduced.then = gather
+        return reduced
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
@@ -120,10 +202,12 @@ class Comm:
         if self.backend == "nccl" and len(sizes) == 1 and contiguous:
             whole = flat[pieces[0].start:pieces[-1].end]
             mine = flat[pieces[self.rank].as_slice()]
-            return Pending([dist.all_gather_into_tensor(whole, mine, group=self.group, async_op=True)])
+            work = dist.all_gather_into_tensor(whole, mine, group=self.group, async_op=True)
+            return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats)
         works = [
             dist.broadcast(flat[p.as_slice()], src=self._global[r], group=self.group, async_op=True)
             for r, p in enumerate(pieces)
             if p.size > 0
         ]
-        return Pending(works, keep_alive=[flat])
+        gathered = sum(p.size for p in pieces) * flat.element_size()
+        return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats)

@@ -15,6 +15,8 @@ class ShardConfig:
     alignment: int = 8
     accumulate_dtype: object = None  # torch.dtype of the no_sync gradient sum for 16-bit params
     seed: int = 0  # stochastic rounding: random bits depend on (seed, step, element offset) only
+    reduce_dtype: object = None  # torch.dtype gradients are averaged in; None: the gradient dtype
+    overlap_param_gather: bool = False
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -29,6 +31,9 @@ class ShardConfig:
         if self.accumulate_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"accumulate_dtype must be torch.float32 (default), None (the parameter dtype), "
                              f"torch.bfloat16 or torch.float16; got {self.accumulate_dtype!r}")
+        if self.reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"reduce_dtype must be None (the gradient dtype) or a float dtype such as "
+                             f"torch.float32; got {self.reduce_dtype!r}")
         if not (isinstance(self.alignment, int) and self.alignment >= 1):
             raise ValueError(f"alignment must be a positive int (elements), got {self.alignment!r}")
 

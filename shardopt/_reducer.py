@@ -41,8 +41,13 @@ class GradReducer:
 
     accum: Tensor | None  # 1D fp32, whole buffer: gradients accumulated under no_sync (16-bit params only)
 
-    def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None) -> None:
         self.flat, self.comm, self.stage = flat, comm, stage
+        # Reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for more precision:
+        # the wire still carries the gradient dtype; the local sum runs in reduce_dtype and is rounded
+        # once, after averaging (see _collectives [Note: deterministic reduction]).
+        self.reduce_dtype = reduce_dtype if reduce_dtype not in (None, flat.dtype) else None
         # [Note: accumulation dtype] autograd accumulates .grad in the parameter's dtype; summing
         # many bf16 micro-batch gradients in bf16 loses their low bits. Under no_sync each new
         # gradient is moved into an fp32 buffer instead (allocated only while accumulating), and
@@ -157,30 +162,39 @@ class GradReducer:
         if b not in self._staging:
             size = self.flat.layout.buckets[b].global_range.size
             self._staging[b] = torch.zeros(size, dtype=self.flat.dtype, device=self.flat.device)
-            held = sum(t.numel() * t.element_size() for t in self._staging.values())
-            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+            self._note_buffers()
         return self._staging[b]
+
+    def _note_buffers(self) -> None:
+        """Track the high-water mark of staging plus the receive buffers of reductions in flight."""
+        held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
+        self.staging_peak_bytes = max(self.staging_peak_bytes, held)
 
     def _launch(self, b: int) -> None:
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
-            self._inflight.append((self.comm.all_reduce_avg(self.flat_grad[bucket.as_slice()]), None, b))
-            return
-        staging = self._staging_for(b)
-        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
-        dest = self.grad_shard[local.as_slice()]
-        if self._fresh:
-            out, after = dest, None
+            view = self.flat_grad[bucket.as_slice()]
+            self._inflight.append((self.comm.all_reduce_avg(view, self._pieces[b], self.reduce_dtype), None, b))
         else:
-            out = torch.empty_like(dest)
-            after = lambda: dest.add_(out)  # noqa: E731
-        pending = self.comm.reduce_scatter_avg(out, staging, self._pieces[b])
-        self._inflight.append((pending, after, b))
+            self._launch_reduce_scatter(b)
+        self._note_buffers()
         # Bound staging memory: at most MAX_INFLIGHT buckets wait on the network at once.
         while len(self._inflight) > MAX_INFLIGHT:
             self._complete_oldest()
+
+    def _launch_reduce_scatter(self, b: int) -> None:
+        staging = self._staging_for(b)
+        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
+        dest = self.grad_shard[local.as_slice()]
+        if self._fresh and self.reduce_dtype is None:
+            out, after = dest, None
+        else:
+            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
+            after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
+        pending = self.comm.reduce_scatter_avg(out, staging, self._pieces[b])
+        self._inflight.append((pending, after, b))
 
     def _complete_oldest(self) -> None:
         pending, after, b = self._inflight.pop(0)
@@ -212,6 +226,16 @@ class GradReducer:
         order = torch.tensor(completed + rest, dtype=torch.int64, device=self.flat.device)
         self.comm.broadcast(order, src=0).wait()
         return [int(b) for b in order.tolist()]
+
+    def bucket_of(self, index: int) -> int:
+        """The bucket holding parameter ``index``."""
+        return self._bucket_of[index]
+
+    @property
+    def forward_order(self) -> list[int]:
+        """Buckets in the order the forward pass is expected to use them (reverse of gradient readiness)."""
+        order = self._order if self._order is not None else list(range(len(self._bucket_size)))
+        return order[::-1]
 
     # -- what the optimizer sees ---------------------------------------------------------
     def local_grad(self) -> Tensor:

@@ -42,8 +42,10 @@ class ShardedBuffer:
         n = self.layout.shard_numel
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
-        self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype)
-        self._gather_pieces = [self.layout.shard_range(r) for r in range(comm.world_size)]
+        self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
+        # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
+        self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
+        self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,9 +63,24 @@ class ShardedBuffer:
                                    device=self.flat.device)
             self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], scalars, step)
 
+    def gather_buckets(self) -> list[tuple[int, Pending]]:
+        """Start the all-gather of every rank's updated shard into the flat buffer (the model's
+        weights), one bucket at a time in the order the forward pass uses them. Every rank."""
+        return [(b, self.comm.all_gather_inplace(self.flat.data, self._gather_pieces[b]))
+                for b in self.reducer.forward_order]
+
     def gather_params(self) -> Pending:
-        """All-gather every rank's updated shard into the flat buffer (the model's weights)."""
-        return self.comm.all_gather_inplace(self.flat.data, self._gather_pieces)
+        """All buckets' all-gathers as one handle. Every rank."""
+        parts = [p for _, p in self.gather_buckets()]
+        return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats)
+
+    def _staging_buckets(self) -> int:
+        """Buckets' worth of communication buffers at the worst moment: MAX_INFLIGHT + 1 reductions in
+        flight, each with a receive buffer of up to world_size x this rank's piece (gloo's all-to-all;
+        none on NCCL), and in stage 2 their staging plus one bucket filling."""
+        in_flight = MAX_INFLIGHT + 1
+        recv = 0 if self.comm.backend == "nccl" else in_flight * self.comm.world_size
+        return recv if self.config.stage == 1 else recv + in_flight + 1
 
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
@@ -75,6 +92,6 @@ class ShardedBuffer:
             predicted=predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
                                     param_dtype=self.dtype, master_weights=self.master.name,
                                     bucket_cap_bytes=self.config.bucket_cap_mb * 2**20,
-                                    staging_buckets=MAX_INFLIGHT + 2),  # in flight, filling, waiting
+                                    staging_buckets=self._staging_buckets()),
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             stage=self.config.stage)

@@ -70,9 +70,9 @@ def predict_bytes(
     """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
 
     Sharded figures are ``ceil(bytes / world_size)``; padding (below one alignment per parameter
-    and ``world_size * alignment`` per buffer) is not included. Stage 2 stages gradients for at
-    most ``staging_buckets`` buckets of ``bucket_cap_bytes`` at once (never more than the whole
-    gradient); a parameter larger than the cap makes its own, larger bucket.
+    and ``world_size * alignment`` per buffer) is not included. Communication buffers (stage 2
+    staging and the receive buffers of reductions) hold at most ``staging_buckets`` buckets of
+    ``bucket_cap_bytes`` at once; a parameter larger than the cap makes its own, larger bucket.
     """
     psize = torch.empty((), dtype=param_dtype).element_size()
     sixteen_bit = psize == 2
@@ -89,7 +89,7 @@ def predict_bytes(
         "exp_avg": shard(4),
         "exp_avg_sq": shard(4),
         "extra": shard(extra),
-        "buffers": int(min(num_params * psize, staging_buckets * bucket_cap_bytes)) if stage == 2 else 0,
+        "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }
 
 def ddp_adamw_bytes(num_params: int, param_dtype: torch.dtype) -> dict[str, int]:

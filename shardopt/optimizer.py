@@ -4,14 +4,16 @@ communication in ``_collectives``/``_reducer`` and per-buffer state in ``_sharde
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from shardopt._collectives import Comm, ProcessGroup
+from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters
 from shardopt._sharded_buffer import ShardedBuffer
 from shardopt.loss_scale import LossScaler, make_scaler
@@ -50,11 +52,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         process_group: ProcessGroup = None,
         bucket_cap_mb: float = 25.0,
         accumulate_dtype: torch.dtype | None = torch.float32,
+        reduce_dtype: torch.dtype | None = None,
+        overlap_param_gather: bool = False,
         seed: int = 0,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb,
-                                  accumulate_dtype=accumulate_dtype, seed=seed)
+                                  accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
+                                  overlap_param_gather=overlap_param_gather)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -66,6 +71,20 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._clip: tuple[bool, float] | None = None  # (found_inf, clip coefficient) from clip_grad_norm_
         self.step_was_skipped = False
         self.skipped_steps = 0
+        self.last_step_comm = CommStats()  # communication of the last completed step (see step())
+        # Parameter all-gathers still in flight, by (buffer index, bucket): see [Note: overlapped gather].
+        self._gathers: dict[tuple[int, int], Pending] = {}
+        self._bucket_of = {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()}
+        self._gather_hook = None
+        if self.config.overlap_param_gather:
+            ref = weakref.ref(self)  # the global hook must not keep the optimizer alive
+
+            def hook(module: torch.nn.Module, args: Any) -> None:
+                opt = ref()
+                if opt is not None:
+                    opt._wait_for_module(module, args)
+
+            self._gather_hook = torch.nn.modules.module.register_module_forward_pre_hook(hook)
         self._built = True
 
     # -- construction --------------------------------------------------------------------
@@ -213,6 +232,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
+        self.finish_param_gather()  # an update must not race the previous step's gathers
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -231,10 +251,49 @@ class ShardedAdamW(torch.optim.Optimizer):
         grad_scale = coef / self._scaler.scale
         for b in self._buffers:
             b.update(self._step, grad_scale, self.param_groups)
-        for pending in [b.gather_params() for b in self._buffers]:
-            pending.wait()
+        for i, b in enumerate(self._buffers):
+            for bucket, pending in b.gather_buckets():
+                self._gathers[(i, bucket)] = pending
+        if not self.config.overlap_param_gather:
+            self.finish_param_gather()
         self._scaler.update(False, self._step + self.skipped_steps)
+        self.last_step_comm = dataclasses.replace(self._comm.stats)
+        self._comm.stats.reset()
         return loss
+
+    # [Note: overlapped gather]
+    # With overlap_param_gather=True, step() returns while the weights are still being all-gathered.
+    # A global forward pre-hook waits, before any module runs, for the buckets holding that module's
+    # own parameters, so the gathers of later layers overlap the compute of earlier ones. Weights
+    # read outside a module's forward (model.state_dict(), a parent reading a child's weight
+    # directly) need finish_param_gather() first; step(), state_dict() and checkpoints call it.
+    def _wait_for_module(self, module: torch.nn.Module, args: Any) -> None:
+        if not self._gathers:
+            return
+        for p in module.parameters(recurse=False):
+            key = self._bucket_of.get(id(p))
+            if key is not None and key in self._gathers:
+                self._gathers.pop(key).wait()
+
+    def __del__(self) -> None:
+        hook = getattr(self, "_gather_hook", None)
+        if hook is not None:
+            hook.remove()
+
+    def finish_param_gather(self) -> None:
+        """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
+        issued by step() on every rank); only needed with ``overlap_param_gather=True``."""
+        for pending in self._gathers.values():
+            pending.wait()
+        self._gathers.clear()
+
+    def pending_param_buckets(self) -> list[tuple[int, int]]:
+        """(buffer, bucket) pairs whose all-gather has not been waited on yet."""
+        return list(self._gathers)
+
+    def bucket_of(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
+        """(buffer, bucket) holding ``param``, or None for parameters this optimizer does not train."""
+        return self._bucket_of.get(id(param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local."""
@@ -266,6 +325,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler).
 
         Loadable by ``load_state_dict`` on the same rank at the same world size and layout."""
+        self.finish_param_gather()
         groups = []
         for g in self.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params"})
