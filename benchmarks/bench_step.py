@@ -1,0 +1,284 @@
+"""Training-step time and memory per rank: shardopt next to DDP, PyTorch ZeRO, FSDP2 and DeepSpeed.
+
+    python benchmarks/bench_step.py                       # both sizes, every configuration (~10 min on 2 cores)
+    python benchmarks/bench_step.py --sizes 10M --steps 6
+
+The driver launches `torchrun --standalone --nproc_per_node=2` once per configuration (so that peak
+RSS belongs to that configuration alone) on the example GPT with the same seeds and data, and merges
+the results. Each run warms up for --warmup steps, then times --steps steps. Compute is fp32 in every
+configuration (this CPU has no 16-bit matrix units); "bf16" means bf16 weights and gradients with an
+fp32 master. Reported per rank: median step time, tokens/s, optimizer-step time (the optimizer's
+step() call, which for sharded optimizers includes the weight all-gather), time blocked on
+communication where the library reports it, peak RSS, and model-state bytes (weights + gradients +
+optimizer state, from the tensors held; communication buffers such as DDP's gradient buckets and
+shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes benchmarks/results/step.md
+and step.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+SIZES = {"10M": dict(n_layer=6, n_embd=384, n_head=6), "50M": dict(n_layer=8, n_embd=704, n_head=8)}
+CONFIGS = ["ddp", "zero", "fsdp2", "deepspeed1", "deepspeed2", "shardopt1-fp32", "shardopt2-fp32",
+           "shardopt1-bf16", "shardopt2-bf16"]
+
+
+# ----------------------------------------------------------------------------------- worker
+def _state_bytes(tensors) -> int:
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, ROOT)
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import shardopt
+    from gpt import GPT, GPTConfig, load_bytes
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    cfg = GPTConfig(block_size=args.block_size, **SIZES[args.size])
+    model = GPT(cfg)
+    data = load_bytes(None, limit=4 << 20)
+    gen = torch.Generator().manual_seed(1 + rank)
+
+    def batch():
+        ix = torch.randint(len(data) - cfg.block_size - 1, (args.batch_size,), generator=gen)
+        return (torch.stack([data[i:i + cfg.block_size] for i in ix]),
+                torch.stack([data[i + 1:i + 1 + cfg.block_size] for i in ix]))
+
+    hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    name, comm_wait = args.config, None
+    if name == "ddp" or name == "zero":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model)
+        if name == "ddp":
+            opt = torch.optim.AdamW(model.parameters(), fused=True, **hp)
+        else:
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, fused=True, **hp)
+
+        def train_step():
+            x, y = batch()
+            net(x, y).backward()
+            t = time.perf_counter()
+            opt.step()
+            t = time.perf_counter() - t
+            opt.zero_grad(set_to_none=False)
+            return t
+
+        def state():
+            st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)] if name == "ddp" else \
+                [s for v in opt.optim.state.values() for s in v.values() if torch.is_tensor(s)]
+            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+    elif name == "fsdp2":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.bfloat16)
+        for block in model.blocks:
+            fully_shard(block, reshard_after_forward=False, mp_policy=mp)
+        fully_shard(model, reshard_after_forward=False, mp_policy=mp)
+        opt = torch.optim.AdamW(model.parameters(), fused=True, **hp)
+
+        def train_step():
+            x, y = batch()
+            model(x, y).backward()
+            t = time.perf_counter()
+            opt.step()
+            t = time.perf_counter() - t
+            opt.zero_grad()
+            return t
+
+        def state():
+            st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)]
+            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+    elif name.startswith("deepspeed"):
+        import deepspeed
+
+        ds_cfg = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
+                  "optimizer": {"type": "AdamW", "params": {"lr": hp["lr"], "betas": list(hp["betas"]),
+                                                            "weight_decay": hp["weight_decay"], "torch_adam": True}},
+                  "zero_optimization": {"stage": int(name[-1])}, "bf16": {"enabled": False}}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+
+        def train_step():
+            x, y = batch()
+            engine.backward(engine(x, y))
+            t = time.perf_counter()
+            engine.step()
+            return time.perf_counter() - t
+
+        def state():
+            opt = engine.optimizer
+            inner = getattr(opt, "optimizer", opt)
+            st = [s for v in inner.state.values() for s in v.values() if torch.is_tensor(s)]
+            extra = list(getattr(opt, "single_partition_of_fp32_groups", []))
+            return _state_bytes(list(model.parameters()) + st + extra)
+    else:
+        stage, dtype = int(name[8]), name.split("-")[1]
+        if dtype == "bf16":
+            model = model.to(torch.bfloat16)
+        opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=hp["lr"], betas=hp["betas"], stage=stage)
+
+        def train_step():
+            nonlocal comm_wait
+            x, y = batch()
+            opt.backward(model(x, y))
+            t = time.perf_counter()
+            opt.step()
+            t = time.perf_counter() - t
+            opt.zero_grad()
+            comm_wait = opt.last_step_comm.wait_seconds
+            return t
+
+        def state():
+            rep = opt.memory_report()
+            return rep.total - rep.buffers  # communication buffers are left out for every library
+
+    for _ in range(args.warmup):
+        train_step()
+    times, opt_times, waits = [], [], []
+    for _ in range(args.steps):
+        dist.barrier()
+        t = time.perf_counter()
+        opt_times.append(train_step())
+        times.append(time.perf_counter() - t)
+        if comm_wait is not None:
+            waits.append(comm_wait)
+    step = statistics.median(times)
+    result = {
+        "config": name, "size": args.size, "params": sum(p.numel() for p in GPT(cfg).parameters()),
+        "step_s": step, "tokens_per_s_rank": args.batch_size * args.block_size / step,
+        "opt_s": statistics.median(opt_times), "comm_wait_s": statistics.median(waits) if waits else None,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "state_bytes": state(),
+    }
+    results = [None] * world
+    dist.all_gather_object(results, result)
+    if rank == 0:
+        with open(args.result, "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------------- driver
+def run_config(config: str, size: str, args: argparse.Namespace) -> list[dict] | str:
+    if config.startswith("deepspeed"):
+        try:
+            import deepspeed  # noqa: F401
+        except Exception as e:  # noqa: BLE001
+            return f"skipped: deepspeed not importable ({type(e).__name__}); pip install --no-build-isolation deepspeed"
+    out = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker",
+           "--config", config, "--size", size, "--result", out, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
+    if proc.returncode != 0 or not os.path.exists(out):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return "failed: " + " / ".join(tail)[:300]
+    with open(out) as f:
+        res = json.load(f)
+    os.remove(out)
+    print(f"  {size:>4} {config:<16} {res[0]['step_s'] * 1e3:8.0f} ms/step  ({time.perf_counter() - t:.0f}s)", flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", default="ddp")
+    ap.add_argument("--size", default="10M")
+    ap.add_argument("--result", default="")
+    ap.add_argument("--sizes", default="10M,50M")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+    import torch
+
+    os.environ.setdefault("SHARDOPT_KERNEL", "auto")
+    header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
+              f"2 ranks (gloo), 1 thread each | batch {args.batch_size} x {args.block_size} tokens per rank | "
+              f"{args.warmup} warm-up + {args.steps} timed steps")
+    print(header, flush=True)
+    rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | comm wait ms | "
+            "peak RSS MB (r0/r1) | model state MB/rank | vs DDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    plot: dict = {}
+    for size in args.sizes.split(","):
+        base = None
+        for config in args.configs.split(","):
+            res = run_config(config, size, args)
+            if isinstance(res, str):
+                rows.append(f"| {size} | {config} | {res} | | | | | | | |")
+                print(f"  {size:>4} {config:<16} {res}", flush=True)
+                continue
+            r0 = res[0]
+            if config == "ddp":
+                base = r0
+            ratio = lambda a, b: f"{a / b:.2f}x" if b else ""  # noqa: E731
+            wait = f"{r0['comm_wait_s'] * 1e3:.0f}" if r0["comm_wait_s"] is not None else "n/a"
+            rows.append(f"| {size} ({r0['params'] / 1e6:.1f}M) | {config} | {r0['step_s'] * 1e3:.0f} | "
+                        f"{ratio(r0['step_s'], base['step_s']) if base else ''} | {r0['tokens_per_s_rank']:,.0f} | "
+                        f"{r0['opt_s'] * 1e3:.0f} | {wait} | {res[0]['peak_rss_mb']:.0f}/{res[1]['peak_rss_mb']:.0f} | "
+                        f"{r0['state_bytes'] / 2**20:.0f} | {ratio(r0['state_bytes'], base['state_bytes']) if base else ''} |")
+            plot.setdefault(size, []).append((config, r0["step_s"], r0["state_bytes"]))
+    table = "\n".join(rows)
+    print("\n" + table)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "step.md"), "w") as f:
+        f.write(f"# Training step, side by side\n\nCommand: `python benchmarks/bench_step.py --sizes {args.sizes} "
+                f"--steps {args.steps} --warmup {args.warmup}`\n\n{header}\n\n{table}\n")
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, axes = plt.subplots(1, len(plot), figsize=(6 * len(plot), 4.5), squeeze=False)
+        for ax, (size, entries) in zip(axes[0], plot.items()):
+            names = [e[0] for e in entries]
+            ax.barh(names, [e[1] * 1e3 for e in entries], color=["#c44" if n.startswith("shardopt") else "#888" for n in names])
+            ax.set_xlabel("median step time, ms (2 ranks, CPU)")
+            ax.set_title(f"GPT {size}")
+            ax.invert_yaxis()
+        fig.tight_layout()
+        fig.savefig(os.path.join(args.out, "step.png"), dpi=110)
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(f"written to {os.path.join(args.out, 'step.md')}")
+
+
+if __name__ == "__main__":
+    main()
