@@ -7,6 +7,7 @@ do not add up to the bytes actually moved.
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -128,3 +129,14 @@ def test_comm_counters_add_up(pools):
             assert r["reduce"] == padded_bytes, r
             assert r["gather"] == padded_bytes * (2 if stage == 1 else 1), r
             assert r["collectives"] > 2 and r["wait"] >= 0.0
+
+
+def test_a_handle_is_waited_once():
+    from shardopt._collectives import Pending
+
+    kept = torch.ones(3)
+    p = Pending([], keep_alive=[kept])
+    p.wait()
+    assert p.keep_alive == []  # buffers are released only once the collective has completed
+    with pytest.raises(AssertionError, match="waited twice"):
+        p.wait()
