@@ -1,4 +1,5 @@
 """shardopt: a ZeRO-style sharded mixed-precision AdamW for data-parallel PyTorch training."""
+from shardopt.estimate import MemoryEstimate, estimate_memory
 from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
 from shardopt.memory import MemoryReport, ddp_adamw_bytes, predict_bytes
 from shardopt.optimizer import ShardedAdamW
@@ -8,9 +9,11 @@ __version__ = "0.1.0"
 __all__ = [
     "DynamicScaler",
     "LossScaler",
+    "MemoryEstimate",
     "MemoryReport",
     "ShardedAdamW",
     "StaticScaler",
     "ddp_adamw_bytes",
+    "estimate_memory",
     "predict_bytes",
 ]

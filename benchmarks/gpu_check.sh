@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# GPU readiness on one CUDA device, in under five minutes: the memory benchmark (NCCL backend,
+# torch.cuda allocated/reserved peaks per phase, step times), the step benchmark when it supports
+# CUDA, and the example GPT trained for 60 steps in bf16.
+#
+#     bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter (default: .venv, else python3)
+#
+# Results: benchmarks/results/memory_cuda.{md,csv,png}; logs in $LOG_DIR (default /tmp/shardopt-gpu-check).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
+LOG_DIR=${LOG_DIR:-/tmp/shardopt-gpu-check}
+mkdir -p "$LOG_DIR"
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+start=$SECONDS
+
+"$PY" - <<'EOF'
+import sys, torch, torch.distributed as dist
+if not torch.cuda.is_available():
+    sys.exit(f"gpu_check: no CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}); "
+             "install a CUDA build of torch")
+if not dist.is_nccl_available():
+    sys.exit("gpu_check: this torch build has no NCCL")
+p = torch.cuda.get_device_properties(0)
+print(f"gpu_check: {p.name}, {p.total_memory / 2**30:.0f} GiB, torch {torch.__version__}, CUDA {torch.version.cuda}, "
+      f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}")
+EOF
+
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log, show its tail
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (limit ${limit}s)"
+    if ! timeout "$limit" "$@" >"$LOG_DIR/$name.log" 2>&1; then
+        tail -n 40 "$LOG_DIR/$name.log"
+        echo "gpu_check: $name FAILED (log: $LOG_DIR/$name.log)"
+        exit 1
+    fi
+    tail -n "${TAIL:-12}" "$LOG_DIR/$name.log"
+}
+
+# GPT-2 small shapes over bytes (85M parameters): large enough for the GPU to matter, built in seconds.
+MODEL=(--n-layer 12 --n-embd 768 --n-head 12 --block-size 1024 --batch-size 8)
+TAIL=40 step memory 180 "$PY" benchmarks/bench_memory.py --device cuda --world-sizes 1 "${MODEL[@]}" \
+    --bucket-cap-mb 25 --warmup 2 --steps 5 --timeout 170
+
+if [ -f benchmarks/bench_step.py ] && "$PY" benchmarks/bench_step.py --help 2>/dev/null | grep -q -- "--device"; then
+    step step 45 "$PY" benchmarks/bench_step.py --device cuda
+else
+    echo "== step: benchmarks/bench_step.py has no --device option; step times come from the memory benchmark"
+fi
+
+step example 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 examples/train_gpt.py --device cuda \
+    --param-dtype bf16 --compute-dtype bf16 "${MODEL[@]}" --steps 60 --log-every 10 --bucket-cap-mb 25
+
+echo "gpu_check: passed in $((SECONDS - start))s"

@@ -1,0 +1,314 @@
+"""Memory per rank and bytes on the wire for a ``ShardedAdamW`` run, before any process exists.
+
+Owns the analytic model a user consults before renting a cluster. The per-category ZeRO formula
+is :func:`shardopt.memory.predict_bytes`; this module adds what that formula leaves out, the
+padding of the flat buffer and the communication buffers, and the communication volume of a
+step. It needs no process group; ``python -m shardopt.estimate`` prints its tables.
+
+[Note: padding]
+Each parameter starts at a multiple of 8 elements and the flat buffer is padded to a multiple of
+``world_size * 8`` (``shardopt._layout``). With the parameter shapes the padded size is computed
+by the layout code itself, so the estimate equals the measured bytes; without them the model is
+treated as one tensor, which undercounts by less than 8 elements per parameter tensor.
+
+[Note: buffers estimate]
+``buffers`` is the high-water mark of communication buffers while gradients are reduced, bucket
+by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_reducer``). Stage 2
+copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
+place. On gloo each reduction also receives every rank's copy of this rank's piece of the bucket
+(``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]); on NCCL the
+native collectives need no such buffer. With the shapes, the estimate replays the reducer: the
+first backward pass reduces the buckets in buffer order; later passes launch a bucket once it is
+complete and every bucket before it in the order learned in the first pass has been launched, and
+a stage-2 bucket's staging exists from its first gradient on. So a bucket whose first gradient
+arrives early and whose last arrives late stays alive across the pass: in GPT recipes, the bucket
+holding the biases and norms, which sit in their own param group at the front of the buffer.
+``grad_order`` says in which order gradients become ready; the reverse of the model's
+registration order is close for most models. Without it, later passes are taken to match the
+first, and the peak may be up to one bucket's buffers higher (``buffers_slack``). A bucket holds
+whole parameters up to ``bucket_cap_mb``; a larger parameter gets a bucket of its own. Without
+shapes, buckets are taken to be ``max(bucket cap, largest_param)`` and the worst rank to own
+whole buckets.
+
+[Note: communication volume]
+Bytes each rank sends per step with ring algorithms (NCCL's choice for large messages), over
+the padded buffer of ``P`` bytes: all-reduce ``2 (N-1)/N P``, reduce-scatter and all-gather
+``(N-1)/N P`` each. Stage 1 all-reduces gradients (every rank keeps the full averaged gradient,
+as with DDP) and then all-gathers the weights: ``3 (N-1)/N P``. Stage 2 reduce-scatters and
+all-gathers: ``2 (N-1)/N P``, the same as DDP's all-reduce. Dividing by the per-rank link
+bandwidth gives a floor on the step's communication time, ignoring latency and any overlap with
+backward. gloo's all-to-all reduction sends the same bytes as a ring reduce-scatter.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
+from shardopt._reducer import MAX_INFLIGHT
+from shardopt.master import STRATEGIES
+from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
+
+__all__ = ["MemoryEstimate", "estimate_memory", "DTYPES", "BACKENDS"]
+
+DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """Predicted bytes on one rank, by category, and bytes each rank sends per step.
+
+    Categories are those of :class:`shardopt.MemoryReport`. ``master_weights`` is the mode in
+    effect (fp32 parameters are their own master, whatever was asked for).
+    """
+
+    num_params: int  # trainable parameter elements
+    world_size: int
+    stage: int
+    master_weights: str
+    param_dtype: torch.dtype
+    padded_numel: int  # elements of the flat buffer, padding included
+    params: int
+    grads: int
+    master: int
+    exp_avg: int
+    exp_avg_sq: int
+    extra: int
+    buffers: int
+    backend: str  # "nccl" or "gloo": which collectives the buffers are estimated for
+    rank: int  # the rank whose buffers these are
+    buffers_slack: int  # bytes one bucket adds to buffers: the margin for another gradient order, see [Note: buffers estimate]
+    comm_reduce: int  # bytes sent per rank per step for the gradients (all-reduce or reduce-scatter)
+    comm_gather: int  # bytes sent per rank per step for the all-gather of the weights
+    ddp: dict[str, int]  # the same parameters under DDP + mixed-precision AdamW, by category
+    ddp_comm: int  # bytes sent per rank per step by DDP's gradient all-reduce
+
+    @property
+    def total(self) -> int:
+        """Bytes on one rank, all categories."""
+        return sum(getattr(self, c) for c in CATEGORIES)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total / max(self.num_params, 1)
+
+    @property
+    def comm_bytes(self) -> int:
+        """Bytes each rank sends per step."""
+        return self.comm_reduce + self.comm_gather
+
+    @property
+    def ddp_total(self) -> int:
+        return sum(self.ddp.values())
+
+    def by_category(self) -> dict[str, int]:
+        """Bytes per category, in :data:`shardopt.memory.CATEGORIES` order."""
+        return {c: getattr(self, c) for c in CATEGORIES}
+
+    def comm_seconds(self, bandwidth_gb_s: float) -> float:
+        """Floor on the step's communication time at ``bandwidth_gb_s`` (1e9 bytes/s per rank)."""
+        return self.comm_bytes / (bandwidth_gb_s * 1e9)
+
+    def __str__(self) -> str:
+        per, gib = max(self.num_params, 1), 2.0**30
+        rows = [f"{self.num_params:,} parameters ({_dtype_name(self.param_dtype)}), {self.world_size} ranks, "
+                f"stage {self.stage}, master_weights={self.master_weights} (bytes on one rank; GiB = 2^30 bytes)",
+                f"| {'category':<10} | {'GiB':>10} | {'B/param':>7} | {'DDP + AdamW GiB':>15} |",
+                f"|{'-' * 12}|{'-' * 12}|{'-' * 9}|{'-' * 17}|"]
+        for c in CATEGORIES + ("total",):
+            v = self.total if c == "total" else getattr(self, c)
+            d = self.ddp_total if c == "total" else self.ddp[c]
+            rows.append(f"| {c:<10} | {v / gib:>10.3f} | {v / per:>7.3f} | {d / gib:>15.3f} |")
+        if self.buffers:
+            rows.append(f"buffers: {self.backend} communication buffers of rank {self.rank}; a gradient order other "
+                        f"than the one assumed can add up to {self.buffers_slack / 2**20:,.1f} MiB")
+        kind = "all-reduce" if self.stage == 1 else "reduce-scatter"
+        rows.append(f"sent per rank per step: {kind} {self.comm_reduce / 1e9:.3f} GB + all-gather "
+                    f"{self.comm_gather / 1e9:.3f} GB = {self.comm_bytes / 1e9:.3f} GB "
+                    f"(DDP all-reduce {self.ddp_comm / 1e9:.3f} GB)")
+        return "\n".join(rows)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def _as_dtype(param_dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(param_dtype, str):
+        key = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32", "float": "fp32"}.get(
+            param_dtype, param_dtype)
+        if key not in DTYPES:
+            raise ValueError(f"unknown param_dtype={param_dtype!r}; use one of {sorted(DTYPES)} or a torch.dtype")
+        return DTYPES[key]
+    if param_dtype not in DTYPES.values():
+        raise ValueError(f"param_dtype={param_dtype!r} is not supported; ShardedAdamW takes "
+                         f"{[str(d) for d in DTYPES.values()]}")
+    return param_dtype
+
+
+def _as_count(name: str, value: float | int, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or int(value) < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {name}={value!r}")
+    return int(value)
+
+
+def _ring(world_size: int, nbytes: int, passes: int) -> int:
+    """Bytes one rank sends in ``passes`` ring passes over ``nbytes`` (a pass moves (N-1)/N of it)."""
+    return passes * (world_size - 1) * nbytes // world_size
+
+
+class _Buffers:
+    """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
+
+    def __init__(self, numels: Sequence[int], pieces: Sequence[int], *, stage: int, world_size: int, psize: int,
+                 gloo: bool) -> None:
+        self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
+        self.recv_bytes = [world_size * m * psize if gloo else 0 for m in pieces]  # pieces[b]: this rank's elements
+        self.staging: dict[int, int] = {}
+        self.inflight: list[int] = []
+        self.live = self.peak = 0
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, sum(self.staging.values()) + self.live)
+
+    def fill(self, b: int) -> None:
+        """A gradient of bucket ``b`` arrives: its staging buffer exists from now on (stage 2)."""
+        if self.staging_bytes[b] and b not in self.staging:
+            self.staging[b] = self.staging_bytes[b]
+            self._note()
+
+    def launch(self, b: int) -> None:
+        self.fill(b)
+        self.live += self.recv_bytes[b]
+        self.inflight.append(b)
+        self._note()
+        while len(self.inflight) > MAX_INFLIGHT:
+            self.complete()
+
+    def complete(self) -> None:
+        done = self.inflight.pop(0)
+        self.live -= self.recv_bytes[done]
+        self.staging.pop(done, None)
+
+
+def _replay(numels: Sequence[int], pieces: Sequence[int], members: Sequence[Sequence[int]],
+            arrival: Sequence[int] | None, **kw: int | bool) -> tuple[int, int]:
+    """Peak bytes of communication buffers on one rank over the first backward pass (buckets reduced
+    in buffer order) and a later one (gradients arriving in ``arrival`` order, buffer indices;
+    buckets launched in the order they completed in the first), and the most one bucket holds."""
+    buf = _Buffers(numels, pieces, **kw)
+    for b in range(len(numels)):
+        buf.launch(b)
+    while buf.inflight:
+        buf.complete()
+    if arrival is not None:
+        bucket_of = {i: b for b, m in enumerate(members) for i in m}
+        position = {i: t for t, i in enumerate(arrival)}
+        order = sorted(range(len(numels)), key=lambda b: max((position[i] for i in members[b]), default=-1))
+        waiting, nxt = [len(m) for m in members], 0
+        for i in arrival:
+            buf.fill(bucket_of[i])
+            waiting[bucket_of[i]] -= 1
+            while nxt < len(order) and waiting[order[nxt]] == 0:
+                buf.launch(order[nxt])
+                nxt += 1
+        while buf.inflight:
+            buf.complete()
+    slack = max((s + r for s, r in zip(buf.staging_bytes, buf.recv_bytes)), default=0)
+    return buf.peak, slack
+
+
+def estimate_memory(
+    num_params: float | int | None,
+    world_size: int,
+    stage: int = 2,
+    master_weights: str = "fp32",
+    param_dtype: torch.dtype | str = torch.bfloat16,
+    *,
+    param_shapes: Sequence[Sequence[int]] | None = None,
+    grad_order: Sequence[int] | None = None,
+    bucket_cap_mb: float = 25.0,
+    largest_param: int | None = None,
+    backend: str = "nccl",
+    rank: int | None = None,
+    alignment: int = DEFAULT_ALIGNMENT,
+) -> MemoryEstimate:
+    """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
+
+    ``num_params`` counts trainable elements (``7e9`` is accepted); it may be ``None`` when
+    ``param_shapes`` is given. ``param_shapes`` are the shapes of the trainable parameters in the
+    order they are passed to ``ShardedAdamW``; with them padding and buckets are those the
+    optimizer builds and every category is exact, ``buffers`` for the first backward pass (see
+    [Note: buffers estimate]) on ``rank`` (default: the rank with the most) and, given
+    ``grad_order`` (indices into ``param_shapes`` in the order their gradients become ready in
+    backward, e.g. the reverse of registration order), for later passes too. ``largest_param``
+    (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
+    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs). Needs no process
+    group; call it anywhere.
+    """
+    world_size = _as_count("world_size", world_size, 1)
+    if stage not in (1, 2) or isinstance(stage, bool):
+        raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
+    if master_weights not in STRATEGIES:
+        raise ValueError(f"unknown master_weights={master_weights!r}; choose one of {sorted(STRATEGIES)}")
+    dtype = _as_dtype(param_dtype)
+    if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
+        raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {bucket_cap_mb=!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend=!r}")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
+        raise ValueError(f"rank must be in [0, world_size), got {rank=!r} {world_size=}")
+    psize = torch.empty((), dtype=dtype).element_size()
+    cap_bytes = bucket_cap_mb * 2**20
+    bucket_numel = None if math.isinf(cap_bytes) else max(1, int(cap_bytes / psize))
+    gloo = backend == "gloo"
+
+    if param_shapes is not None:
+        # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
+        layout = build_layout(list(param_shapes)[::-1], world_size, alignment=alignment, bucket_numel=bucket_numel)
+        if num_params is not None and _as_count("num_params", num_params, 1) != layout.param_numel:
+            raise ValueError(f"num_params={num_params!r} disagrees with param_shapes, which hold "
+                             f"{layout.param_numel} elements; pass one or make them agree")
+        num_params, padded = layout.param_numel, layout.numel
+        numels = [b.global_range.size for b in layout.buckets]
+        pieces = [[r.size for r in layout.bucket_shard_ranges(b.index)] for b in layout.buckets]
+        members = [b.params for b in layout.buckets]
+        last = len(layout.params) - 1
+        if grad_order is not None and sorted(grad_order) != list(range(last + 1)):
+            raise ValueError(f"grad_order must be a permutation of the {last + 1} indices of param_shapes, "
+                             f"got {list(grad_order)[:8]}{'...' if len(grad_order) > 8 else ''}")
+        arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
+        ranks = [rank] if rank is not None else (range(world_size) if gloo else [0])
+        (buffers, slack), chosen = max(
+            (_replay(numels, [p[r] for p in pieces], members, arrival, stage=stage, world_size=world_size,
+                     psize=psize, gloo=gloo), r)
+            for r in ranks)
+    else:
+        if num_params is None:
+            raise ValueError("give num_params or param_shapes")
+        num_params = _as_count("num_params", num_params, 1)
+        unit = world_size * alignment
+        padded = -(-num_params // unit) * unit
+        whole = padded * psize
+        bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
+        window = min(whole, (MAX_INFLIGHT + 1) * bucket)
+        staging = window if stage == 2 else 0
+        recv = min(whole, world_size * window) if gloo else 0  # a rank owning the window's buckets whole
+        buffers, slack = staging + recv, (bucket if stage == 2 else 0) + (min(whole, world_size * bucket) if gloo else 0)
+        chosen = 0 if rank is None else rank
+
+    mode = master_weights if psize == 2 else "fp32"
+    formula = predict_bytes(padded, world_size, stage=stage, param_dtype=dtype, master_weights=mode)
+    formula["buffers"] = buffers
+    nbytes = padded * psize
+    return MemoryEstimate(
+        num_params=num_params, world_size=world_size, stage=stage, master_weights=mode, param_dtype=dtype,
+        padded_numel=padded, **formula, backend=backend, rank=chosen, buffers_slack=slack,
+        comm_reduce=_ring(world_size, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(world_size, nbytes, 1),
+        ddp=ddp_adamw_bytes(num_params, dtype), ddp_comm=_ring(world_size, num_params * psize, 2))
+

@@ -1,0 +1,140 @@
+"""Memory per rank before you rent a cluster: ``python -m shardopt.estimate``.
+
+    python -m shardopt.estimate --params 7e9 --world-size 64
+    python -m shardopt.estimate --params 7e9 --world-size 64 --stage 2 --master-weights remainder --detail
+    python -m shardopt.estimate --params 1.5B 7B 70B --world-size 8 64 1024 --largest-param 262e6 --compact
+
+Prints, for each parameter count and world size, the bytes one rank holds under DDP + AdamW and
+under each ShardedAdamW stage and master-weight mode, the bytes each rank sends per step, and
+the floor that puts on the step time at the given per-rank bandwidth. ``--compact`` prints one
+row per (parameters, world size) instead, for projection tables.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+from shardopt.estimate import BACKENDS, DTYPES, MemoryEstimate, estimate_memory
+from shardopt.master import STRATEGIES
+
+GIB = 2.0**30
+_SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def parse_count(text: str) -> int:
+    """``7e9``, ``7B``, ``1.5b``, ``350M`` or ``1000`` as an integer count."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 7e9, 7B or 350M)")
+    return int(round(float(m.group(1)) * _SUFFIX[m.group(2)]))
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m shardopt.estimate", description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="Categories and the staging and communication models: shardopt/estimate/__init__.py")
+    p.add_argument("--params", type=parse_count, nargs="+", required=True, help="trainable parameters (7e9, 7B)")
+    p.add_argument("--world-size", type=int, nargs="+", required=True, help="data-parallel ranks")
+    p.add_argument("--stage", type=int, nargs="+", choices=(1, 2), default=[1, 2])
+    p.add_argument("--master-weights", nargs="+", choices=sorted(STRATEGIES),
+                   default=["fp32", "remainder", "stochastic", "none"])
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="MiB, as in ShardedAdamW")
+    p.add_argument("--backend", choices=BACKENDS, default="nccl", help="collectives whose buffers to count")
+    p.add_argument("--largest-param", type=parse_count, default=None,
+                   help="elements of the largest parameter tensor (e.g. the embedding); sizes the staging buckets")
+    p.add_argument("--bandwidth", type=float, default=50.0,
+                   help="GB/s each rank can send (1e9 bytes/s); 50 = one 400 Gb/s NIC per GPU")
+    p.add_argument("--gpu-memory", type=float, default=None, help="GiB per device; marks what does not fit")
+    p.add_argument("--detail", action="store_true", help="also print every category of each estimate")
+    p.add_argument("--compact", action="store_true", help="one row per (parameters, world size)")
+    return p.parse_args(argv)
+
+
+def _fmt_gib(nbytes: float, limit: float | None) -> str:
+    mark = "*" if limit is not None and nbytes > limit * GIB else ""
+    return f"{nbytes / GIB:,.2f}{mark}"
+
+
+def _markdown(rows: list[list[str]]) -> str:
+    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    out = ["| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, width))) + " |"
+           for r in rows]
+    out.insert(1, "|" + "|".join("-" * (w + 2) for w in width) + "|")
+    return "\n".join(out)
+
+
+def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
+    """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
+    kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
+              backend=args.backend)
+    ests = [estimate_memory(n, world, s, m, **kw) for s in args.stage for m in args.master_weights]
+    head = ["scheme", "params", "grads", "master", "moments", "extra", "buffers", "total GiB", "B/param",
+            "sent/step GB", f"floor @{args.bandwidth:g} GB/s"]
+    rows = [head]
+    first = ests[0]
+    d = first.ddp
+    rows.append(["DDP + AdamW"] + [_fmt_gib(v, None) for v in (d["params"], d["grads"], d["master"],
+                                                                d["exp_avg"] + d["exp_avg_sq"], d["extra"], d["buffers"])]
+                + [_fmt_gib(first.ddp_total, args.gpu_memory), f"{first.ddp_total / n:.2f}",
+                   f"{first.ddp_comm / 1e9:,.2f}", f"{first.ddp_comm / (args.bandwidth * 1e9):.3f} s"])
+    for e in ests:
+        rows.append([f"stage {e.stage}, {e.master_weights}"]
+                    + [_fmt_gib(v, None) for v in (e.params, e.grads, e.master, e.exp_avg + e.exp_avg_sq,
+                                                   e.extra, e.buffers)]
+                    + [_fmt_gib(e.total, args.gpu_memory), f"{e.bytes_per_param:.2f}", f"{e.comm_bytes / 1e9:,.2f}",
+                       f"{e.comm_seconds(args.bandwidth):.3f} s"])
+    title = (f"{n:,} parameters ({args.param_dtype} weights), {world} ranks: GiB (2^30 bytes) on each rank; "
+             f"sent/step = bytes each rank sends per step (ring algorithms)")
+    return title + "\n" + _markdown(rows), ests
+
+
+def compact_table(args: argparse.Namespace) -> str:
+    """One row per (parameters, world size): total GiB per rank for each scheme, traffic and floor."""
+    kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
+              backend=args.backend)
+    modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
+    schemes = [(s, m) for s in args.stage for m in modes]
+    head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}" for s, m in schemes]
+    head += [f"sent/step GB (DDP, {', '.join(f'S{s}' for s in args.stage)})",
+             f"floor @{args.bandwidth:g} GB/s (DDP, {', '.join(f'S{s}' for s in args.stage)})"]
+    rows = [head]
+    for n in args.params:
+        for world in args.world_size:
+            by = {(s, m): estimate_memory(n, world, s, m.split("/")[0], **kw) for s, m in schemes}
+            any_est = next(iter(by.values()))
+            per_stage = [estimate_memory(n, world, s, "fp32", **kw) for s in args.stage]
+            rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(any_est.ddp_total, args.gpu_memory)]
+                        + [_fmt_gib(by[k].total, args.gpu_memory) for k in schemes]
+                        + [", ".join([f"{any_est.ddp_comm / 1e9:,.1f}"] + [f"{e.comm_bytes / 1e9:,.1f}" for e in per_stage]),
+                           ", ".join([f"{any_est.ddp_comm / (args.bandwidth * 1e9):.2f} s"]
+                                     + [f"{e.comm_seconds(args.bandwidth):.2f} s" for e in per_stage])])
+    return _markdown(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    bad = [w for w in args.world_size if w < 1]
+    if bad:
+        print(f"error: --world-size must be >= 1, got {bad}", file=sys.stderr)
+        return 2
+    note = (f"bf16/fp16 weights hold 2 bytes, fp32 4; buffers = {args.backend} communication buffers with "
+            f"{args.bucket_cap_mb:g} MiB buckets" + (f"; * = more than {args.gpu_memory:g} GiB" if args.gpu_memory else ""))
+    if args.compact:
+        print(compact_table(args))
+        print(note + "; GiB per rank, totals of all categories")
+        return 0
+    for n in args.params:
+        for world in args.world_size:
+            table, ests = scheme_table(n, world, args)
+            print(table)
+            if args.detail:
+                for e in ests:
+                    print("\n" + str(e))
+            print(note + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
