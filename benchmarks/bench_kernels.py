@@ -29,20 +29,30 @@ from shardopt.kernels import make_scalars, reference, select  # noqa: E402
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
 
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
 def timed(fn, repeats: int) -> float:
     fn()  # warm-up (compiles the fused path)
     fn()
     times = []
     for _ in range(repeats):
+        _sync()
         t = time.perf_counter()
         fn()
+        _sync()
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
 
 def copy_bandwidth(numel: int, repeats: int) -> float:
     """Bytes read + written per second, the best of a large fp32 copy and a triad c = a + s * b."""
-    a, b, c = torch.randn(numel), torch.randn(numel), torch.empty(numel)
+    a, b, c = (torch.randn(numel, device=DEVICE), torch.randn(numel, device=DEVICE), torch.empty(numel, device=DEVICE))
     copy = 2 * 4 * numel / timed(lambda: c.copy_(a), repeats)
     triad = 3 * 4 * numel / timed(lambda: torch.add(a, b, alpha=0.5, out=c), repeats)
     return max(copy, triad)
@@ -51,16 +61,17 @@ def copy_bandwidth(numel: int, repeats: int) -> float:
 def make_state(n: int, dtype: torch.dtype) -> dict:
     g = torch.Generator().manual_seed(0)
     master = torch.randn(n, generator=g) * 0.02
-    return {"master": master, "param": master.to(dtype), "grad": (torch.randn(n, generator=g) * 1e-3).to(dtype),
-            "m": torch.randn(n, generator=g).abs() * 1e-4, "v": torch.randn(n, generator=g).abs() * 1e-8,
-            "rem": torch.zeros(n, dtype=torch.int16)}
+    st = {"master": master, "param": master.to(dtype), "grad": (torch.randn(n, generator=g) * 1e-3).to(dtype),
+          "m": torch.randn(n, generator=g).abs() * 1e-4, "v": torch.randn(n, generator=g).abs() * 1e-8,
+          "rem": torch.zeros(n, dtype=torch.int16)}
+    return {k: v.to(DEVICE) for k, v in st.items()}
 
 
 def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype):
-    s = make_scalars(**HP, step=10, grad_scale=1.0)
+    s = make_scalars(**HP, step=10, grad_scale=1.0, device=DEVICE)
     if mode == "remainder":
         st["param"], st["rem"] = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
-    seed, step, off = torch.tensor(0), torch.tensor(10), torch.tensor(0)
+    seed, step, off = (torch.tensor(v, device=DEVICE) for v in (0, 10, 0))
     out = st["param"] if dtype != torch.float32 else None
     return {
         "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], st["m"], st["v"], s, out),
@@ -121,12 +132,17 @@ def main() -> None:
     ap.add_argument("--numel", type=float, default=32e6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "kernels.md"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--out", default="", help="results file (default benchmarks/results/kernels[_cuda].md)")
     args = ap.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     n = int(args.numel)
     bw = copy_bandwidth(n, args.repeats)
-    header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) | "
+    where = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else \
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s)"
+    header = (f"machine: {where} | "
               f"torch {torch.__version__} | shard {n:,} elements | memory bandwidth {bw / 1e9:.1f} GB/s (read+write, best of copy and triad)")
     print(header, flush=True)
     rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | % of bound | vs torch fused+cast |",
@@ -154,10 +170,12 @@ def main() -> None:
                         f"{100 * rate / bound:.0f}% | {base / t:.2f}x |")
     table = "\n".join(rows)
     print("\n" + table)
+    args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "kernels_cuda.md" if DEVICE.type == "cuda" else "kernels.md")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(f"# Update kernels\n\nCommand: `python benchmarks/bench_kernels.py --numel {args.numel:g} --threads "
-                f"{args.threads}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
+                f"{args.threads} --device {args.device}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
                 "bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
     print(f"\nwritten to {args.out}")
 

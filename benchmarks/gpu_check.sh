@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # GPU readiness on one CUDA device, in under five minutes: the memory benchmark (NCCL backend,
-# torch.cuda allocated/reserved peaks per phase, step times), the step benchmark when it supports
-# CUDA, and the example GPT trained for 60 steps in bf16.
+# torch.cuda allocated/reserved peaks per phase, step times), the update kernels (Triton through
+# torch.compile) against torch's fused AdamW, sharded checkpoints on the GPU over NCCL, and the
+# example GPT trained for 60 steps in bf16.
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter (default: .venv, else python3)
 #
@@ -12,6 +13,7 @@ PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)
 LOG_DIR=${LOG_DIR:-/tmp/shardopt-gpu-check}
 mkdir -p "$LOG_DIR"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-8}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 start=$SECONDS
 
 "$PY" - <<'EOF'
@@ -48,6 +50,12 @@ if [ -f benchmarks/bench_step.py ] && "$PY" benchmarks/bench_step.py --help 2>/d
 else
     echo "== step: benchmarks/bench_step.py has no --device option; step times come from the memory benchmark"
 fi
+
+TAIL=30 step kernels 150 "$PY" benchmarks/bench_kernels.py --device cuda --numel 64e6 --repeats 5
+
+step checkpoint 90 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 tests/test_elastic.py cuda \
+    "$(mktemp -d)"
+grep -q "cuda checkpoint ok" "$LOG_DIR/checkpoint.log" || { echo "gpu_check: checkpoint check printed no success"; exit 1; }
 
 step example 60 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 examples/train_gpt.py --device cuda \
     --param-dtype bf16 --compute-dtype bf16 "${MODEL[@]}" --steps 60 --log-every 10 --bucket-cap-mb 25

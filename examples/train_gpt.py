@@ -8,6 +8,17 @@ Each rank reads different batches from a byte-level corpus (default: the Python 
 sources, so it runs offline; --data PATH for your own text). Prints step, loss, learning rate and
 tokens/s as it trains, validation loss at the end, then the memory held per rank: ShardedAdamW
 measured, its formula, and the same model under DDP + AdamW.
+
+Checkpoints: --save-every N writes a sharded checkpoint to --ckpt-dir every N updates and at the
+end, keeping the last --keep; --resume continues from the latest complete one (at any world size),
+so the same command survives a restart. Under torchrun's elastic restarts (on gloo, give each
+attempt its own store: torch 2.13 otherwise hands a restarted attempt the dead one's addresses):
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+        examples/train_gpt.py --save-every 50 --resume
+
+SHARDOPT_EXAMPLE_CRASH_AT_STEP=K makes the last rank exit abruptly before step K of the first
+attempt (to try a restart).
 """
 from __future__ import annotations
 
@@ -15,6 +26,7 @@ import argparse
 import dataclasses
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -54,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--ckpt-dir", default="checkpoints", help="where --save-every writes and --resume looks")
+    p.add_argument("--save-every", type=int, default=0, help="save every N updates and at the end (0: never)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest complete checkpoint, if any")
+    p.add_argument("--keep", type=int, default=2, help="keep the last K checkpoints")
     return p.parse_args(argv)
 
 
@@ -98,6 +114,24 @@ def main(argv: list[str] | None = None) -> None:
         y = torch.stack([src[i + 1:i + 1 + args.block_size] for i in ix])
         return x.to(device), y.to(device)
 
+    latest = shardopt.latest_checkpoint(args.ckpt_dir) if args.resume else None
+    if latest is not None:
+        extra = shardopt.load_checkpoint(latest, model, opt)
+        sched.load_state_dict(extra["scheduler"])
+        for _ in range(opt.step_count + opt.skipped_steps):  # replay this rank's batch draws so far
+            get_batch(train, gen)
+        log(f"resumed from {latest} at step {opt.step_count}")
+
+    def save_checkpoint() -> None:
+        path, t = os.path.join(args.ckpt_dir, f"step_{opt.step_count:06d}"), time.perf_counter()
+        shardopt.save_checkpoint(path, model, opt, extra={"scheduler": sched.state_dict()})
+        if rank == 0:
+            for old in shardopt.list_checkpoints(args.ckpt_dir)[:-max(args.keep, 1)]:
+                shutil.rmtree(old)
+        log(f"saved {path} in {time.perf_counter() - t:.2f}s")
+
+    crash_at = int(os.environ.get("SHARDOPT_EXAMPLE_CRASH_AT_STEP", "-1"))
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     n_params = sum(p.numel() for p in model.parameters())
     log(f"shardopt {shardopt.__version__} | torch {torch.__version__} | {world} ranks ({backend}) | "
         f"{n_params:,} parameters ({args.param_dtype} weights, {args.compute_dtype} compute) | "
@@ -109,6 +143,9 @@ def main(argv: list[str] | None = None) -> None:
         if opt.skipped_steps > 1000:
             raise RuntimeError(f"{opt.skipped_steps} steps skipped for inf/NaN gradients: training diverged")
         step = opt.step_count
+        if step == crash_at and rank == world - 1 and first_attempt:
+            print(f"rank {rank}: exiting abruptly before step {step} (SHARDOPT_EXAMPLE_CRASH_AT_STEP)", flush=True)
+            os._exit(1)
         x, y = get_batch(train, gen)
         loss = model(x, y)
         opt.backward(loss)
@@ -119,6 +156,8 @@ def main(argv: list[str] | None = None) -> None:
         if opt.step_was_skipped:
             continue  # the learning-rate schedule follows the updates actually made
         sched.step()
+        if args.save_every and (opt.step_count % args.save_every == 0 or opt.step_count == args.steps):
+            save_checkpoint()
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.steps - 1:
             dt = time.perf_counter() - t0

@@ -1,4 +1,5 @@
 """shardopt: a ZeRO-style sharded mixed-precision AdamW for data-parallel PyTorch training."""
+from shardopt.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from shardopt.estimate import MemoryEstimate, estimate_memory
 from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
 from shardopt.memory import MemoryReport, ddp_adamw_bytes, predict_bytes
@@ -15,5 +16,9 @@ __all__ = [
     "StaticScaler",
     "ddp_adamw_bytes",
     "estimate_memory",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint",
+    "save_checkpoint",
     "predict_bytes",
 ]

@@ -349,6 +349,20 @@ class ShardedAdamW(torch.optim.Optimizer):
             ],
         }
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
+        ranks), gathered one parameter at a time. Every rank."""
+        from shardopt.checkpoint import full_state_dict  # checkpoint builds on the optimizer
+
+        return full_state_dict(self)
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a ``torch.optim.AdamW``-format state dict (rank 0's is used; others may pass ``{}``)
+        at any world size; the master weights are taken from the model's current weights. Every rank."""
+        from shardopt.checkpoint import load_full_state_dict
+
+        load_full_state_dict(self, state_dict)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a ``state_dict`` taken on this rank at the same world size, and write the restored
         master weights into the model. Every rank."""
@@ -383,6 +397,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             g.update(saved)
         self._step = int(sd["step"])
         self.skipped_steps = int(sd.get("skipped_steps", 0))
+        self.config = dataclasses.replace(self.config, seed=int(sd.get("seed", self.config.seed)))
+        for b in self._buffers:
+            b.master.seed = self.config.seed
         self._scaler.load_state_dict(sd["loss_scaler"])
         for pending in [b.gather_params() for b in self._buffers]:
             pending.wait()

@@ -103,9 +103,11 @@ def reduce_dtype_case(reduce_fp32: bool) -> bool:
 
 
 def test_reduce_in_fp32(pools):
-    pool = pools(3)  # three ranks: a bf16 sum of three values rounds, an fp32 one does not
+    """Three ranks: a bf16 sum of three values rounds, an fp32 one does not. On gloo the rank-order
+    sum always runs in fp32 (at no cost on the wire), so both settings match the fp32 average."""
+    pool = pools(3)
     assert all(pool.run(reduce_dtype_case, True))
-    assert not all(pool.run(reduce_dtype_case, False))
+    assert all(pool.run(reduce_dtype_case, False))
 
 
 def counters_case(stage: int) -> dict:

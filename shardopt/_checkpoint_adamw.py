@@ -1,0 +1,172 @@
+"""Export to and import from ``torch.optim.AdamW``'s own state-dict format, one parameter at a time.
+
+The format: ``{"state": {i: {"step": 0-d fp32 tensor, "exp_avg": T, "exp_avg_sq": T}},
+"param_groups": [{lr, betas, ..., "params": [i, ...]}]}`` with parameters numbered in param-group
+order, as ``torch.optim.Optimizer.state_dict`` numbers them. It holds no master weights: a plain
+AdamW updates the model's weights themselves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shardopt._checkpoint_files import agree
+from shardopt._layout import Range
+
+
+def adamw_defaults() -> dict[str, Any]:
+    return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
+
+
+def settle(opt: Any) -> None:
+    """Wait for weight all-gathers that ``step`` left in flight (``overlap_param_gather``). Local."""
+    finish = getattr(opt, "finish_param_gather", None)
+    if finish is not None:
+        finish()
+
+
+def _locations(opt: Any) -> dict[int, tuple[Any, int]]:
+    return {id(p): (b, i) for b in opt._buffers for i, p in enumerate(b.flat.params)}
+
+
+def _param_pieces(b: Any, i: int) -> list[Range]:
+    """Each rank's piece of parameter ``i`` of buffer ``b``, as ranges within the flattened parameter."""
+    span = b.layout.params[i].global_range
+    return [span.intersect(b.layout.shard_range(r)).relative_to(span.start) for r in range(b.layout.world_size)]
+
+
+def full_state_dict(opt: Any) -> dict[str, Any]:
+    """``opt``'s state in ``torch.optim.AdamW``'s format, on rank 0 (``{}`` on other ranks).
+
+    Every rank must call it. Gathered one parameter at a time: besides the result on rank 0 (on
+    the CPU, fp32), each rank holds at most two fp32 copies of the largest parameter. Parameters
+    with ``requires_grad=False`` get no state, as in AdamW."""
+    comm = opt._comm
+    settle(opt)
+    where, defaults = _locations(opt), adamw_defaults()
+    state: dict[int, dict[str, Tensor]] = {}
+    groups, index = [], 0
+    for g in opt.param_groups:
+        ids = []
+        for p in g["params"]:
+            if id(p) in where:
+                b, i = where[id(p)]
+                moments = [_gather(b, i, b.exp_avg, comm), _gather(b, i, b.exp_avg_sq, comm)]
+                if comm.rank == 0:
+                    shape = b.layout.params[i].shape
+                    state[index] = {"step": torch.tensor(float(opt._step), dtype=torch.float32),
+                                    "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
+            ids.append(index)
+            index += 1
+        groups.append({**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups} if comm.rank == 0 else {}
+
+
+def _gather(b: Any, i: int, shard: Tensor, comm: Any) -> Tensor:
+    """Parameter ``i``'s slice of the flat fp32 state ``shard`` (this rank's shard), whole on every rank."""
+    span = b.layout.params[i].global_range
+    pieces = _param_pieces(b, i)
+    out = torch.zeros(span.size, dtype=torch.float32, device=shard.device)
+    mine = pieces[comm.rank]
+    if mine.size:
+        local = Range(span.start + mine.start, span.start + mine.end).relative_to(b.shard_range.start)
+        out[mine.as_slice()] = shard[local.as_slice()]
+    comm.all_gather_inplace(out, pieces).wait()
+    return out
+
+
+def _header(sd: dict[str, Any]) -> dict[str, Any]:
+    """The structure of an AdamW state dict (no tensor data), validated."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("expected a torch.optim.AdamW state dict with 'state' and 'param_groups' on rank 0, got "
+                         f"{type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}")
+    groups = []
+    for gi, g in enumerate(sd["param_groups"]):
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"param group {gi} has {flag}=True, which ShardedAdamW does not implement")
+        groups.append(dict(g))
+    state = {}
+    for idx, s in sd["state"].items():
+        missing = {"exp_avg", "exp_avg_sq", "step"} - set(s)
+        if missing:
+            raise ValueError(f"state of parameter #{idx} lacks {sorted(missing)}")
+        state[int(idx)] = (tuple(s["exp_avg"].shape), tuple(s["exp_avg_sq"].shape), float(s["step"]))
+    return {"param_groups": groups, "state": state}
+
+
+def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Load a ``torch.optim.AdamW``-format state dict (``full_state_dict``'s output, or a plain
+    AdamW's) into ``opt`` at any world size.
+
+    Every rank must call it; rank 0's ``state_dict`` is used (others may pass ``{}``) and sent one
+    parameter at a time. Restores both moments, the step (the largest per-parameter step) and the
+    param-group hyperparameters; parameters without state start with zero moments. AdamW keeps no
+    master weights, so the master weights are set from the model's current weights: load those
+    first (``model.load_state_dict``) on every rank."""
+    comm = opt._comm
+    settle(opt)
+    header, error = None, None
+    if comm.rank == 0:
+        try:
+            header = _header(state_dict)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            error = ValueError(str(e))
+    header = agree(comm, error, header)[0]
+    where = _locations(opt)
+    numbered = [p for g in opt.param_groups for p in g["params"]]
+    try:
+        _check_structure(opt, header, numbered)
+        error = None
+    except ValueError as e:
+        error = e
+    agree(comm, error)
+    with torch.no_grad():
+        for b in opt._buffers:
+            b.exp_avg.zero_()
+            b.exp_avg_sq.zero_()
+        for idx in sorted(header["state"]):
+            p = numbered[idx]
+            if id(p) not in where:
+                continue  # frozen here: AdamW state for it is ignored
+            b, i = where[id(p)]
+            for name, shard in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
+                full = torch.empty(b.layout.params[i].numel, dtype=torch.float32, device=shard.device)
+                if comm.rank == 0:
+                    full.copy_(state_dict["state"][idx][name].reshape(-1))
+                comm.broadcast(full, src=0).wait()
+                span = b.layout.params[i].global_range
+                mine = span.intersect(b.shard_range)  # global range
+                if mine.size:
+                    local, in_param = mine.relative_to(b.shard_range.start), mine.relative_to(span.start)
+                    shard[local.as_slice()] = full[in_param.as_slice()]
+        for b in opt._buffers:
+            b.master.load_state_tensors({"master": b.flat.slice(b.shard_range).float()})
+        for pending in [b.gather_params() for b in opt._buffers]:
+            pending.wait()
+    ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())
+    for g, saved in zip(opt.param_groups, header["param_groups"]):
+        for k, v in saved.items():
+            if k != "params" and (k in ours or k not in adamw_only):
+                g[k] = tuple(v) if k == "betas" else v
+    steps = [s for _, _, s in header["state"].values()]
+    opt._step = int(max(steps)) if steps else 0
+
+
+def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:
+    groups = header["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
+    for gi, (g, mine) in enumerate(zip(groups, opt.param_groups)):
+        if len(g["params"]) != len(mine["params"]):
+            raise ValueError(f"param group {gi} has {len(g['params'])} parameters in the state dict, "
+                             f"{len(mine['params'])} in this optimizer")
+    for idx, (shape, shape_sq, _) in sorted(header["state"].items()):
+        if not 0 <= idx < len(numbered):
+            raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")
+        want = tuple(numbered[idx].shape)
+        if shape != want or shape_sq != want:
+            raise ValueError(f"state of parameter #{idx} has shape {shape}, this optimizer's parameter #{idx} has "
+                             f"shape {want}; was it saved for another model or other param groups?")

@@ -1,0 +1,216 @@
+"""The files of a checkpoint directory (manifest, completion marker, atomic commit, listing), and
+the agreement of ranks on errors around them.
+
+Knows nothing of torch.distributed: every function but ``agree`` runs in one process (the
+converter uses them with no process group at all); ``agree`` goes through the optimizer's ``Comm``.
+
+[Note: a checkpoint is complete only when its marker says so]
+A checkpoint is written into ``PATH.tmp-TOKEN`` (TOKEN shared by all ranks). Every rank writes
+its tensor files there; when all have finished, rank 0 writes ``complete.json`` last, listing
+every file of the checkpoint with its size (and a SHA-256 of the small metadata files), fsyncs
+it, and renames the directory to ``PATH`` in one ``rename``. So:
+
+* a save that dies at any point (a rank killed, a full disk, a power cut) leaves at most a
+  ``*.tmp-*`` directory that nothing mistakes for a checkpoint, and ``PATH`` untouched if it held
+  an earlier checkpoint;
+* ``check_complete`` refuses a directory without the marker, or whose listed files are missing
+  or have another size, naming the file;
+* overwriting an existing ``PATH`` moves the old one to ``PATH.old-TOKEN`` just before the
+  final rename and deletes it just after: if the process dies between the two renames, the old
+  checkpoint survives there (``missing_checkpoint_message`` points at it).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+FORMAT = "shardopt.checkpoint.v1"
+MANIFEST = "shardopt.json"  # step, hyperparameters, parameter table (JSON, human-readable)
+MARKER = "complete.json"  # written last; its presence makes the directory a checkpoint
+EXTRA = "extra.pt"  # the caller's ``extra`` object (torch.save), optional
+DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of every tensor chunk
+_HASHED = (MANIFEST, DCP_METADATA, EXTRA)  # small files whose content the marker pins down
+_TEMP = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
+
+
+_ERRORS = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, ValueError, TypeError, RuntimeError,
+                                         OSError)}
+
+
+def agree(comm: Any, error: BaseException | None, payload: Any = None) -> list:
+    """Every rank's ``payload``, unless some rank had an error: then every rank raises (its own
+    error, or the first peer's, naming that rank).
+
+    One small all-gather through ``comm`` (a ``shardopt._collectives.Comm``); all ranks must call
+    it. A rank's local error thus never leaves its peers waiting in the next collective."""
+    info = None if error is None else (type(error).__name__, str(error))
+    gathered = comm.all_gather_objects((payload, info))
+    if error is not None:
+        raise error
+    for r, (_, e) in enumerate(gathered):
+        if e is not None:
+            raise _ERRORS.get(e[0], RuntimeError)(f"on rank {r}: {e[0]}: {e[1]}")
+    return [p for p, _ in gathered]
+
+
+def temp_path(path: str, token: str) -> str:
+    """Where a save to ``path`` writes before it commits."""
+    return f"{path}.tmp-{token}"
+
+
+def write_json(path: str, obj: Any) -> None:
+    """Write ``obj`` as JSON to ``path`` durably: temporary file, fsync, rename."""
+    tmp = f"{path}.partial"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def check_replaceable(path: str) -> None:
+    """Raise FileExistsError unless ``path`` is absent, an empty directory or a checkpoint (which a
+    save may replace): a save never deletes anything else."""
+    if not os.path.lexists(path):
+        return
+    if os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, MARKER))):
+        return
+    raise FileExistsError(f"{path} exists and is not a shardopt checkpoint; refusing to replace it")
+
+
+def commit(tmp: str, path: str, token: str) -> None:
+    """Mark ``tmp`` complete and rename it to ``path``. Rank 0 only, after every rank has written.
+
+    See [Note: a checkpoint is complete only when its marker says so]."""
+    files = {}
+    for name in sorted(os.listdir(tmp)):
+        full = os.path.join(tmp, name)
+        if os.path.isfile(full) and name != MARKER and not name.endswith(".partial"):
+            files[name] = os.path.getsize(full)
+    if DCP_METADATA not in files or MANIFEST not in files:
+        raise RuntimeError(f"checkpoint {tmp} lacks {DCP_METADATA} or {MANIFEST} after every rank finished writing")
+    sha = {name: _sha256(os.path.join(tmp, name)) for name in _HASHED if name in files}
+    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "files": files, "sha256": sha})
+    _fsync_dir(tmp)
+    old = None
+    if os.path.exists(path):
+        old = f"{path}.old-{token}"
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def missing_checkpoint_message(path: str) -> str:
+    """Why ``path`` is not a checkpoint, naming what is missing and what else is there."""
+    parent = os.path.dirname(os.path.abspath(path)) or "."
+    base = os.path.basename(os.path.abspath(path))
+    leftovers = sorted(n for n in os.listdir(parent) if n.startswith(base + ".")) if os.path.isdir(parent) else []
+    msg = f"no checkpoint at {path}: the directory does not exist"
+    old = [n for n in leftovers if ".old-" in n and is_complete(os.path.join(parent, n))]
+    if old:
+        msg += f"; an overwrite was interrupted and left the previous checkpoint at {os.path.join(parent, old[-1])}"
+    elif leftovers:
+        msg += f" (only incomplete saves: {', '.join(leftovers)})"
+    return msg
+
+
+def check_complete(path: str) -> dict:
+    """The marker of the checkpoint at ``path``; raises if the checkpoint is partial or corrupt.
+
+    FileNotFoundError names the missing directory or file (a save that did not finish lacks
+    ``complete.json``); ValueError names a file whose size or checksum differs from the marker's."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(missing_checkpoint_message(path))
+    marker = os.path.join(path, MARKER)
+    if not os.path.isfile(marker):
+        raise FileNotFoundError(f"checkpoint {path} is incomplete: {marker} is missing (its save was interrupted "
+                                "or is still running); load an earlier checkpoint, e.g. "
+                                "shardopt.latest_checkpoint(<its parent directory>)")
+    try:
+        with open(marker) as f:
+            info = json.load(f)
+        files, sha = dict(info["files"]), dict(info.get("sha256", {}))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"checkpoint {path} is corrupt: cannot read {marker}: {e}") from e
+    if info.get("format") != FORMAT:
+        raise ValueError(f"{path} is not a shardopt checkpoint of format {FORMAT!r} (its marker says "
+                         f"{info.get('format')!r})")
+    for name, size in files.items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise FileNotFoundError(f"checkpoint {path} is incomplete: {full} is missing")
+        if os.path.getsize(full) != size:
+            raise ValueError(f"checkpoint {path} is corrupt: {full} has {os.path.getsize(full)} bytes, the marker "
+                             f"recorded {size}")
+    for name, digest in sha.items():
+        if _sha256(os.path.join(path, name)) != digest:
+            raise ValueError(f"checkpoint {path} is corrupt: {os.path.join(path, name)} does not match its checksum")
+    return info
+
+
+def read_manifest(path: str) -> dict:
+    """The manifest of the complete checkpoint at ``path`` (raises as ``check_complete`` does)."""
+    check_complete(path)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path} has a manifest of format {manifest.get('format')!r}, expected {FORMAT!r}")
+    return manifest
+
+
+def is_complete(path: str) -> bool:
+    """True when ``path`` is a complete, uncorrupted checkpoint (see ``check_complete``)."""
+    try:
+        check_complete(path)
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete checkpoints directly under ``root``, oldest first (by saved step, then name).
+
+    Interrupted saves (``*.tmp-*``), leftovers of overwrites (``*.old-*``) and anything without a
+    valid marker are skipped. Local; no communication."""
+    if not os.path.isdir(root):
+        return []
+    found = []
+    for name in os.listdir(root):
+        full = os.path.join(root, name)
+        if _TEMP.search(name) or not os.path.isdir(full) or not is_complete(full):
+            continue
+        try:
+            with open(os.path.join(full, MANIFEST)) as f:
+                step = int(json.load(f).get("step", 0))
+        except (OSError, ValueError, TypeError):
+            continue
+        found.append((step, name, full))
+    return [full for _, _, full in sorted(found)]
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The complete checkpoint under ``root`` with the highest step, or None. Local; no communication."""
+    found = list_checkpoints(root)
+    return found[-1] if found else None

@@ -1,0 +1,401 @@
+"""Tiers 1 and 2: sharded checkpoints, resharding, the torch.optim.AdamW format and the converter.
+
+Tier 1 (no process group): the cutting of flat pieces into N-D blocks, on every range of small
+odd shapes. Tier 2 (real gloo ranks; one pool of 4, smaller worlds are subgroups of it): a
+checkpoint saved at one world size loads at another (2 -> 1, 3, 4 and back) with the stage and
+bucket size changed, for fp32, bf16 and fp16 weights and every master-weight mode on offer, after
+a skipped step and with a growing loss scale; ``full_state_dict`` against a plain
+``torch.optim.AdamW``; partial, corrupt and foreign checkpoints refused on every rank; the
+converter, with no process group, in bounded memory.
+
+Catches: lost or misplaced pieces of parameters cut by shard boundaries (a rank's middle piece,
+an empty piece, a scalar), pieces deduplicated as if replicated, padding that leaks into weights,
+state that does not survive a change of world size, stage or bucket size (moments, step, skipped
+steps, loss scale, the stochastic-rounding seed), and a half-written checkpoint taken for a good one.
+
+Every rank trains on the same data, so the gradient average equals the local gradient and a run
+does not depend on the world size. That makes an uninterrupted run the reference: bit for bit
+where averaging is exact (1, 2 and 4 ranks: a sum of 1, 2 or 4 equal numbers in rank order,
+divided by a power of two), within the rounding of x + x + x at 3 ranks. The state right after
+loading is always compared bit for bit.
+"""
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardopt
+from models import batch, make_model, param_groups
+from shardopt._checkpoint_dcp import boxes
+from shardopt._layout import Range
+from shardopt.checkpoint import (full_state_dict, latest_checkpoint, list_checkpoints, load_checkpoint,
+                                 load_full_state_dict, save_checkpoint)
+from shardopt.convert import convert_checkpoint
+from shardopt.master import STRATEGIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def reference_kernel():
+    """Ranks spawned by this module use the reference update kernel: compiling the fused one costs
+    seconds per process, and checkpoints do not depend on which kernel ran."""
+    old = os.environ.get("SHARDOPT_KERNEL")
+    os.environ["SHARDOPT_KERNEL"] = "reference"
+    yield
+    if old is None:
+        del os.environ["SHARDOPT_KERNEL"]
+    else:
+        os.environ["SHARDOPT_KERNEL"] = old
+
+K, STEPS = 3, 6  # save after K steps, compare after STEPS
+POOL = 4  # one pool of 4 ranks; smaller worlds are subgroups of its first ranks
+_GROUPS: dict[int, object] = {}
+
+
+def _group(world: int):
+    """The process group of the pool's first ``world`` ranks, or None on the ranks outside it.
+    Every rank of the pool calls this (``new_group`` is collective), in the same order."""
+    if world not in _GROUPS:
+        _GROUPS[world] = dist.new_group(list(range(world)))
+    return _GROUPS[world] if dist.get_rank() < world else None
+
+
+def _run(pools, world: int, fn, *args, **kwargs) -> list:
+    """``fn(group, *args)`` on ``world`` ranks; their results in rank order."""
+    return pools(POOL).run(_in_group, world, fn, *args, **kwargs)[:world]
+
+
+def _in_group(world: int, fn, *args):
+    group = _group(world)
+    return None if group is None else fn(group, *args)
+
+
+# -- tier 1 ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(), (1,), (7,), (3, 4), (2, 3, 5), (4, 1, 3), (1, 1), (2, 1, 2, 3)])
+def test_boxes_tile_every_flat_range(shape):
+    numel = math.prod(shape)
+    full = torch.arange(numel).view(shape)
+    for a in range(numel + 1):
+        for b in range(a, numel + 1):
+            got = boxes(shape, Range(a, b))
+            assert len(got) <= max(1, 2 * len(shape) - 1), (shape, a, b, got)
+            flat = [full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in got]
+            assert torch.equal(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long), torch.arange(a, b))
+
+
+# -- tier 2: resharding ------------------------------------------------------------------------
+# name: (dtype, master_weights, stage and bucket_cap_mb when saved, stage and bucket_cap_mb when loaded)
+CONFIGS = {
+    "fp32-stage1": ("float32", "fp32", (1, 1e-4), (1, 1e-4)),
+    "fp32-stage2-rebucket": ("float32", "fp32", (2, 1e-4), (2, 25.0)),
+    "bf16-stage1-to-2": ("bfloat16", "fp32", (1, 25.0), (2, 1e-4)),
+    "bf16-stage2-to-1": ("bfloat16", "fp32", (2, 1e-4), (1, 25.0)),
+    # The scale grows every clean step; it stays far below fp16 overflow, which would depend on the
+    # world size (averaging sums the ranks' fp16 gradients first).
+    "fp16-dynamic-scale": ("float16", "fp32", (2, 1e-4), (1, 1e-4)),
+}
+SCALER = {"float16": dict(init_scale=2.0**4, growth_interval=1)}
+POISON = 1  # step whose loss is made inf in save_case: a skipped step before the checkpoint
+for _mode in ("remainder", "stochastic"):  # the modes this version offers
+    if _mode in STRATEGIES:
+        CONFIGS[f"bf16-{_mode}"] = ("bfloat16", _mode, (2, 1e-4), (2, 25.0))
+SEED = {"seed": 5} if "stochastic" in STRATEGIES else {}  # saved runs only: the checkpoint restores it
+
+
+def _build(group, cfg: tuple, which: int, seed: int):
+    dtype, master, *stages = cfg
+    stage, cap = stages[which]
+    model = make_model(seed=seed, dtype=getattr(torch, dtype))
+    scaler = shardopt.DynamicScaler(**SCALER[dtype]) if dtype in SCALER else "auto"
+    opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
+                                master_weights=master, bucket_cap_mb=cap, process_group=group, loss_scale=scaler,
+                                **(SEED if which == 0 else {}))
+    return model, opt
+
+
+def _train(model, opt, steps, poison: int | None = None) -> None:
+    for step in steps:  # the same batch on every rank
+        opt.zero_grad()
+        loss = model(batch(0, step))
+        opt.backward(loss * float("inf") if step == poison else loss)
+        opt.step()
+
+
+def _counters(opt) -> tuple:
+    return opt.step_count, opt.skipped_steps, opt.loss_scale, opt._scaler.state_dict()
+
+
+def _weights(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def save_case(group, root: str) -> dict:
+    """Train K steps, save, keep going to STEPS: the state at K and the uninterrupted result."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        model, opt = _build(group, cfg, 0, seed=3)
+        _train(model, opt, range(K), poison=POISON)
+        assert opt.skipped_steps == 1
+        save_checkpoint(os.path.join(root, name), model, opt)
+        at_k, fsd, counters = _weights(model), full_state_dict(opt), _counters(opt)
+        _train(model, opt, range(K, STEPS))
+        out[name] = (at_k, fsd, counters, _weights(model))
+    return out if dist.get_rank(group) == 0 else {}
+
+
+def load_case(group, root: str) -> dict:
+    """Load each checkpoint into a differently initialised model, then continue to STEPS."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        model, opt = _build(group, cfg, 1, seed=4)
+        load_checkpoint(os.path.join(root, name), model, opt)
+        at_k, fsd, counters = _weights(model), full_state_dict(opt), _counters(opt)
+        _train(model, opt, range(K, STEPS))
+        out[name] = (at_k, fsd, counters, _weights(model))
+    return out  # every rank's: all must hold the same weights
+
+
+TOLERANCE_3_RANKS = {torch.float32: 1e-6, torch.bfloat16: 2e-3, torch.float16: 5e-4}
+
+
+@pytest.fixture(scope="module")
+def saved_at(pools, tmp_path_factory):
+    """``saved_at(world)``: (directory, rank 0's ``save_case`` result), saved once per world size."""
+    cache: dict[int, tuple[str, dict]] = {}
+
+    def get(world: int) -> tuple[str, dict]:
+        if world not in cache:
+            root = str(tmp_path_factory.mktemp(f"saved_at_{world}"))
+            cache[world] = root, _run(pools, world, save_case, root)[0]
+        return cache[world]
+    return get
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 1), (2, 3), (2, 4), (1, 2), (3, 2), (4, 2)])
+def test_reshard_and_continue_equals_uninterrupted_run(pools, saved_at, save_world, load_world):
+    root, saved = saved_at(save_world)
+    exact = 3 not in (save_world, load_world)
+    for rank, loaded in enumerate(_run(pools, load_world, load_case, root)):
+        for name, (at_k, fsd, counters, end) in loaded.items():
+            ref_k, ref_fsd, ref_counters, ref_end = saved[name]
+            assert counters == ref_counters, (name, rank)  # steps, skipped steps, loss scaler
+            for key in ref_k:  # the state right after loading: bit for bit
+                assert torch.equal(at_k[key], ref_k[key]), (name, rank, key)
+            if rank == 0:
+                assert fsd["param_groups"] == ref_fsd["param_groups"], name
+                for i, s in ref_fsd["state"].items():
+                    for k, v in s.items():
+                        assert torch.equal(fsd["state"][i][k], v), (name, i, k)
+            for key in ref_end:
+                diff = (end[key].float() - ref_end[key].float()).abs().max().item()
+                # 3 ranks: the averaging rounds, x + x + x != 3x; a difference of rounding, not of state.
+                assert diff == 0 if exact else diff <= TOLERANCE_3_RANKS[end[key].dtype], (name, rank, key, diff)
+
+
+# -- tier 2: torch.optim.AdamW format --------------------------------------------------------------
+def adamw_case(group, path: str) -> dict:
+    """K steps, export, then one more step here and in a plain AdamW on rank 0."""
+    model, opt = _build(group, CONFIGS["fp32-stage2-rebucket"], 0, seed=5)
+    _train(model, opt, range(K))
+    fsd = full_state_dict(opt)
+    weights = _weights(model)
+    if dist.get_rank(group) == 0:
+        torch.save({"model": weights, "optim": fsd}, path)
+    ref = make_model(seed=0) if dist.get_rank(group) == 0 else None
+    if ref is not None:
+        ref.load_state_dict(weights)
+    _train(model, opt, [K])
+    out = {"mine": _weights(model), "fsd_after": full_state_dict(opt)}
+    if ref is not None:
+        ref_opt = torch.optim.AdamW(param_groups(ref), lr=0.5)  # hyperparameters come from the state dict
+        ref_opt.load_state_dict(fsd)
+        ref.zero_grad()
+        ref(batch(0, K)).backward()
+        for p in ref.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)  # ShardedAdamW counts a missing gradient as zero
+        ref_opt.step()
+        out["ref"], out["ref_state"] = _weights(ref), ref_opt.state_dict()
+    return out
+
+
+def adamw_import_case(group, path: str) -> dict:
+    """Load the exported state at this world size, then take the same extra step."""
+    model, opt = _build(group, CONFIGS["fp32-stage2-rebucket"], 1, seed=6)
+    saved = torch.load(path, weights_only=True)
+    model.load_state_dict(saved["model"])
+    load_full_state_dict(opt, saved["optim"] if dist.get_rank(group) == 0 else {})
+    again = full_state_dict(opt)
+    _train(model, opt, [K])
+    return {"again": again, "after": _weights(model)}
+
+
+def test_full_state_dict_round_trips_through_torch_adamw(pools, tmp_path):
+    path = str(tmp_path / "adamw.pt")
+    out = _run(pools, 2, adamw_case, path)[0]
+    for key, ref in out["ref"].items():
+        assert (out["mine"][key] - ref).abs().max() <= 2e-6, key
+    assert out["ref_state"]["param_groups"] == out["fsd_after"]["param_groups"]
+    for i, s in out["ref_state"]["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert (s[k] - out["fsd_after"]["state"][i][k]).abs().max() <= 1e-7, (i, k)
+        assert float(s["step"]) == float(out["fsd_after"]["state"][i]["step"]) == K + 1
+    exported = torch.load(path, weights_only=True)["optim"]
+    for world in (3, 1):
+        got = _run(pools, world, adamw_import_case, path)
+        again = got[0]["again"]
+        assert again["param_groups"] == exported["param_groups"]
+        for i, s in exported["state"].items():
+            for k, v in s.items():
+                assert torch.equal(again["state"][i][k], v), (world, i, k)
+        for r in got:
+            for key, ref in out["mine"].items():
+                assert (r["after"][key] - ref).abs().max() <= (0 if world == 1 else 1e-5), (world, key)
+
+
+# -- tier 2: refusals -------------------------------------------------------------------------------
+def save_steps_case(group, root: str, steps: list[int]) -> dict:
+    model, opt = _build(group, CONFIGS["bf16-stage2-to-1"], 0, seed=7)
+    done = 0
+    for step in steps:
+        _train(model, opt, range(done, step))
+        done = step
+        save_checkpoint(os.path.join(root, f"step_{step:05d}"), model, opt, extra={"step": step})
+    return {"weights": _weights(model), "fsd": full_state_dict(opt)}
+
+
+def load_error_case(group, path: str, hidden: int) -> tuple[str, str] | None:
+    model = make_model(seed=1, dtype=torch.bfloat16, hidden=hidden)
+    opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, process_group=group)
+    try:
+        load_checkpoint(path, model, opt)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def save_error_case(group, path: str) -> tuple[str, str] | None:
+    model = make_model(seed=1)
+    opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, process_group=group)
+    try:
+        save_checkpoint(path, model, opt)
+    except (FileExistsError, ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+def test_partial_corrupt_or_foreign_checkpoints_are_refused_on_every_rank(pools, tmp_path):
+    root = str(tmp_path)
+    _run(pools, 2, save_steps_case, root, [1, 2])
+    good = os.path.join(root, "step_00002")
+    assert list_checkpoints(root) == [os.path.join(root, "step_00001"), good]
+
+    def variant(name: str, damage) -> str:
+        path = os.path.join(root, "bad", name)
+        shutil.copytree(good, path)
+        damage(path)
+        return path
+
+    no_marker = variant("no_marker", lambda p: os.remove(os.path.join(p, "complete.json")))
+    no_shard = variant("no_shard", lambda p: os.remove(os.path.join(p, "__1_0.distcp")))
+    truncated = variant("truncated", lambda p: os.truncate(os.path.join(p, "__0_0.distcp"), 100))
+    cases = {  # path, hidden size of the model, expected error, text it must contain
+        "no_marker": (no_marker, 29, "FileNotFoundError", os.path.join(no_marker, "complete.json")),
+        "no_shard": (no_shard, 29, "FileNotFoundError", os.path.join(no_shard, "__1_0.distcp")),
+        "truncated": (truncated, 29, "ValueError", os.path.join(truncated, "__0_0.distcp")),
+        "absent": (os.path.join(root, "nothing"), 29, "FileNotFoundError", "does not exist"),
+        "other_model": (good, 30, "ValueError", "'fc1.weight'"),
+    }
+    for name, (path, hidden, kind, needle) in cases.items():
+        for rank, got in enumerate(_run(pools, 3, load_error_case, path, hidden, timeout=60)):
+            assert got is not None and got[0] == kind and needle in got[1], (name, rank, got)
+    # An interrupted save's directory is never listed; the good ones still load.
+    os.rename(no_marker, os.path.join(root, "step_00003.tmp-0123abcd"))
+    assert latest_checkpoint(root) == good
+    assert _run(pools, 2, load_error_case, good, 29) == [None, None]
+    # A save replaces a checkpoint, never anything else.
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    for got in _run(pools, 2, save_error_case, str(tmp_path / "notes")):
+        assert got is not None and got[0] == "FileExistsError" and "notes" in got[1], got
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
+    assert _run(pools, 2, save_error_case, good) == [None, None]
+
+
+# -- tier 2 + converter: no process group, bounded memory ---------------------------------------------
+def test_converter_writes_plain_state_dicts(pools, tmp_path):
+    root = str(tmp_path)
+    ref = _run(pools, 2, save_steps_case, root, [2])[0]
+    out = str(tmp_path / "plain.pt")
+    convert_checkpoint(os.path.join(root, "step_00002"), out)  # this process has no process group
+    assert not dist.is_initialized()
+    plain = torch.load(out, weights_only=True)
+    assert plain["model"].keys() == ref["weights"].keys()
+    for key, w in ref["weights"].items():
+        assert plain["model"][key].dtype == w.dtype and torch.equal(plain["model"][key], w), key
+    assert plain["optim"]["param_groups"] == ref["fsd"]["param_groups"]
+    for i, s in ref["fsd"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(plain["optim"]["state"][i][k], v), (i, k)
+    model = make_model(seed=9, dtype=torch.bfloat16)
+    model.load_state_dict(plain["model"])
+    torch.optim.AdamW(param_groups(model)).load_state_dict(plain["optim"])
+    # The fp32 master as weights, two ways: the converter, and loading into an fp32 model without optimizer.
+    convert_checkpoint(os.path.join(root, "step_00002"), out, fp32_weights=True)
+    master = torch.load(out, weights_only=True)["model"]
+    for rank, weights in enumerate(_run(pools, 3, model_only_case, os.path.join(root, "step_00002"))):
+        for key, w in master.items():
+            assert w.dtype == weights[key].dtype == torch.float32 and torch.equal(weights[key], w), (rank, key)
+
+
+def model_only_case(group, path: str) -> dict:
+    model = make_model(seed=8)  # fp32: every parameter from the checkpoint's fp32 master
+    load_checkpoint(path, model, process_group=group)
+    return _weights(model)
+
+
+def big_save_case(group, path: str, n: int, side: int) -> int:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(side, side, bias=False) for _ in range(n)])
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, process_group=group)
+    model(torch.randn(2, side)).sum().backward()
+    opt.step()
+    save_checkpoint(path, model, opt)
+    return sum(p.numel() for p in model.parameters())
+
+
+_LIMITED_CONVERT = """
+import resource, sys
+import torch
+from shardopt.convert import adamw_defaults, main
+adamw_defaults()  # first use of torch.optim imports more modules: count them in the baseline
+def data_bytes():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmData:"):
+            return int(line.split()[1]) * 1024
+limit = data_bytes() + int(sys.argv[3])
+resource.setrlimit(resource.RLIMIT_DATA, (limit, resource.getrlimit(resource.RLIMIT_DATA)[1]))
+main(sys.argv[1:3])
+"""
+
+
+def test_converter_memory_stays_near_one_parameter(pools, tmp_path):
+    """32 parameters of 1 MiB: 96 MiB of weights and moments, converted with 24 MiB of headroom
+    for private memory (RLIMIT_DATA; file-backed scratch mappings do not count)."""
+    ckpt, out = str(tmp_path / "big"), str(tmp_path / "big.pt")
+    numel = _run(pools, 2, big_save_case, ckpt, 32, 512)[0]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    proc = subprocess.run([sys.executable, "-c", _LIMITED_CONVERT, ckpt, out, str(24 * 2**20)], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    plain = torch.load(out, weights_only=True, mmap=True)
+    assert sum(t.numel() for t in plain["model"].values()) == numel
+    assert len(plain["optim"]["state"]) == 32
