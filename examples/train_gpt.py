@@ -63,6 +63,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loss-scale", default="auto", help="auto | dynamic | none | a number (static)")
     p.add_argument("--init-loss-scale", type=float, default=2.0**16, help="first scale of dynamic scaling")
     p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="MiB; small model, small buckets")
+    p.add_argument("--overlap-param-gather", action="store_true",
+                   help="let the weight all-gather of the next forward overlap its compute")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1337)
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
                                 stage=args.stage, master_weights=args.master_weights,
                                 loss_scale=None if loss_scale == "none" else loss_scale,
-                                bucket_cap_mb=args.bucket_cap_mb)
+                                bucket_cap_mb=args.bucket_cap_mb, overlap_param_gather=args.overlap_param_gather)
 
     def lr_at(step: int) -> float:  # linear warmup, cosine decay to min_lr, as a factor of lr
         if step < args.warmup:
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     tokens_per_step = args.batch_size * args.block_size * world
     t0, losses = time.perf_counter(), []
     it = 0
+    t_log, it_log = t0, 0  # tokens/s over the iterations since the last log line
     while opt.step_count < args.steps:  # count updates: steps skipped on overflow are redone
         if opt.skipped_steps > 1000:
             raise RuntimeError(f"{opt.skipped_steps} steps skipped for inf/NaN gradients: training diverged")
@@ -160,9 +163,11 @@ def main(argv: list[str] | None = None) -> None:
             save_checkpoint()
         losses.append(loss.item())
         if step % args.log_every == 0 or step == args.steps - 1:
-            dt = time.perf_counter() - t0
+            now = time.perf_counter()
+            dt, n_it = now - t_log, it - it_log
+            t_log, it_log = now, it
             log(f"step {step:5d} | loss {loss.item():.4f} | lr {sched.get_last_lr()[0]:.2e} | "
-                f"grad norm {norm.item():.3f} | {tokens_per_step * it / dt:,.0f} tok/s"
+                f"grad norm {norm.item():.3f} | {tokens_per_step * n_it / dt:,.0f} tok/s | {1e3 * dt / n_it:.0f} ms/iter"
                 + (f" | loss scale {opt.loss_scale:g}, {opt.skipped_steps} skipped" if opt.loss_scale != 1.0 else ""))
 
     with torch.no_grad():
