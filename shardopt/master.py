@@ -17,6 +17,7 @@ With fp32 parameters every mode is ``fp32``: the weights already are the master.
 """
 from __future__ import annotations
 
+import abc
 import warnings
 
 import torch
@@ -27,7 +28,7 @@ from shardopt.kernels import Kernels, reference, select
 from shardopt.kernels.reference import Scalars, round_to_dtype
 
 
-class MasterWeights:
+class MasterWeights(abc.ABC):
     """Base: the interface every strategy implements."""
 
     name = ""
@@ -39,9 +40,9 @@ class MasterWeights:
         self.kernels = kernels or select()
         self.seed = seed
 
+    @abc.abstractmethod
     def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
         """AdamW over local range ``r`` (``grad`` and the moments are already sliced to ``r``)."""
-        raise NotImplementedError
 
     def fp32(self) -> Tensor:
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
