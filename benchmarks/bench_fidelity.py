@@ -30,7 +30,9 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
-from shardopt.kernels import make_scalars, reference  # noqa: E402
+from shardopt._layout import Range  # noqa: E402
+from shardopt.kernels import make_scalars, select  # noqa: E402
+from shardopt.master import make_master  # noqa: E402
 
 MODES = ("fp32", "remainder", "stochastic", "none")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -45,25 +47,14 @@ def micro(steps: int) -> list[str]:
             n = 4096
             w0 = 1.0 + torch.rand(n, generator=torch.Generator().manual_seed(0)) * 0.01
             finals = {}
-            for mode in MODES:
-                param = w0.to(dtype)
-                master = param.float()  # all modes start from the same 16-bit weights
-                rem = torch.zeros(n, dtype=torch.int16)
+            for mode in MODES:  # all modes start from the same 16-bit weights
+                strategy = make_master(mode, w0.to(dtype), kernels=select("reference"))
                 m, v = torch.zeros(n), torch.zeros(n)
                 g = torch.ones(n, dtype=dtype)
                 for step in range(1, steps + 1):
                     s = make_scalars(lr=lr, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step, grad_scale=1.0)
-                    if mode == "fp32":
-                        reference.step_fp32(master, g, m, v, s, param)
-                    elif mode == "remainder":
-                        reference.step_remainder(param, rem, g, m, v, s)
-                    elif mode == "stochastic":
-                        reference.step_stochastic(param, g, m, v, s, torch.tensor(0), torch.tensor(step), torch.tensor(0))
-                    else:
-                        reference.step_none(param, g, m, v, s)
-                finals[mode] = master if mode == "fp32" else (
-                    (reference.decode_bf16 if dtype == torch.bfloat16 else reference.decode_fp16)(param, rem)
-                    if mode == "remainder" else param.float())
+                    strategy.update_(Range(0, n), g, m, v, s, step)
+                finals[mode] = strategy.fp32()
             start = w0.to(dtype).float()
             travel = float((finals["fp32"] - start).mean())
             cells = [f"{float((finals[mo] - start).mean()) / travel:.1%}" for mo in MODES]

@@ -40,13 +40,6 @@ class FlatParams:
         """A 1-D view of the buffer over global range ``r``."""
         return self.data[r.as_slice()]
 
-    def is_backing(self, index: int) -> bool:
-        """True while parameter ``index`` still views this buffer (a user may re-assign ``.data``)."""
-        p, span = self.params[index], self.layout.params[index]
-        if span.numel == 0:
-            return True
-        return p.data.data_ptr() == self.data[span.global_range.start:].data_ptr()
-
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

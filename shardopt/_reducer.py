@@ -266,8 +266,3 @@ class GradReducer:
     def grad_bytes(self) -> int:
         t = self.flat_grad if self.stage == 1 else self.grad_shard
         return t.numel() * t.element_size()
-
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

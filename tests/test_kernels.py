@@ -9,7 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardopt._layout import Range
 from shardopt.kernels import make_scalars, reference, select
+from shardopt.master import make_master
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -39,36 +41,21 @@ def test_reference_matches_torch_adamw_bit_for_bit():
 
 
 def _run(mode: str, dtype: torch.dtype, n: int, impl: str, steps: int = 3) -> dict:
+    """A few steps of one master-weight mode over an n-element shard with the ``impl`` kernels."""
     torch.manual_seed(1)
-    K = select(impl)
     w0 = torch.randn(n) * 0.5
     m, v = torch.zeros(n), torch.zeros(n)
-    out: dict = {}
-    if mode == "fp32":
-        master = w0.clone()
-        param = w0.to(dtype) if dtype != torch.float32 else None
-    else:
-        param = w0.to(dtype)
-        rem = torch.zeros(n, dtype=torch.int16)
-        if mode == "remainder":
-            hi, rem = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(w0)
-            param = hi.clone()
+    strategy = make_master(mode, w0.to(dtype), kernels=select(impl), seed=7, global_offset=1000)
+    strategy.load_state_tensors({"master": w0})  # every mode starts from the same fp32 weights
     for step in range(1, steps + 1):
         g = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
         s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, step=step, grad_scale=0.25)
-        if mode == "fp32":
-            K.step_fp32(master, g, m, v, s, param)
-        elif mode == "remainder":
-            K.step_remainder(param, rem, g, m, v, s)
-        elif mode == "stochastic":
-            K.step_stochastic(param, g, m, v, s, torch.tensor(7), torch.tensor(step), torch.tensor(1000))
-        else:
-            K.step_none(param, g, m, v, s)
-    out.update(m=m, v=v, param=param)
+        strategy.update_(Range(0, n), g, m, v, s, step)
+    out = {"m": m, "v": v, "param": strategy.param_shard}
     if mode == "fp32":
-        out["master"] = master
+        out["master"] = strategy.fp32()
     if mode == "remainder":
-        out["rem"] = rem
+        out["rem"] = strategy.remainder
     return out
 
 
@@ -159,21 +146,13 @@ def test_small_updates_lost_without_master_kept_with_it():
     n, steps = 4096, 40
     results = {}
     for mode in ("fp32", "remainder", "stochastic", "none"):
-        param = torch.ones(n, dtype=torch.bfloat16)
-        master, rem = torch.ones(n), torch.zeros(n, dtype=torch.int16)
+        strategy = make_master(mode, torch.ones(n, dtype=torch.bfloat16), kernels=select("reference"))
         m, v = torch.zeros(n), torch.zeros(n)
         for step in range(1, steps + 1):
             g = torch.ones(n, dtype=torch.bfloat16)  # a steady push: every update is -lr
             s = make_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=step, grad_scale=1.0)
-            if mode == "fp32":
-                reference.step_fp32(master, g, m, v, s, param)
-            elif mode == "remainder":
-                reference.step_remainder(param, rem, g, m, v, s)
-            elif mode == "stochastic":
-                reference.step_stochastic(param, g, m, v, s, torch.tensor(0), torch.tensor(step), torch.tensor(0))
-            else:
-                reference.step_none(param, g, m, v, s)
-        results[mode] = (param.float(), master if mode == "fp32" else reference.decode_bf16(param, rem))
+            strategy.update_(Range(0, n), g, m, v, s, step)
+        results[mode] = (strategy.param_shard.float(), strategy.fp32())
     expected = 1.0 - steps * 1e-3
     assert torch.equal(results["none"][0], torch.ones(n))  # lost: never moved
     assert abs(float(results["fp32"][1][0]) - expected) < 1e-5  # the master kept every update

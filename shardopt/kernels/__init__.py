@@ -32,26 +32,30 @@ class Kernels:
 
             self._impl = fused
 
-    def __getattr__(self, step_name: str):  # noqa: ANN204
+    def __getattr__(self, step_name: str):  # noqa: ANN204 - first use of a step function; cached below
         if step_name not in STEP_NAMES:
             raise AttributeError(step_name)
-        fn = getattr(self._impl, step_name)
         if self._impl is reference:
-            return fn
+            fn = getattr(reference, step_name)
+        else:
+            fused_fn, reference_fn = getattr(self._impl, step_name), getattr(reference, step_name)
 
-        def guarded(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-            try:
-                fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
-                if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
-                    raise
-                warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(e).__name__}: {e}); "
-                              "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
-                              RuntimeWarning, stacklevel=2)
-                self._impl, self.name = reference, "reference"
-                getattr(reference, step_name)(*args, **kwargs)
+            def fn(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
+                if self._impl is reference:  # an earlier compile failed
+                    return reference_fn(*args, **kwargs)
+                try:
+                    return fused_fn(*args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
+                    if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
+                        raise
+                    warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(e).__name__}: {e}); "
+                                  "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
+                                  RuntimeWarning, stacklevel=2)
+                    self._impl, self.name = reference, "reference"
+                    return reference_fn(*args, **kwargs)
 
-        return guarded
+        self.__dict__[step_name] = fn  # later lookups find it without building a wrapper per call
+        return fn
 
 
 def select(choice: str | None = None) -> Kernels:
