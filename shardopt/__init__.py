@@ -1,4 +1,5 @@
 """shardopt: a ZeRO-style sharded mixed-precision AdamW for data-parallel PyTorch training."""
+from shardopt._module_sync import sync_module_states
 from shardopt.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from shardopt.estimate import MemoryEstimate, estimate_memory
 from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
@@ -20,5 +21,6 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint",
     "save_checkpoint",
+    "sync_module_states",
     "predict_bytes",
 ]

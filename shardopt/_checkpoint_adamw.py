@@ -54,9 +54,10 @@ def full_state_dict(opt: Any) -> dict[str, Any]:
             if id(p) in where:
                 b, i = where[id(p)]
                 moments = [_gather(b, i, b.exp_avg, comm), _gather(b, i, b.exp_avg_sq, comm)]
-                if comm.rank == 0:
+                steps = opt._step - b.lag[i]
+                if comm.rank == 0 and steps > 0:  # AdamW has no state for a parameter it never updated
                     shape = b.layout.params[i].shape
-                    state[index] = {"step": torch.tensor(float(opt._step), dtype=torch.float32),
+                    state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                     "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
             ids.append(index)
             index += 1
@@ -153,6 +154,10 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                 g[k] = tuple(v) if k == "betas" else v
     steps = [s for _, _, s in header["state"].values()]
     opt._step = int(max(steps)) if steps else 0
+    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items()}
+    for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state)
+        b.lag = [opt._step - step_of.get(id(p), 0) for p in b.flat.params]
+        b.binding.record()
 
 
 def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:

@@ -144,21 +144,26 @@ class FlatLayout:
     def segments(self, rank: int, keys: Sequence[Hashable]) -> list[tuple[Hashable, Range]]:
         """Split ``rank``'s shard into maximal local ranges whose parameters share a key.
 
-        ``keys[i]`` is the key (e.g. the param-group index) of parameter ``i``. Together the
-        returned ranges tile the whole shard, padding included, so one kernel call per segment
-        covers every element once. An all-padding shard yields one segment keyed ``keys[0]``.
+        ``keys[i]`` is the key (e.g. the param-group index) of parameter ``i``; ``None`` leaves the
+        parameter out. Without ``None`` keys the returned ranges tile the whole shard, padding
+        included, so one kernel call per segment covers every element once; a left-out parameter's
+        run (and the padding after it) is omitted. An all-padding shard yields one segment keyed
+        ``keys[0]``.
         """
         pieces = self.shard_pieces(rank)
         if not pieces:
-            return [(keys[0] if keys else None, Range(0, self.shard_numel))] if self.shard_numel else []
+            key = keys[0] if keys else None
+            return [(key, Range(0, self.shard_numel))] if self.shard_numel and (key is not None or not keys) else []
         out: list[tuple[Hashable, Range]] = []
         start, key = 0, keys[pieces[0].param]
         for piece in pieces[1:]:
             k = keys[piece.param]
             if k != key:
-                out.append((key, Range(start, piece.local_range.start)))
+                if key is not None:
+                    out.append((key, Range(start, piece.local_range.start)))
                 start, key = piece.local_range.start, k
-        out.append((key, Range(start, self.shard_numel)))
+        if key is not None:
+            out.append((key, Range(start, self.shard_numel)))
         return out
 
 

@@ -18,6 +18,17 @@ of that backward. Each backward pass is thus one *round* in which every bucket i
 once, in the agreed order, on every rank. Several rounds between two steps accumulate correctly:
 stage 1 averages the accumulated buffer again (the part averaged before is equal on every rank,
 so averaging it again is exact), stage 2 adds each round's averaged shard into the gradient shard.
+
+[Note: what the reducer knows about each parameter's gradient]
+Torch semantics decide whether a parameter is updated and whether a backward adds to or replaces
+the gradient: ``used[i]`` says that parameter ``i`` got a gradient on this rank since its
+gradient was last zeroed (by ``opt.zero_grad()``, ``model.zero_grad()``, ``p.grad = None`` or
+``p.grad.zero_()``); the optimizer skips a parameter that no rank has a gradient for, as
+``torch.optim.AdamW`` skips ``p.grad is None``. Zeroing through the model is seen from ``p.grad``:
+in stage 1 ``p.grad`` is a view of the flat gradient, in stage 2 a placeholder (see
+``_grad_placeholder`` [Note: the stage-2 gradient placeholder]); when one is gone or zeroed, that
+parameter's gradient (stage 2: its part of the shard) restarts from zero. Every rank sets
+``p.grad`` of *every* parameter after a round, so a zeroing is seen alike on every rank.
 """
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ from torch import Tensor
 
 from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams
+from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._layout import Range
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on
@@ -71,22 +83,37 @@ class GradReducer:
             layout.bucket_shard_ranges(b.index)[comm.rank] for b in layout.buckets
         ]
         self.flat_grad = self.grad_shard = None
+        n = len(flat.params)
+        # Per parameter: got a gradient on this rank since last zeroed (see [Note: what the reducer knows ...]).
+        self.used = [False] * n
+        # Backward passes since the last step that ran inside opt.backward (scaled) or not.
+        self.scaled_backwards = self.unscaled_backwards = 0
+        self.backward_scaled = False  # set by the optimizer while opt.backward runs
+        self._placeholders: list[GradPlaceholder] = []
+        self._placed = [False] * n  # stage 2: p.grad was set to its placeholder by the last round
         if stage == 1:
             self.flat_grad = torch.zeros_like(flat.data)
             for i, p in enumerate(flat.params):
                 p.grad = flat.param_view(self.flat_grad, i)
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
+            self._placeholders = [GradPlaceholder(p) for p in flat.params]
+            # This rank's part of each parameter in grad_shard (local range), if any.
+            self._piece_of: dict[int, Range] = {pc.param: pc.local_range for pc in layout.shard_pieces(comm.rank)}
         self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
         self._staging: dict[int, Tensor] = {}
         self.require_sync = True
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self._rounds = 0  # rounds completed since zero_grad
         self._order: list[int] | None = None  # agreed bucket launch order, learned in round 1
+        self._backward_id: int | None = None  # autograd graph task of the backward pass seen last
+        self._sync_backward = True  # require_sync when that backward started
         self._reset_round()
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
+        if stage == 2:
+            self._hooks += [p.register_hook(self._make_pre_hook(i)) for i, p in enumerate(flat.params)]
 
     # -- rounds ---------------------------------------------------------------------------
     def _reset_round(self) -> None:
@@ -95,17 +122,74 @@ class GradReducer:
         self._pos = 0  # next position in self._order to launch
         self._completed: list[int] = []  # learning round: buckets in the order they completed
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
-        self._callback_queued = False
+
+    def _begin_backward(self) -> None:
+        """First hook of a backward pass: note how it was scaled and what was zeroed since the last."""
+        self._backward_id = torch._C._current_graph_task_id()
+        self._sync_backward = self.require_sync
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if self.backward_scaled:
+            self.scaled_backwards += 1
+        else:
+            self.unscaled_backwards += 1
+        self.observe_zeroing()
+
+    def _end_backward(self) -> None:
+        if self._sync_backward:
+            self.finish_round()
+
+    def observe_zeroing(self, *, at_step: bool = False) -> None:
+        """Stage 2: restart from zero the gradient of every parameter whose placeholder was removed
+        (``model.zero_grad()``, ``p.grad = None``) or zeroed since the last round. Local."""
+        if self.stage != 2:
+            return
+        cleared = []
+        for i, p in enumerate(self.flat.params):
+            if not self._placed[i]:
+                continue  # no placeholder out: no gradient since zeroing, or autograd is accumulating one
+            ph, g = self._placeholders[i], p.grad
+            if g is ph:
+                if not ph.zeroed:
+                    continue
+                ph.zeroed = False  # zero_(): a zero gradient that still counts as present
+            else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
+                self._placed[i] = False
+                self.used[i] = g is not None
+            cleared.append(i)
+        if not cleared:
+            return
+        if len(cleared) == len(self.flat.params):
+            if at_step:
+                self.grad_shard.zero_()
+            else:
+                self._fresh = True  # the next reduction overwrites the whole shard
+            return
+        for i in cleared:
+            r = self._piece_of.get(i)
+            if r is not None:
+                self.grad_shard[r.as_slice()].zero_()
+
+    def _make_pre_hook(self, index: int) -> Callable[[Tensor], None]:
+        def pre_hook(grad: Tensor) -> None:
+            if self._backward_id != torch._C._current_graph_task_id():
+                self._begin_backward()
+            p = self.flat.params[index]
+            if self._placed[index]:
+                self._placed[index] = False
+                if p.grad is self._placeholders[index]:
+                    p.grad = None  # autograd stores the new gradient; the old one stays in grad_shard
+
+        return pre_hook
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if not self.require_sync:
+            if self._backward_id != torch._C._current_graph_task_id():
+                self._begin_backward()
+            self.used[index] = True
+            if not self._sync_backward:
                 if self.accumulate_dtype is not None:
                     self._accumulate(index)
                 return
-            if not self._callback_queued:
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish_round)
-                self._callback_queued = True
             b = self._bucket_of[index]
             self._ready[b] += 1
             if self._order is None:  # learning round: only watch
@@ -121,7 +205,7 @@ class GradReducer:
 
     def _accumulate(self, index: int) -> None:
         p = self.flat.params[index]
-        if p.grad is None:
+        if p.grad is None or isinstance(p.grad, GradPlaceholder):
             return
         if self.accum is None:
             self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
@@ -143,19 +227,28 @@ class GradReducer:
                             "needs dense gradients (e.g. nn.Embedding(sparse=False))")
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(index)
-            p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype)
+            p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
+        grad, shape = p.grad, self.flat.layout.params[index].shape
+        bound = tuple(p.shape) == shape and p.dtype == self.flat.dtype and p.device == self.flat.device
+        if grad is not None and not bound and (tuple(grad.shape) != shape or isinstance(grad, GradPlaceholder)):
+            # The parameter was converted or replaced after the optimizer was built: keep going so
+            # that every rank reaches step(), which reports it on every rank (see _binding).
+            grad = None
         if self.stage == 1:
             view = self.flat.param_view(self.flat_grad, index)
-            if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                view.copy_(p.grad)  # .grad was reset to None or replaced: it holds the full sum
-            elif p.grad is None:
+            if grad is not None and grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
+            elif grad is None:
                 view.zero_()
-            p.grad = view
-        elif p.grad is not None:
+                if p.grad is None:
+                    self.used[index] = False  # zeroed by p.grad = None and no gradient since
+            if bound:
+                p.grad = view
+        elif grad is not None and not isinstance(grad, GradPlaceholder):
             b = self._bucket_of[index]
             span = self.flat.layout.params[index].global_range
             start = span.start - self.flat.layout.buckets[b].global_range.start
-            self._staging_for(b)[start:start + span.size].copy_(p.grad.reshape(-1))
+            self._staging_for(b)[start:start + span.size].copy_(grad.reshape(-1))
             p.grad = None
 
     def _staging_for(self, b: int) -> Tensor:
@@ -219,6 +312,12 @@ class GradReducer:
         self._fresh = False
         self._rounds += 1
         self._reset_round()
+        if self.stage == 2:
+            for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
+                if p.dtype == ph.dtype and p.device == ph.device and p.shape == ph.shape:
+                    ph.zeroed = False
+                    p.grad = ph
+                    self._placed[i] = True
 
     def _agree_on_order(self, completed: list[int]) -> list[int]:
         """Rank 0's completion order (then the never-completed buckets), adopted by every rank."""
@@ -254,13 +353,21 @@ class GradReducer:
         if self.stage == 1:
             self.flat_grad.zero_()
             for i, p in enumerate(self.flat.params):
-                p.grad = self.flat.param_view(self.flat_grad, i)
+                if p.dtype == self.flat.dtype and p.device == self.flat.device:
+                    p.grad = self.flat.param_view(self.flat_grad, i)
         else:
             for p in self.flat.params:
                 p.grad = None
+            self._placed = [False] * len(self._placed)
             self._fresh = True  # the next round overwrites every element of grad_shard
         self.accum = None
         self._rounds = 0
+        self.used = [False] * len(self.used)
+        self.stepped()
+
+    def stepped(self) -> None:
+        """Forget how the backward passes since the last step were scaled. Local."""
+        self.scaled_backwards = self.unscaled_backwards = 0
 
     @property
     def grad_bytes(self) -> int:

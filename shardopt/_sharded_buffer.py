@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from shardopt._binding import ParamBinding
 from shardopt._collectives import Comm, Pending
 from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
@@ -27,7 +28,7 @@ class ShardedBuffer:
     exp_avg_sq: Tensor  # 1D fp32, this rank's shard
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
-                 config: ShardConfig) -> None:
+                 config: ShardConfig, names: Sequence[str] | None = None) -> None:
         self.comm, self.config = comm, config
         element_size = params[0].element_size()
         self.layout = build_layout([p.shape for p in params], comm.world_size, alignment=config.alignment,
@@ -36,7 +37,12 @@ class ShardedBuffer:
         self.flat = FlatParams(params, self.layout)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard_range = self.layout.shard_range(comm.rank)
-        self.segments = self.layout.segments(comm.rank, self.group_of)
+        # Per parameter: steps it was left out of because no rank had a gradient for it, so that
+        # its own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is
+        # the optimizer's step minus its lag.
+        self.lag = [0] * len(params)
+        self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys
+        self._all_used_keys = tuple((g, 0) for g in self.group_of)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
                                   global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
         n = self.layout.shard_numel
@@ -46,22 +52,46 @@ class ShardedBuffer:
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
+        self.binding = ParamBinding(self.flat, names or [f"#{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)])
+        self._local_piece = {pc.param: pc.local_range for pc in self.layout.shard_pieces(comm.rank)}
 
     @property
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
-    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> None:
-        """AdamW on this rank's shard, one call per param-group segment. Local; no communication."""
+    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict], used: Sequence[bool]) -> None:
+        """AdamW on this rank's shard, one call per run of parameters with the same param group and
+        step count. ``used[i]``: some rank has a gradient for parameter ``i``; the others are left
+        untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is None. Local."""
         grad = self.reducer.local_grad()
-        for g, r in self.segments:
+        all_used = all(used)
+        keys = self._all_used_keys if all_used and not any(self.lag) else tuple(
+            (g, lag) if u else None for g, lag, u in zip(self.group_of, self.lag, used))
+        segments = self._segments.get(keys)
+        if segments is None:
+            if len(self._segments) > 8:
+                self._segments.clear()
+            segments = self._segments[keys] = self.layout.segments(self.comm.rank, keys)
+        for (g, lag), r in segments:
             hp = param_groups[g]
             beta1, beta2 = hp["betas"]
             s = r.as_slice()
             scalars = make_scalars(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
-                                   weight_decay=float(hp["weight_decay"]), step=step, grad_scale=grad_scale,
+                                   weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
                                    device=self.flat.device)
-            self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], scalars, step)
+            self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], scalars, step - lag)
+        if not all_used:
+            self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
+
+    def take_model_weights(self, indices: Sequence[int]) -> None:
+        """Make rank 0's current weights of parameters ``indices`` the master weights on every rank
+        (see _binding [Note: parameters changed behind the optimizer's back]). Every rank."""
+        self.comm.broadcast(self.flat.data, src=0).wait()
+        for i in indices:
+            r = self._local_piece.get(i)
+            if r is not None:
+                self.master.refresh_(r)
+        self.binding.record()
 
     def gather_buckets(self) -> list[tuple[int, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's

@@ -117,6 +117,8 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
             info["master"] = (MODEL if b.dtype == torch.float32 else MASTER) + e.key
             info["buffer"] = opt._buffers.index(b)
             info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
+            if b.lag[i]:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
+                info["step"] = opt._step - b.lag[i]
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model))):
@@ -291,13 +293,16 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
                 blocks += blocks_of(EXP_AVG + e.key, shape, r, b.exp_avg[local])
                 blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, b.exp_avg_sq[local])
         read_blocks(path, blocks, comm.group)
+        for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write
+            torch.autograd.graph.increment_version(e.tensor)
         if opt is not None:
-            _restore_optimizer(opt, manifest, staging)
+            _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
     extra_path = os.path.join(path, EXTRA)
     return torch.load(extra_path, weights_only=True) if os.path.exists(extra_path) else None
 
 
-def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor]) -> None:
+def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
+    """``model_keys``: (id of buffer, index in it) -> state-dict key of that parameter."""
     for b in opt._buffers:
         b.master.load_state_tensors({"master": staging[id(b)]})  # also writes this rank's weight shard
     for pending in [b.gather_params() for b in opt._buffers]:
@@ -308,6 +313,11 @@ def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor]) -> 
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
     opt._step = int(manifest["step"])
     opt.skipped_steps = int(manifest["skipped_steps"])
+    for b in opt._buffers:
+        for i in range(len(b.lag)):
+            saved = manifest["tensors"].get(model_keys.get((id(b), i), ""), {})
+            b.lag[i] = opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step
+        b.binding.record()  # the loaded master weights are the authority, not what was written before
     opt._scaler.load_state_dict(manifest["loss_scaler"])
     seed = manifest["config"].get("seed")
     if seed is not None and hasattr(opt.config, "seed") and seed != opt.config.seed:

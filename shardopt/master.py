@@ -48,6 +48,10 @@ class MasterWeights(abc.ABC):
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
         return self.param_shard.float()
 
+    def refresh_(self, r: Range) -> None:
+        """The weights over local range ``r`` were written from outside the optimizer (e.g.
+        ``model.load_state_dict``): make them the master there. Default: the weight is the master."""
+
     def state_tensors(self) -> dict[str, Tensor]:
         """Tensors a checkpoint must keep to resume exactly (1-D, shard length)."""
         return {"master": self.fp32()}
@@ -80,6 +84,11 @@ class FP32Master(MasterWeights):
     def fp32(self) -> Tensor:
         return self.master
 
+    def refresh_(self, r: Range) -> None:
+        if self.owns_copy:  # keep the exact master wherever the weight is still its rounding
+            m, w = self.master[r.as_slice()], self.param_shard[r.as_slice()]
+            m.copy_(torch.where(round_to_dtype(m, w.dtype) == w, m, w.float()))
+
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         self.master.copy_(tensors["master"])
         if self.owns_copy:
@@ -109,6 +118,9 @@ class RemainderMaster(MasterWeights):
 
     def fp32(self) -> Tensor:
         return self._codec()[1](self.param_shard, self.remainder)
+
+    def refresh_(self, r: Range) -> None:
+        self.remainder[r.as_slice()].zero_()  # weight + 0 is the new weight exactly
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         hi, lo = self._codec()[0](tensors["master"].float().contiguous())

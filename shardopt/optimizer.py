@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -22,6 +23,10 @@ from shardopt.memory import MemoryReport
 STATE_FORMAT = "shardopt.rank_shard.v1"
 log = logging.getLogger("shardopt")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# torch.optim.AdamW options that ShardedAdamW does not implement, with the value it does.
+_UNSUPPORTED_GROUP_OPTIONS = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False,
+                              "decoupled_weight_decay": True}
+_IGNORED_GROUP_OPTIONS = ("foreach", "fused")  # implementation choices: the update is always one fused pass
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -34,8 +39,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     weights into every rank's model. All methods except ``memory_report`` and ``no_sync`` must be
     called on every rank, in the same order.
 
-    Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction). Gradients
-    are averaged over ranks; a parameter that got no gradient counts as a zero gradient.
+    Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
+    per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
+    gradient for is left untouched, as AdamW leaves a parameter whose ``.grad`` is None.
     """
 
     def __init__(
@@ -65,7 +71,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group)
         trainable = self._check_params_on_all_ranks()
+        self._names = self._param_names()
         self._buffers = self._build_buffers(trainable)
+        tracked = {id(p) for p, _ in trainable}
+        # Parameters given with requires_grad=False: no state; their values still follow rank 0.
+        self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
+        for p in self._untracked:
+            if p.device == self._buffers[0].flat.device:
+                self._comm.broadcast(p.detach(), src=0).wait()
+        self._used: list[list[bool]] = [[True] * len(b.flat.params) for b in self._buffers]  # by the last check
+        self._grad_scale_now = 1.0  # loss scale the gradients of the coming step carry (see _check_ranks)
+        self._warned_unscaled = False
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
         self._clip: tuple[bool, float] | None = None  # (found_inf, clip coefficient) from clip_grad_norm_
@@ -92,16 +108,47 @@ class ShardedAdamW(torch.optim.Optimizer):
         if getattr(self, "_built", False):
             raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
                                "pass every param group to the constructor instead of add_param_group")
+        if not isinstance(param_group, dict):
+            raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+        param_group = dict(param_group)
+        params = param_group.get("params")
+        if isinstance(params, Tensor):
+            params = [params]
+        elif isinstance(params, (set, frozenset)):
+            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                            "tensors in sets will change between runs. Please use a list instead.")
+        elif params is not None:
+            params = list(params)  # a generator (m.parameters()) must be consumed exactly once
+        param_group["params"] = params
+        gi = len(self.param_groups)
+        for key, supported in _UNSUPPORTED_GROUP_OPTIONS.items():
+            if key in param_group and bool(param_group[key]) != supported:
+                raise ValueError(f"param group {gi} sets {key}={param_group[key]!r}, which ShardedAdamW does not "
+                                 f"implement (it supports only {key}={supported}); remove the key from the group")
+        for key in _IGNORED_GROUP_OPTIONS:
+            if param_group.pop(key, None) is not None:
+                warnings.warn(f"param group {gi}: {key}= is ignored; ShardedAdamW always updates its shard in one "
+                              "fused pass", UserWarning, stacklevel=3)
         group = dict(param_group)
         for k, v in self.defaults.items():
             group.setdefault(k, v)
         check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        params = group["params"]
-        for p in [params] if isinstance(params, Tensor) else list(params):
+        for p in params or []:
             if isinstance(p, Tensor) and not p.is_leaf:
                 raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} (grad_fn={type(p.grad_fn).__name__}) "
                                  "was passed as a parameter; pass the model's nn.Parameters, not results of ops on them")
         super().add_param_group(param_group)
+
+    def _param_names(self) -> dict[int, str]:
+        """How messages name each parameter: its name when named parameters were given, else its
+        position in param-group order and its shape."""
+        names, k = {}, 0
+        for gi, g in enumerate(self.param_groups):
+            given = g.get("param_names")
+            for j, p in enumerate(g["params"]):
+                names.setdefault(id(p), repr(given[j]) if given else f"#{k} (param group {gi}, shape {tuple(p.shape)})")
+                k += 1
+        return names
 
     def _trainable(self) -> list[tuple[torch.nn.Parameter, int]]:
         out, devices = [], set()
@@ -112,6 +159,10 @@ class ShardedAdamW(torch.optim.Optimizer):
                                      f"(param group {gi}); pass the model's nn.Parameters, not results of ops on them")
                 if not p.requires_grad:
                     continue
+                if p.device.type == "meta":
+                    raise ValueError(f"parameter of shape {tuple(p.shape)} is on the meta device (no values yet); "
+                                     "materialise the model before building ShardedAdamW, e.g. "
+                                     "model.to_empty(device=...) followed by its initialisation")
                 if p.dtype not in _SUPPORTED_DTYPES:
                     raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; ShardedAdamW "
                                     f"supports {[str(d) for d in _SUPPORTED_DTYPES]}: convert the model first")
@@ -132,6 +183,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         try:
             trainable, error = self._trainable(), None
             desc: list = [(gi, tuple(p.shape), str(p.dtype)) for p, gi in trainable]
+            tracked = {id(p) for p, _ in trainable}
+            frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(self.param_groups)
+                      for p in g["params"] if id(p) not in tracked]
+            desc.append(("frozen", frozen))  # broadcast at construction: must match too
             device = trainable[0][0].device
         except (TypeError, ValueError) as e:
             trainable, error, desc, device = [], e, [("error", type(e).__name__, str(e))], torch.device("cpu")
@@ -148,14 +203,16 @@ class ShardedAdamW(torch.optim.Optimizer):
         for r, other in enumerate(every):
             if other == ref:
                 continue
-            for i, (a, b) in enumerate(zip(ref, other)):
-                if a != b:
-                    raise ValueError(
-                        f"parameter sets differ across ranks: trainable parameter #{i} is (group, shape, dtype)="
-                        f"{a} on rank 0 but {b} on rank {r}; build the same model and pass the same "
-                        "parameters in the same order on every rank")
-            raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(ref)} trainable parameters, "
-                             f"rank {r} has {len(other)}; build the same model on every rank")
+            for kind, mine, theirs in (("trainable", ref[:-1], other[:-1]), ("frozen", ref[-1][1], other[-1][1])):
+                for i, (a, b) in enumerate(zip(mine, theirs)):
+                    if a != b:
+                        raise ValueError(
+                            f"parameter sets differ across ranks: {kind} parameter #{i} is (group, shape, dtype)="
+                            f"{a} on rank 0 but {b} on rank {r}; build the same model and pass the same "
+                            "parameters in the same order, with the same requires_grad, on every rank")
+                if len(mine) != len(theirs):
+                    raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {kind} parameters, "
+                                     f"rank {r} has {len(theirs)}; build the same model on every rank")
         raise AssertionError("unreachable: descriptions differ but no difference found")
 
     def _build_buffers(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> list[ShardedBuffer]:
@@ -167,14 +224,21 @@ class ShardedAdamW(torch.optim.Optimizer):
             # Gradients become ready roughly in reverse registration order: lay buffers out that
             # way so bucket 0 fills first during backward.
             entries = entries[::-1]
-            buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], self._comm, self.config))
+            buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], self._comm, self.config,
+                                         names=[self._names[id(p)] for p, _ in entries]))
         return buffers
 
     # -- training loop -------------------------------------------------------------------
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
         scale = self._scaler.scale
-        (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+        for b in self._buffers:
+            b.reducer.backward_scaled = True
+        try:
+            (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+        finally:
+            for b in self._buffers:
+                b.reducer.backward_scaled = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -189,8 +253,75 @@ class ShardedAdamW(torch.optim.Optimizer):
             for b, prev in zip(self._buffers, previous):
                 b.reducer.require_sync = prev
 
+    def _check_local(self) -> tuple[list[list[int]], list[str], list[float]]:
+        """What changed on this rank since the last step, behind the optimizer's back: parameters
+        written from outside (re-bound when given new storage of the same kind), problems that stop
+        training, and [backward passes scaled by opt.backward, not scaled]. Local."""
+        written, problems, scaled = [], [], [0.0, 0.0]
+        for b in self._buffers:
+            b.reducer.observe_zeroing(at_step=True)
+            w, pr = b.binding.check()
+            written.append(w)
+            problems += pr
+            scaled[0] += b.reducer.scaled_backwards
+            scaled[1] += b.reducer.unscaled_backwards
+        for p in self._untracked:
+            if p.requires_grad and p.grad is not None:
+                problems.append(
+                    f"parameter {self._names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
+                    "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
+                    "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
+                    "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
+        return written, problems, scaled
+
+    def _check_ranks(self, local: tuple[list[list[int]], list[str], list[float]], flags: Tensor) -> None:
+        """Act on the all-reduced ``flags`` (laid out by ``_grad_stats``): raise on every rank if
+        any rank found a problem, take written weights as master weights, note which parameters
+        have a gradient on some rank and which loss scale the gradients carry. Every rank."""
+        written, problems, _ = local
+        values = flags.tolist()
+        n_problems, scaled, unscaled = values[0:3]
+        if n_problems > 0:
+            every = self._comm.all_gather_objects(problems)
+            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
+            raise RuntimeError(first if rank == self._comm.rank else f"on rank {rank}: {first}")
+        offset = 3
+        for bi, b in enumerate(self._buffers):
+            n = len(b.flat.params)
+            self._used[bi] = [u > 0 for u in values[offset:offset + n]]
+            changed = [i for i, c in enumerate(values[offset + n:offset + 2 * n]) if c > 0]
+            offset += 2 * n
+            if changed:
+                log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
+                         "rank 0's values become the master weights", len(changed))
+                b.take_model_weights(changed)
+        scale = self._scaler.scale
+        self._grad_scale_now = scale
+        if scale != 1.0 and unscaled > 0:
+            if scaled > 0:
+                raise RuntimeError(
+                    f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
+                    f"scale {scale:g}) and some through loss.backward() (unscaled), on this or another rank, so the "
+                    "summed gradient has no single scale; call opt.backward(loss) for every backward pass")
+            self._grad_scale_now = 1.0
+            if not self._warned_unscaled:
+                self._warned_unscaled = True
+                warnings.warn(
+                    f"loss.backward() ran without the loss scale ({scale:g}, dynamic loss scaling for fp16 parameters); "
+                    "the gradients are taken as unscaled, but small fp16 gradients underflow to zero: call "
+                    "opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=3)
+
     def _grad_stats(self, norm_type: float | None) -> tuple[bool, float]:
-        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective."""
+        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
+        which also carries the checks of ``_check_local`` (see ``_check_ranks``)."""
+        local = self._check_local()
+        written, problems, scaled = local
+        extra: list[float] = [float(len(problems)), *scaled]
+        for b, w in zip(self._buffers, written):
+            changed = [0.0] * len(b.flat.params)
+            for i in w:
+                changed[i] = 1.0
+            extra += [float(u) for u in b.reducer.used] + changed
         device = self._buffers[0].flat.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for b in self._buffers:
@@ -205,10 +336,12 @@ class ShardedAdamW(torch.optim.Optimizer):
                 s = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type if g.numel() else stats[1] * 0
                 stats[0] += (~torch.isfinite(s)).float()
                 stats[1] += s
+        stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float32, device=device)])
         if norm_type is not None and math.isinf(norm_type):
             self._comm.all_reduce_max(stats).wait()
         else:
             self._comm.all_reduce_sum(stats).wait()
+        self._check_ranks(local, stats[2:])
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):
             return found_inf, float(stats[1])
@@ -223,7 +356,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
         found_inf, norm = self._grad_stats(norm_type)
-        norm /= self._scaler.scale
+        norm /= self._grad_scale_now
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)
         return torch.tensor(float("nan") if found_inf else norm)
@@ -240,6 +373,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         found_inf, coef = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0)
         self._clip = None
         self.step_was_skipped = found_inf
+        for b in self._buffers:
+            b.reducer.stepped()
         if found_inf:
             self.skipped_steps += 1
             attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
@@ -248,9 +383,9 @@ class ShardedAdamW(torch.optim.Optimizer):
                      attempt, self._scaler.scale, self.skipped_steps)
             return loss
         self._step += 1
-        grad_scale = coef / self._scaler.scale
-        for b in self._buffers:
-            b.update(self._step, grad_scale, self.param_groups)
+        grad_scale = coef / self._grad_scale_now
+        for b, used in zip(self._buffers, self._used):
+            b.update(self._step, grad_scale, self.param_groups, used)
         for i, b in enumerate(self._buffers):
             for bucket, pending in b.gather_buckets():
                 self._gathers[(i, bucket)] = pending
@@ -296,10 +431,30 @@ class ShardedAdamW(torch.optim.Optimizer):
         return self._bucket_of.get(id(param))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local."""
+        """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local.
+
+        Stage 1 zeroes the flat gradient buffer that ``p.grad`` views (``set_to_none`` is ignored:
+        the views stay, so backward accumulates in place); stage 2 sets ``p.grad`` to None.
+        Parameters given with ``requires_grad=False`` get ``p.grad = None`` as with torch.optim."""
         for b in self._buffers:
             b.reducer.zero_grad()
+        for p in self._untracked:
+            p.grad = None
         self._clip = None
+
+    def refresh_master_weights(self) -> None:
+        """Take the model's current weights as the master weights (rank 0's values, on every rank).
+
+        Writes through ``model.load_state_dict``, ``nn.init`` or ``p.copy_`` are noticed by the
+        next ``step`` on their own; call this after writing through ``p.data``. Every rank."""
+        self.finish_param_gather()
+        problems = []
+        for b in self._buffers:
+            problems += b.binding.check()[1]
+        if problems:
+            raise RuntimeError(problems[0])
+        for b in self._buffers:
+            b.take_model_weights(range(len(b.flat.params)))
 
     # -- reporting -----------------------------------------------------------------------
     @property
@@ -344,7 +499,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
                  "param_shapes": [span.shape for span in b.layout.params],
                  **{k: v.clone() for k, v in b.master.state_tensors().items()},
-                 "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone()}
+                 "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone(), "lag": list(b.lag)}
                 for b in self._buffers
             ],
         }
@@ -393,6 +548,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             b.exp_avg.copy_(saved["exp_avg"])
             b.exp_avg_sq.copy_(saved["exp_avg_sq"])
             b.master.load_state_tensors(saved)
+            b.lag = [int(x) for x in saved.get("lag", [0] * len(b.lag))]
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g.update(saved)
         self._step = int(sd["step"])
@@ -403,3 +559,5 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._scaler.load_state_dict(sd["loss_scaler"])
         for pending in [b.gather_params() for b in self._buffers]:
             pending.wait()
+        for b in self._buffers:
+            b.binding.record()  # weights loaded into the model before this are superseded by the master

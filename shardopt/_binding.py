@@ -1,0 +1,71 @@
+"""Keeping the model's parameters bound to the flat buffers, and noticing writes from outside.
+
+[Note: parameters changed behind the optimizer's back]
+After construction every trainable parameter's ``.data`` is a view of its flat buffer and the
+master weights are the authority on its value. Ordinary PyTorch code can break either:
+
+* ``p.data = t``, ``model.to(...)``, ``.half()`` / ``.float()`` give ``p`` new storage, so the
+  all-gather after an update no longer reaches the model. Same shape, dtype and device: the new
+  values are copied into the flat buffer and ``p`` is made a view again (``model.to("cpu:0")``
+  on a CPU model just works). Another dtype, device or shape cannot be followed (the buffers,
+  the master and the moments were laid out for the old one): every rank raises at the next
+  ``clip_grad_norm_`` or ``step``, naming the parameter.
+* ``model.load_state_dict``, ``nn.init.*_``, ``with torch.no_grad(): p.copy_(t)`` write the
+  values in place. Each such write bumps the parameter's version counter (a parameter has its
+  own, not shared with the flat buffer it views, so the optimizer's own writes through the
+  buffer do not count). At the next ``clip_grad_norm_`` or ``step`` the written parameters are
+  taken as new master weights on every rank: rank 0's values are broadcast (as at construction)
+  and each master-weight strategy refreshes its copy (``MasterWeights.refresh_``).
+  Writes through ``p.data`` bypass the version counter; after those call
+  ``opt.refresh_master_weights()``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from shardopt._flat import FlatParams
+
+
+class ParamBinding:
+    """Watches the parameters of one :class:`FlatParams` buffer."""
+
+    def __init__(self, flat: FlatParams, names: Sequence[str]) -> None:
+        self.flat = flat
+        self.names = list(names)  # how error messages name each parameter, in buffer order
+        self._ptr = [p.data_ptr() for p in flat.params]
+        self._version = [p._version for p in flat.params]
+
+    def record(self) -> None:
+        """Take the parameters' current versions as seen (after the optimizer took their values). Local."""
+        self._version = [p._version for p in self.flat.params]
+
+    def check(self) -> tuple[list[int], list[str]]:
+        """Re-bind parameters given new storage of the same kind; return the indices of parameters
+        whose values changed from outside since ``record`` and a message for each parameter that
+        can no longer be followed. Local; no communication."""
+        written: list[int] = []
+        problems: list[str] = []
+        flat = self.flat
+        for i, p in enumerate(flat.params):
+            if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
+                if p._version != self._version[i]:
+                    written.append(i)
+                continue
+            span = flat.layout.params[i]
+            if tuple(p.shape) == span.shape and p.dtype == flat.dtype and p.device == flat.device:
+                view = flat.param_view(flat.data, i)
+                with torch.no_grad():
+                    view.copy_(p.detach())
+                p.data = view
+                written.append(i)
+                continue
+            was = f"{span.shape} {flat.dtype} on {flat.device}"
+            now = f"{tuple(p.shape)} {p.dtype} on {p.device}"
+            problems.append(
+                f"parameter {self.names[i]} is now {now} but was {was} when ShardedAdamW was built: model.to(dtype), "
+                ".half(), .float(), .to(device) or p.data = t after building the optimizer gave it new storage that "
+                "the optimizer's flat buffers, master weights and moments cannot follow. Convert or move the model "
+                "first, then build ShardedAdamW (to continue a run, save_checkpoint before and load_checkpoint after)")
+        return written, problems

@@ -1,0 +1,70 @@
+"""What ``p.grad`` holds in stage 2 once a gradient has been reduced: a placeholder without values.
+
+[Note: the stage-2 gradient placeholder]
+In stage 2 each rank keeps only its shard of the averaged gradient, so ``p.grad`` cannot hold
+the gradient. Leaving it ``None`` would make two ordinary things silently wrong: code that clips
+or inspects ``p.grad`` (``torch.nn.utils.clip_grad_norm_``) would find no gradient and do nothing,
+and ``model.zero_grad()`` would have nothing to clear, so the optimizer could not tell whether
+the next backward should start from zero or add to the gradient it holds (torch adds unless the
+gradient was zeroed). So after each reduction ``p.grad`` is a :class:`GradPlaceholder`: a tensor
+with the parameter's shape, dtype and device but no storage.
+
+* ``model.zero_grad()`` (``p.grad = None``) or ``p.grad.zero_()`` is seen by the reducer at the
+  start of the next backward (or at ``step``), which then zeroes that parameter's part of the
+  gradient shard: zeroing works exactly as in torch, through the model or the optimizer.
+* Anything else that reads the values (a norm, a clip, arithmetic) raises a ``RuntimeError``
+  that says what to call instead, on every rank that does it, rather than computing with a
+  gradient that is not there.
+* Before autograd accumulates a new gradient into ``p.grad``, a tensor pre-hook replaces the
+  placeholder by ``None``, so autograd stores the new gradient as usual.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_aten = torch.ops.aten
+_ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
+
+MESSAGE = ("this parameter is trained by ShardedAdamW(stage=2), which keeps only this rank's shard of the averaged "
+           "gradient, so p.grad holds no values (it was read by {op}). Clip with opt.clip_grad_norm_(max_norm) (the "
+           "global norm over all ranks and shards) instead of torch.nn.utils.clip_grad_norm_, or use stage=1 to keep "
+           "the full averaged gradient in p.grad; p.grad = None and p.grad.zero_() work as usual")
+
+
+class GradPlaceholder(Tensor):
+    """A storage-less stand-in for a stage-2 parameter's gradient (see the module docstring)."""
+
+    zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
+
+    @staticmethod
+    def __new__(cls, like: Tensor, *, dtype: torch.dtype | None = None,
+                device: torch.device | None = None) -> "GradPlaceholder":
+        t = Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,  # type: ignore[attr-defined]
+                                          device=device or like.device, requires_grad=False)
+        t.zeroed = False
+        return t
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # only __torch_dispatch__ below
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in _ZEROING:
+            targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            for t in targets:
+                if not isinstance(t, GradPlaceholder):
+                    t.zero_()
+                else:
+                    t.zeroed = True
+            return None if func is _aten._foreach_zero_.default else args[0]
+        if func is _aten._to_copy.default:  # module.to(...) converts .grad along with the parameter
+            kw = kwargs or {}
+            return GradPlaceholder(args[0], dtype=kw.get("dtype"), device=kw.get("device"))
+        if func in (_aten.detach.default, _aten.alias.default):
+            return args[0]
+        raise RuntimeError(MESSAGE.format(op=func))
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by ShardedAdamW stage 2)"

@@ -1,0 +1,459 @@
+"""Tier 2: ordinary torch.optim usage gives torch's result or a clear error on every rank.
+
+Each case is something training code does every day with ``torch.optim.AdamW`` (and that
+Trainer-style frameworks do for the user): param groups built from generators, zeroing through
+the model, loading weights into a model that already has an optimizer, converting or re-binding
+parameters, freezing and unfreezing, unsupported AdamW options, rank-dependent initialisation,
+unscaled fp16 backward passes, eps=0 with parameters that got no gradient, torch's own gradient
+clipping, meta-device models. The reference is a plain ``torch.optim.AdamW`` on the gradient
+averaged over ranks the way DDP averages it (a plain ``all_reduce``; a parameter no rank has a
+gradient for keeps ``grad=None``).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardopt
+from models import batch, make_model
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _ddp_average(model: nn.Module) -> None:
+    """Average .grad over ranks as DDP does: None only where no rank has a gradient."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        has = torch.tensor([0.0 if p.grad is None else 1.0])
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        if has.item() == 0:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, op=dist.ReduceOp.SUM)
+        p.grad = g / dist.get_world_size()
+
+
+def _ref_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, zero: bool = True) -> None:
+    if zero:
+        opt.zero_grad()
+    model(batch(dist.get_rank(), step)).backward()
+    _ddp_average(model)
+    opt.step()
+
+
+def _worst(a: nn.Module, b: nn.Module) -> float:
+    return max((p.detach().float() - q.detach().float()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def _error(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except (TypeError, ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+# -- 1: generators as param groups ----------------------------------------------------------
+def generator_groups_case() -> tuple[float, float, float]:
+    model, ref = make_model(seed=1), make_model(seed=1)
+    opt = shardopt.ShardedAdamW([{"params": (p for p in model.parameters() if p.dim() >= 2)},
+                                 {"params": (p for p in model.parameters() if p.dim() < 2), "weight_decay": 0.0}],
+                                **HP, stage=2)
+    ref_opt = torch.optim.AdamW([{"params": [p for p in ref.parameters() if p.dim() >= 2]},
+                                 {"params": [p for p in ref.parameters() if p.dim() < 2], "weight_decay": 0.0}], **HP)
+    single, single_ref = make_model(seed=1), make_model(seed=1)
+    opt1 = shardopt.ShardedAdamW([{"params": single.parameters()}], **HP, stage=1)
+    ref1 = torch.optim.AdamW([{"params": single_ref.parameters()}], **HP)
+    start = copy.deepcopy(model)
+    for step in range(3):
+        for m, o in ((model, opt), (single, opt1)):
+            o.zero_grad()
+            o.backward(m(batch(dist.get_rank(), step)))
+            o.step()
+        _ref_step(ref, ref_opt, step)
+        _ref_step(single_ref, ref1, step)
+    return _worst(model, ref), _worst(single, single_ref), _worst(model, start)
+
+
+def test_generator_param_groups_are_trained(pools):
+    for worst, worst_single, moved in pools(2).run(generator_groups_case):
+        assert worst <= 2e-6 and worst_single <= 2e-6, (worst, worst_single)
+        assert moved > 1e-3
+
+
+# -- 2: zeroing through the model, or not at all ----------------------------------------------
+def zero_through_model_case(stage: int, how: str) -> float:
+    model, ref = make_model(seed=2), make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(4):
+        if how == "model":
+            model.zero_grad()
+        elif how == "model_keep":
+            model.zero_grad(set_to_none=False)
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        if how == "model_keep":
+            ref.zero_grad(set_to_none=False)
+        _ref_step(ref, ref_opt, step, zero=how == "model")
+    return _worst(model, ref)
+
+
+def test_model_zero_grad_and_no_zeroing_follow_torch(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for how in ("model", "model_keep", "never"):  # never: torch adds up the gradients of every step
+            assert max(pool.run(zero_through_model_case, stage, how)) <= 2e-6, (stage, how)
+
+
+# -- 3: weights loaded into a model that already has an optimizer ---------------------------
+def load_into_trained_model_case(stage: int, path: str) -> dict:
+    rank = dist.get_rank()
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    opt.backward(model(batch(rank, 0)))
+    opt.step()
+    other = make_model(seed=4, dtype=torch.bfloat16)
+    target = {k: v.clone() for k, v in other.state_dict().items()}
+    model.load_state_dict(target)
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+        g["weight_decay"] = 0.0
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 1)))
+    opt.step()
+    after_load = max((model.state_dict()[k].float() - v.float()).abs().max().item() for k, v in target.items())
+    # Weights-only load_checkpoint into the same trained model.
+    third = make_model(seed=5, dtype=torch.bfloat16)
+    third_opt = shardopt.ShardedAdamW(third.parameters(), **HP, stage=stage)
+    shardopt.save_checkpoint(path, third, third_opt)
+    shardopt.load_checkpoint(path, model)
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 2)))
+    opt.step()
+    after_ckpt = _worst(model, third)
+    # Loaded on rank 0 only: rank 0's values are taken everywhere, so the replicas stay equal.
+    if rank == 0:
+        model.load_state_dict(other.state_dict())
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 3)))
+    opt.step()
+    rank0_only = max((p - q).abs().max().item() for p, q in zip(model.parameters(), other.parameters())
+                     if p.requires_grad)  # a frozen parameter is the user's, as under DDP
+    return {"after_load": after_load, "after_ckpt": after_ckpt, "rank0_only": rank0_only}
+
+
+def test_weights_loaded_after_construction_become_the_master(pools, tmp_path):
+    pool = pools(2)
+    for stage in (1, 2):
+        for r in pool.run(load_into_trained_model_case, stage, str(tmp_path / f"ckpt{stage}")):
+            assert r == {"after_load": 0.0, "after_ckpt": 0.0, "rank0_only": 0.0}, (stage, r)
+
+
+def load_in_resume_order_case() -> float:
+    """model.load_state_dict then opt.load_state_dict (the usual resume): the exact master is kept."""
+    rank = dist.get_rank()
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(rank, step)))
+        opt.step()
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    master = torch.cat([b.master.fp32().clone() for b in opt._buffers])
+    model2 = make_model(seed=9, dtype=torch.bfloat16)
+    opt2 = shardopt.ShardedAdamW(model2.parameters(), lr=1e-3, stage=2)
+    for first, second in ((model2.load_state_dict, opt2.load_state_dict), (opt2.load_state_dict, model2.load_state_dict)):
+        first(saved["model"] if first == model2.load_state_dict else saved["opt"])
+        second(saved["opt"] if second == opt2.load_state_dict else saved["model"])
+        opt2._grad_stats(None)  # what clip_grad_norm_ and step check first
+        got = torch.cat([b.master.fp32() for b in opt2._buffers])
+        assert torch.equal(got, master), (got - master).abs().max()
+    return 0.0
+
+
+def test_resume_order_keeps_the_exact_master(pools):
+    pools(2).run(load_in_resume_order_case)
+
+
+# -- 4: parameters converted or re-bound after construction -------------------------------------
+def rebind_case(stage: int, how: str) -> float:
+    model, ref = make_model(seed=6), make_model(seed=6)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(4):
+        if step == 2:
+            if how == "data":
+                for p in model.parameters():
+                    p.data = p.data.clone()
+            else:
+                model.to("cpu:0")
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    return _worst(model, ref)
+
+
+def test_rebound_parameters_keep_training(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for how in ("data", "to"):
+            assert max(pool.run(rebind_case, stage, how)) <= 2e-6, (stage, how)
+
+
+def converted_case(stage: int, how: str) -> tuple[str, str] | None:
+    model = make_model(seed=6, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    opt.step()
+    if how == "half":
+        model.half()
+    elif how == "float":
+        model.float()
+    elif how == "one_rank" and dist.get_rank() == 1:  # the forward still runs (type promotion)
+        model.scalar.data = model.scalar.data.half()
+
+    def train() -> None:
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), 1)))
+        opt.step()
+
+    return _error(train)
+
+
+def test_converted_parameters_raise_on_every_rank(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for how in ("half", "float", "one_rank"):
+            for got in pool.run(converted_case, stage, how):
+                assert got is not None and got[0] == "RuntimeError", (stage, how, got)
+                assert "torch.bfloat16 on cpu when ShardedAdamW was built" in got[1], got
+                assert "then build ShardedAdamW" in got[1] and "parameter #" in got[1], got
+
+
+# -- 5: freezing and unfreezing ---------------------------------------------------------------
+def freeze_case(stage: int) -> list[float]:
+    model, ref = make_model(seed=7), make_model(seed=7)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    worst = []
+    for step in range(7):
+        frozen = 2 <= step < 5
+        for m in (model, ref):
+            m.fc1.requires_grad_(not frozen)
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+        worst.append(_worst(model, ref))
+    return worst
+
+
+def test_freezing_and_unfreezing_follow_torch(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for worst in pool.run(freeze_case, stage):
+            assert max(worst) <= 2e-6, (stage, worst)
+
+
+def frozen_at_construction_case() -> tuple[tuple[str, str] | None, bool]:
+    model = make_model(seed=7)
+    model.fc1.requires_grad_(False)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP)
+    model.fc1.requires_grad_(True)
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    got = _error(opt.step)
+    opt.zero_grad()
+    return got, model.fc1.weight.grad is None
+
+
+def test_unfreezing_a_parameter_frozen_at_construction_is_refused(pools):
+    for got, cleared in pools(2).run(frozen_at_construction_case):
+        assert got is not None and got[0] == "RuntimeError", got
+        assert "requires_grad=False when ShardedAdamW was built" in got[1], got
+        assert cleared
+
+
+# -- 6: AdamW options ShardedAdamW does not implement ------------------------------------------
+def unsupported_options_case() -> dict:
+    out = {}
+    for key, value in (("maximize", True), ("amsgrad", True), ("capturable", True), ("decoupled_weight_decay", False)):
+        model = make_model()
+        out[key] = _error(lambda: shardopt.ShardedAdamW([{"params": model.parameters(), key: value}]))
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        shardopt.ShardedAdamW([{"params": model.parameters(), "fused": True, "maximize": False}])
+    out["fused_warning"] = any("fused= is ignored" in str(w.message) for w in caught)
+    return out
+
+
+def test_unsupported_adamw_options_are_refused(pools):
+    for out in pools(2).run(unsupported_options_case):
+        for key in ("maximize", "amsgrad", "capturable", "decoupled_weight_decay"):
+            assert out[key] is not None and out[key][0] == "ValueError" and f"param group 0 sets {key}=" in out[key][1]
+        assert out["fused_warning"]
+
+
+# -- 7: rank-dependent initialisation ---------------------------------------------------------
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.fc = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(self.fc(self.frozen(x))).square().mean()
+
+
+def rank_seed_case() -> tuple[bool, bool, bool]:
+    torch.manual_seed(dist.get_rank())
+    model = BNNet()
+    model(torch.randn(8, 4)).backward()  # running statistics now differ across ranks too
+    shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+
+    def same(ts: list[torch.Tensor]) -> bool:
+        flat = torch.cat([t.detach().reshape(-1).float() for t in ts])
+        copies = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        dist.all_gather(copies, flat)
+        return all(torch.equal(c, copies[0]) for c in copies)
+
+    params_equal = same(list(model.parameters()))
+    buffers_before = same(list(model.buffers()))
+    shardopt.sync_module_states(model)
+    return params_equal, buffers_before, same(list(model.parameters()) + list(model.buffers()))
+
+
+def test_rank_dependent_init_is_made_equal(pools):
+    for params_equal, buffers_before, all_equal in pools(2).run(rank_seed_case):
+        assert params_equal  # frozen parameters given to the optimizer follow rank 0 as well
+        assert not buffers_before  # the optimizer never sees buffers ...
+        assert all_equal  # ... sync_module_states does
+
+
+# -- 8: fp16 weights and a plain loss.backward() ------------------------------------------------
+def unscaled_backward_case() -> dict:
+    rank = dist.get_rank()
+    out = {}
+    for how in ("opt", "plain"):
+        model = make_model(seed=8, dtype=torch.float16)
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)  # dynamic scaling, 2**16
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = model(batch(rank, 0))
+            opt.backward(loss) if how == "opt" else loss.backward()
+            out[how] = opt.clip_grad_norm_(1.0).item()
+            opt.step()
+        out[how + "_warned"] = any("opt.backward(loss)" in str(w.message) for w in caught)
+    model = make_model(seed=8, dtype=torch.float16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    with opt.no_sync():
+        opt.backward(model(batch(rank, 0)))
+    model(batch(rank, 1)).backward()
+    out["mixed"] = _error(opt.step)
+    ref = make_model(seed=8)  # fp32 reference norm of the averaged gradient
+    ref(batch(rank, 0)).backward()
+    _ddp_average(ref)
+    out["ref"] = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()
+    return out
+
+
+def test_unscaled_fp16_backward_is_taken_as_unscaled(pools):
+    for out in pools(2).run(unscaled_backward_case):
+        assert abs(out["plain"] - out["ref"]) <= 1e-2 * out["ref"], out
+        assert abs(out["opt"] - out["ref"]) <= 1e-2 * out["ref"], out
+        assert out["plain_warned"] and not out["opt_warned"], out
+        assert out["mixed"] is not None and "some backward passes ran through opt.backward" in out["mixed"][1]
+
+
+# -- 9: eps=0 and a parameter without a gradient -----------------------------------------------
+def eps_zero_case(stage: int) -> tuple[float, bool]:
+    model, ref = make_model(seed=9), make_model(seed=9)  # TinyNet.unused never gets a gradient
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, eps=0.0, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=0.0)
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return _worst(model, ref), finite
+
+
+def test_eps_zero_leaves_gradient_free_parameters_alone(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for worst, finite in pool.run(eps_zero_case, stage):
+            assert finite and worst <= 2e-6, (stage, worst)
+
+
+def unused_on_one_rank_case(stage: int) -> float:
+    """A parameter used on rank 1 only is trained with the averaged gradient, as under DDP."""
+    rank = dist.get_rank()
+    model, ref = make_model(seed=10), make_model(seed=10)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for m in (model, ref):
+            loss = m(batch(rank, step)) + (m.unused.sum() * 0.5 if rank == 1 else 0.0)
+            opt.backward(loss) if m is model else loss.backward()
+        opt.step()
+        _ddp_average(ref)
+        ref_opt.step()
+    return _worst(model, ref)
+
+
+def test_parameter_used_on_one_rank_only(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        assert max(pool.run(unused_on_one_rank_case, stage)) <= 2e-6
+
+
+# -- 10: torch.nn.utils.clip_grad_norm_ ---------------------------------------------------------
+def torch_clip_case(stage: int) -> tuple[tuple[str, str] | None, float]:
+    model, ref = make_model(seed=11), make_model(seed=11)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    got = None
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        got = got or _error(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1))
+        opt.step()
+        ref_opt.zero_grad()
+        ref(batch(dist.get_rank(), step)).backward()
+        _ddp_average(ref)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+    return got, _worst(model, ref)
+
+
+def test_torch_clip_grad_norm_works_in_stage1_and_raises_in_stage2(pools):
+    pool = pools(2)
+    for got, worst in pool.run(torch_clip_case, 1):
+        assert got is None and worst <= 2e-6, (got, worst)
+    for got, _ in pool.run(torch_clip_case, 2):
+        assert got is not None and got[0] == "RuntimeError" and "opt.clip_grad_norm_(max_norm)" in got[1], got
+
+
+# -- 11: a model on the meta device --------------------------------------------------------------
+def meta_case() -> tuple[str, str] | None:
+    with torch.device("meta"):
+        model = make_model()
+    return _error(lambda: shardopt.ShardedAdamW(model.parameters()))
+
+
+def test_meta_parameters_are_refused_with_a_hint(pools):
+    for got in pools(2).run(meta_case):
+        assert got is not None and got[0] == "ValueError" and "meta device" in got[1] and "to_empty" in got[1], got
