@@ -32,6 +32,7 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -89,6 +90,7 @@ class GradReducer:
         # Backward passes since the last step that ran inside opt.backward (scaled) or not.
         self.scaled_backwards = self.unscaled_backwards = 0
         self.backward_scaled = False  # set by the optimizer while opt.backward runs
+        self.check_seconds = 0.0  # time in observe_zeroing at the start of backward passes, seconds
         self._placeholders: list[GradPlaceholder] = []
         self._placed = [False] * n  # stage 2: p.grad was set to its placeholder by the last round
         if stage == 1:
@@ -132,7 +134,9 @@ class GradReducer:
             self.scaled_backwards += 1
         else:
             self.unscaled_backwards += 1
+        start = time.perf_counter()
         self.observe_zeroing()
+        self.check_seconds += time.perf_counter() - start
 
     def _end_backward(self) -> None:
         if self._sync_backward:
@@ -365,9 +369,12 @@ class GradReducer:
         self.used = [False] * len(self.used)
         self.stepped()
 
-    def stepped(self) -> None:
-        """Forget how the backward passes since the last step were scaled. Local."""
+    def stepped(self) -> float:
+        """Forget how the backward passes since the last step were scaled; returns and resets the
+        time spent looking for zeroed gradients since then, seconds. Local."""
         self.scaled_backwards = self.unscaled_backwards = 0
+        seconds, self.check_seconds = self.check_seconds, 0.0
+        return seconds
 
     @property
     def grad_bytes(self) -> int:

@@ -86,8 +86,9 @@ def _skeleton(manifest: dict, scratch: str, fp32_weights: bool) -> tuple[dict, d
         ids = []
         for key in g["params"]:
             s = manifest["tensors"][key]
-            if s["sharded"]:
-                state[index] = {"step": torch.tensor(float(manifest["step"]), dtype=torch.float32),
+            steps = s.get("step", manifest["step"])  # its own step count, when it had no gradient in some
+            if s["sharded"] and steps > 0:  # AdamW has no state for a parameter it never updated
+                state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                 "exp_avg": scratch_tensor(EXP_AVG + key, s["shape"], torch.float32),
                                 "exp_avg_sq": scratch_tensor(EXP_AVG_SQ + key, s["shape"], torch.float32)}
             ids.append(index)

@@ -17,6 +17,7 @@ from torch import Tensor
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters
 from shardopt._sharded_buffer import ShardedBuffer
+from shardopt._usage_checks import UsageChecks
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
@@ -79,9 +80,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         for p in self._untracked:
             if p.device == self._buffers[0].flat.device:
                 self._comm.broadcast(p.detach(), src=0).wait()
-        self._used: list[list[bool]] = [[True] * len(b.flat.params) for b in self._buffers]  # by the last check
-        self._grad_scale_now = 1.0  # loss scale the gradients of the coming step carry (see _check_ranks)
-        self._warned_unscaled = False
+        self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
+        self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
         self._clip: tuple[bool, float] | None = None  # (found_inf, clip coefficient) from clip_grad_norm_
@@ -253,75 +253,11 @@ class ShardedAdamW(torch.optim.Optimizer):
             for b, prev in zip(self._buffers, previous):
                 b.reducer.require_sync = prev
 
-    def _check_local(self) -> tuple[list[list[int]], list[str], list[float]]:
-        """What changed on this rank since the last step, behind the optimizer's back: parameters
-        written from outside (re-bound when given new storage of the same kind), problems that stop
-        training, and [backward passes scaled by opt.backward, not scaled]. Local."""
-        written, problems, scaled = [], [], [0.0, 0.0]
-        for b in self._buffers:
-            b.reducer.observe_zeroing(at_step=True)
-            w, pr = b.binding.check()
-            written.append(w)
-            problems += pr
-            scaled[0] += b.reducer.scaled_backwards
-            scaled[1] += b.reducer.unscaled_backwards
-        for p in self._untracked:
-            if p.requires_grad and p.grad is not None:
-                problems.append(
-                    f"parameter {self._names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
-                    "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
-                    "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
-                    "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
-        return written, problems, scaled
-
-    def _check_ranks(self, local: tuple[list[list[int]], list[str], list[float]], flags: Tensor) -> None:
-        """Act on the all-reduced ``flags`` (laid out by ``_grad_stats``): raise on every rank if
-        any rank found a problem, take written weights as master weights, note which parameters
-        have a gradient on some rank and which loss scale the gradients carry. Every rank."""
-        written, problems, _ = local
-        values = flags.tolist()
-        n_problems, scaled, unscaled = values[0:3]
-        if n_problems > 0:
-            every = self._comm.all_gather_objects(problems)
-            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
-            raise RuntimeError(first if rank == self._comm.rank else f"on rank {rank}: {first}")
-        offset = 3
-        for bi, b in enumerate(self._buffers):
-            n = len(b.flat.params)
-            self._used[bi] = [u > 0 for u in values[offset:offset + n]]
-            changed = [i for i, c in enumerate(values[offset + n:offset + 2 * n]) if c > 0]
-            offset += 2 * n
-            if changed:
-                log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
-                         "rank 0's values become the master weights", len(changed))
-                b.take_model_weights(changed)
-        scale = self._scaler.scale
-        self._grad_scale_now = scale
-        if scale != 1.0 and unscaled > 0:
-            if scaled > 0:
-                raise RuntimeError(
-                    f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
-                    f"scale {scale:g}) and some through loss.backward() (unscaled), on this or another rank, so the "
-                    "summed gradient has no single scale; call opt.backward(loss) for every backward pass")
-            self._grad_scale_now = 1.0
-            if not self._warned_unscaled:
-                self._warned_unscaled = True
-                warnings.warn(
-                    f"loss.backward() ran without the loss scale ({scale:g}, dynamic loss scaling for fp16 parameters); "
-                    "the gradients are taken as unscaled, but small fp16 gradients underflow to zero: call "
-                    "opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=3)
-
     def _grad_stats(self, norm_type: float | None) -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
-        which also carries the checks of ``_check_local`` (see ``_check_ranks``)."""
-        local = self._check_local()
-        written, problems, scaled = local
-        extra: list[float] = [float(len(problems)), *scaled]
-        for b, w in zip(self._buffers, written):
-            changed = [0.0] * len(b.flat.params)
-            for i in w:
-                changed[i] = 1.0
-            extra += [float(u) for u in b.reducer.used] + changed
+        which also carries the usage checks (see ``_usage_checks``)."""
+        found = self._checks.local()
+        extra = self._checks.flags(found)
         device = self._buffers[0].flat.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for b in self._buffers:
@@ -341,7 +277,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._comm.all_reduce_max(stats).wait()
         else:
             self._comm.all_reduce_sum(stats).wait()
-        self._check_ranks(local, stats[2:])
+        self._checks.apply(found, stats[2:], self._scaler.scale)
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):
             return found_inf, float(stats[1])
@@ -356,7 +292,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
         found_inf, norm = self._grad_stats(norm_type)
-        norm /= self._grad_scale_now
+        norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)
         return torch.tensor(float("nan") if found_inf else norm)
@@ -373,8 +309,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         found_inf, coef = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0)
         self._clip = None
         self.step_was_skipped = found_inf
-        for b in self._buffers:
-            b.reducer.stepped()
+        self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.stepped() for b in self._buffers)
+        self._checks.seconds = 0.0
         if found_inf:
             self.skipped_steps += 1
             attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
@@ -383,8 +319,8 @@ class ShardedAdamW(torch.optim.Optimizer):
                      attempt, self._scaler.scale, self.skipped_steps)
             return loss
         self._step += 1
-        grad_scale = coef / self._grad_scale_now
-        for b, used in zip(self._buffers, self._used):
+        grad_scale = coef / self._checks.grad_scale
+        for b, used in zip(self._buffers, self._checks.used):
             b.update(self._step, grad_scale, self.param_groups, used)
         for i, b in enumerate(self._buffers):
             for bucket, pending in b.gather_buckets():

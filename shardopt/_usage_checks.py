@@ -1,0 +1,114 @@
+"""The per-step checks that keep ordinary torch usage from silently corrupting training.
+
+Owns: what changed on this rank since the last step behind the optimizer's back (parameters
+re-bound or written from outside, parameters unfrozen that were frozen at construction, backward
+passes that skipped ``opt.backward``), how those findings ride in the step's one all-reduce as
+numbers, and what every rank does once they are summed over ranks (raise everywhere, take
+written weights as master weights, skip parameters no rank has a gradient for, pick the loss
+scale the gradients carry). See docs/design.md, "Ordinary torch usage is followed or refused".
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from shardopt._collectives import Comm
+from shardopt._sharded_buffer import ShardedBuffer
+
+log = logging.getLogger("shardopt")
+
+
+@dataclass
+class Findings:
+    """What one rank found; ``flags()`` turns it into the numbers that are summed over ranks."""
+
+    written: list[list[int]]  # per buffer: indices of parameters written from outside
+    problems: list[str]  # messages of problems that stop training
+    scaled: int = 0  # backward passes since the last step that ran inside opt.backward
+    unscaled: int = 0  # ... and that did not
+    used: list[list[bool]] = field(default_factory=list)  # per buffer: got a gradient on this rank
+
+
+class UsageChecks:
+    """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed flags."""
+
+    def __init__(self, buffers: Sequence[ShardedBuffer], untracked: Sequence[torch.nn.Parameter],
+                 names: dict[int, str], comm: Comm) -> None:
+        self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
+        self.used: list[list[bool]] = [[True] * len(b.flat.params) for b in self.buffers]  # some rank has a gradient
+        self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
+        self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
+        self._warned_unscaled = False
+
+    def local(self) -> Findings:
+        """Re-bind, notice writes and zeroing, collect problems. Local; no communication."""
+        start = time.perf_counter()
+        found = Findings(written=[], problems=[])
+        for b in self.buffers:
+            b.reducer.observe_zeroing(at_step=True)
+            written, problems = b.binding.check()
+            found.written.append(written)
+            found.problems += problems
+            found.scaled += b.reducer.scaled_backwards
+            found.unscaled += b.reducer.unscaled_backwards
+            found.used.append(list(b.reducer.used))
+        for p in self.untracked:
+            if p.requires_grad and p.grad is not None:
+                found.problems.append(
+                    f"parameter {self.names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
+                    "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
+                    "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
+                    "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
+        self.seconds += time.perf_counter() - start
+        return found
+
+    @staticmethod
+    def flags(found: Findings) -> list[float]:
+        """[problems, scaled, unscaled] then, per buffer, the used and the written bitmaps."""
+        out = [float(len(found.problems)), float(found.scaled), float(found.unscaled)]
+        for used, written in zip(found.used, found.written):
+            changed = [0.0] * len(used)
+            for i in written:
+                changed[i] = 1.0
+            out += [float(u) for u in used] + changed
+        return out
+
+    def apply(self, found: Findings, summed: torch.Tensor, loss_scale: float) -> None:
+        """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
+        start = time.perf_counter()
+        values = summed.tolist()
+        n_problems, scaled, unscaled = values[0:3]
+        if n_problems > 0:
+            every = self.comm.all_gather_objects(found.problems)
+            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
+            raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
+        offset = 3
+        for bi, b in enumerate(self.buffers):
+            n = len(b.flat.params)
+            self.used[bi] = [u > 0 for u in values[offset:offset + n]]
+            changed = [i for i, c in enumerate(values[offset + n:offset + 2 * n]) if c > 0]
+            offset += 2 * n
+            if changed:
+                log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
+                         "rank 0's values become the master weights", len(changed))
+                b.take_model_weights(changed)
+        self.grad_scale = loss_scale
+        if loss_scale != 1.0 and unscaled > 0:
+            if scaled > 0:
+                raise RuntimeError(
+                    f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
+                    f"scale {loss_scale:g}) and some through loss.backward() (unscaled), on this or another rank, so "
+                    "the summed gradient has no single scale; call opt.backward(loss) for every backward pass")
+            self.grad_scale = 1.0
+            if not self._warned_unscaled:
+                self._warned_unscaled = True
+                warnings.warn(
+                    f"loss.backward() ran without the loss scale ({loss_scale:g}, dynamic loss scaling for fp16 "
+                    "parameters); the gradients are taken as unscaled, but small fp16 gradients underflow to zero: "
+                    "call opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=4)
+        self.seconds += time.perf_counter() - start
