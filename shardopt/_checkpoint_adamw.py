@@ -21,10 +21,14 @@ def adamw_defaults() -> dict[str, Any]:
 
 
 def settle(opt: Any) -> None:
-    """Wait for weight all-gathers that ``step`` left in flight (``overlap_param_gather``). Local."""
+    """Wait for weight all-gathers that ``step`` left in flight (``overlap_param_gather``) and take
+    weights written into the model from outside as master weights. Every rank."""
     finish = getattr(opt, "finish_param_gather", None)
     if finish is not None:
         finish()
+    checks = getattr(opt, "_checks", None)
+    if checks is not None:
+        checks.take_outside_writes()
 
 
 def _locations(opt: Any) -> dict[int, tuple[Any, int]]:

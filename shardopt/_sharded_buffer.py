@@ -87,11 +87,15 @@ class ShardedBuffer:
         """Make rank 0's current weights of parameters ``indices`` the master weights on every rank
         (see _binding [Note: parameters changed behind the optimizer's back]). Every rank."""
         self.comm.broadcast(self.flat.data, src=0).wait()
+        self.refresh_master(indices)
+        self.binding.record()
+
+    def refresh_master(self, indices: Sequence[int]) -> None:
+        """Make this rank's weights of parameters ``indices`` the master weights of its shard. Local."""
         for i in indices:
             r = self._local_piece.get(i)
             if r is not None:
                 self.master.refresh_(r)
-        self.binding.record()
 
     def gather_buckets(self) -> list[tuple[int, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's

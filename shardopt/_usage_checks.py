@@ -67,6 +67,45 @@ class UsageChecks:
         self.seconds += time.perf_counter() - start
         return found
 
+    def take_outside_writes(self) -> None:
+        """Only the written-weights part of the checks, as one small collective: before a
+        checkpoint or an export reads the master weights. Every rank."""
+        found = Findings(written=[], problems=[])
+        for b in self.buffers:
+            written, problems = b.binding.check()
+            found.written.append(written)
+            found.problems += problems
+        flags = [float(len(found.problems))]
+        for b, written in zip(self.buffers, found.written):
+            changed = [0.0] * len(b.flat.params)
+            for i in written:
+                changed[i] = 1.0
+            flags += changed
+        summed = torch.tensor(flags, dtype=torch.float32, device=self.buffers[0].flat.device)
+        self.comm.all_reduce_max(summed).wait()
+        values = summed.tolist()
+        if values[0] > 0:
+            every = self.comm.all_gather_objects(found.problems)
+            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
+            raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
+        offset = 1
+        for b in self.buffers:
+            n = len(b.flat.params)
+            changed = [i for i, c in enumerate(values[offset:offset + n]) if c > 0]
+            offset += n
+            if changed:
+                b.take_model_weights(changed)
+
+    def refresh_local(self) -> None:
+        """This rank's shard of the master follows the weights written on this rank, without
+        communication (for ``state_dict``, which one rank may call alone); the next step still
+        takes rank 0's values everywhere. Local."""
+        for b in self.buffers:
+            written, problems = b.binding.check()
+            if problems:
+                raise RuntimeError(problems[0])
+            b.refresh_master(written)
+
     @staticmethod
     def flags(found: Findings) -> list[float]:
         """[problems, scaled, unscaled] then, per buffer, the used and the written bitmaps."""

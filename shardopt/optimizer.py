@@ -256,6 +256,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _grad_stats(self, norm_type: float | None) -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
         which also carries the usage checks (see ``_usage_checks``)."""
+        self.finish_param_gather()
         found = self._checks.local()
         extra = self._checks.flags(found)
         device = self._buffers[0].flat.device
@@ -384,11 +385,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         Writes through ``model.load_state_dict``, ``nn.init`` or ``p.copy_`` are noticed by the
         next ``step`` on their own; call this after writing through ``p.data``. Every rank."""
         self.finish_param_gather()
-        problems = []
-        for b in self._buffers:
-            problems += b.binding.check()[1]
-        if problems:
-            raise RuntimeError(problems[0])
+        self._checks.take_outside_writes()  # re-binds, and raises on every rank if it cannot
         for b in self._buffers:
             b.take_model_weights(range(len(b.flat.params)))
 
@@ -415,8 +412,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler).
 
-        Loadable by ``load_state_dict`` on the same rank at the same world size and layout."""
+        Loadable by ``load_state_dict`` on the same rank at the same world size and layout. Local."""
         self.finish_param_gather()
+        self._checks.refresh_local()
         groups = []
         for g in self.param_groups:
             groups.append({k: v for k, v in g.items() if k != "params"})

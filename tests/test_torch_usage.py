@@ -156,6 +156,41 @@ def test_weights_loaded_after_construction_become_the_master(pools, tmp_path):
             assert r == {"after_load": 0.0, "after_ckpt": 0.0, "rank0_only": 0.0}, (stage, r)
 
 
+def save_right_after_load_case(path: str) -> dict:
+    """Weights loaded, then saved or exported before any step: the saved master is the loaded weights."""
+    rank = dist.get_rank()
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    opt.backward(model(batch(rank, 0)))
+    opt.step()
+    pretrained = make_model(seed=12, dtype=torch.bfloat16)
+    model.load_state_dict(pretrained.state_dict())
+    opt.state_dict()  # on this rank alone: its shard of the master follows the loaded weights
+    local = torch.cat([b.master.fp32().clone().bfloat16() for b in opt._buffers])  # rounds as the weights do
+    shardopt.save_checkpoint(path, model, opt)
+    fresh = make_model(seed=13, dtype=torch.bfloat16)
+    fresh_opt = shardopt.ShardedAdamW(fresh.parameters(), lr=1e-3, stage=2)
+    shardopt.load_checkpoint(path, fresh, fresh_opt)
+    exported = opt.full_state_dict()
+    weights = torch.cat([b.flat.slice(b.shard_range) for b in opt._buffers])
+    with torch.no_grad():  # a write opt cannot see, then the call that says so
+        for p in model.parameters():
+            p.data.mul_(0.5)
+    opt.refresh_master_weights()
+    halved = torch.cat([b.master.fp32() for b in opt._buffers])
+    want = torch.cat([b.flat.slice(b.shard_range).float() for b in opt._buffers])
+    return {"state_dict": torch.equal(local, weights), "checkpoint": _worst(fresh, pretrained),
+            "export_steps": sorted({float(s["step"]) for s in exported.get("state", {}).values()}),
+            "refresh": torch.equal(halved, want)}
+
+
+def test_save_and_export_right_after_loading_weights(pools, tmp_path):
+    out = pools(2).run(save_right_after_load_case, str(tmp_path / "after_load"))
+    for r in out:
+        assert r["state_dict"] and r["checkpoint"] == 0.0 and r["refresh"], r
+    assert out[0]["export_steps"] == [1.0]
+
+
 def load_in_resume_order_case() -> float:
     """model.load_state_dict then opt.load_state_dict (the usual resume): the exact master is kept."""
     rank = dist.get_rank()
@@ -226,6 +261,18 @@ def converted_case(stage: int, how: str) -> tuple[str, str] | None:
         opt.step()
 
     return _error(train)
+
+
+def named_case() -> tuple[str, str] | None:
+    model = make_model(seed=6, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.named_parameters(), **HP)
+    model.fc1.weight.data = model.fc1.weight.data.float()
+    return _error(lambda: opt.clip_grad_norm_(1.0))
+
+
+def test_errors_name_named_parameters(pools):
+    for got in pools(2).run(named_case):
+        assert got is not None and "parameter 'fc1.weight' is now (29, 17) torch.float32" in got[1], got
 
 
 def test_converted_parameters_raise_on_every_rank(pools):
