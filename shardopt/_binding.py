@@ -48,6 +48,10 @@ class ParamBinding:
         written: list[int] = []
         problems: list[str] = []
         flat = self.flat
+        dtype = flat.dtype
+        if ([p.data_ptr() for p in flat.params] == self._ptr and [p._version for p in flat.params] == self._version
+                and all(p.dtype is dtype for p in flat.params)):
+            return written, problems  # the usual step: nothing changed
         for i, p in enumerate(flat.params):
             if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
                 if p._version != self._version[i]:

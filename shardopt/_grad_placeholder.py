@@ -15,8 +15,10 @@ with the parameter's shape, dtype and device but no storage.
 * Anything else that reads the values (a norm, a clip, arithmetic) raises a ``RuntimeError``
   that says what to call instead, on every rank that does it, rather than computing with a
   gradient that is not there.
-* Before autograd accumulates a new gradient into ``p.grad``, a tensor pre-hook replaces the
-  placeholder by ``None``, so autograd stores the new gradient as usual.
+* When autograd accumulates a new gradient into a placeholder (no zeroing since the last step),
+  the placeholder keeps it as ``pending`` until the reducer's post-accumulate hook adds it to the
+  shard. In the usual loop (zeroing every step) autograd finds ``p.grad is None`` and stores the
+  gradient as a plain tensor: the placeholder costs no hook and no work per parameter.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class GradPlaceholder(Tensor):
     """A storage-less stand-in for a stage-2 parameter's gradient (see the module docstring)."""
 
     zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
+    pending: Tensor | None  # gradient autograd added to it since the reducer last took one
 
     @staticmethod
     def __new__(cls, like: Tensor, *, dtype: torch.dtype | None = None,
@@ -45,6 +48,7 @@ class GradPlaceholder(Tensor):
         t = Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,  # type: ignore[attr-defined]
                                           device=device or like.device, requires_grad=False)
         t.zeroed = False
+        t.pending = None
         return t
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # only __torch_dispatch__ below
@@ -57,8 +61,16 @@ class GradPlaceholder(Tensor):
                 if not isinstance(t, GradPlaceholder):
                     t.zero_()
                 else:
-                    t.zeroed = True
+                    t.zeroed, t.pending = True, None
             return None if func is _aten._foreach_zero_.default else args[0]
+        if func in (_aten.add_.Tensor, _aten.add.Tensor) and isinstance(args[0], GradPlaceholder):
+            # Autograd accumulating a new gradient into p.grad (p.grad += new, or p.grad = p.grad +
+            # new with create_graph): held until the reducer's hook moves it into the shard.
+            ph, new = args[0], args[1]
+            alpha = (kwargs or {}).get("alpha", 1)
+            new = new if alpha == 1 else new * alpha
+            ph.pending = new if ph.pending is None else ph.pending + new
+            return ph
         if func is _aten._to_copy.default:  # module.to(...) converts .grad along with the parameter
             kw = kwargs or {}
             return GradPlaceholder(args[0], dtype=kw.get("dtype"), device=kw.get("device"))

@@ -32,6 +32,7 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 """
 from __future__ import annotations
 
+import operator
 import time
 from typing import Callable
 
@@ -90,7 +91,7 @@ class GradReducer:
         # Backward passes since the last step that ran inside opt.backward (scaled) or not.
         self.scaled_backwards = self.unscaled_backwards = 0
         self.backward_scaled = False  # set by the optimizer while opt.backward runs
-        self.check_seconds = 0.0  # time in observe_zeroing at the start of backward passes, seconds
+        self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, observe_zeroing), seconds
         self._placeholders: list[GradPlaceholder] = []
         self._placed = [False] * n  # stage 2: p.grad was set to its placeholder by the last round
         if stage == 1:
@@ -114,8 +115,6 @@ class GradReducer:
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
-        if stage == 2:
-            self._hooks += [p.register_hook(self._make_pre_hook(i)) for i, p in enumerate(flat.params)]
 
     # -- rounds ---------------------------------------------------------------------------
     def _reset_round(self) -> None:
@@ -147,18 +146,22 @@ class GradReducer:
         (``model.zero_grad()``, ``p.grad = None``) or zeroed since the last round. Local."""
         if self.stage != 2:
             return
+        placed, used, phs = self._placed, self.used, self._placeholders
+        if (all(placed) and all(map(operator.is_, [p.grad for p in self.flat.params], phs))
+                and not any(ph.zeroed for ph in phs)):
+            return  # the usual case: nothing zeroed since the last round
         cleared = []
-        for i, p in enumerate(self.flat.params):
-            if not self._placed[i]:
+        for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
+            if not placed[i]:
                 continue  # no placeholder out: no gradient since zeroing, or autograd is accumulating one
-            ph, g = self._placeholders[i], p.grad
+            g = p.grad
             if g is ph:
                 if not ph.zeroed:
                     continue
                 ph.zeroed = False  # zero_(): a zero gradient that still counts as present
             else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
-                self._placed[i] = False
-                self.used[i] = g is not None
+                placed[i] = False
+                used[i] = g is not None
             cleared.append(i)
         if not cleared:
             return
@@ -172,18 +175,6 @@ class GradReducer:
             r = self._piece_of.get(i)
             if r is not None:
                 self.grad_shard[r.as_slice()].zero_()
-
-    def _make_pre_hook(self, index: int) -> Callable[[Tensor], None]:
-        def pre_hook(grad: Tensor) -> None:
-            if self._backward_id != torch._C._current_graph_task_id():
-                self._begin_backward()
-            p = self.flat.params[index]
-            if self._placed[index]:
-                self._placed[index] = False
-                if p.grad is self._placeholders[index]:
-                    p.grad = None  # autograd stores the new gradient; the old one stays in grad_shard
-
-        return pre_hook
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -209,16 +200,20 @@ class GradReducer:
 
     def _accumulate(self, index: int) -> None:
         p = self.flat.params[index]
-        if p.grad is None or isinstance(p.grad, GradPlaceholder):
+        grad = p.grad
+        if type(grad) is GradPlaceholder:  # autograd added to a gradient held in the shard: keep it there
+            grad, p.grad.pending = grad.pending, None
+        if grad is None:
             return
         if self.accum is None:
             self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
             held = self.accum.numel() * self.accum.element_size()
             self.staging_peak_bytes = max(self.staging_peak_bytes, held)
-        self.flat.param_view(self.accum, index).add_(p.grad)
-        if self.stage == 1 and p.grad.data_ptr() == self.flat.param_view(self.flat_grad, index).data_ptr():
-            p.grad.zero_()  # the view was the accumulation target; its content now sits in accum
-        p.grad = None
+        self.flat.param_view(self.accum, index).add_(grad)
+        if self.stage == 1 and grad.data_ptr() == self.flat.param_view(self.flat_grad, index).data_ptr():
+            grad.zero_()  # the view was the accumulation target; its content now sits in accum
+        if p.grad is grad:
+            p.grad = None
 
     def _take(self, index: int) -> None:
         """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
@@ -232,28 +227,36 @@ class GradReducer:
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(index)
             p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
-        grad, shape = p.grad, self.flat.layout.params[index].shape
-        bound = tuple(p.shape) == shape and p.dtype == self.flat.dtype and p.device == self.flat.device
-        if grad is not None and not bound and (tuple(grad.shape) != shape or isinstance(grad, GradPlaceholder)):
-            # The parameter was converted or replaced after the optimizer was built: keep going so
-            # that every rank reaches step(), which reports it on every rank (see _binding).
-            grad = None
+        # A parameter converted or replaced after the optimizer was built (see _binding) must not
+        # stop the backward on one rank only: its gradient is stored as far as it fits and step()
+        # then reports the parameter on every rank. Hence the RuntimeErrors caught below.
+        grad = p.grad
+        if type(grad) is GradPlaceholder:  # autograd added to it: the new part is pending, the rest in the shard
+            grad, p.grad.pending = grad.pending, None
         if self.stage == 1:
             view = self.flat.param_view(self.flat_grad, index)
-            if grad is not None and grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
-            elif grad is None:
+            if grad is None:
                 view.zero_()
-                if p.grad is None:
-                    self.used[index] = False  # zeroed by p.grad = None and no gradient since
-            if bound:
+                self.used[index] = False  # zeroed by p.grad = None and no gradient since
+            elif grad.data_ptr() != view.data_ptr():
+                try:
+                    view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
+                except RuntimeError:
+                    view.zero_()
+            try:
                 p.grad = view
-        elif grad is not None and not isinstance(grad, GradPlaceholder):
+            except RuntimeError:
+                pass
+        elif grad is not None:
             b = self._bucket_of[index]
             span = self.flat.layout.params[index].global_range
             start = span.start - self.flat.layout.buckets[b].global_range.start
-            self._staging_for(b)[start:start + span.size].copy_(grad.reshape(-1))
-            p.grad = None
+            try:
+                self._staging_for(b)[start:start + span.size].copy_(grad.reshape(-1))
+            except RuntimeError:
+                pass
+            if p.grad is grad:
+                p.grad = None
 
     def _staging_for(self, b: int) -> Tensor:
         if b not in self._staging:
@@ -317,11 +320,13 @@ class GradReducer:
         self._rounds += 1
         self._reset_round()
         if self.stage == 2:
+            start = time.perf_counter()
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
                 if p.dtype == ph.dtype and p.device == ph.device and p.shape == ph.shape:
                     ph.zeroed = False
                     p.grad = ph
                     self._placed[i] = True
+            self.check_seconds += time.perf_counter() - start
 
     def _agree_on_order(self, completed: list[int]) -> list[int]:
         """Rank 0's completion order (then the never-completed buckets), adopted by every rank."""

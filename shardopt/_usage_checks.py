@@ -40,7 +40,8 @@ class UsageChecks:
     def __init__(self, buffers: Sequence[ShardedBuffer], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
-        self.used: list[list[bool]] = [[True] * len(b.flat.params) for b in self.buffers]  # some rank has a gradient
+        self._all_used = [[True] * len(b.flat.params) for b in self.buffers]  # never modified
+        self.used: list[list[bool]] = self._all_used  # per buffer: some rank has a gradient (read-only lists)
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
         self._warned_unscaled = False
@@ -68,33 +69,47 @@ class UsageChecks:
         return found
 
     def take_outside_writes(self) -> None:
-        """Only the written-weights part of the checks, as one small collective: before a
-        checkpoint or an export reads the master weights. Every rank."""
+        """Only the written-weights part of the checks, as small collectives: before a checkpoint
+        or an export reads the master weights. Every rank."""
         found = Findings(written=[], problems=[])
         for b in self.buffers:
             written, problems = b.binding.check()
             found.written.append(written)
             found.problems += problems
-        flags = [float(len(found.problems))]
-        for b, written in zip(self.buffers, found.written):
-            changed = [0.0] * len(b.flat.params)
-            for i in written:
-                changed[i] = 1.0
-            flags += changed
-        summed = torch.tensor(flags, dtype=torch.float32, device=self.buffers[0].flat.device)
-        self.comm.all_reduce_max(summed).wait()
-        values = summed.tolist()
-        if values[0] > 0:
+            found.used.append(self._all_used[len(found.used)])
+        head = torch.tensor([len(found.problems), sum(map(len, found.written))], dtype=torch.float32,
+                            device=self.buffers[0].flat.device)
+        self.comm.all_reduce_max(head).wait()
+        n_problems, n_written = head.tolist()
+        self._raise_if(n_problems, found)
+        if n_written > 0:
+            for b, changed in zip(self.buffers, self._exchange_bitmaps(found)[1]):
+                if changed:
+                    b.take_model_weights(changed)
+
+    def _raise_if(self, n_problems: float, found: Findings) -> None:
+        if n_problems > 0:
             every = self.comm.all_gather_objects(found.problems)
             rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
             raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
-        offset = 1
+
+    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[int]]]:
+        """Per buffer: which parameters have a gradient on some rank, and the indices of those
+        written from outside on some rank: one all-reduce (MAX) of two bitmaps. Every rank."""
+        parts = []
+        for used, written in zip(found.used, found.written):
+            changed = torch.zeros(len(used), dtype=torch.float32)
+            changed[written] = 1.0
+            parts += [torch.tensor(used, dtype=torch.float32), changed]
+        maps = torch.cat(parts).to(self.buffers[0].flat.device)
+        self.comm.all_reduce_max(maps).wait()
+        used_out, written_out, offset = [], [], 0
         for b in self.buffers:
             n = len(b.flat.params)
-            changed = [i for i, c in enumerate(values[offset:offset + n]) if c > 0]
-            offset += n
-            if changed:
-                b.take_model_weights(changed)
+            used_out.append((maps[offset:offset + n] > 0).tolist())
+            written_out.append(torch.nonzero(maps[offset + n:offset + 2 * n] > 0).view(-1).tolist())
+            offset += 2 * n
+        return used_out, written_out
 
     def refresh_local(self) -> None:
         """This rank's shard of the master follows the weights written on this rank, without
@@ -107,31 +122,24 @@ class UsageChecks:
             b.refresh_master(written)
 
     @staticmethod
-    def flags(found: Findings) -> list[float]:
-        """[problems, scaled, unscaled] then, per buffer, the used and the written bitmaps."""
-        out = [float(len(found.problems)), float(found.scaled), float(found.unscaled)]
-        for used, written in zip(found.used, found.written):
-            changed = [0.0] * len(used)
-            for i in written:
-                changed[i] = 1.0
-            out += [float(u) for u in used] + changed
-        return out
+    def flags(found: Findings, device: torch.device) -> torch.Tensor:
+        """1D fp32, 5 numbers: problems, scaled and unscaled backward passes, parameters without a
+        gradient on this rank, parameters written from outside. The bitmaps behind the last two
+        are exchanged only when some rank has one (see ``apply``)."""
+        not_used = sum(len(u) - sum(u) for u in found.used)
+        return torch.tensor([len(found.problems), found.scaled, found.unscaled, not_used,
+                             sum(map(len, found.written))], dtype=torch.float32, device=device)
 
     def apply(self, found: Findings, summed: torch.Tensor, loss_scale: float) -> None:
         """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
         start = time.perf_counter()
-        values = summed.tolist()
-        n_problems, scaled, unscaled = values[0:3]
-        if n_problems > 0:
-            every = self.comm.all_gather_objects(found.problems)
-            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
-            raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
-        offset = 3
-        for bi, b in enumerate(self.buffers):
-            n = len(b.flat.params)
-            self.used[bi] = [u > 0 for u in values[offset:offset + n]]
-            changed = [i for i, c in enumerate(values[offset + n:offset + 2 * n]) if c > 0]
-            offset += 2 * n
+        n_problems, scaled, unscaled, not_used, n_written = summed.tolist()
+        self._raise_if(n_problems, found)
+        if not_used > 0 or n_written > 0:  # some parameter lacks a gradient on some rank, or was written
+            self.used, written = self._exchange_bitmaps(found)
+        else:  # the usual step: every parameter has a gradient everywhere, nothing was written
+            self.used, written = self._all_used, [[] for _ in self.buffers]
+        for b, changed in zip(self.buffers, written):
             if changed:
                 log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
                          "rank 0's values become the master weights", len(changed))

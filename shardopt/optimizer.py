@@ -258,7 +258,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         which also carries the usage checks (see ``_usage_checks``)."""
         self.finish_param_gather()
         found = self._checks.local()
-        extra = self._checks.flags(found)
         device = self._buffers[0].flat.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
         for b in self._buffers:
@@ -273,7 +272,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 s = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type if g.numel() else stats[1] * 0
                 stats[0] += (~torch.isfinite(s)).float()
                 stats[1] += s
-        stats = torch.cat([stats, torch.tensor(extra, dtype=torch.float32, device=device)])
+        stats = torch.cat([stats, self._checks.flags(found, device)])
         if norm_type is not None and math.isinf(norm_type):
             self._comm.all_reduce_max(stats).wait()
         else:

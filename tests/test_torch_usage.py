@@ -92,12 +92,17 @@ def zero_through_model_case(stage: int, how: str) -> float:
     model, ref = make_model(seed=2), make_model(seed=2)
     opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    rank = dist.get_rank()
     for step in range(4):
         if how == "model":
             model.zero_grad()
         elif how == "model_keep":
             model.zero_grad(set_to_none=False)
-        opt.backward(model(batch(dist.get_rank(), step)))
+        if how == "never_no_sync":  # two micro-batches, the first without communication
+            with opt.no_sync():
+                opt.backward(model(batch(rank + 7, step)))
+            ref(batch(rank + 7, step)).backward()
+        opt.backward(model(batch(rank, step)))
         opt.step()
         if how == "model_keep":
             ref.zero_grad(set_to_none=False)
@@ -108,7 +113,7 @@ def zero_through_model_case(stage: int, how: str) -> float:
 def test_model_zero_grad_and_no_zeroing_follow_torch(pools):
     pool = pools(2)
     for stage in (1, 2):
-        for how in ("model", "model_keep", "never"):  # never: torch adds up the gradients of every step
+        for how in ("model", "model_keep", "never", "never_no_sync"):  # never: torch adds up every step's gradient
             assert max(pool.run(zero_through_model_case, stage, how)) <= 2e-6, (stage, how)
 
 
