@@ -315,6 +315,85 @@ def test_freezing_and_unfreezing_follow_torch(pools):
             assert max(worst) <= 2e-6, (stage, worst)
 
 
+def skipped_steps_resume_case(path: str) -> dict:
+    """A parameter frozen for some steps has its own step count: in the AdamW export and through a
+    checkpoint loaded with another stage and bucket size."""
+    rank = dist.get_rank()
+
+    def build(stage: int, cap: float):
+        model = make_model(seed=7)
+        return model, shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=cap)
+
+    def train(model, opt, steps) -> None:
+        for step in steps:
+            model.fc1.requires_grad_(not 1 <= step < 3)
+            opt.zero_grad()
+            opt.backward(model(batch(rank, step)))
+            opt.step()
+
+    model, opt = build(2, 1e-4)
+    ref, ref_opt = make_model(seed=7), None
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(4):
+        ref.fc1.requires_grad_(not 1 <= step < 3)
+        _ref_step(ref, ref_opt, step)
+    train(model, opt, range(4))
+    exported = opt.full_state_dict()
+    shardopt.save_checkpoint(path, model, opt)
+    train(model, opt, range(4, 6))
+    resumed, resumed_opt = build(1, 25.0)
+    shardopt.load_checkpoint(path, resumed, resumed_opt)
+    train(resumed, resumed_opt, range(4, 6))
+    out = {"resumed": _worst(resumed, model)}
+    if rank == 0:
+        theirs = ref_opt.state_dict()["state"]
+        out["steps"] = {i: float(s["step"]) for i, s in exported["state"].items()}
+        out["ref_steps"] = {i: float(s["step"]) for i, s in theirs.items()}
+    return out
+
+
+def test_skipped_steps_survive_export_and_checkpoints(pools, tmp_path):
+    out = pools(2).run(skipped_steps_resume_case, str(tmp_path / "skipped"))
+    assert out[0]["steps"] == out[0]["ref_steps"] and 2.0 in out[0]["steps"].values(), out[0]
+    for r in out:
+        assert r["resumed"] <= 2e-6, r
+
+
+def reentrant_checkpoint_case(stage: int, reentrant: bool) -> float:
+    """Activation checkpointing runs parts of backward as nested backward passes."""
+    from torch.utils.checkpoint import checkpoint
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+    def loss(m: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+        for layer in m:
+            x = checkpoint(lambda t, layer=layer: torch.tanh(layer(t)), x, use_reentrant=reentrant)
+        return x.square().mean()
+
+    model, ref = build(), build()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + dist.get_rank())).requires_grad_()
+        opt.zero_grad()
+        opt.backward(loss(model, x))
+        opt.step()
+        ref_opt.zero_grad()
+        loss(ref, x).backward()
+        _ddp_average(ref)
+        ref_opt.step()
+    return _worst(model, ref)
+
+
+def test_activation_checkpointing(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for reentrant in (True, False):
+            assert max(pool.run(reentrant_checkpoint_case, stage, reentrant)) <= 2e-6, (stage, reentrant)
+
+
 def frozen_at_construction_case() -> tuple[tuple[str, str] | None, bool]:
     model = make_model(seed=7)
     model.fc1.requires_grad_(False)
