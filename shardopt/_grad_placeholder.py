@@ -63,9 +63,10 @@ class GradPlaceholder(Tensor):
                 else:
                     t.zeroed, t.pending = True, None
             return None if func is _aten._foreach_zero_.default else args[0]
-        if func in (_aten.add_.Tensor, _aten.add.Tensor) and isinstance(args[0], GradPlaceholder):
-            # Autograd accumulating a new gradient into p.grad (p.grad += new, or p.grad = p.grad +
-            # new with create_graph): held until the reducer's hook moves it into the shard.
+        if func is _aten.add_.Tensor and isinstance(args[0], GradPlaceholder):
+            # Autograd accumulating a new gradient into p.grad (p.grad += new; with create_graph it
+            # adds out of place, which is refused below): held until the reducer's hook moves it
+            # into the shard, which already holds the rest of the gradient.
             ph, new = args[0], args[1]
             alpha = (kwargs or {}).get("alpha", 1)
             new = new if alpha == 1 else new * alpha
