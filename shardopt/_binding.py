@@ -41,6 +41,10 @@ class ParamBinding:
         """Take the parameters' current versions as seen (after the optimizer took their values). Local."""
         self._version = [p._version for p in self.flat.params]
 
+    def raced(self, indices: Sequence[int]) -> list[int]:
+        """Those of ``indices`` written since ``record`` (see ``UsageChecks.note_gathered``). Local."""
+        return [i for i in indices if self.flat.params[i]._version != self._version[i]]
+
     def check(self) -> tuple[list[int], list[str]]:
         """Re-bind parameters given new storage of the same kind; return the indices of parameters
         whose values changed from outside since ``record`` and a message for each parameter that

@@ -77,6 +77,9 @@ class GradPlaceholder(Tensor):
             return GradPlaceholder(args[0], dtype=kw.get("dtype"), device=kw.get("device"))
         if func in (_aten.detach.default, _aten.alias.default):
             return args[0]
+        if func is _aten.add.Tensor and isinstance(args[0], GradPlaceholder):
+            raise RuntimeError("a backward with create_graph=True cannot add to the gradient ShardedAdamW(stage=2) "
+                               "holds in shards: call opt.zero_grad() (or model.zero_grad()) before it")
         raise RuntimeError(MESSAGE.format(op=func))
 
     def __repr__(self) -> str:  # type: ignore[override]

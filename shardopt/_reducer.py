@@ -92,15 +92,18 @@ class GradReducer:
         self.scaled_backwards = self.unscaled_backwards = 0
         self.backward_scaled = False  # set by the optimizer while opt.backward runs
         self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, observe_zeroing), seconds
-        self._placeholders: list[GradPlaceholder] = []
-        self._placed = [False] * n  # stage 2: p.grad was set to its placeholder by the last round
+        # p.grad holds its placeholder: stage 2 after a round, either stage while a 16-bit gradient
+        # is summed in the fp32 accumulation buffer under no_sync.
+        self._placeholders = [GradPlaceholder(p) for p in flat.params]
+        self._placed = [False] * n
+        self.replaced: list[int] = []  # stage 2: p.grad replaced by a tensor after backward (see observe_zeroing)
         if stage == 1:
             self.flat_grad = torch.zeros_like(flat.data)
             for i, p in enumerate(flat.params):
                 p.grad = flat.param_view(self.flat_grad, i)
+            self._view_ptr = [p.grad.data_ptr() for p in flat.params]
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            self._placeholders = [GradPlaceholder(p) for p in flat.params]
             # This rank's part of each parameter in grad_shard (local range), if any.
             self._piece_of: dict[int, Range] = {pc.param: pc.local_range for pc in layout.shard_pieces(comm.rank)}
         self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
@@ -141,15 +144,43 @@ class GradReducer:
         if self._sync_backward:
             self.finish_round()
 
-    def observe_zeroing(self, *, at_step: bool = False) -> None:
-        """Stage 2: restart from zero the gradient of every parameter whose placeholder was removed
-        (``model.zero_grad()``, ``p.grad = None``) or zeroed since the last round. Local."""
-        if self.stage != 2:
-            return
+    def _observe_views(self) -> bool:
+        """Stage 1, before a step: ``p.grad`` set to None makes that gradient zero (and absent);
+        ``p.grad`` replaced by another tensor makes that tensor the gradient. True if any. Local."""
+        changed = False
+        used, placed, ptrs = self.used, self._placed, self._view_ptr
+        for i, p in enumerate(self.flat.params):
+            g = p.grad
+            if placed[i] or (g is not None and g.data_ptr() == ptrs[i]):
+                continue
+            view = self.flat.param_view(self.flat_grad, i)
+            if g is None:
+                view.zero_()
+                used[i] = False
+            else:
+                try:
+                    view.copy_(g)
+                except RuntimeError:
+                    continue  # converted after construction: reported by the binding check
+                used[i] = True
+            try:
+                p.grad = view
+            except RuntimeError:
+                pass
+            changed = True
+        return changed
+
+    def observe_zeroing(self, *, at_step: bool = False) -> bool:
+        """Restart from zero the gradient of every parameter whose placeholder was removed
+        (``model.zero_grad()``, ``p.grad = None``) or zeroed since it was set; at a step, also
+        follow stage 1's ``p.grad`` set to None or replaced. True if anything changed. In stage 2 a
+        placeholder replaced by a tensor at a step cannot be reduced any more: its index goes to
+        ``self.replaced`` for the step to report. Local."""
+        changed = self._observe_views() if self.stage == 1 and at_step else False
         placed, used, phs = self._placed, self.used, self._placeholders
-        if (all(placed) and all(map(operator.is_, [p.grad for p in self.flat.params], phs))
-                and not any(ph.zeroed for ph in phs)):
-            return  # the usual case: nothing zeroed since the last round
+        if not any(placed) or (all(placed) and all(map(operator.is_, [p.grad for p in self.flat.params], phs))
+                               and not any(ph.zeroed for ph in phs)):
+            return changed  # the usual case: nothing zeroed since the placeholders were set
         cleared = []
         for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
             if not placed[i]:
@@ -162,19 +193,27 @@ class GradReducer:
             else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
                 placed[i] = False
                 used[i] = g is not None
+                if g is not None and at_step and self.stage == 2:
+                    self.replaced.append(i)
             cleared.append(i)
         if not cleared:
-            return
+            return changed
+        if self.accum is not None:  # micro-batch gradients summed so far go too
+            for i in cleared:
+                self.flat.param_view(self.accum, i).zero_()
+        if self.stage == 1:  # placed only while accumulating: the views were emptied into accum
+            return True
         if len(cleared) == len(self.flat.params):
             if at_step:
                 self.grad_shard.zero_()
             else:
                 self._fresh = True  # the next reduction overwrites the whole shard
-            return
+            return True
         for i in cleared:
             r = self._piece_of.get(i)
             if r is not None:
                 self.grad_shard[r.as_slice()].zero_()
+        return True
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
@@ -210,10 +249,16 @@ class GradReducer:
             held = self.accum.numel() * self.accum.element_size()
             self.staging_peak_bytes = max(self.staging_peak_bytes, held)
         self.flat.param_view(self.accum, index).add_(grad)
-        if self.stage == 1 and grad.data_ptr() == self.flat.param_view(self.flat_grad, index).data_ptr():
+        if self.stage == 1 and grad.data_ptr() == self._view_ptr[index]:
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
-        if p.grad is grad:
-            p.grad = None
+        # The placeholder keeps model.zero_grad() and p.grad.zero_() visible while the sum sits in accum.
+        ph = self._placeholders[index]
+        ph.zeroed, ph.pending = False, None
+        try:
+            p.grad = ph
+            self._placed[index] = True
+        except RuntimeError:
+            p.grad = None  # converted after construction: reported by the binding check
 
     def _take(self, index: int) -> None:
         """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
@@ -226,6 +271,7 @@ class GradReducer:
                             "needs dense gradients (e.g. nn.Embedding(sparse=False))")
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(index)
+            self._placed[index] = False
             p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
         # A parameter converted or replaced after the optimizer was built (see _binding) must not
         # stop the backward on one rank only: its gradient is stored as far as it fits and step()
@@ -238,7 +284,7 @@ class GradReducer:
             if grad is None:
                 view.zero_()
                 self.used[index] = False  # zeroed by p.grad = None and no gradient since
-            elif grad.data_ptr() != view.data_ptr():
+            elif grad.data_ptr() != self._view_ptr[index]:
                 try:
                     view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
                 except RuntimeError:
@@ -359,15 +405,18 @@ class GradReducer:
 
     def zero_grad(self) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). Local; no communication."""
+        self._placed = [False] * len(self._placed)
+        self.replaced = []
         if self.stage == 1:
             self.flat_grad.zero_()
             for i, p in enumerate(self.flat.params):
-                if p.dtype == self.flat.dtype and p.device == self.flat.device:
+                try:
                     p.grad = self.flat.param_view(self.flat_grad, i)
+                except RuntimeError:
+                    p.grad = None  # converted after construction: reported by the binding check
         else:
             for p in self.flat.params:
                 p.grad = None
-            self._placed = [False] * len(self._placed)
             self._fresh = True  # the next round overwrites every element of grad_shard
         self.accum = None
         self._rounds = 0

@@ -44,14 +44,23 @@ class UsageChecks:
         self.used: list[list[bool]] = self._all_used  # per buffer: some rank has a gradient (read-only lists)
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
+        self.late_problems: list[str] = []  # found outside a check (a write racing a gather), reported at the next
         self._warned_unscaled = False
 
     def local(self) -> Findings:
         """Re-bind, notice writes and zeroing, collect problems. Local; no communication."""
         start = time.perf_counter()
-        found = Findings(written=[], problems=[])
+        found = Findings(written=[], problems=self.late_problems)
+        self.late_problems = []
         for b in self.buffers:
             b.reducer.observe_zeroing(at_step=True)
+            for i in b.reducer.replaced:
+                found.problems.append(
+                    f"p.grad of parameter {b.binding.names[i]} was replaced by a tensor after backward. With "
+                    "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
+                    "assigned after backward cannot be averaged any more: assign it before backward (it is then "
+                    "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
+            b.reducer.replaced = []
             written, problems = b.binding.check()
             found.written.append(written)
             found.problems += problems
@@ -67,6 +76,25 @@ class UsageChecks:
                     "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
         self.seconds += time.perf_counter() - start
         return found
+
+    def changed_since_check(self) -> bool:
+        """Whether gradients were zeroed or replaced, or weights written, since the last check
+        (e.g. between ``clip_grad_norm_`` and ``step``). Applies the zeroing; local."""
+        changed = bool(self.late_problems)
+        for b in self.buffers:
+            changed |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
+            written, problems = b.binding.check()
+            changed |= bool(written or problems)
+        return changed
+
+    def note_gathered(self, b: ShardedBuffer, params: Sequence[int]) -> None:
+        """An overlapped all-gather of ``params`` of buffer ``b`` just landed: a parameter written
+        from outside before it did lost that write to it. Noted for the next check. Local."""
+        for i in b.binding.raced(params):
+            self.late_problems.append(
+                f"parameter {b.binding.names[i]} was written (e.g. by model.load_state_dict) while ShardedAdamW("
+                "overlap_param_gather=True) was still gathering the weights of the last step into the model, which "
+                "overwrote the write: call opt.finish_param_gather() before writing weights into the model")
 
     def take_outside_writes(self) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint

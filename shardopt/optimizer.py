@@ -307,6 +307,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         found_inf, coef = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0)
+        if self._clip is not None and self._checks.changed_since_check():  # e.g. model.zero_grad() after clipping
+            found_inf = self._grad_stats(None)[0]
         self._clip = None
         self.step_was_skipped = found_inf
         self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.stepped() for b in self._buffers)
@@ -345,6 +347,11 @@ class ShardedAdamW(torch.optim.Optimizer):
             key = self._bucket_of.get(id(p))
             if key is not None and key in self._gathers:
                 self._gathers.pop(key).wait()
+                self._gathered(*key)
+
+    def _gathered(self, buffer: int, bucket: int) -> None:
+        b = self._buffers[buffer]
+        self._checks.note_gathered(b, b.layout.buckets[bucket].params)
 
     def __del__(self) -> None:
         hook = getattr(self, "_gather_hook", None)
@@ -354,8 +361,10 @@ class ShardedAdamW(torch.optim.Optimizer):
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
         issued by step() on every rank); only needed with ``overlap_param_gather=True``."""
-        for pending in self._gathers.values():
+        for key, pending in self._gathers.items():
             pending.wait()
+            if self.config.overlap_param_gather:
+                self._gathered(*key)
         self._gathers.clear()
 
     def pending_param_buckets(self) -> list[tuple[int, int]]:

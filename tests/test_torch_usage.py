@@ -11,6 +11,7 @@ gradient for keeps ``grad=None``).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -115,6 +116,123 @@ def test_model_zero_grad_and_no_zeroing_follow_torch(pools):
     for stage in (1, 2):
         for how in ("model", "model_keep", "never", "never_no_sync"):  # never: torch adds up every step's gradient
             assert max(pool.run(zero_through_model_case, stage, how)) <= 2e-6, (stage, how)
+
+
+def zero_late_case(stage: int, how: str, dtype_name: str) -> float:
+    """Zeroing between backward and step, between clipping and step, or between micro-batches."""
+    rank, dtype = dist.get_rank(), getattr(torch, dtype_name)
+    model, ref = make_model(seed=2, dtype=dtype), make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        if how == "between_micro":  # the first micro-batch's gradient of fc1.weight is dropped
+            with opt.no_sync():
+                opt.backward(model(batch(rank + 7, step)))
+            ref(batch(rank + 7, step)).backward()
+            model.fc1.weight.grad = ref.fc1.weight.grad = None
+        opt.backward(model(batch(rank, step)))
+        ref(batch(rank, step)).backward()
+        _ddp_average(ref)
+        if how == "after_clip":
+            opt.clip_grad_norm_(0.5)
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        if how in ("before_step", "after_clip"):
+            model.fc1.weight.grad = ref.fc1.weight.grad = None
+            if step == 2:  # nothing is updated at all
+                model.zero_grad()
+                ref.zero_grad()
+        opt.step()
+        ref_opt.step()
+    return _worst(model, ref)
+
+
+def test_zeroing_late_follows_torch(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for how in ("before_step", "after_clip"):
+            assert max(pool.run(zero_late_case, stage, how, "float32")) <= 2e-6, (stage, how)
+        assert max(pool.run(zero_late_case, stage, "between_micro", "float32")) <= 2e-6, stage
+        for how in ("model", "keep", "opt"):
+            assert max(pool.run(zero_between_16bit_micro_batches_case, stage, how)) == 0.0, (stage, how)
+
+
+def zero_between_16bit_micro_batches_case(stage: int, how: str) -> float:
+    """16-bit parameters sum micro-batches in an fp32 buffer: zeroing between micro-batches must
+    reach it, so the result is bit for bit that of the last micro-batch alone."""
+    rank = dist.get_rank()
+    runs = []
+    for accumulate in (True, False):
+        model = make_model(seed=2, dtype=torch.bfloat16)
+        opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+        for step in range(3):
+            opt.zero_grad()
+            if accumulate:
+                with opt.no_sync():
+                    opt.backward(model(batch(rank + 7, step)))
+                if how == "opt":
+                    opt.zero_grad()
+                else:
+                    model.zero_grad(set_to_none=how == "model")
+            opt.backward(model(batch(rank, step)))
+            opt.step()
+        runs.append(model)
+    return _worst(*runs)
+
+
+def replaced_grad_case(stage: int) -> tuple[float, tuple[str, str] | None]:
+    model, ref = make_model(seed=2), make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    ref(batch(dist.get_rank(), 0)).backward()
+    _ddp_average(ref)
+    ref.fc1.weight.grad = ref.fc1.weight.grad + 0.01
+    ref_opt.step()
+    if stage == 1:
+        model.fc1.weight.grad = model.fc1.weight.grad + 0.01
+        opt.step()
+        return _worst(model, ref), None
+    model.fc1.weight.grad = torch.full_like(model.fc1.weight, 0.01)
+    return 0.0, _error(opt.step)
+
+
+def test_gradient_replaced_after_backward(pools):
+    pool = pools(2)
+    for worst, _ in pool.run(replaced_grad_case, 1):
+        assert worst <= 2e-6
+    for _, got in pool.run(replaced_grad_case, 2):
+        assert got is not None and got[0] == "RuntimeError" and "was replaced by a tensor after backward" in got[1]
+
+
+def write_during_overlapped_gather_case() -> tuple[tuple[str, str] | None, float]:
+    rank = dist.get_rank()
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, overlap_param_gather=True)
+    opt.backward(model(batch(rank, 0)))
+    opt.step()
+    model.load_state_dict(make_model(seed=5).state_dict())  # the gathers may still be landing
+    got = _error(lambda: (opt.zero_grad(), opt.backward(model(batch(rank, 1))), opt.step()))
+    # The documented way: wait for the gathers first; the written weights then become the master.
+    opt.backward(model(batch(rank, 2)))
+    opt.step()
+    opt.finish_param_gather()
+    target = make_model(seed=6)
+    model.load_state_dict(target.state_dict())
+    for g in opt.param_groups:
+        g["lr"] = 0.0
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 3)))
+    opt.step()
+    opt.finish_param_gather()
+    return got, _worst(model, target)
+
+
+def test_weights_written_during_an_overlapped_gather(pools):
+    for got, worst in pools(2).run(write_during_overlapped_gather_case):
+        assert got is not None and "call opt.finish_param_gather() before writing" in got[1], got
+        assert worst <= 2e-3  # lr=0 leaves only weight decay of 0: the loaded weights, decayed by 1 - 0
 
 
 # -- 3: weights loaded into a model that already has an optimizer ---------------------------
