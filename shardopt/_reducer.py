@@ -367,11 +367,14 @@ class GradReducer:
         self._reset_round()
         if self.stage == 2:
             start = time.perf_counter()
+            placed = self._placed
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
-                if p.dtype == ph.dtype and p.device == ph.device and p.shape == ph.shape:
-                    ph.zeroed = False
+                ph.zeroed = False
+                try:
                     p.grad = ph
-                    self._placed[i] = True
+                    placed[i] = True
+                except RuntimeError:
+                    pass  # converted after construction: reported by the binding check
             self.check_seconds += time.perf_counter() - start
 
     def _agree_on_order(self, completed: list[int]) -> list[int]:
