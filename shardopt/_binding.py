@@ -36,10 +36,12 @@ class ParamBinding:
         self.names = list(names)  # how error messages name each parameter, in buffer order
         self._ptr = [p.data_ptr() for p in flat.params]
         self._version = [p._version for p in flat.params]
+        self._rebound: set[int] = set()  # re-bound since record: written, though their versions did not move
 
     def record(self) -> None:
-        """Take the parameters' current versions as seen (after the optimizer took their values). Local."""
+        """Take the parameters' current values as seen (after the optimizer took them). Local."""
         self._version = [p._version for p in self.flat.params]
+        self._rebound = set()
 
     def raced(self, indices: Sequence[int]) -> list[int]:
         """Those of ``indices`` written since ``record`` (see ``UsageChecks.note_gathered``). Local."""
@@ -53,12 +55,12 @@ class ParamBinding:
         problems: list[str] = []
         flat = self.flat
         dtype = flat.dtype
-        if ([p.data_ptr() for p in flat.params] == self._ptr and [p._version for p in flat.params] == self._version
-                and all(p.dtype is dtype for p in flat.params)):
+        if (not self._rebound and [p.data_ptr() for p in flat.params] == self._ptr
+                and [p._version for p in flat.params] == self._version and all(p.dtype is dtype for p in flat.params)):
             return written, problems  # the usual step: nothing changed
         for i, p in enumerate(flat.params):
             if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
-                if p._version != self._version[i]:
+                if p._version != self._version[i] or i in self._rebound:
                     written.append(i)
                 continue
             span = flat.layout.params[i]
@@ -67,6 +69,7 @@ class ParamBinding:
                 with torch.no_grad():
                     view.copy_(p.detach())
                 p.data = view
+                self._rebound.add(i)
                 written.append(i)
                 continue
             was = f"{span.shape} {flat.dtype} on {flat.device}"

@@ -1,5 +1,8 @@
 """What ``p.grad`` holds in stage 2 once a gradient has been reduced: a placeholder without values.
 
+(It also stands in, in either stage, for a 16-bit gradient that is being summed in fp32 under
+``no_sync``, so that zeroing between micro-batches is seen.)
+
 [Note: the stage-2 gradient placeholder]
 In stage 2 each rank keeps only its shard of the averaged gradient, so ``p.grad`` cannot hold
 the gradient. Leaving it ``None`` would make two ordinary things silently wrong: code that clips
@@ -34,6 +37,10 @@ MESSAGE = ("this parameter is trained by ShardedAdamW(stage=2), which keeps only
            "gradient, so p.grad holds no values (it was read by {op}). Clip with opt.clip_grad_norm_(max_norm) (the "
            "global norm over all ranks and shards) instead of torch.nn.utils.clip_grad_norm_, or use stage=1 to keep "
            "the full averaged gradient in p.grad; p.grad = None and p.grad.zero_() work as usual")
+ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by ShardedAdamW under opt.no_sync(), so "
+                "p.grad holds no values until the backward of the last micro-batch, outside no_sync (it was read by "
+                "{op}); read gradients after that backward, or pass accumulate_dtype=None to sum them in p.grad in "
+                "16 bits; p.grad = None and p.grad.zero_() work as usual")
 
 
 class GradPlaceholder(Tensor):
@@ -41,13 +48,14 @@ class GradPlaceholder(Tensor):
 
     zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
     pending: Tensor | None  # gradient autograd added to it since the reducer last took one
+    accumulating: bool  # it stands for a 16-bit gradient summed in fp32 under no_sync (else: stage-2 shards)
 
     @staticmethod
     def __new__(cls, like: Tensor, *, dtype: torch.dtype | None = None,
                 device: torch.device | None = None) -> "GradPlaceholder":
         t = Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,  # type: ignore[attr-defined]
                                           device=device or like.device, requires_grad=False)
-        t.zeroed = False
+        t.zeroed = t.accumulating = False
         t.pending = None
         return t
 
@@ -80,7 +88,9 @@ class GradPlaceholder(Tensor):
         if func is _aten.add.Tensor and isinstance(args[0], GradPlaceholder):
             raise RuntimeError("a backward with create_graph=True cannot add to the gradient ShardedAdamW(stage=2) "
                                "holds in shards: call opt.zero_grad() (or model.zero_grad()) before it")
-        raise RuntimeError(MESSAGE.format(op=func))
+        flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
+        accumulating = any(isinstance(a, GradPlaceholder) and a.accumulating for a in flat)
+        raise RuntimeError((ACCUMULATING if accumulating else MESSAGE).format(op=func))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by ShardedAdamW stage 2)"

@@ -253,7 +253,7 @@ class GradReducer:
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
         # The placeholder keeps model.zero_grad() and p.grad.zero_() visible while the sum sits in accum.
         ph = self._placeholders[index]
-        ph.zeroed, ph.pending = False, None
+        ph.zeroed, ph.pending, ph.accumulating = False, None, True
         try:
             p.grad = ph
             self._placed[index] = True
@@ -272,7 +272,10 @@ class GradReducer:
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(index)
             self._placed[index] = False
-            p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
+            try:
+                p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
+            except RuntimeError:
+                p.grad = None  # converted after construction: reported by the binding check
         # A parameter converted or replaced after the optimizer was built (see _binding) must not
         # stop the backward on one rank only: its gradient is stored as far as it fits and step()
         # then reports the parameter on every rank. Hence the RuntimeErrors caught below.
@@ -369,7 +372,7 @@ class GradReducer:
             start = time.perf_counter()
             placed = self._placed
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
-                ph.zeroed = False
+                ph.zeroed = ph.accumulating = False
                 try:
                     p.grad = ph
                     placed[i] = True

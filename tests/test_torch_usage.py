@@ -235,6 +235,58 @@ def test_weights_written_during_an_overlapped_gather(pools):
         assert worst <= 2e-3  # lr=0 leaves only weight decay of 0: the loaded weights, decayed by 1 - 0
 
 
+def rebound_late_case(stage: int, when: str) -> float:
+    """p.data = t (16-bit weights, fp32 master) between clipping and step, or on rank 0 only
+    followed by a state_dict() on rank 0 only: the written values win, on every rank."""
+    rank = dist.get_rank()
+    model = make_model(seed=2, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.0, weight_decay=0.0, stage=stage)
+    target = make_model(seed=14, dtype=torch.bfloat16)
+    opt.backward(model(batch(rank, 0)))
+    if when == "after_clip":
+        opt.clip_grad_norm_(1.0)
+    if when == "after_clip" or rank == 0:
+        for p, q in zip(model.parameters(), target.parameters()):
+            p.data = q.detach().clone()
+    if when == "state_dict" and rank == 0:
+        opt.state_dict()
+    opt.step()
+    return max((p - q).abs().max().item() for p, q in zip(model.parameters(), target.parameters()) if p.requires_grad)
+
+
+def test_rebound_late_is_kept(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for when in ("after_clip", "state_dict"):
+            assert max(pool.run(rebound_late_case, stage, when)) == 0.0, (stage, when)
+
+
+def read_between_micro_batches_case(stage: int, convert: bool) -> tuple[str, str] | None:
+    rank = dist.get_rank()
+    model = make_model(seed=2, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    with opt.no_sync():
+        opt.backward(model(batch(rank, 0)))
+    if not convert:
+        return _error(lambda: model.fc1.weight.grad.norm())
+    model.float()
+
+    def finish() -> None:
+        opt.backward(model(batch(rank, 1)))
+        opt.step()
+
+    return _error(finish)
+
+
+def test_between_16bit_micro_batches(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for got in pool.run(read_between_micro_batches_case, stage, False):
+            assert got is not None and "being summed in fp32" in got[1] and "stage=2" not in got[1], got
+        for got in pool.run(read_between_micro_batches_case, stage, True):
+            assert got is not None and "torch.bfloat16 on cpu when ShardedAdamW was built" in got[1], got
+
+
 # -- 3: weights loaded into a model that already has an optimizer ---------------------------
 def load_into_trained_model_case(stage: int, path: str) -> dict:
     rank = dist.get_rank()
