@@ -409,10 +409,16 @@ class GradReducer:
             return self.flat_grad[self.shard.as_slice()]
         return self.grad_shard
 
-    def zero_grad(self) -> None:
-        """Forget all gradients (also any accumulated under ``no_sync``). Local; no communication."""
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
+        parameters then have no gradient (a step leaves them alone), else a zero one (a step still
+        applies weight decay and momentum to those that had one), as with torch. Local."""
         self._placed = [False] * len(self._placed)
         self.replaced = []
+        if not set_to_none:
+            for p in self.flat.params:  # a real .grad (16-bit accumulation aside) is zeroed in place
+                if p.grad is not None and type(p.grad) is not GradPlaceholder:
+                    p.grad.zero_()
         if self.stage == 1:
             self.flat_grad.zero_()
             for i, p in enumerate(self.flat.params):
@@ -421,12 +427,18 @@ class GradReducer:
                 except RuntimeError:
                     p.grad = None  # converted after construction: reported by the binding check
         else:
-            for p in self.flat.params:
-                p.grad = None
+            for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
+                if set_to_none or not self.used[i] or type(p.grad) is not GradPlaceholder:
+                    if set_to_none or type(p.grad) is GradPlaceholder:
+                        p.grad = None
+                    continue
+                ph.zeroed, ph.pending, ph.accumulating = False, None, False
+                self._placed[i] = True  # a zero gradient that is still there
             self._fresh = True  # the next round overwrites every element of grad_shard
         self.accum = None
         self._rounds = 0
-        self.used = [False] * len(self.used)
+        if set_to_none:
+            self.used = [False] * len(self.used)
         self.stepped()
 
     def stepped(self) -> float:

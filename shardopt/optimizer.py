@@ -295,7 +295,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)
-        return torch.tensor(float("nan") if found_inf else norm)
+        return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -378,13 +378,16 @@ class ShardedAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local.
 
-        Stage 1 zeroes the flat gradient buffer that ``p.grad`` views (``set_to_none`` is ignored:
-        the views stay, so backward accumulates in place); stage 2 sets ``p.grad`` to None.
-        Parameters given with ``requires_grad=False`` get ``p.grad = None`` as with torch.optim."""
+        As with torch, ``set_to_none=True`` leaves parameters without a gradient (the next step
+        skips those that get none) and ``set_to_none=False`` with a zero one. Stage 1 keeps ``p.grad``
+        a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place."""
         for b in self._buffers:
-            b.reducer.zero_grad()
+            b.reducer.zero_grad(set_to_none)
         for p in self._untracked:
-            p.grad = None
+            if set_to_none:
+                p.grad = None
+            elif p.grad is not None:
+                p.grad.zero_()
         self._clip = None
 
     def refresh_master_weights(self) -> None:

@@ -287,6 +287,31 @@ def test_between_16bit_micro_batches(pools):
             assert got is not None and "torch.bfloat16 on cpu when ShardedAdamW was built" in got[1], got
 
 
+def opt_zero_keep_case(stage: int) -> float:
+    """opt.zero_grad(set_to_none=False): zero gradients that still count, as in torch (a parameter
+    frozen after it had one keeps being decayed and moved by momentum)."""
+    model, ref = make_model(seed=2), make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(4):
+        for m, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad(set_to_none=False)
+            m.fc2.requires_grad_(not 1 <= step < 3)
+            if step < 3:  # the last step runs on zero gradients only
+                loss = m(batch(dist.get_rank(), step))
+                opt.backward(loss) if m is model else loss.backward()
+                if m is ref:
+                    _ddp_average(ref)
+            o.step()
+    return _worst(model, ref)
+
+
+def test_opt_zero_grad_keeping_zero_gradients(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        assert max(pool.run(opt_zero_keep_case, stage)) <= 2e-6, stage
+
+
 # -- 3: weights loaded into a model that already has an optimizer ---------------------------
 def load_into_trained_model_case(stage: int, path: str) -> dict:
     rank = dist.get_rank()
