@@ -136,6 +136,25 @@ class FlatLayout:
             )
         return pieces
 
+    def local_ranges(self, rank: int) -> dict[int, Range]:
+        """Parameter index -> the local range of its piece in ``rank``'s shard, for the parameters
+        that have one."""
+        return {piece.param: piece.local_range for piece in self.shard_pieces(rank)}
+
+    def param_runs(self, indices: Sequence[int]) -> list[Range]:
+        """Global ranges covering the parameters ``indices``, one per run of consecutive indices
+        (alignment padding between them included)."""
+        runs: list[Range] = []
+        last = None
+        for i in sorted(set(indices)):
+            r = self.params[i].global_range
+            if runs and last == i - 1:
+                runs[-1] = Range(runs[-1].start, r.end)
+            else:
+                runs.append(r)
+            last = i
+        return runs
+
     def bucket_shard_ranges(self, bucket: int) -> list[Range]:
         """For each rank, the global range of ``bucket`` that rank owns (possibly empty)."""
         b = self.buckets[bucket].global_range

@@ -104,8 +104,7 @@ class GradReducer:
             self._view_ptr = [p.grad.data_ptr() for p in flat.params]
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            # This rank's part of each parameter in grad_shard (local range), if any.
-            self._piece_of: dict[int, Range] = {pc.param: pc.local_range for pc in layout.shard_pieces(comm.rank)}
+            self._piece_of = layout.local_ranges(comm.rank)  # this rank's part of each parameter in grad_shard
         self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
         self._staging: dict[int, Tensor] = {}
         self.require_sync = True

@@ -53,7 +53,7 @@ class ShardedBuffer:
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
         self.binding = ParamBinding(self.flat, names or [f"#{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)])
-        self._local_piece = {pc.param: pc.local_range for pc in self.layout.shard_pieces(comm.rank)}
+        self._local_piece = self.layout.local_ranges(comm.rank)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -86,7 +86,9 @@ class ShardedBuffer:
     def take_model_weights(self, indices: Sequence[int]) -> None:
         """Make rank 0's current weights of parameters ``indices`` the master weights on every rank
         (see _binding [Note: parameters changed behind the optimizer's back]). Every rank."""
-        self.comm.broadcast(self.flat.data, src=0).wait()
+        pending = [self.comm.broadcast(self.flat.slice(r), src=0) for r in self.layout.param_runs(indices)]
+        for p in pending:
+            p.wait()
         self.refresh_master(indices)
         self.binding.record()
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from shardopt._flat import FlatParams
-from shardopt._layout import build_layout
+from shardopt._layout import Range, build_layout
 
 SHAPES = {
     "one": [(1,)],
@@ -126,3 +126,15 @@ def test_bad_arguments_name_the_value():
         build_layout([(3,)], 2, bucket_numel=0)
     with pytest.raises(ValueError, match="rank=2"):
         build_layout([(3,)], 2).shard_range(2)
+
+
+def test_param_runs_and_local_ranges():
+    layout = build_layout([(3,), (5,), (1,), (17,)], world_size=2)
+    spans = [p.global_range for p in layout.params]
+    runs = layout.param_runs([3, 0, 1, 1])
+    assert runs == [Range(spans[0].start, spans[1].end), spans[3]]
+    assert layout.param_runs([]) == []
+    for rank in range(2):
+        shard = layout.shard_range(rank)
+        expected = {i: s.intersect(shard).relative_to(shard.start) for i, s in enumerate(spans) if s.intersect(shard).size}
+        assert layout.local_ranges(rank) == expected
