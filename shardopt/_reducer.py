@@ -147,27 +147,33 @@ class GradReducer:
         """Stage 1, before a step: ``p.grad`` set to None makes that gradient zero (and absent);
         ``p.grad`` replaced by another tensor makes that tensor the gradient. True if any. Local."""
         changed = False
-        used, placed, ptrs = self.used, self._placed, self._view_ptr
+        placed, ptrs = self._placed, self._view_ptr
         for i, p in enumerate(self.flat.params):
             g = p.grad
-            if placed[i] or (g is not None and g.data_ptr() == ptrs[i]):
-                continue
-            view = self.flat.param_view(self.flat_grad, i)
-            if g is None:
-                view.zero_()
-                used[i] = False
-            else:
-                try:
-                    view.copy_(g)
-                except RuntimeError:
-                    continue  # converted after construction: reported by the binding check
-                used[i] = True
-            try:
-                p.grad = view
-            except RuntimeError:
-                pass
-            changed = True
+            if not (placed[i] or (g is not None and g.data_ptr() == ptrs[i])):
+                self._into_view(i, g)
+                changed = True
         return changed
+
+    def _into_view(self, index: int, grad: Tensor | None) -> None:
+        """Stage 1: make parameter ``index``'s view of the flat gradient hold ``grad`` (None: no
+        gradient) and point ``p.grad`` back at it. A parameter converted or replaced after the
+        optimizer was built (see _binding) must not stop a backward on one rank only: its gradient
+        is dropped here and step() reports the parameter on every rank."""
+        view = self.flat.param_view(self.flat_grad, index)
+        if grad is None:
+            view.zero_()
+            self.used[index] = False  # zeroed by p.grad = None and no gradient since
+        elif grad.data_ptr() != self._view_ptr[index]:
+            try:
+                view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
+                self.used[index] = True
+            except RuntimeError:
+                view.zero_()
+        try:
+            self.flat.params[index].grad = view
+        except RuntimeError:
+            pass
 
     def observe_zeroing(self, *, at_step: bool = False) -> bool:
         """Restart from zero the gradient of every parameter whose placeholder was removed
@@ -275,26 +281,11 @@ class GradReducer:
                 p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
             except RuntimeError:
                 p.grad = None  # converted after construction: reported by the binding check
-        # A parameter converted or replaced after the optimizer was built (see _binding) must not
-        # stop the backward on one rank only: its gradient is stored as far as it fits and step()
-        # then reports the parameter on every rank. Hence the RuntimeErrors caught below.
         grad = p.grad
         if type(grad) is GradPlaceholder:  # autograd added to it: the new part is pending, the rest in the shard
             grad, p.grad.pending = grad.pending, None
         if self.stage == 1:
-            view = self.flat.param_view(self.flat_grad, index)
-            if grad is None:
-                view.zero_()
-                self.used[index] = False  # zeroed by p.grad = None and no gradient since
-            elif grad.data_ptr() != self._view_ptr[index]:
-                try:
-                    view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
-                except RuntimeError:
-                    view.zero_()
-            try:
-                p.grad = view
-            except RuntimeError:
-                pass
+            self._into_view(index, grad)
         elif grad is not None:
             b = self._bucket_of[index]
             span = self.flat.layout.params[index].global_range
@@ -302,7 +293,7 @@ class GradReducer:
             try:
                 self._staging_for(b)[start:start + span.size].copy_(grad.reshape(-1))
             except RuntimeError:
-                pass
+                pass  # converted after construction: reported at step() on every rank (see _into_view)
             if p.grad is grad:
                 p.grad = None
 
