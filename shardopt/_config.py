@@ -1,8 +1,10 @@
-"""Validated, frozen settings of a ``ShardedAdamW`` that are not per-param-group hyperparameters."""
+"""Validated, frozen settings of a ``ShardedAdamW``, and the validation of its param groups."""
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
+from typing import Any
 
 from shardopt.master import STRATEGIES
 
@@ -41,6 +43,46 @@ class ShardConfig:
         """Bucket cap in elements of ``element_size`` bytes; None when it exceeds any real model."""
         n = self.bucket_cap_mb * 2**20 / element_size
         return None if math.isinf(n) else max(1, int(n))
+
+
+# torch.optim.AdamW options that ShardedAdamW does not implement, with the value it does.
+_UNSUPPORTED_GROUP_OPTIONS = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False,
+                              "decoupled_weight_decay": True}
+_IGNORED_GROUP_OPTIONS = ("foreach", "fused")  # implementation choices: the update is always one fused pass
+
+
+def check_param_group(param_group: object, index: int, defaults: dict[str, Any]) -> dict[str, Any]:
+    """A copy of param group ``index`` whose ``params`` is a list (a generator is consumed once),
+    without the ignored keys; raises TypeError/ValueError naming what ShardedAdamW cannot take."""
+    from torch import Tensor
+
+    if not isinstance(param_group, dict):
+        raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
+    group = dict(param_group)
+    params = group.get("params")
+    if isinstance(params, Tensor):
+        params = [params]
+    elif isinstance(params, (set, frozenset)):
+        raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
+                        "tensors in sets will change between runs. Please use a list instead.")
+    elif params is not None:
+        params = list(params)
+    group["params"] = params
+    for key, supported in _UNSUPPORTED_GROUP_OPTIONS.items():
+        if key in group and bool(group[key]) != supported:
+            raise ValueError(f"param group {index} sets {key}={group[key]!r}, which ShardedAdamW does not "
+                             f"implement (it supports only {key}={supported}); remove the key from the group")
+    for key in _IGNORED_GROUP_OPTIONS:
+        if group.pop(key, None) is not None:
+            warnings.warn(f"param group {index}: {key}= is ignored; ShardedAdamW always updates its shard in one "
+                          "fused pass", UserWarning, stacklevel=4)
+    hp = {**defaults, **group}
+    check_hyperparameters(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"])
+    for p in params or []:
+        if isinstance(p, Tensor) and not p.is_leaf:
+            raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} (grad_fn={type(p.grad_fn).__name__}) "
+                             "was passed as a parameter; pass the model's nn.Parameters, not results of ops on them")
+    return group
 
 
 def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import warnings
 import weakref
 from typing import Any, Callable, Iterable, Iterator
 
@@ -15,7 +14,7 @@ import torch
 from torch import Tensor
 
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
-from shardopt._config import ShardConfig, check_hyperparameters
+from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
 from shardopt._sharded_buffer import ShardedBuffer
 from shardopt._usage_checks import UsageChecks
 from shardopt.loss_scale import LossScaler, make_scaler
@@ -24,10 +23,6 @@ from shardopt.memory import MemoryReport
 STATE_FORMAT = "shardopt.rank_shard.v1"
 log = logging.getLogger("shardopt")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# torch.optim.AdamW options that ShardedAdamW does not implement, with the value it does.
-_UNSUPPORTED_GROUP_OPTIONS = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False,
-                              "decoupled_weight_decay": True}
-_IGNORED_GROUP_OPTIONS = ("foreach", "fused")  # implementation choices: the update is always one fused pass
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -108,36 +103,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if getattr(self, "_built", False):
             raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
                                "pass every param group to the constructor instead of add_param_group")
-        if not isinstance(param_group, dict):
-            raise TypeError(f"a param group must be a dict, got {type(param_group).__name__}")
-        param_group = dict(param_group)
-        params = param_group.get("params")
-        if isinstance(params, Tensor):
-            params = [params]
-        elif isinstance(params, (set, frozenset)):
-            raise TypeError("optimizer parameters need to be organized in ordered collections, but the ordering of "
-                            "tensors in sets will change between runs. Please use a list instead.")
-        elif params is not None:
-            params = list(params)  # a generator (m.parameters()) must be consumed exactly once
-        param_group["params"] = params
-        gi = len(self.param_groups)
-        for key, supported in _UNSUPPORTED_GROUP_OPTIONS.items():
-            if key in param_group and bool(param_group[key]) != supported:
-                raise ValueError(f"param group {gi} sets {key}={param_group[key]!r}, which ShardedAdamW does not "
-                                 f"implement (it supports only {key}={supported}); remove the key from the group")
-        for key in _IGNORED_GROUP_OPTIONS:
-            if param_group.pop(key, None) is not None:
-                warnings.warn(f"param group {gi}: {key}= is ignored; ShardedAdamW always updates its shard in one "
-                              "fused pass", UserWarning, stacklevel=3)
-        group = dict(param_group)
-        for k, v in self.defaults.items():
-            group.setdefault(k, v)
-        check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
-        for p in params or []:
-            if isinstance(p, Tensor) and not p.is_leaf:
-                raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} (grad_fn={type(p.grad_fn).__name__}) "
-                                 "was passed as a parameter; pass the model's nn.Parameters, not results of ops on them")
-        super().add_param_group(param_group)
+        super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults))
 
     def _param_names(self) -> dict[int, str]:
         """How messages name each parameter: its name when named parameters were given, else its
