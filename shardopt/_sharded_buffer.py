@@ -28,7 +28,7 @@ class ShardedBuffer:
     exp_avg_sq: Tensor  # 1D fp32, this rank's shard
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
-                 config: ShardConfig, names: Sequence[str] | None = None) -> None:
+                 config: ShardConfig, names: Sequence[str]) -> None:
         self.comm, self.config = comm, config
         element_size = params[0].element_size()
         self.layout = build_layout([p.shape for p in params], comm.world_size, alignment=config.alignment,
@@ -52,7 +52,7 @@ class ShardedBuffer:
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
-        self.binding = ParamBinding(self.flat, names or [f"#{i} of shape {tuple(p.shape)}" for i, p in enumerate(params)])
+        self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
         self._local_piece = self.layout.local_ranges(comm.rank)
 
     @property

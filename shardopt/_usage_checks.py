@@ -79,12 +79,16 @@ class UsageChecks:
 
     def changed_since_check(self) -> bool:
         """Whether gradients were zeroed or replaced, or weights written, since the last check
-        (e.g. between ``clip_grad_norm_`` and ``step``). Applies the zeroing; local."""
+        (e.g. between ``clip_grad_norm_`` and ``step``). Applies the zeroing; local. The local part of
+        ``local()`` again, without its collective: user code may run between the two calls, and only
+        when it changed something does the step need a second all-reduce."""
+        start = time.perf_counter()
         changed = bool(self.late_problems)
         for b in self.buffers:
             changed |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
             written, problems = b.binding.check()
             changed |= bool(written or problems)
+        self.seconds += time.perf_counter() - start
         return changed
 
     def note_gathered(self, b: ShardedBuffer, params: Sequence[int]) -> None:
