@@ -1,0 +1,44 @@
+"""Launch a worker script under a real ``torchrun`` and collect what each rank wrote.
+
+Workers write one JSON file per rank into ``$SHARDOPT_TEST_OUT`` (``rank{r}.json``) and exit; the
+launch has a hard timeout so a hang fails the test instead of stalling the suite.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, out_dir: str, timeout: int = 300,
+             env: dict[str, str] | None = None) -> list[dict]:
+    """Run ``script`` (a path relative to the repository root) on ``nproc`` local ranks; return each
+    rank's JSON result, rank order. Fails with the tail of both streams if any rank fails."""
+    os.makedirs(out_dir, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           os.path.join(ROOT, script), *args]
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_TEST_OUT=out_dir, TOKENIZERS_PARALLELISM="false",
+                    HF_HUB_OFFLINE="1", TRANSFORMERS_NO_ADVISORY_WARNINGS="1", **(env or {}))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=ROOT)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"{script} {' '.join(args)} timed out after {timeout} s:\n"
+                             f"{(e.stdout or b'')[-3000:]!r}\n{(e.stderr or b'')[-5000:]!r}") from None
+    assert proc.returncode == 0, f"{script} {' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    results = []
+    for r in range(nproc):
+        with open(os.path.join(out_dir, f"rank{r}.json")) as f:
+            results.append(json.load(f))
+    return results
+
+
+def write_result(result: dict) -> None:
+    """Worker side: write this rank's result where ``torchrun`` above collects it."""
+    rank = int(os.environ.get("RANK", "0"))
+    path = os.path.join(os.environ["SHARDOPT_TEST_OUT"], f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
