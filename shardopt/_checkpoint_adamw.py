@@ -3,10 +3,14 @@
 The format: ``{"state": {i: {"step": 0-d fp32 tensor, "exp_avg": T, "exp_avg_sq": T}},
 "param_groups": [{lr, betas, ..., "params": [i, ...]}]}`` with parameters numbered in param-group
 order, as ``torch.optim.Optimizer.state_dict`` numbers them. It holds no master weights: a plain
-AdamW updates the model's weights themselves.
+AdamW updates the model's weights themselves. ``consolidate_state_dict`` adds one more top-level
+key, ``"shardopt"``, which ``torch.optim.AdamW.load_state_dict`` ignores: the fp32 master weights
+of 16-bit parameters (by parameter number) and the loss scaler, so that a resume through this
+format is as exact as one through ``save_checkpoint``.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -41,16 +45,25 @@ def _param_pieces(b: Any, i: int) -> list[Range]:
     return [span.intersect(b.layout.shard_range(r)).relative_to(span.start) for r in range(b.layout.world_size)]
 
 
-def full_state_dict(opt: Any) -> dict[str, Any]:
-    """``opt``'s state in ``torch.optim.AdamW``'s format, on rank 0 (``{}`` on other ranks).
+def _keeps_master(opt: Any, b: Any) -> bool:
+    """Whether buffer ``b`` holds master weights that its 16-bit weights do not already encode."""
+    return b.dtype != torch.float32 and opt.config.master_weights in ("fp32", "remainder")
 
-    Every rank must call it. Gathered one parameter at a time: besides the result on rank 0 (on
-    the CPU, fp32), each rank holds at most two fp32 copies of the largest parameter. Parameters
-    with ``requires_grad=False`` get no state, as in AdamW."""
+
+def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str, Any]:
+    """``opt``'s state in ``torch.optim.AdamW``'s format, on rank ``to`` (``{}`` on other ranks);
+    with ``extras``, also the ``"shardopt"`` entry (master weights of 16-bit parameters, loss scaler).
+
+    Every rank must call it. Gathered one parameter at a time: besides the result on rank ``to``
+    (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
+    Parameters with ``requires_grad=False`` get no state, as in AdamW."""
     comm = opt._comm
     settle(opt)
+    keep = comm.rank == to
     where, defaults = _locations(opt), adamw_defaults()
     state: dict[int, dict[str, Tensor]] = {}
+    masters: dict[int, Tensor] = {}
+    shards = {id(b): b.master.fp32() for b in opt._buffers if extras and _keeps_master(opt, b)}
     groups, index = [], 0
     for g in opt.param_groups:
         ids = []
@@ -58,15 +71,25 @@ def full_state_dict(opt: Any) -> dict[str, Any]:
             if id(p) in where:
                 b, i = where[id(p)]
                 moments = [_gather(b, i, b.exp_avg, comm), _gather(b, i, b.exp_avg_sq, comm)]
+                shape = b.layout.params[i].shape
+                if id(b) in shards:
+                    master = _gather(b, i, shards[id(b)], comm)
+                    if keep:
+                        masters[index] = master.view(shape).cpu()
                 steps = opt._step - b.lag[i]
-                if comm.rank == 0 and steps > 0:  # AdamW has no state for a parameter it never updated
-                    shape = b.layout.params[i].shape
+                if keep and steps > 0:  # AdamW has no state for a parameter it never updated
                     state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                     "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
             ids.append(index)
             index += 1
         groups.append({**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": ids})
-    return {"state": state, "param_groups": groups} if comm.rank == 0 else {}
+    if not keep:
+        return {}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    if extras:
+        out["shardopt"] = {"master": masters, "loss_scaler": opt._scaler.state_dict(),
+                           "skipped_steps": opt.skipped_steps, "seed": opt.config.seed}
+    return out
 
 
 def _gather(b: Any, i: int, shard: Tensor, comm: Any) -> Tensor:
@@ -99,7 +122,11 @@ def _header(sd: dict[str, Any]) -> dict[str, Any]:
         if missing:
             raise ValueError(f"state of parameter #{idx} lacks {sorted(missing)}")
         state[int(idx)] = (tuple(s["exp_avg"].shape), tuple(s["exp_avg_sq"].shape), float(s["step"]))
-    return {"param_groups": groups, "state": state}
+    extra = sd.get("shardopt") or {}
+    masters = {int(k): tuple(v.shape) for k, v in (extra.get("master") or {}).items()}
+    return {"param_groups": groups, "state": state, "master": masters,
+            "loss_scaler": extra.get("loss_scaler"), "skipped_steps": int(extra.get("skipped_steps", 0)),
+            "seed": extra.get("seed")}
 
 
 def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
@@ -109,8 +136,9 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     Every rank must call it; rank 0's ``state_dict`` is used (others may pass ``{}``) and sent one
     parameter at a time. Restores both moments, the step (the largest per-parameter step) and the
     param-group hyperparameters; parameters without state start with zero moments. AdamW keeps no
-    master weights, so the master weights are set from the model's current weights: load those
-    first (``model.load_state_dict``) on every rank."""
+    master weights, so the master weights are set from the model's current weights (load those
+    on every rank, before or after), except where the dict carries ``consolidate_state_dict``'s
+    ``"shardopt"`` entry: its fp32 master weights and loss scaler are restored exactly."""
     comm = opt._comm
     settle(opt)
     header, error = None, None
@@ -132,15 +160,20 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         for b in opt._buffers:
             b.exp_avg.zero_()
             b.exp_avg_sq.zero_()
-        for idx in sorted(header["state"]):
+        masters = {id(b): b.flat.slice(b.shard_range).float() for b in opt._buffers}  # from the weights
+        for idx in sorted(set(header["state"]) | set(header["master"])):
             p = numbered[idx]
             if id(p) not in where:
                 continue  # frozen here: AdamW state for it is ignored
             b, i = where[id(p)]
-            for name, shard in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
+            names = [("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)] if idx in header["state"] else []
+            if idx in header["master"] and b.dtype != torch.float32:
+                names.append(("master", masters[id(b)]))
+            for name, shard in names:
                 full = torch.empty(b.layout.params[i].numel, dtype=torch.float32, device=shard.device)
                 if comm.rank == 0:
-                    full.copy_(state_dict["state"][idx][name].reshape(-1))
+                    src = state_dict["shardopt"]["master"][idx] if name == "master" else state_dict["state"][idx][name]
+                    full.copy_(src.reshape(-1))
                 comm.broadcast(full, src=0).wait()
                 span = b.layout.params[i].global_range
                 mine = span.intersect(b.shard_range)  # global range
@@ -148,7 +181,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     local, in_param = mine.relative_to(b.shard_range.start), mine.relative_to(span.start)
                     shard[local.as_slice()] = full[in_param.as_slice()]
         for b in opt._buffers:
-            b.master.load_state_tensors({"master": b.flat.slice(b.shard_range).float()})
+            b.master.load_state_tensors({"master": masters[id(b)]})
         for pending in [b.gather_params() for b in opt._buffers]:
             pending.wait()
     ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())
@@ -162,6 +195,13 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state)
         b.lag = [opt._step - step_of.get(id(p), 0) for p in b.flat.params]
         b.binding.record()
+    if header["loss_scaler"] is not None:
+        opt._scaler.load_state_dict(header["loss_scaler"])
+        opt.skipped_steps = header["skipped_steps"]
+    if header["seed"] is not None:  # the stochastic-rounding stream goes on where it was
+        opt.config = dataclasses.replace(opt.config, seed=int(header["seed"]))
+        for b in opt._buffers:
+            b.master.seed = opt.config.seed
 
 
 def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:
@@ -172,6 +212,10 @@ def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -
         if len(g["params"]) != len(mine["params"]):
             raise ValueError(f"param group {gi} has {len(g['params'])} parameters in the state dict, "
                              f"{len(mine['params'])} in this optimizer")
+    for idx, shape in sorted(header["master"].items()):
+        if not 0 <= idx < len(numbered) or tuple(numbered[idx].shape) != shape:
+            raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
+                             "optimizer does not have; was it saved for another model?")
     for idx, (shape, shape_sq, _) in sorted(header["state"].items()):
         if not 0 <= idx < len(numbered):
             raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")

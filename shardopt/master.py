@@ -120,7 +120,16 @@ class RemainderMaster(MasterWeights):
         return self._codec()[1](self.param_shard, self.remainder)
 
     def refresh_(self, r: Range) -> None:
-        self.remainder[r.as_slice()].zero_()  # weight + 0 is the new weight exactly
+        # [Note: remainder under a written weight] The old weight is gone, so keep a remainder only
+        # where it still decodes, with the new weight, to a master that encodes back to that weight:
+        # weights written with their own values (a resume that loads the optimizer first) keep the
+        # exact master; other written weights get a master that rounds to them, within half a ulp.
+        sl = r.as_slice()
+        encode, decode = self._codec()
+        w, lo = self.param_shard[sl], self.remainder[sl]
+        m = decode(w, lo)
+        hi, lo2 = encode(m)
+        lo.copy_(torch.where(torch.isfinite(m) & (hi == w) & (lo2 == lo), lo, torch.zeros_like(lo)))
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         hi, lo = self._codec()[0](tensors["master"].float().contiguous())

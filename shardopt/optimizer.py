@@ -16,11 +16,11 @@ from torch import Tensor
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
 from shardopt._sharded_buffer import ShardedBuffer
+from shardopt._rank_state import STATE_FORMAT, load_rank_state_dict, rank_state_dict
 from shardopt._usage_checks import UsageChecks
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
-STATE_FORMAT = "shardopt.rank_shard.v1"
 log = logging.getLogger("shardopt")
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -96,6 +96,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                     opt._wait_for_module(module, args)
 
             self._gather_hook = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._built = True
 
     # -- construction --------------------------------------------------------------------
@@ -268,6 +269,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
         self.finish_param_gather()  # an update must not race the previous step's gathers
+        self._consolidated = None  # gathered before this step: stale from here on
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -386,34 +388,27 @@ class ShardedAdamW(torch.optim.Optimizer):
         return total
 
     # -- state -----------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler).
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state onto rank ``to`` (as ``ZeroRedundancyOptimizer`` does): until the
+        next ``step``, ``state_dict()`` on that rank returns it in ``torch.optim.AdamW``'s format, plus
+        a ``"shardopt"`` entry with the fp32 master weights of 16-bit parameters and the loss scaler.
+        ``load_state_dict`` takes it back at any world size. Every rank; gathered one parameter at a
+        time, held on the CPU of rank ``to`` only."""
+        from shardopt.checkpoint import full_state_dict
 
-        Loadable by ``load_state_dict`` on the same rank at the same world size and layout. Local."""
-        self.finish_param_gather()
-        self._checks.refresh_local()
-        groups = []
-        for g in self.param_groups:
-            groups.append({k: v for k, v in g.items() if k != "params"})
-        return {
-            "format": STATE_FORMAT,
-            "world_size": self._comm.world_size,
-            "rank": self._comm.rank,
-            "stage": self.config.stage,
-            "master_weights": self.config.master_weights,
-            "seed": self.config.seed,
-            "step": self._step,
-            "skipped_steps": self.skipped_steps,
-            "param_groups": groups,
-            "loss_scaler": self._scaler.state_dict(),
-            "buffers": [
-                {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
-                 "param_shapes": [span.shape for span in b.layout.params],
-                 **{k: v.clone() for k, v in b.master.state_tensors().items()},
-                 "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone(), "lag": list(b.lag)}
-                for b in self._buffers
-            ],
-        }
+        if not 0 <= to < self._comm.world_size:
+            raise ValueError(f"consolidate_state_dict(to={to}): no such rank in a world of {self._comm.world_size}")
+        consolidated = full_state_dict(self, to=to, extras=True)
+        self._consolidated = consolidated if self._comm.rank == to else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler),
+        loadable by ``load_state_dict`` on the same rank at the same world size and layout; on the
+        rank that ``consolidate_state_dict`` gathered onto, the whole state instead (until the next
+        ``step``). Local: frameworks call it on one rank only."""
+        if self._consolidated is not None:
+            return self._consolidated
+        return rank_state_dict(self)
 
     def full_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
@@ -430,45 +425,24 @@ class ShardedAdamW(torch.optim.Optimizer):
         load_full_state_dict(self, state_dict)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore a ``state_dict`` taken on this rank at the same world size, and write the restored
-        master weights into the model. Every rank."""
+        """Restore either a ``state_dict`` taken on this rank at the same world size, or a whole
+        state in ``torch.optim.AdamW``'s format (a plain AdamW's, ``full_state_dict``'s or
+        ``consolidate_state_dict``'s) at any world size, where rank 0's copy is used; write the
+        restored master weights into the model. Every rank, all with the same kind of dict."""
+        from shardopt._checkpoint_files import agree
+
         sd = state_dict
-        if sd.get("format") != STATE_FORMAT:
-            raise ValueError(f"not a ShardedAdamW rank state dict (format={sd.get('format')!r}); to load a "
-                             "checkpoint at another world size use shardopt.load_checkpoint")
-        if sd["world_size"] != self._comm.world_size or sd["rank"] != self._comm.rank:
-            raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']}, this is rank "
-                             f"{self._comm.rank} of {self._comm.world_size}; use shardopt.save_checkpoint / "
-                             "load_checkpoint to change the world size")
-        if sd["master_weights"] != self.config.master_weights:
-            raise ValueError(f"state dict was saved with master_weights={sd['master_weights']!r}, this optimizer "
-                             f"uses {self.config.master_weights!r}")
-        if len(sd["buffers"]) != len(self._buffers) or len(sd["param_groups"]) != len(self.param_groups):
-            raise ValueError("state dict does not match this optimizer's parameters: "
-                             f"{len(sd['buffers'])} dtype buffers and {len(sd['param_groups'])} param groups saved, "
-                             f"{len(self._buffers)} and {len(self.param_groups)} here")
-        for saved, b in zip(sd["buffers"], self._buffers):
-            shapes = [tuple(s) for s in saved["param_shapes"]]
-            mine = [span.shape for span in b.layout.params]
-            if saved["dtype"] != str(b.dtype) or shapes != mine or saved["layout_numel"] != b.layout.numel:
-                first = next((i for i, (x, y) in enumerate(zip(shapes, mine)) if x != y), min(len(shapes), len(mine)))
-                raise ValueError(f"state dict does not match this optimizer's {b.dtype} parameters: first mismatch "
-                                 f"at parameter #{first} of the buffer ({len(shapes)} saved, {len(mine)} here); "
-                                 "was it saved for another model or another bucket_cap_mb?")
-        for saved, b in zip(sd["buffers"], self._buffers):
-            b.exp_avg.copy_(saved["exp_avg"])
-            b.exp_avg_sq.copy_(saved["exp_avg_sq"])
-            b.master.load_state_tensors(saved)
-            b.lag = [int(x) for x in saved.get("lag", [0] * len(b.lag))]
-        for g, saved in zip(self.param_groups, sd["param_groups"]):
-            g.update(saved)
-        self._step = int(sd["step"])
-        self.skipped_steps = int(sd.get("skipped_steps", 0))
-        self.config = dataclasses.replace(self.config, seed=int(sd.get("seed", self.config.seed)))
-        for b in self._buffers:
-            b.master.seed = self.config.seed
-        self._scaler.load_state_dict(sd["loss_scaler"])
-        for pending in [b.gather_params() for b in self._buffers]:
-            pending.wait()
-        for b in self._buffers:
-            b.binding.record()  # weights loaded into the model before this are superseded by the master
+        kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
+                "adamw" if isinstance(sd, dict) and ("state" in sd and "param_groups" in sd
+                                                    or not sd and self._comm.rank != 0) else "other")
+        kinds = agree(self._comm, None, kind)
+        if len(set(kinds)) > 1 or kind == "other":
+            raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "
+                             "0..N-1 ('rank' = a ShardedAdamW rank state dict, 'adamw' = torch.optim.AdamW's "
+                             "format, 'other' = neither): every rank must load the same kind of state dict; to "
+                             "change the world size load an 'adamw' one or use shardopt.load_checkpoint")
+        self._consolidated = None
+        if kind == "adamw":
+            self.load_full_state_dict(sd)
+            return
+        load_rank_state_dict(self, sd)

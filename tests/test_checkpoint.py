@@ -200,6 +200,46 @@ def test_reshard_and_continue_equals_uninterrupted_run(pools, saved_at, save_wor
                 assert diff == 0 if exact else diff <= TOLERANCE_3_RANKS[end[key].dtype], (name, rank, key, diff)
 
 
+def consolidate_case(group, root: str) -> None:
+    """``save_case``'s runs, saved the way frameworks save an optimizer: ``consolidate_state_dict``,
+    then ``state_dict()`` written by rank 0 alone, next to the model's weights."""
+    for name, cfg in CONFIGS.items():
+        model, opt = _build(group, cfg, 0, seed=3)
+        _train(model, opt, range(K), poison=POISON)
+        opt.consolidate_state_dict()
+        if dist.get_rank(group) == 0:
+            torch.save({"model": _weights(model), "optim": opt.state_dict()}, os.path.join(root, name + ".pt"))
+
+
+def load_consolidated_case(group, root: str) -> dict:
+    """Every rank loads the same file into a differently initialised model, then goes on to STEPS."""
+    out = {}
+    for name, cfg in CONFIGS.items():
+        model, opt = _build(group, cfg, 1, seed=4)
+        saved = torch.load(os.path.join(root, name + ".pt"), weights_only=True)
+        opt.load_state_dict(saved["optim"])  # before the weights: either order keeps the exact master
+        model.load_state_dict(saved["model"])
+        counters = _counters(opt)
+        _train(model, opt, range(K, STEPS))
+        out[name] = (counters, _weights(model))
+    return out
+
+
+@pytest.mark.parametrize("load_world", [1, 3])
+def test_consolidated_state_dict_resumes_at_another_world_size(pools, saved_at, tmp_path, load_world):
+    _, saved = saved_at(2)
+    _run(pools, 2, consolidate_case, str(tmp_path))
+    plain = torch.load(os.path.join(tmp_path, "bf16-stage1-to-2.pt"), weights_only=True)["optim"]
+    torch.optim.AdamW(param_groups(make_model(dtype=torch.bfloat16))).load_state_dict(plain)  # still AdamW's format
+    for rank, loaded in enumerate(_run(pools, load_world, load_consolidated_case, str(tmp_path))):
+        for name, (counters, end) in loaded.items():
+            _, _, ref_counters, ref_end = saved[name]
+            assert counters == ref_counters, (name, rank)
+            for key in ref_end:
+                diff = (end[key].float() - ref_end[key].float()).abs().max().item()
+                assert diff == 0 if load_world == 1 else diff <= TOLERANCE_3_RANKS[end[key].dtype], (name, key, diff)
+
+
 # -- tier 2: torch.optim.AdamW format --------------------------------------------------------------
 def adamw_case(group, path: str) -> dict:
     """K steps, export, then one more step here and in a plain AdamW on rank 0."""

@@ -391,11 +391,12 @@ def test_save_and_export_right_after_loading_weights(pools, tmp_path):
     assert out[0]["export_steps"] == [1.0]
 
 
-def load_in_resume_order_case() -> float:
-    """model.load_state_dict then opt.load_state_dict (the usual resume): the exact master is kept."""
+def load_in_resume_order_case(mode: str) -> float:
+    """model.load_state_dict then opt.load_state_dict (the usual resume), and the other way round:
+    the exact master is kept."""
     rank = dist.get_rank()
     model = make_model(seed=3, dtype=torch.bfloat16)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2, master_weights=mode)
     for step in range(3):
         opt.zero_grad()
         opt.backward(model(batch(rank, step)))
@@ -403,7 +404,7 @@ def load_in_resume_order_case() -> float:
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
     master = torch.cat([b.master.fp32().clone() for b in opt._buffers])
     model2 = make_model(seed=9, dtype=torch.bfloat16)
-    opt2 = shardopt.ShardedAdamW(model2.parameters(), lr=1e-3, stage=2)
+    opt2 = shardopt.ShardedAdamW(model2.parameters(), lr=1e-3, stage=2, master_weights=mode)
     for first, second in ((model2.load_state_dict, opt2.load_state_dict), (opt2.load_state_dict, model2.load_state_dict)):
         first(saved["model"] if first == model2.load_state_dict else saved["opt"])
         second(saved["opt"] if second == opt2.load_state_dict else saved["model"])
@@ -414,7 +415,8 @@ def load_in_resume_order_case() -> float:
 
 
 def test_resume_order_keeps_the_exact_master(pools):
-    pools(2).run(load_in_resume_order_case)
+    for mode in ("fp32", "remainder"):
+        pools(2).run(load_in_resume_order_case, mode)
 
 
 # -- 4: parameters converted or re-bound after construction -------------------------------------
