@@ -1,0 +1,109 @@
+"""Accelerate's standard loop, with torch.optim.AdamW (DDP) and with shardopt, under torchrun.
+
+``parity <state_dir>`` (2 ranks): the reference AdamW run; shardopt stage 1 (a plain AdamW
+converted by ``prepare``) and stage 2 (a ShardedAdamW), each with clipping, accumulation 2 and
+a warmup schedule; the stage-2 run saves its state halfway through and goes on, then is resumed
+from that state in fresh objects. ``resume <state_dir>`` (any number of ranks): the resume alone.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+
+import shardopt
+import shardopt.integrations.accelerate as so_accelerate
+from common import max_diff, tiny_gpt2, tokens, weights, write_result
+
+ACCUM, CLIP, LR, MICRO = 2, 0.5, 3e-3, 8  # micro-batches per rank in a full run
+SAVE_AFTER = 4  # micro-batches (two optimizer steps) before save_state
+
+
+def groups(model: torch.nn.Module) -> list[dict]:
+    decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
+    rest = [p for n, p in model.named_parameters() if p.ndim < 2]
+    return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
+
+
+def build(kind: str, stage: int = 2):
+    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    model = tiny_gpt2(seed=0)
+    per_rank = 8 // acc.num_processes  # the same global batch at any number of processes
+    data = DataLoader(tokens(), batch_size=per_rank, shuffle=False)
+    if kind == "sharded":
+        opt = shardopt.ShardedAdamW(groups(model), lr=LR, betas=(0.9, 0.95), stage=stage)
+    else:
+        opt = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    if kind == "adamw":
+        model, opt, data, sched = acc.prepare(model, opt, data, sched)
+    elif kind == "converted":
+        model, opt, data, sched = so_accelerate.prepare(acc, model, opt, data, sched, stage=stage)
+    else:
+        model, opt, data, sched = so_accelerate.prepare(acc, model, opt, data, sched)
+    return acc, model, opt, data, sched
+
+
+def train(acc, model, opt, data, sched, skip: int = 0, save_to: str | None = None) -> dict:
+    losses, norms = [], []
+    batches = acc.skip_first_batches(data, skip) if skip else data
+    for i, batch in enumerate(batches, start=skip):
+        with acc.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(float(loss))
+        if save_to is not None and i + 1 == SAVE_AFTER:
+            acc.save_state(save_to)
+    return {"losses": losses, "norms": norms, "weights": weights(acc.unwrap_model(model))}
+
+
+def memory(opt) -> dict:
+    r = opt.memory_report()
+    return {"grads": r.grads, "master": r.master, "exp_avg": r.exp_avg, "exp_avg_sq": r.exp_avg_sq,
+            "numel": sum(p.numel() for g in opt.param_groups for p in g["params"])}
+
+
+def resume(state_dir: str) -> dict:
+    acc, model, opt, data, sched = build("sharded")
+    acc.load_state(state_dir)
+    out = train(acc, model, opt, data, sched, skip=SAVE_AFTER)
+    out["lr"] = sched.get_last_lr()
+    return out
+
+
+def main() -> None:
+    what, state_dir = sys.argv[1], sys.argv[2]
+    if what == "resume":
+        write_result({"resume": resume(state_dir)})
+        return
+    result = {}
+    acc, model, opt, data, sched = build("adamw")
+    result["adamw"] = train(acc, model, opt, data, sched)
+    result["ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    acc, model, opt, data, sched = build("converted", stage=1)
+    result["stage1"] = train(acc, model, opt, data, sched)
+    result["stage1_is_sharded"] = isinstance(opt.optimizer, shardopt.ShardedAdamW)
+    acc, model, opt, data, sched = build("sharded", stage=2)
+    result["stage2"] = train(acc, model, opt, data, sched, save_to=state_dir)
+    result["stage2"]["lr"] = sched.get_last_lr()
+    result["stage2_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    result["memory"] = memory(opt)
+    try:  # clipping part of the parameters cannot be done on a global norm
+        acc.clip_grad_norm_(list(model.parameters())[:3], 1.0)
+        result["subset_clip"] = None
+    except ValueError as e:
+        result["subset_clip"] = str(e)
+    acc.wait_for_everyone()
+    result["resume"] = resume(state_dir)
+    write_result(result)
+
+
+if __name__ == "__main__":
+    main()
