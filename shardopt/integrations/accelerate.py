@@ -71,14 +71,15 @@ def _unwrapped(opt: Any) -> Any:
 
 def _unshared(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with every tensor copied out of the flat buffer it is a view of (safetensors refuses
-    tensors that share storage); tensors that were one tensor (tied weights) stay one."""
-    copies: dict[int, Tensor] = {}
+    tensors that share storage); entries that are the same view (tied weights) stay one tensor."""
+    copies: dict[tuple, Tensor] = {}
     out = {}
     for k, v in state.items():
         if isinstance(v, Tensor):
-            if id(v) not in copies:
-                copies[id(v)] = v.detach().clone()
-            v = copies[id(v)]
+            view = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
+            if view not in copies:
+                copies[view] = v.detach().clone()
+            v = copies[view]
         out[k] = v
     return out
 

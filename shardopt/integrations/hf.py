@@ -1,0 +1,109 @@
+"""ShardedAdamW inside Hugging Face ``transformers.Trainer``.
+
+``ShardedTrainer`` is a ``Trainer`` whose optimizer is a ShardedAdamW built from the
+``TrainingArguments`` (learning_rate, weight_decay with Trainer's decay/no-decay grouping,
+adam_beta1/2, adam_epsilon) plus ``shardopt_kwargs`` (``stage``, ``master_weights``, ...). It owns
+what differs from a plain Trainer:
+
+- the model is not wrapped in DDP: the Trainer's Accelerator is taught about shardopt
+  (``shardopt.integrations.accelerate.install``), so ``max_grad_norm`` clips, and ``grad_norm``
+  logs, the global norm over all ranks and shards, and accumulation reduces once per step;
+- checkpoints keep the optimizer as a sharded checkpoint in ``<checkpoint-N>/shardopt``, which
+  ``resume_from_checkpoint`` loads at any number of processes (a checkpoint of a plain Trainer
+  with AdamW, ``optimizer.pt``, also loads);
+- the model's weights are saved from copies: they are views of one flat buffer, which
+  safetensors refuses.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.trainer import SCHEDULER_NAME
+
+from shardopt.checkpoint import load_checkpoint, save_checkpoint
+from shardopt.integrations._convert import from_torch_adamw
+from shardopt.integrations.accelerate import CHECKPOINT_DIR, _unshared, install
+from shardopt.optimizer import ShardedAdamW
+
+__all__ = ["ShardedTrainer"]
+
+
+class ShardedTrainer(Trainer):
+    """``transformers.Trainer`` training with ``shardopt.ShardedAdamW`` instead of AdamW under DDP.
+
+    Change ``Trainer(...)`` to ``ShardedTrainer(..., shardopt_kwargs={"stage": 2})``; every
+    ``TrainingArguments`` keeps its meaning. An optimizer passed in ``optimizers=`` must be a
+    ShardedAdamW or a ``torch.optim.AdamW`` (converted, with its scheduler re-pointed). Launch with
+    ``torchrun`` (or ``accelerate launch`` without a DeepSpeed/FSDP config), as for DDP."""
+
+    def __init__(self, *args: Any, shardopt_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
+        self.shardopt_kwargs = dict(shardopt_kwargs or {})
+        super().__init__(*args, **kwargs)
+        if self.args.fp16:
+            self.shardopt_kwargs.setdefault("loss_scale", "dynamic")  # shardopt scales fp16 losses itself
+        if self.args.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_hf"):
+            warnings.warn(f"ShardedTrainer trains with shardopt.ShardedAdamW; TrainingArguments.optim="
+                          f"{self.args.optim!r} is ignored", stacklevel=2)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        install(self.accelerator)
+
+    @property
+    def sharded_optimizer(self) -> ShardedAdamW | None:
+        """The ShardedAdamW being trained (``self.optimizer`` may be Accelerate's wrapper around it)."""
+        opt = self.optimizer
+        while opt is not None and not isinstance(opt, ShardedAdamW) and hasattr(opt, "optimizer"):
+            opt = opt.optimizer
+        return opt if isinstance(opt, ShardedAdamW) else None
+
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> ShardedAdamW:
+        """Build the ShardedAdamW from the TrainingArguments, with Trainer's decay/no-decay groups.
+        Every rank."""
+        opt_model = self.model if model is None else model
+        if self.optimizer is None:
+            decay = set(self.get_decay_parameter_names(opt_model))
+            named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
+            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            self.optimizer = ShardedAdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
+                                          betas=(self.args.adam_beta1, self.args.adam_beta2),
+                                          eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay,
+                                          **self.shardopt_kwargs)
+        elif not isinstance(self.optimizer, ShardedAdamW):
+            old = self.optimizer
+            self.optimizer = from_torch_adamw(old, **self.shardopt_kwargs)
+            if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is old:
+                self.lr_scheduler.optimizer = self.optimizer
+        return self.optimizer
+
+    # -- checkpoints ---------------------------------------------------------------------
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and self.args.should_save:
+            opt = self.sharded_optimizer
+            if opt is not None:
+                opt.finish_param_gather()
+            state_dict = _unshared(self.model.state_dict())
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        opt = self.sharded_optimizer
+        if opt is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt)  # every rank
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        opt = self.sharded_optimizer
+        path = None if checkpoint is None else os.path.join(checkpoint, CHECKPOINT_DIR)
+        if opt is None or path is None or not os.path.isdir(path):
+            return super()._load_optimizer_and_scheduler(checkpoint)  # e.g. a plain AdamW's optimizer.pt
+        load_checkpoint(path, self.model, opt)  # every rank, at any number of processes
+        sched = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))

@@ -1,0 +1,101 @@
+"""transformers.Trainer with AdamW (DDP) and ShardedTrainer with shardopt, under torchrun.
+
+``parity <out>`` (2 ranks): Trainer + AdamW, then ShardedTrainer at stage 1 and at stage 2
+(clipping, accumulation 2, linear schedule with warmup, a checkpoint every 2 steps), then the
+stage-2 run resumed from its first checkpoint in a fresh trainer. ``resume <out>`` (any number
+of ranks): that resume alone, then Trainer and ShardedTrainer with bf16 autocast.
+Each run records every micro-batch's loss on this rank, every step's grad norm, and the weights.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from common import tiny_gpt2, tokens, weights, write_result
+from shardopt.integrations.hf import ShardedTrainer
+
+STEPS, ACCUM, CLIP = 4, 2, 0.5
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self) -> None:
+        self.data = tokens()
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.data[i], "labels": self.data[i]}
+
+
+class Recording:
+    """Records what the Trainer computes, without changing it."""
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self.seen_losses.append(float(loss))
+        return loss
+
+    def _clip_grad_norm(self, model):
+        norm = super()._clip_grad_norm(model)
+        self.seen_norms.append(float(norm))
+        return norm
+
+
+class RecordingTrainer(Recording, Trainer):
+    pass
+
+
+class RecordingShardedTrainer(Recording, ShardedTrainer):
+    pass
+
+
+def args(out: str, **kw) -> TrainingArguments:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return TrainingArguments(
+        output_dir=out, per_device_train_batch_size=8 // world, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
+        learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=CLIP, lr_scheduler_type="linear",
+        warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=2, save_total_limit=3, report_to=[],
+        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, ddp_backend="gloo", **kw)
+
+
+def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None = None, **kw) -> dict:
+    extra = {} if shardopt_kwargs is None else {"shardopt_kwargs": shardopt_kwargs}
+    trainer = cls(model=tiny_gpt2(seed=0), args=args(out, **kw), train_dataset=Tokens(), **extra)
+    trainer.seen_losses, trainer.seen_norms = [], []
+    trainer.train(resume_from_checkpoint=resume)
+    opt = getattr(trainer, "sharded_optimizer", None)
+    report = opt.memory_report() if opt is not None else None
+    logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+    return {"losses": trainer.seen_losses, "norms": trainer.seen_norms, "logged_norms": logged,
+            "weights": weights(trainer.model), "ddp": isinstance(trainer.model_wrapped,
+                                                                  torch.nn.parallel.DistributedDataParallel),
+            "lr": trainer.lr_scheduler.get_last_lr(),
+            "memory": None if report is None else {"grads": report.grads, "exp_avg": report.exp_avg,
+                                                   "numel": report.num_params}}
+
+
+def main() -> None:
+    what, out = sys.argv[1], sys.argv[2]
+    stage2 = os.path.join(out, "stage2")
+    if what == "resume":  # then bf16 autocast, which one process cannot switch back from
+        result = {"resume": run(RecordingShardedTrainer, os.path.join(out, "resumed"), {"stage": 2},
+                                resume=os.path.join(stage2, "checkpoint-2"))}
+        result["bf16_adamw"] = run(RecordingTrainer, os.path.join(out, "bf16-adamw"), bf16=True)
+        result["bf16_stage2"] = run(RecordingShardedTrainer, os.path.join(out, "bf16-s2"), {"stage": 2}, bf16=True)
+        write_result(result)
+        return
+    result = {"adamw": run(RecordingTrainer, os.path.join(out, "adamw")),
+              "stage1": run(RecordingShardedTrainer, os.path.join(out, "stage1"), {"stage": 1}),
+              "stage2": run(RecordingShardedTrainer, stage2, {"stage": 2})}
+    result["resume"] = run(RecordingShardedTrainer, os.path.join(out, "resumed2"), {"stage": 2},
+                           resume=os.path.join(stage2, "checkpoint-2"))
+    result["checkpoint_files"] = sorted(os.listdir(os.path.join(stage2, "checkpoint-2")))
+    write_result(result)
+
+
+if __name__ == "__main__":
+    main()
