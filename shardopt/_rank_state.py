@@ -36,13 +36,13 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
     }
 
 
-def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
-    """Restore ``rank_state_dict``'s output on the rank and world size it came from, and write the
-    restored master weights into the model. Every rank (the weights are all-gathered)."""
+def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless ``sd`` is ``rank_state_dict``'s output for this rank and layout. Local."""
     if sd["world_size"] != opt._comm.world_size or sd["rank"] != opt._comm.rank:
         raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']}, this is rank "
-                         f"{opt._comm.rank} of {opt._comm.world_size}; use shardopt.save_checkpoint / "
-                         "load_checkpoint to change the world size")
+                         f"{opt._comm.rank} of {opt._comm.world_size}: a ShardedAdamW's state_dict() is one rank's "
+                         "shard. Save the whole state with opt.consolidate_state_dict() before state_dict() (it "
+                         "loads at any world size), or use shardopt.save_checkpoint / load_checkpoint")
     if sd["master_weights"] != opt.config.master_weights:
         raise ValueError(f"state dict was saved with master_weights={sd['master_weights']!r}, this optimizer "
                          f"uses {opt.config.master_weights!r}")
@@ -58,6 +58,12 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
             raise ValueError(f"state dict does not match this optimizer's {b.dtype} parameters: first mismatch "
                              f"at parameter #{first} of the buffer ({len(shapes)} saved, {len(mine)} here); "
                              "was it saved for another model or another bucket_cap_mb?")
+
+
+def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
+    """Restore ``rank_state_dict``'s output (checked by ``check_rank_state_dict``) on the rank and
+    world size it came from, and write the restored master weights into the model. Every rank
+    (the weights are all-gathered)."""
     for saved, b in zip(sd["buffers"], opt._buffers):
         b.exp_avg.copy_(saved["exp_avg"])
         b.exp_avg_sq.copy_(saved["exp_avg_sq"])

@@ -191,3 +191,31 @@ class UsageChecks:
                     "parameters); the gradients are taken as unscaled, but small fp16 gradients underflow to zero: "
                     "call opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=4)
         self.seconds += time.perf_counter() - start
+
+
+DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but ShardedAdamW reduces the "
+               "gradients itself (DDP would reduce them a second time{what}). Train the bare model: with "
+               "transformers.Trainer use shardopt.integrations.hf.ShardedTrainer, with Accelerate "
+               "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...), with Lightning "
+               "shardopt.integrations.lightning.ShardedStrategy")
+
+
+def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.RemovableHandle":
+    """A global module forward pre-hook that recognises a DistributedDataParallel wrapper around
+    these parameters when it runs forward: a warning in stage 1 (the results are right, the
+    communication doubled), an error in stage 2 (DDP would write full gradients into ``p.grad``).
+    Raised on every rank alike, since every rank runs the same forward. The caller removes the
+    handle after the first step: a wrapper is seen by then."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        if not isinstance(module, DistributedDataParallel):
+            return
+        first = next(iter(module.module.parameters()), None)
+        if first is None or id(first) not in param_ids:
+            return
+        if stage == 2:
+            raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
+        warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
+
+    return torch.nn.modules.module.register_module_forward_pre_hook(hook)

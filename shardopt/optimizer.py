@@ -16,8 +16,8 @@ from torch import Tensor
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
 from shardopt._sharded_buffer import ShardedBuffer
-from shardopt._rank_state import STATE_FORMAT, load_rank_state_dict, rank_state_dict
-from shardopt._usage_checks import UsageChecks
+from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
+from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
@@ -97,6 +97,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
             self._gather_hook = torch.nn.modules.module.register_module_forward_pre_hook(hook)
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
+        self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
         self._built = True
 
     # -- construction --------------------------------------------------------------------
@@ -270,6 +271,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         gradient is inf/NaN. Every rank."""
         self.finish_param_gather()  # an update must not race the previous step's gathers
         self._consolidated = None  # gathered before this step: stale from here on
+        if self._ddp_watch is not None:
+            self._ddp_watch.remove()
+            self._ddp_watch = None
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -322,9 +326,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._checks.note_gathered(b, b.layout.buckets[bucket].params)
 
     def __del__(self) -> None:
-        hook = getattr(self, "_gather_hook", None)
-        if hook is not None:
-            hook.remove()
+        for name in ("_gather_hook", "_ddp_watch"):
+            hook = getattr(self, name, None)
+            if hook is not None:
+                hook.remove()
 
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
@@ -445,4 +450,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         if kind == "adamw":
             self.load_full_state_dict(sd)
             return
+        try:
+            check_rank_state_dict(self, sd)
+            error = None
+        except (ValueError, KeyError, TypeError) as e:
+            error = ValueError(str(e))
+        agree(self._comm, error)  # a rank given another rank's shard makes every rank raise
         load_rank_state_dict(self, sd)

@@ -785,3 +785,74 @@ def meta_case() -> tuple[str, str] | None:
 def test_meta_parameters_are_refused_with_a_hint(pools):
     for got in pools(2).run(meta_case):
         assert got is not None and got[0] == "ValueError" and "meta device" in got[1] and "to_empty" in got[1], got
+
+
+# -- frameworks: DDP wrappers, state dicts saved by rank 0 ---------------------------------------
+def ddp_wrapper_case(stage: int) -> tuple:
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = _error(lambda: wrapped(batch(dist.get_rank(), 0)))
+    plain = make_model(seed=2)  # a DDP model trained by a plain AdamW is none of shardopt's business
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        nn.parallel.DistributedDataParallel(plain)(batch(dist.get_rank(), 0))
+    del opt
+    return error, [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)], \
+        [str(w.message) for w in quiet if "ShardedAdamW" in str(w.message)]
+
+
+def test_a_ddp_wrapper_is_refused_in_stage2_and_warned_about_in_stage1(pools):
+    pool = pools(2)
+    for error, warned, quiet in pool.run(ddp_wrapper_case, 2):
+        assert error and error[0] == "RuntimeError" and "ShardedTrainer" in error[1] and not quiet, error
+    for error, warned, quiet in pool.run(ddp_wrapper_case, 1):
+        assert error is None and len(warned) == 1 and "doubling the communication" in warned[0], (error, warned)
+
+
+def rank0_state_dict_case(path: str) -> tuple:
+    """What a framework does: rank 0 saves state_dict(), every rank loads that file."""
+    rank = dist.get_rank()
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(batch(rank, step)))
+        opt.step()
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    refused = _error(lambda: opt.load_state_dict(torch.load(path, weights_only=True)))
+    opt.consolidate_state_dict()
+    whole = opt.state_dict()
+    fsd = opt.full_state_dict()
+    if rank == 0:
+        torch.save(whole, path)
+        assert set(whole) == {"state", "param_groups", "shardopt"}
+        for i, s in fsd["state"].items():  # the same moments as full_state_dict, plus the masters
+            assert all(torch.equal(s[k], whole["state"][i][k]) for k in s), i
+        trained = {i for i, p in enumerate(model.parameters()) if p.requires_grad}
+        assert set(whole["shardopt"]["master"]) == trained, (sorted(whole["shardopt"]["master"]), trained)
+    dist.barrier()
+    master = torch.cat([b.master.fp32().clone() for b in opt._buffers])
+    other = make_model(seed=8, dtype=torch.bfloat16)
+    opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3, stage=1)
+    opt2.load_state_dict(torch.load(path, weights_only=True))
+    exact = torch.equal(torch.cat([b.master.fp32() for b in opt2._buffers]), master)
+    weights_equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()) if p.requires_grad)
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 5)))
+    opt.step()
+    after_step = opt.state_dict().get("format")  # the consolidated copy is stale after a step
+    return refused, exact, weights_equal, after_step
+
+
+def test_state_dict_saved_by_rank0_is_refused_everywhere_unless_consolidated(pools, tmp_path):
+    for rank, (refused, exact, weights_equal, after_step) in enumerate(
+            pools(2).run(rank0_state_dict_case, str(tmp_path / "opt.pt"))):
+        assert refused and refused[0] == "ValueError", (rank, refused)  # on rank 0 too: no rank hangs
+        assert "consolidate_state_dict" in refused[1], refused
+        assert exact and weights_equal, rank  # the exact fp32 master, at another stage
+        assert after_step == "shardopt.rank_shard.v1"
