@@ -327,7 +327,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def __del__(self) -> None:
         for name in ("_gather_hook", "_ddp_watch"):
-            hook = getattr(self, name, None)
+            hook = self.__dict__.get(name)  # not through a wrapper that copied this __dict__ (LightningOptimizer)
             if hook is not None:
                 hook.remove()
 
@@ -362,6 +362,14 @@ class ShardedAdamW(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
         self._clip = None
+
+    def parameters_moved(self) -> list[str]:
+        """The parameters whose dtype or device changed since this optimizer laid them out (a
+        ``model.to(...)`` or a framework's precision conversion after construction), one line each:
+        ``"name: built as DTYPE on DEVICE, now DTYPE on DEVICE"``. Local; ``step`` refuses them."""
+        return [f"{name}: built as {b.flat.dtype} on {b.flat.device}, now {p.dtype} on {p.device}"
+                for b in self._buffers for name, p in zip(b.binding.names, b.flat.params)
+                if p.dtype != b.flat.dtype or p.device != b.flat.device]
 
     def refresh_master_weights(self) -> None:
         """Take the model's current weights as the master weights (rank 0's values, on every rank).

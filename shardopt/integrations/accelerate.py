@@ -70,18 +70,9 @@ def _unwrapped(opt: Any) -> Any:
 
 
 def _unshared(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied out of the flat buffer it is a view of (safetensors refuses
-    tensors that share storage); entries that are the same view (tied weights) stay one tensor."""
-    copies: dict[tuple, Tensor] = {}
-    out = {}
-    for k, v in state.items():
-        if isinstance(v, Tensor):
-            view = (v.untyped_storage().data_ptr(), v.storage_offset(), tuple(v.shape), v.stride(), v.dtype)
-            if view not in copies:
-                copies[view] = v.detach().clone()
-            v = copies[view]
-        out[k] = v
-    return out
+    """``state`` with every tensor copied out of the flat buffer it is a view of: safetensors refuses
+    tensors that share storage. Tied weights become two equal tensors, as safetensors wants them."""
+    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
 
 
 class _LoadInto(torch.nn.Module):
@@ -173,11 +164,10 @@ class _Binding:
         return out[0] if len(out) == 1 else tuple(out)
 
     def _check_devices(self, opt: ShardedAdamW) -> None:
-        home = opt._buffers[0].flat.device
-        moved = [p.device for g in opt.param_groups for p in g["params"] if p.device != home]
+        moved = opt.parameters_moved()
         if moved:
-            raise ValueError(f"the model's parameters are on {moved[0]} but this ShardedAdamW was built with them on "
-                             f"{home}; build it after moving the model (model.to(accelerator.device)), or pass a "
+            raise ValueError(f"the model was moved after its ShardedAdamW was built ({moved[0]}); build the "
+                             "optimizer after moving the model (model.to(accelerator.device)), or pass a "
                              "torch.optim.AdamW to shardopt.integrations.accelerate.prepare, which converts it after "
                              "placing the model")
 

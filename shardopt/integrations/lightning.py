@@ -62,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("shardopt.integrations.lightning needs PyTorch Lightning: pip install shardopt[lightning] "
                       "(or pip install lightning)") from e
 
-from shardopt._module_sync import sync_module_states
+from shardopt import sync_module_states
 from shardopt.integrations._convert import from_torch_adamw
 from shardopt.optimizer import ShardedAdamW
 
@@ -156,15 +156,14 @@ class ShardedStrategy(DDPStrategy):
         """Run ``configure_optimizers``, convert each ``torch.optim.AdamW`` into a ``ShardedAdamW``
         and point the LR schedulers built on it at the new optimizer. Every rank."""
         super().setup_optimizers(trainer)
-        converted = [self._sharded(i, opt) for i, opt in enumerate(self.optimizers)]
-        replaced = {id(old): new for old, new in zip(self.optimizers, converted) if new is not old}
+        given = [opt.optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers]
+        converted = [self._sharded(i, opt) for i, opt in enumerate(given)]
+        replaced = {id(old): new for old, new in zip(given, converted) if new is not old}
         for config in self.lr_scheduler_configs:
             _retarget(config.scheduler, replaced)
         self.optimizers = converted
 
     def _sharded(self, index: int, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        if isinstance(opt, LightningOptimizer):
-            opt = opt.optimizer
         if isinstance(opt, ShardedAdamW):
             _check_built_on_final_module(opt, self.precision_plugin)
             return opt
@@ -201,7 +200,7 @@ class ShardedStrategy(DDPStrategy):
         if opt is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         if args:
-            raise TypeError("pass backward options by keyword (retain_graph=..., create_graph=...) with ShardedStrategy")
+            raise TypeError("with ShardedStrategy pass backward options by keyword (retain_graph=..., create_graph=...)")
         assert self.lightning_module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
@@ -288,16 +287,13 @@ _CLIP_VALUE_MESSAGE = ("gradient_clip_algorithm='value' (gradient_clip_val={val}
 def _check_built_on_final_module(opt: ShardedAdamW, plugin: Precision) -> None:
     """Raise if ``opt`` was laid out for parameters that the precision plugin or the move to the
     device have since converted. Local: every rank converts the same way, so every rank raises."""
-    for buffer in opt._buffers:  # one flat buffer per (dtype, device) the optimizer was built for
-        flat = buffer.flat
-        for name, p in zip(buffer.binding.names, flat.params):
-            if p.dtype != flat.dtype or p.device != flat.device:
-                raise RuntimeError(
-                    f"configure_optimizers returned a ShardedAdamW built before Lightning converted the model: "
-                    f"parameter {name} is now {p.dtype} on {p.device} but was {flat.dtype} on {flat.device} when the "
-                    f"optimizer was built (precision {plugin.precision!r}). Build the ShardedAdamW inside "
-                    "configure_optimizers, which Lightning calls after converting the module and moving it to the "
-                    "device, or return a torch.optim.AdamW and let ShardedStrategy convert it")
+    moved = opt.parameters_moved()
+    if moved:
+        raise RuntimeError(
+            f"configure_optimizers returned a ShardedAdamW built before Lightning converted the model: "
+            f"{moved[0]} (precision {plugin.precision!r}). Build the ShardedAdamW inside "
+            "configure_optimizers, which Lightning calls after converting the module and moving it to the "
+            "device, or return a torch.optim.AdamW and let ShardedStrategy convert it")
 
 
 def _retarget(scheduler: Any, replaced: dict[int, ShardedAdamW]) -> None:
