@@ -50,3 +50,24 @@ def test_fp16_with_absurd_loss_scale_settles_like_bf16():
     assert fp16["finite"] == bf16["finite"] == "yes"
     assert fp16["skipped"] >= 20 and bf16["skipped"] == 0  # 2**40 halves down to a workable scale
     assert abs(fp16["val"] - bf16["val"]) < 0.15, (fp16, bf16)
+
+
+def _run_script(script: str, *args: str, timeout: int = 240) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "examples", script), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_KERNEL="reference")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc.stdout
+
+
+def test_framework_examples_train_and_print_memory(tmp_path):
+    """The Trainer and Accelerate examples run as their docstrings say, and the saved state resumes."""
+    out = _run_script("hf_trainer.py", "--steps", "4", "--out", str(tmp_path / "hf"))
+    assert "memory on rank 0 of 2 (stage 2" in out and "checkpoint-4" in os.listdir(tmp_path / "hf"), out
+    state = str(tmp_path / "acc")
+    out = _run_script("accelerate_gpt.py", "--steps", "4", "--state", state)
+    first = float(re.search(r"step +1 \| loss ([0-9.]+)", out).group(1))
+    assert "memory on rank 0 of 2 (stage 2" in out, out
+    resumed = _run_script("accelerate_gpt.py", "--steps", "2", "--state", state, "--resume")
+    assert float(re.search(r"step +1 \| loss ([0-9.]+)", resumed).group(1)) < first  # went on from the state
