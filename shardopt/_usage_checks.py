@@ -211,8 +211,7 @@ def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.Removab
     def hook(module: torch.nn.Module, args: object) -> None:
         if not isinstance(module, DistributedDataParallel):
             return
-        first = next(iter(module.module.parameters()), None)
-        if first is None or id(first) not in param_ids:
+        if not any(id(p) in param_ids for p in module.module.parameters()):  # frozen ones come first, too
             return
         if stage == 2:
             raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))

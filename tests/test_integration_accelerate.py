@@ -35,7 +35,8 @@ def test_loss_curve_and_grad_norm_equal_adamw_under_ddp(runs):
         assert r["stage1_is_sharded"], "prepare converts a plain AdamW"
         assert min(ref["norms"]) > CLIP, ref["norms"]  # clipping bites at every step
         assert len(ref["losses"]) == 8 and len(ref["norms"]) == 4  # accumulation 2
-        for stage in ("stage1", "stage2"):
+        assert not r["split_ddp"]
+        for stage in ("stage1", "stage2", "split"):
             got = r[stage]
             assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-5, (stage, rank)
             assert max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])) <= 1e-5, (stage, rank)
@@ -64,3 +65,10 @@ def test_saved_state_resumes_exactly_at_two_and_at_one_process(runs):
     assert max(abs(a - b) for a, b in zip(one["losses"], mean)) <= 1e-5, (one["losses"], mean)
     assert max(abs(a - b) for a, b in zip(one["norms"], two[0]["stage2"]["norms"][2:])) <= 1e-5
     assert max_diff(one["weights"], two[0]["stage2"]["weights"]) <= 1e-5
+
+
+def test_exported_weights_and_other_models_stay_whole(runs):
+    two, _ = runs
+    for r in two:
+        assert max_diff(r["exported"], r["stage2"]["weights"]) == 0  # save_model wrote every weight
+        assert r["other_is_ddp"] and r["other_is_plain"]  # a plain model and AdamW stay Accelerate's

@@ -72,3 +72,11 @@ def test_bf16_autocast_trains_like_adamw(runs):
     ref, got = one["bf16_adamw"], one["bf16_stage2"]
     assert _close(got["losses"], ref["losses"], 1e-3)
     assert max_diff(got["weights"], ref["weights"]) <= 1e-3
+
+
+def test_train_called_twice_goes_on_like_trainer(runs):
+    two, _ = runs
+    for r in two:
+        ref, got = r["twice_adamw"], r["twice_stage2"]
+        assert len(ref["losses"]) == 8 and _close(got["losses"], ref["losses"], 1e-5)
+        assert max_diff(got["weights"], ref["weights"]) <= 1e-5

@@ -788,9 +788,10 @@ def test_meta_parameters_are_refused_with_a_hint(pools):
 
 
 # -- frameworks: DDP wrappers, state dicts saved by rank 0 ---------------------------------------
-def ddp_wrapper_case(stage: int) -> tuple:
+def ddp_wrapper_case(stage: int, freeze_first: bool = False) -> tuple:
     model = make_model(seed=2)
-    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    next(model.parameters()).requires_grad_(not freeze_first)  # a frozen parameter first must not hide it
+    opt = shardopt.ShardedAdamW([p for p in model.parameters() if p.requires_grad], **HP, stage=stage)
     wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -806,10 +807,11 @@ def ddp_wrapper_case(stage: int) -> tuple:
 
 def test_a_ddp_wrapper_is_refused_in_stage2_and_warned_about_in_stage1(pools):
     pool = pools(2)
-    for error, warned, quiet in pool.run(ddp_wrapper_case, 2):
-        assert error and error[0] == "RuntimeError" and "ShardedTrainer" in error[1] and not quiet, error
-    for error, warned, quiet in pool.run(ddp_wrapper_case, 1):
-        assert error is None and len(warned) == 1 and "doubling the communication" in warned[0], (error, warned)
+    for freeze_first in (False, True):
+        for error, warned, quiet in pool.run(ddp_wrapper_case, 2, freeze_first):
+            assert error and error[0] == "RuntimeError" and "ShardedTrainer" in error[1] and not quiet, error
+        for error, warned, quiet in pool.run(ddp_wrapper_case, 1, freeze_first):
+            assert error is None and len(warned) == 1 and "doubling the communication" in warned[0], (error, warned)
 
 
 def rank0_state_dict_case(path: str) -> tuple:

@@ -34,7 +34,7 @@ from shardopt.loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
 CHECKPOINT_DIR = "shardopt"  # the sharded optimizer checkpoint's folder inside a saved state
-_PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "save_state", "load_state")
+_PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "get_state_dict", "save_state", "load_state")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 __all__ = ["CHECKPOINT_DIR", "ShardedAcceleratedOptimizer", "install", "prepare"]
@@ -61,6 +61,17 @@ class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
 
 def _params(opt: ShardedAdamW) -> set[int]:
     return {id(p) for g in opt.param_groups for p in g["params"]}
+
+
+def _covers(ids: set[int], model: torch.nn.Module) -> bool:
+    """Whether the optimizer with parameter ids ``ids`` trains ``model``: all of its trainable
+    parameters (raises if only some)."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    covered = [id(p) in ids for p in trainable]
+    if any(covered) and not all(covered):
+        raise ValueError(f"the optimizer covers {sum(covered)} of the model's {len(trainable)} trainable parameters; "
+                         "give ShardedAdamW all of them (freeze the rest)")
+    return bool(trainable) and all(covered)
 
 
 def _unwrapped(opt: Any) -> Any:
@@ -95,13 +106,17 @@ class _Binding:
     """What one Accelerator knows about shardopt: the ShardedAdamW it prepared and the model that
     optimizer trains, and the accelerator's own methods that it stands in front of."""
 
-    def __init__(self, accelerator: Accelerator, shardopt_kwargs: dict[str, Any] | None) -> None:
+    def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
-        self.shardopt_kwargs = shardopt_kwargs  # for a torch.optim.AdamW that prepare() converts
+        # Set while shardopt.integrations.accelerate.prepare runs: a torch.optim.AdamW given to it is
+        # converted with these ShardedAdamW arguments, and a model given alone waits for its optimizer.
+        self.convert_kwargs: dict[str, Any] | None = None
         self.original = {name: getattr(accelerator, name) for name in _PATCHED}
-        self.model: torch.nn.Module | None = None
+        self.model: torch.nn.Module | None = None  # the bare model the ShardedAdamW trains
         self.opt: ShardedAdamW | None = None
         self.wrapped: ShardedAcceleratedOptimizer | None = None
+        self.pending: tuple[torch.nn.Module, dict[str, Any], Any] | None = None  # (model, kwargs, guard hook)
+        self.ours: set[int] = set()  # ids of the models prepared here, without DDP
         accelerator.register_save_state_pre_hook(self._before_save)
         accelerator.register_load_state_pre_hook(self._before_load)
         for name in _PATCHED:
@@ -110,51 +125,54 @@ class _Binding:
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """``Accelerator.prepare``, except that a ShardedAdamW (or, through ``shardopt.integrations.
-        accelerate.prepare``, a plain AdamW) and the model it trains are prepared without DDP."""
+        accelerate.prepare``, a plain AdamW) and the model it trains are prepared without DDP; they
+        may come in one call or in several, in either order."""
         acc = self.accelerator
-        convert = self.shardopt_kwargs is not None
-        mine = [i for i, a in enumerate(args) if isinstance(_unwrapped(a), ShardedAdamW)
-                or convert and type(a) is torch.optim.AdamW]
-        if not mine:
-            return self.original["prepare"](*args, device_placement=device_placement)
-        if len(mine) > 1 or self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
+        pending_model, pending_kwargs = (self.pending[0], self.pending[1]) if self.pending else (None, None)
+        mine = []
+        for i, a in enumerate(args):
+            if isinstance(_unwrapped(a), ShardedAdamW):
+                mine.append(i)
+            elif type(a) is torch.optim.AdamW and (self.convert_kwargs is not None or pending_model is not None
+                                                    and _covers(_params(a), pending_model)):
+                mine.append(i)
+        if len(mine) > 1 or mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
             raise ValueError("one Accelerator trains one ShardedAdamW; put all param groups into one optimizer")
-        if acc.distributed_type in _UNSUPPORTED:
+        if mine and acc.distributed_type in _UNSUPPORTED:
             raise ValueError(f"ShardedAdamW replaces DDP and shards the optimizer itself; it does not run under "
                              f"Accelerate's {acc.distributed_type.value} (launch without a DeepSpeed/FSDP/Megatron "
                              "config, e.g. `accelerate launch --multi_gpu` or plain torchrun)")
         placement = list(device_placement) if device_placement is not None else [None] * len(args)
         out = list(args)
-        given = args[mine[0]]
-        base = _unwrapped(given)
-        ids = _params(base)
-        for i, a in enumerate(args):
-            if isinstance(a, torch.nn.Module):
-                trainable = [p for p in a.parameters() if p.requires_grad]
-                covered = [id(p) in ids for p in trainable]
-                if any(covered):
-                    if not all(covered):
-                        raise ValueError(f"the optimizer covers {sum(covered)} of the model's {len(trainable)} "
-                                         "trainable parameters; give ShardedAdamW all of them (freeze the rest)")
-                    out[i] = acc.prepare_model(a, device_placement=placement[i], evaluation_mode=True)  # no DDP
-                    self.model = acc.unwrap_model(out[i])
-        for m in acc._models:
-            if isinstance(m, torch.nn.parallel.DistributedDataParallel) and any(id(p) in ids for p in m.parameters()):
-                raise ValueError("this model was prepared (wrapped in DDP) before its ShardedAdamW: prepare them in "
-                                 "one call, accelerator.prepare(model, optimizer, ...), so that DDP is not used")
-        opt = base if isinstance(base, ShardedAdamW) else from_torch_adamw(base, **self.shardopt_kwargs)
-        self._check_devices(opt)
-        for a in args:  # a scheduler built on the AdamW now drives the ShardedAdamW that replaced it
-            if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is base and opt is not base:
-                a.optimizer = opt
-        self._take_over_fp16(opt)
-        if self.wrapped is None or self.opt is not opt:
-            self.opt, self.wrapped = opt, ShardedAcceleratedOptimizer(opt)
-            self.wrapped._is_accelerate_prepared = True
-        if self.wrapped not in acc._optimizers:
-            acc._optimizers.append(self.wrapped)
-        out[mine[0]] = self.wrapped
-        rest = [i for i, a in enumerate(args) if out[i] is a and i != mine[0]]
+        base = _unwrapped(args[mine[0]]) if mine else self.opt
+        ids = _params(base) if base is not None else set()
+        for i, a in enumerate(args):  # models: those of the optimizer, or waiting for one, get no DDP
+            if not isinstance(a, torch.nn.Module):
+                continue
+            if ids and _covers(ids, a):
+                out[i] = self._prepare_model(a, placement[i])
+                self._link(acc.unwrap_model(out[i]))
+            elif not mine and self.convert_kwargs is not None:
+                out[i] = self._prepare_model(a, placement[i])
+                self._wait_for_optimizer(acc.unwrap_model(out[i]), self.convert_kwargs)
+        if mine:
+            kwargs = self.convert_kwargs if self.convert_kwargs is not None else pending_kwargs
+            opt = base if isinstance(base, ShardedAdamW) else from_torch_adamw(base, **(kwargs or {}))
+            if self.model is None and self.pending is not None and _covers(_params(opt), self.pending[0]):
+                self._link(self.pending[0])
+            self._check_not_in_ddp(opt)
+            self._check_devices(opt)
+            for a in args:  # a scheduler built on the AdamW now drives the ShardedAdamW that replaced it
+                if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is base and opt is not base:
+                    a.optimizer = opt
+            self._take_over_fp16(opt)
+            if self.wrapped is None or self.opt is not opt:
+                self.opt, self.wrapped = opt, ShardedAcceleratedOptimizer(opt)
+                self.wrapped._is_accelerate_prepared = True
+            if self.wrapped not in acc._optimizers:
+                acc._optimizers.append(self.wrapped)
+            out[mine[0]] = self.wrapped
+        rest = [i for i, a in enumerate(args) if out[i] is a and i not in mine]
         if rest:
             done = self.original["prepare"](*[args[i] for i in rest],
                                             device_placement=None if device_placement is None else
@@ -162,6 +180,46 @@ class _Binding:
             for i, d in zip(rest, done if len(rest) > 1 else (done,)):
                 out[i] = d
         return out[0] if len(out) == 1 else tuple(out)
+
+    def _prepare_model(self, model: torch.nn.Module, placement: bool | None) -> torch.nn.Module:
+        prepared = self.accelerator.prepare_model(model, device_placement=placement, evaluation_mode=True)  # no DDP
+        self.ours.add(id(self.accelerator.unwrap_model(prepared)))
+        return prepared
+
+    def _link(self, model: torch.nn.Module) -> None:
+        if self.pending is not None and self.pending[0] is model:
+            self.pending[2].remove()
+            self.pending = None
+        self.model = model
+
+    def _wait_for_optimizer(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
+        """A model prepared alone (no DDP): it must not train before its optimizer is prepared, or its
+        gradients would never be averaged over the ranks."""
+
+        def guard(module: torch.nn.Module, args: Any) -> None:
+            if module.training and torch.is_grad_enabled():
+                raise RuntimeError("this model was prepared by shardopt.integrations.accelerate.prepare without "
+                                   "DDP, for a ShardedAdamW, but no optimizer over its parameters has been prepared "
+                                   "on this accelerator yet: prepare the optimizer (a ShardedAdamW or a "
+                                   "torch.optim.AdamW) before training, or its gradients are not averaged")
+
+        if self.pending is not None:
+            self.pending[2].remove()
+        self.pending = (model, dict(kwargs), model.register_forward_pre_hook(guard))
+
+    def _check_not_in_ddp(self, opt: ShardedAdamW) -> None:
+        """A model of this optimizer that plain ``accelerator.prepare`` handled earlier is wrapped in DDP
+        (Accelerate keeps the bare module in ``_models``)."""
+        ids = _params(opt)
+        for m in self.accelerator._models:
+            if id(m) in self.ours or not _covers(ids, m):
+                continue
+            if self.accelerator.multi_device:
+                raise ValueError("this ShardedAdamW's model was prepared by accelerator.prepare(model) before, "
+                                 "which wrapped it in DDP; prepare the model through shardopt.integrations."
+                                 "accelerate.prepare too (with its optimizer, or on its own before it)")
+            self.ours.add(id(m))  # one process: nothing was wrapped
+            self._link(m)
 
     def _check_devices(self, opt: ShardedAdamW) -> None:
         moved = opt.parameters_moved()
@@ -222,6 +280,17 @@ class _Binding:
                 yield
 
     # -- saved state -------------------------------------------------------------------------
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """``Accelerator.get_state_dict``; for the ShardedAdamW's model, copies of the weights (they
+        are views of one flat buffer, and safetensors, or Accelerate's clean-up of shared tensors
+        before it in ``save_model``, would keep one tensor of them). Any rank."""
+        state = self.original["get_state_dict"](model, unwrap=unwrap)
+        if self.model is not None and self.accelerator.unwrap_model(model) is self.model:
+            if self.opt is not None:
+                self.opt.finish_param_gather()
+            state = _unshared(state)
+        return state
+
     @contextlib.contextmanager
     def _without_mine(self, loading: bool = False) -> Iterator[None]:
         """Accelerate would save the optimizer's ``state_dict()`` from rank 0 only (one shard of it):
@@ -253,16 +322,20 @@ class _Binding:
             return self.original["load_state"](input_dir, **kwargs)
 
     def _before_save(self, models: list, weights: list, output_dir: str) -> None:
-        if self.opt is None:
+        if self.opt is None:  # weights: get_state_dict above copied them out of the flat buffer
             return
-        for i, m in enumerate(models):
-            if i < len(weights) and self.accelerator.unwrap_model(m) is self.model:
-                weights[i] = _unshared(weights[i])
+        self._check_model()
         save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.opt)
+
+    def _check_model(self) -> None:
+        if self.model is None:
+            raise ValueError("the model this ShardedAdamW trains was not prepared by this accelerator: prepare it "
+                             "through shardopt.integrations.accelerate.prepare (with the optimizer, or before it)")
 
     def _before_load(self, models: list, input_dir: str) -> None:  # ``models`` holds the _LoadInto
         if self.opt is None:
             return
+        self._check_model()
         path = os.path.join(input_dir, CHECKPOINT_DIR)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{input_dir} holds no shardopt optimizer checkpoint ({CHECKPOINT_DIR}/); it was "
@@ -270,17 +343,13 @@ class _Binding:
         load_checkpoint(path, self.model, self.opt)
 
 
-def install(accelerator: Accelerator, shardopt_kwargs: dict[str, Any] | None = None) -> Accelerator:
+def install(accelerator: Accelerator) -> Accelerator:
     """Teach ``accelerator`` about ShardedAdamW (idempotent): its ``prepare`` then prepares a
     ShardedAdamW and its model without DDP, and its ``backward``, ``clip_grad_norm_``, ``no_sync``,
-    ``save_state`` and ``load_state`` route through the optimizer. With ``shardopt_kwargs`` (a
-    dict, possibly empty), ``prepare`` also converts a plain ``torch.optim.AdamW`` into a
-    ShardedAdamW with those arguments (``stage``, ``master_weights``, ...). Every rank."""
-    binding = getattr(accelerator, "_shardopt", None)
-    if binding is None:
-        accelerator._shardopt = _Binding(accelerator, shardopt_kwargs)
-    elif shardopt_kwargs is not None:
-        binding.shardopt_kwargs = shardopt_kwargs
+    ``get_state_dict``, ``save_state`` and ``load_state`` route through the optimizer; everything
+    else (other models, plain optimizers) is left to Accelerate. Every rank."""
+    if getattr(accelerator, "_shardopt", None) is None:
+        accelerator._shardopt = _Binding(accelerator)
     return accelerator
 
 
@@ -289,6 +358,10 @@ def prepare(accelerator: Accelerator, *objects: Any, device_placement: list[bool
     """``accelerator.prepare(*objects)`` for training with ShardedAdamW: pass the model, a
     ``shardopt.ShardedAdamW`` (or a ``torch.optim.AdamW``, converted with ``shardopt_kwargs`` such as
     ``stage=2``, ``master_weights="fp32"``), and the dataloaders and schedulers; returns them
-    prepared, in order. Every rank."""
-    install(accelerator, shardopt_kwargs)
-    return accelerator.prepare(*objects, device_placement=device_placement)
+    prepared, in order. The model and its optimizer may also be prepared in separate calls. Every rank."""
+    binding = install(accelerator)._shardopt
+    binding.convert_kwargs = shardopt_kwargs
+    try:
+        return accelerator.prepare(*objects, device_placement=device_placement)
+    finally:
+        binding.convert_kwargs = None

@@ -61,10 +61,12 @@ class ShardedTrainer(Trainer):
             opt = opt.optimizer
         return opt if isinstance(opt, ShardedAdamW) else None
 
-    def create_optimizer(self, model: torch.nn.Module | None = None) -> ShardedAdamW:
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the ShardedAdamW from the TrainingArguments, with Trainer's decay/no-decay groups.
         Every rank."""
         opt_model = self.model if model is None else model
+        if self.sharded_optimizer is not None:  # a second train(): self.optimizer is Accelerate's wrapper
+            return self.optimizer
         if self.optimizer is None:
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]

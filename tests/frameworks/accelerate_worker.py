@@ -2,13 +2,16 @@
 
 ``parity <state_dir>`` (2 ranks): the reference AdamW run; shardopt stage 1 (a plain AdamW
 converted by ``prepare``) and stage 2 (a ShardedAdamW), each with clipping, accumulation 2 and
-a warmup schedule; the stage-2 run saves its state halfway through and goes on, then is resumed
-from that state in fresh objects. ``resume <state_dir>`` (any number of ranks): the resume alone.
+a warmup schedule; the stage-2 run saves its state halfway through and goes on, exports its
+weights with ``save_model``, shares the accelerator with a plain DDP model, and is resumed from
+that state in fresh objects; stage 2 once more with the model prepared in a call of its own. ``resume <state_dir>`` (any number of ranks): the resume alone.
 """
 from __future__ import annotations
 
+import os
 import sys
 
+import safetensors.torch
 import torch
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
@@ -27,7 +30,7 @@ def groups(model: torch.nn.Module) -> list[dict]:
     return [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]
 
 
-def build(kind: str, stage: int = 2):
+def build(kind: str, stage: int = 2, split: bool = False):
     acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model = tiny_gpt2(seed=0)
     per_rank = 8 // acc.num_processes  # the same global batch at any number of processes
@@ -39,6 +42,9 @@ def build(kind: str, stage: int = 2):
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     if kind == "adamw":
         model, opt, data, sched = acc.prepare(model, opt, data, sched)
+    elif kind == "converted" and split:  # the model alone first, then the rest
+        model = so_accelerate.prepare(acc, model, stage=stage)
+        opt, data, sched = so_accelerate.prepare(acc, opt, data, sched, stage=stage)
     elif kind == "converted":
         model, opt, data, sched = so_accelerate.prepare(acc, model, opt, data, sched, stage=stage)
     else:
@@ -100,6 +106,19 @@ def main() -> None:
         result["subset_clip"] = None
     except ValueError as e:
         result["subset_clip"] = str(e)
+    acc.save_model(model, state_dir + "-model")  # what a user exports: every weight, from copies
+    acc.wait_for_everyone()  # the main process writes the file
+    saved = safetensors.torch.load_file(os.path.join(state_dir + "-model", "model.safetensors"))
+    exported = tiny_gpt2(seed=5)
+    exported.load_state_dict(saved, strict=False)
+    result["exported"] = weights(exported)
+    other = tiny_gpt2(seed=6)  # a second model on the same accelerator, with plain AdamW: DDP as usual
+    other, other_opt = acc.prepare(other, torch.optim.AdamW(other.parameters()))
+    result["other_is_ddp"] = isinstance(other, torch.nn.parallel.DistributedDataParallel)
+    result["other_is_plain"] = type(other_opt.optimizer) is torch.optim.AdamW
+    acc, model, opt, data, sched = build("converted", stage=2, split=True)
+    result["split"] = train(acc, model, opt, data, sched, save_to=state_dir + "-split")
+    result["split_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
     acc.wait_for_everyone()
     result["resume"] = resume(state_dir)
     write_result(result)

@@ -55,18 +55,22 @@ class RecordingShardedTrainer(Recording, ShardedTrainer):
 
 def args(out: str, **kw) -> TrainingArguments:
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return TrainingArguments(
+    options = dict(
         output_dir=out, per_device_train_batch_size=8 // world, gradient_accumulation_steps=ACCUM, max_steps=STEPS,
         learning_rate=3e-3, weight_decay=0.1, adam_beta2=0.95, max_grad_norm=CLIP, lr_scheduler_type="linear",
         warmup_steps=1, logging_steps=1, save_strategy="steps", save_steps=2, save_total_limit=3, report_to=[],
-        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, ddp_backend="gloo", **kw)
+        use_cpu=True, seed=0, dataloader_num_workers=0, disable_tqdm=True, ddp_backend="gloo")
+    return TrainingArguments(**{**options, **kw})
 
 
-def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None = None, **kw) -> dict:
+def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None = None, twice: bool = False,
+        **kw) -> dict:
     extra = {} if shardopt_kwargs is None else {"shardopt_kwargs": shardopt_kwargs}
     trainer = cls(model=tiny_gpt2(seed=0), args=args(out, **kw), train_dataset=Tokens(), **extra)
     trainer.seen_losses, trainer.seen_norms = [], []
     trainer.train(resume_from_checkpoint=resume)
+    if twice:  # train() again on the same trainer goes on from the trained weights
+        trainer.train()
     opt = getattr(trainer, "sharded_optimizer", None)
     report = opt.memory_report() if opt is not None else None
     logged = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
@@ -94,6 +98,10 @@ def main() -> None:
     result["resume"] = run(RecordingShardedTrainer, os.path.join(out, "resumed2"), {"stage": 2},
                            resume=os.path.join(stage2, "checkpoint-2"))
     result["checkpoint_files"] = sorted(os.listdir(os.path.join(stage2, "checkpoint-2")))
+    result["twice_adamw"] = run(RecordingTrainer, os.path.join(out, "twice-adamw"), twice=True, max_steps=2,
+                                save_strategy="no")
+    result["twice_stage2"] = run(RecordingShardedTrainer, os.path.join(out, "twice-s2"), {"stage": 2}, twice=True,
+                                 max_steps=2, save_strategy="no")
     write_result(result)
 
 
