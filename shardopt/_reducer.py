@@ -118,6 +118,12 @@ class GradReducer:
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
 
+    def release(self) -> None:
+        """Stop taking gradients: remove the hooks from the parameters. Local."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     # -- rounds ---------------------------------------------------------------------------
     def _reset_round(self) -> None:
         self._ready = [0] * len(self._bucket_size)

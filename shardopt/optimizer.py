@@ -16,6 +16,7 @@ from torch import Tensor
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
 from shardopt._sharded_buffer import ShardedBuffer
+from shardopt._ownership import take_over
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
@@ -67,6 +68,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group)
         trainable = self._check_params_on_all_ranks()
+        self._closed: str | None = None  # why this optimizer no longer trains, once released
+        take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
         self._names = self._param_names()
         self._buffers = self._build_buffers(trainable)
         tracked = {id(p) for p, _ in trainable}
@@ -199,6 +202,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     # -- training loop -------------------------------------------------------------------
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
+        self._check_open()
         scale = self._scaler.scale
         for b in self._buffers:
             b.reducer.backward_scaled = True
@@ -256,6 +260,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Clip the averaged gradient to ``max_norm`` (over all ranks and shards); returns the total
         norm of the unscaled gradient, as ``torch.nn.utils.clip_grad_norm_`` would. The clipping is
         applied inside the next ``step``. Every rank."""
+        self._check_open()
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
@@ -269,6 +274,7 @@ class ShardedAdamW(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
+        self._check_open()
         self.finish_param_gather()  # an update must not race the previous step's gathers
         self._consolidated = None  # gathered before this step: stale from here on
         if self._ddp_watch is not None:
@@ -325,11 +331,36 @@ class ShardedAdamW(torch.optim.Optimizer):
         b = self._buffers[buffer]
         self._checks.note_gathered(b, b.layout.buckets[bucket].params)
 
-    def __del__(self) -> None:
+    def close(self) -> None:
+        """Stop training: wait for the last weight gathers, remove every hook this optimizer put on
+        the parameters and modules; ``step`` and ``backward`` then raise. Building another
+        ShardedAdamW over the same parameters does this to the old one. Local."""
+        self._release("closed")
+
+    def _release(self, why: str) -> None:
+        if self.__dict__.get("_closed") is not None:
+            return
+        self.finish_param_gather()
+        self._remove_hooks()
+        self._closed = why
+
+    def _remove_hooks(self) -> None:
+        # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
+        # must not remove the hooks of the optimizer it wraps when it is collected.
+        for b in self.__dict__.get("_buffers", []):
+            b.reducer.release()
         for name in ("_gather_hook", "_ddp_watch"):
-            hook = self.__dict__.get(name)  # not through a wrapper that copied this __dict__ (LightningOptimizer)
+            hook = self.__dict__.get(name)
             if hook is not None:
                 hook.remove()
+                self.__dict__[name] = None
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"this ShardedAdamW is {self._closed}; use that one (or build a new one)")
+
+    def __del__(self) -> None:
+        self._remove_hooks()  # left on the parameters, they would keep taking gradients
 
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were

@@ -858,3 +858,39 @@ def test_state_dict_saved_by_rank0_is_refused_everywhere_unless_consolidated(poo
         assert "consolidate_state_dict" in refused[1], refused
         assert exact and weights_equal, rank  # the exact fp32 master, at another stage
         assert after_step == "shardopt.rank_shard.v1"
+
+
+def superseded_case(stage: int) -> tuple:
+    """A second ShardedAdamW over the same parameters (a framework's second fit, a learning-rate
+    finder first): it trains as a fresh AdamW would, and the first one refuses to step."""
+    model, ref = make_model(seed=4), make_model(seed=4)
+    first = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_first = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(2):
+        first.zero_grad()
+        first.backward(model(batch(dist.get_rank(), step)))
+        first.step()
+        _ref_step(ref, ref_first, step)
+    second = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_second = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(2, 5):
+        second.zero_grad()
+        second.backward(model(batch(dist.get_rank(), step)))
+        second.step()
+        _ref_step(ref, ref_second, step)
+    worst = _worst(model, ref)
+    refused = _error(first.step)
+    second.close()
+    plain = torch.optim.AdamW(model.parameters(), **HP)  # after close(), p.grad is torch's again
+    plain.zero_grad()
+    model(batch(dist.get_rank(), 5)).backward()
+    real_grads = all(p.grad is None or p.grad.untyped_storage().nbytes() > 0 for p in model.parameters())
+    return worst, refused, real_grads
+
+
+def test_a_second_optimizer_over_the_same_parameters_takes_them_over(pools):
+    for stage in (1, 2):
+        for worst, refused, real_grads in pools(2).run(superseded_case, stage):
+            assert worst <= 2e-6, (stage, worst)
+            assert refused and refused[0] == "RuntimeError" and "superseded" in refused[1], refused
+            assert real_grads, stage

@@ -253,6 +253,8 @@ class ShardedStrategy(DDPStrategy):
 
     # -- teardown --------------------------------------------------------------------------
     def teardown(self) -> None:
+        for opt in self._sharded_optimizers():  # when fit returns, the module holds the last step's weights
+            opt.finish_param_gather()
         if self._plugin_class is not None and self._precision_plugin is not None:
             self._precision_plugin.__class__ = self._plugin_class
         self._plugin_class = None
