@@ -13,11 +13,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from shardopt._agreement import CALL_CODES, raise_first_difference, settings
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
-from shardopt._sharded_buffer import ShardedBuffer
 from shardopt._ownership import take_over
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
+from shardopt._sharded_buffer import ShardedBuffer
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
@@ -67,7 +68,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group)
-        trainable = self._check_params_on_all_ranks()
+        trainable = self._check_params_on_all_ranks(loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
         self._names = self._param_names()
@@ -148,12 +149,18 @@ class ShardedAdamW(torch.optim.Optimizer):
                              "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")
         return out
 
-    def _check_params_on_all_ranks(self) -> list[tuple[torch.nn.Parameter, int]]:
-        """Validate the parameters on every rank and compare them across ranks with one small
-        collective; any problem, local or a mismatch, raises on every rank (never a hang)."""
+    def _check_params_on_all_ranks(self, loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
+        """Validate the parameters and settings on every rank and compare them across ranks with
+        one small collective; any problem, local or a mismatch, raises on every rank (never a hang).
+        Parameters are compared by (group, shape, dtype) and, when named parameters were given, by
+        name; two same-shape parameters swapped on one rank without names cannot be told apart."""
+        names = self._param_names()
         try:
             trainable, error = self._trainable(), None
-            desc: list = [(gi, tuple(p.shape), str(p.dtype)) for p, gi in trainable]
+            named = any(g.get("param_names") for g in self.param_groups)
+            desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ())
+                          for p, gi in trainable]
+            desc.insert(0, ("settings", sorted(settings(self, loss_scale, {p.dtype for p, _ in trainable}).items())))
             tracked = {id(p) for p, _ in trainable}
             frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(self.param_groups)
                       for p in g["params"] if id(p) not in tracked]
@@ -165,26 +172,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             device = torch.device("cuda", torch.cuda.current_device())
         if self._comm.same_everywhere(desc, device) and error is None:
             return trainable
-        every = self._comm.all_gather_objects(desc)
-        for r, other in enumerate(every):
-            if other and other[0][0] == "error":
-                kind = TypeError if other[0][1] == "TypeError" else ValueError
-                raise kind(other[0][2] if r == self._comm.rank else f"on rank {r}: {other[0][2]}")
-        ref = every[0]
-        for r, other in enumerate(every):
-            if other == ref:
-                continue
-            for kind, mine, theirs in (("trainable", ref[:-1], other[:-1]), ("frozen", ref[-1][1], other[-1][1])):
-                for i, (a, b) in enumerate(zip(mine, theirs)):
-                    if a != b:
-                        raise ValueError(
-                            f"parameter sets differ across ranks: {kind} parameter #{i} is (group, shape, dtype)="
-                            f"{a} on rank 0 but {b} on rank {r}; build the same model and pass the same "
-                            "parameters in the same order, with the same requires_grad, on every rank")
-                if len(mine) != len(theirs):
-                    raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {kind} parameters, "
-                                     f"rank {r} has {len(theirs)}; build the same model on every rank")
-        raise AssertionError("unreachable: descriptions differ but no difference found")
+        raise_first_difference(self._comm.all_gather_objects(desc), self._comm.rank)
 
     def _build_buffers(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> list[ShardedBuffer]:
         by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
@@ -225,9 +213,10 @@ class ShardedAdamW(torch.optim.Optimizer):
             for b, prev in zip(self._buffers, previous):
                 b.reducer.require_sync = prev
 
-    def _grad_stats(self, norm_type: float | None) -> tuple[bool, float]:
+    def _grad_stats(self, norm_type: float | None, caller: str = "step") -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
-        which also carries the usage checks (see ``_usage_checks``)."""
+        which also carries which call each rank is in (``caller``; see _agreement [Note: ranks in
+        different calls]) and the usage checks (see ``_usage_checks``)."""
         self.finish_param_gather()
         found = self._checks.local()
         device = self._buffers[0].flat.device
@@ -244,12 +233,21 @@ class ShardedAdamW(torch.optim.Optimizer):
                 s = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type if g.numel() else stats[1] * 0
                 stats[0] += (~torch.isfinite(s)).float()
                 stats[1] += s
-        stats = torch.cat([stats, self._checks.flags(found, device)])
-        if norm_type is not None and math.isinf(norm_type):
+        code = CALL_CODES[caller]
+        stats = torch.cat([stats, torch.tensor([code, -code], dtype=torch.float32, device=device),
+                           self._checks.flags(found, device)])
+        maxed = norm_type is not None and math.isinf(norm_type)
+        if maxed:
             self._comm.all_reduce_max(stats).wait()
         else:
             self._comm.all_reduce_sum(stats).wait()
-        self._checks.apply(found, stats[2:], self._scaler.scale)
+        n = 1 if maxed else self._comm.world_size
+        if (float(stats[2]), float(stats[3])) != (n * code, -n * code):
+            other = next(c for c in CALL_CODES if c != caller)
+            raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {caller}(), another rank in "
+                               f"{other}(); call clip_grad_norm_ and step on every rank, in the same order (to log the "
+                               "norm on one rank, call clip_grad_norm_ everywhere and log its result there)")
+        self._checks.apply(found, stats[4:], self._scaler.scale)
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):
             return found_inf, float(stats[1])
@@ -264,7 +262,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
-        found_inf, norm = self._grad_stats(norm_type)
+        found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)

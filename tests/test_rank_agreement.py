@@ -1,0 +1,94 @@
+"""Tier 2: ranks that build the optimizer differently are told so, on every rank, within seconds.
+
+Catches settings that differ between ranks (``stage``, ``bucket_cap_mb``, ``loss_scale``, a
+group's ``lr``), which used to end in a gloo abort naming nothing or in a silently wrong result,
+and same-shape parameters passed in another order on one rank, which used to leave the ranks
+with different models. Each case is built on rank 1 only differently; every rank must raise a
+ValueError that names the setting (or the parameters) and both values.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardopt
+from models import make_model
+
+
+def differing_case(what: str) -> tuple:
+    rank = dist.get_rank()
+    model = make_model(seed=1)
+    kw: dict = dict(lr=1e-3, stage=2, bucket_cap_mb=25.0, loss_scale="auto")
+    params: object = model.parameters()
+    if rank == 1:
+        if what == "stage":
+            kw["stage"] = 1
+        elif what == "bucket_cap_mb":
+            kw["bucket_cap_mb"] = 1e-4
+        elif what == "loss_scale":
+            kw["loss_scale"] = 1024.0
+        elif what == "lr":
+            kw["lr"] = 2e-3
+    if what == "order":  # two parameters of the same shape, swapped on rank 1: told apart by name
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        a, b = [i for i, (n, p) in enumerate(named) if n in ("fc1.bias", "norm.weight")]
+        if rank == 1:
+            named[a], named[b] = named[b], named[a]
+        params = named
+    start = time.perf_counter()
+    try:
+        shardopt.ShardedAdamW(params, **kw)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    return error, time.perf_counter() - start
+
+
+def test_settings_and_parameter_order_must_agree_across_ranks(pools):
+    pool = pools(2)
+    expect = {"stage": ("stage", "2", "1"), "bucket_cap_mb": ("bucket_cap_mb", "25.0", "0.0001"),
+              "loss_scale": ("loss_scale", "LossScaler", "StaticScaler"), "lr": ("param group 0 lr", "0.001", "0.002"),
+              "order": ("fc1.bias", "norm.weight", "rank 1")}
+    for what, words in expect.items():
+        for rank, (error, seconds) in enumerate(pool.run(differing_case, what)):
+            assert error is not None, (what, rank)
+            assert all(w in error for w in words), (what, rank, error)
+            assert seconds < 10, (what, seconds)
+
+
+def test_equal_settings_still_build(pools):
+    assert pools(2).run(_build_plain) == [1, 1]
+
+
+def _build_plain() -> int:
+    model = nn.Linear(3, 3)
+    return len(shardopt.ShardedAdamW(model.named_parameters(), lr=1e-3).param_groups)
+
+
+def clip_on_one_rank_case() -> tuple:
+    """clip_grad_norm_ on rank 0 only (to log the norm there): its all-reduce meets rank 1's step."""
+    rank = dist.get_rank()
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
+    opt.zero_grad()
+    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            opt.clip_grad_norm_(1.0)
+        else:
+            opt.step()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return error, time.perf_counter() - start
+
+
+def test_clipping_on_one_rank_only_is_refused_on_every_rank(pools):
+    for rank, (error, seconds) in enumerate(pools(2).run(clip_on_one_rank_case)):
+        assert error and "different optimizer calls" in error, (rank, error)
+        assert ("clip_grad_norm_()" if rank == 0 else "step()") in error.split("another rank")[0], (rank, error)
+        assert seconds < 10
