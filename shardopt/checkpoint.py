@@ -152,9 +152,18 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
         entries, aliases = _entries(model, opt)
         manifest, error = _manifest(opt, model, entries, aliases), None
         check_replaceable(path)
+        if comm.rank == 0 and extra is not None:
+            _check_loadable(extra)
     except (TypeError, ValueError, FileExistsError) as e:
         error = e
-    token = agree(comm, error, uuid.uuid4().hex[:12])[0]
+    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path)))
+    paths = [where for _, where in agreed]
+    if len(set(paths)) > 1:
+        other = next(r for r, where in enumerate(paths) if where != paths[0])
+        raise ValueError(f"save_checkpoint got different paths on different ranks: {paths[0]!r} on rank 0, "
+                         f"{paths[other]!r} on rank {other}; every rank must pass the same path, on a filesystem "
+                         "they all see (build it once, e.g. on rank 0, and broadcast it)")
+    token = agreed[0][0]
     tmp = temp_path(path, token)
     try:
         os.makedirs(tmp, exist_ok=True)
@@ -183,6 +192,24 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
             error = e
     agree(comm, error)
     return path
+
+
+def _check_loadable(extra: Any) -> None:
+    """Refuse, before anything is written, an ``extra`` that ``load_checkpoint`` could not read
+    back (it loads with ``weights_only=True``: tensors, numbers, strings, containers)."""
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"extra= holds an object that load_checkpoint cannot read back with torch.load("
+                         f"weights_only=True) ({first}); store tensors, numbers, strings and containers of them "
+                         "(e.g. a numpy RNG state as a list or a tensor)") from None
 
 
 def _pieces(b: Any, rank: int) -> dict[int, Any]:
@@ -262,6 +289,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         manifest = read_manifest(path)
         entries, aliases = _entries(model, opt)
         _check_matches(manifest, entries, aliases, opt, model, path)
+        extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
         error = None
     except (FileNotFoundError, ValueError, TypeError) as e:
         error = e
@@ -297,8 +325,21 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
             torch.autograd.graph.increment_version(e.tensor)
         if opt is not None:
             _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
+    return extra
+
+
+def _read_extra(path: str) -> Any:
+    import pickle
+
     extra_path = os.path.join(path, EXTRA)
-    return torch.load(extra_path, weights_only=True) if os.path.exists(extra_path) else None
+    if not os.path.exists(extra_path):
+        return None
+    try:
+        return torch.load(extra_path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{extra_path} cannot be read back with torch.load(weights_only=True) ({first}); nothing "
+                         "was loaded") from None
 
 
 def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:

@@ -8,6 +8,7 @@ ValueError that names the setting (or the parameters) and both values.
 """
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -92,3 +93,65 @@ def test_clipping_on_one_rank_only_is_refused_on_every_rank(pools):
         assert error and "different optimizer calls" in error, (rank, error)
         assert ("clip_grad_norm_()" if rank == 0 else "step()") in error.split("another rank")[0], (rank, error)
         assert seconds < 10
+
+
+# -- checkpoints: a path per rank, an extra that cannot be read back ------------------------------
+def per_rank_path_case(root: str) -> tuple:
+    model = make_model(seed=3)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    where = os.path.join(root, f"ckpt-{dist.get_rank()}")  # e.g. a per-rank timestamp
+    try:
+        shardopt.save_checkpoint(where, model, opt)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    dist.barrier()
+    return error, sorted(os.listdir(root))
+
+
+def unreadable_extra_case(root: str) -> tuple:
+    import numpy as np
+
+    rank = dist.get_rank()
+    model = make_model(seed=3)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "bad"), model, opt, extra={"rng": np.random.get_state()})
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    dist.barrier()
+    listed = sorted(os.listdir(root))
+    import shardopt.checkpoint as ck
+
+    check, ck._check_loadable = ck._check_loadable, lambda extra: None  # as a version without the check saved
+    good = os.path.join(root, "old")
+    try:
+        shardopt.save_checkpoint(good, model, opt, extra={"rng": np.random.get_state()})
+    finally:
+        ck._check_loadable = check
+    other = make_model(seed=9)
+    opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        shardopt.load_checkpoint(good, other, opt2)
+        load_error = None
+    except ValueError as e:
+        load_error = str(e)
+    unchanged = all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    return refused, listed, load_error, unchanged
+
+
+def test_a_checkpoint_path_that_differs_per_rank_is_refused(pools, tmp_path):
+    for rank, (error, listed) in enumerate(pools(2).run(per_rank_path_case, str(tmp_path))):
+        assert error and "different paths" in error and "ckpt-0" in error and "ckpt-1" in error, (rank, error)
+        assert listed == [], listed  # nothing written, no stranded .tmp- directory
+
+
+def test_an_extra_that_cannot_be_read_back_is_refused_at_save_and_a_load_changes_nothing(pools, tmp_path):
+    for rank, (refused, listed, load_error, unchanged) in enumerate(pools(2).run(unreadable_extra_case,
+                                                                                 str(tmp_path))):
+        assert refused and "weights_only" in refused, (rank, refused)
+        assert listed == [], listed  # nothing written
+        assert load_error and "extra.pt" in load_error and "nothing was loaded" in load_error, load_error
+        assert unchanged, rank
