@@ -201,20 +201,28 @@ DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParalle
 
 
 def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.RemovableHandle":
-    """A global module forward pre-hook that recognises a DistributedDataParallel wrapper around
-    these parameters when it runs forward: a warning in stage 1 (the results are right, the
-    communication doubled), an error in stage 2 (DDP would write full gradients into ``p.grad``).
-    Raised on every rank alike, since every rank runs the same forward. The caller removes the
-    handle after the first step: a wrapper is seen by then."""
+    """A global module forward pre-hook that looks at the first module called whose parameters
+    include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
+    one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and
+    is gone before a compiled module is traced. A DDP wrapper gets a warning in stage 1 (the
+    results are right, the communication doubled) and an error in stage 2 (DDP would write full
+    gradients into ``p.grad``), alike on every rank, since every rank runs the same forward."""
     from torch.nn.parallel import DistributedDataParallel
 
+    handle: list = []
+
     def hook(module: torch.nn.Module, args: object) -> None:
-        if not isinstance(module, DistributedDataParallel):
-            return
-        if not any(id(p) in param_ids for p in module.module.parameters()):  # frozen ones come first, too
+        if not any(id(p) in param_ids for p in module.parameters()):
+            return  # another model: keep watching
+        handle[0].remove()
+        inner = module
+        while hasattr(inner, "_orig_mod"):  # torch.compile's wrapper
+            inner = inner._orig_mod
+        if not isinstance(inner, DistributedDataParallel):
             return
         if stage == 2:
             raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
         warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
 
-    return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(hook))
+    return handle[0]

@@ -72,3 +72,4 @@ def test_exported_weights_and_other_models_stay_whole(runs):
     for r in two:
         assert max_diff(r["exported"], r["stage2"]["weights"]) == 0  # save_model wrote every weight
         assert r["other_is_ddp"] and r["other_is_plain"]  # a plain model and AdamW stay Accelerate's
+        assert r["frozen_mid_run"] == "ok" and r["after_free_memory"]

@@ -74,9 +74,12 @@ def test_bf16_autocast_trains_like_adamw(runs):
     assert max_diff(got["weights"], ref["weights"]) <= 1e-3
 
 
-def test_train_called_twice_goes_on_like_trainer(runs):
+@pytest.mark.parametrize("how", ["twice", "sequential_lr", "optimizer_cls", "freeze", "model_init"])
+def test_trainer_options_train_like_trainer(runs, how):
+    """train() twice (also with model_init, as hyperparameter search does), the user's AdamW with a
+    composite schedule, optimizer_cls_and_kwargs, and parameters frozen after the first step."""
     two, _ = runs
     for r in two:
-        ref, got = r["twice_adamw"], r["twice_stage2"]
-        assert len(ref["losses"]) == 8 and _close(got["losses"], ref["losses"], 1e-5)
-        assert max_diff(got["weights"], ref["weights"]) <= 1e-5
+        ref, got = r[f"{how}_adamw"], r[f"{how}_stage2"]
+        assert len(ref["losses"]) == 8 and _close(got["losses"], ref["losses"], 1e-5), (how, got["losses"])
+        assert max_diff(got["weights"], ref["weights"]) <= 1e-5, how

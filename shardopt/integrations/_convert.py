@@ -1,10 +1,13 @@
 """Turn a freshly built ``torch.optim.AdamW`` into a ShardedAdamW with the same groups.
 
 Frameworks let users return a plain AdamW from their configuration hook; this is how such an
-optimizer becomes a sharded one before it has taken a step.
+optimizer becomes a sharded one before it has taken a step, and how the LR schedulers built on
+it (composite ones included) are pointed at the sharded one.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Any
 
 import torch
@@ -35,3 +38,33 @@ def from_torch_adamw(opt: torch.optim.Optimizer, **shardopt_kwargs: Any) -> Shar
                 raise ValueError(f"param group {i} of the AdamW has {flag}=True, which ShardedAdamW does not implement")
         groups.append({k: v for k, v in g.items() if k not in adamw_only})
     return ShardedAdamW(groups, **defaults, **shardopt_kwargs)
+
+
+def retarget_scheduler(scheduler: Any, replaced: dict[int, ShardedAdamW]) -> None:
+    """Point ``scheduler`` (and the schedulers a SequentialLR / ChainedScheduler holds) at the
+    ShardedAdamW that replaced its optimizer. The converted param groups carry the scheduler's
+    ``initial_lr`` and current ``lr``, so the schedule continues unchanged."""
+    new = replaced.get(id(getattr(scheduler, "optimizer", None)))
+    if new is not None:
+        scheduler.optimizer = new
+        _track_step_called(new)
+    for inner in getattr(scheduler, "_schedulers", ()):
+        retarget_scheduler(inner, replaced)
+
+
+def _track_step_called(opt: torch.optim.Optimizer) -> None:
+    """What ``LRScheduler.__init__`` does to its optimizer so that its first ``step`` can tell
+    whether ``optimizer.step()`` ran before it (otherwise it warns that the order is wrong)."""
+    if hasattr(opt.step, "_wrapped_by_lr_sched"):
+        return
+    ref = weakref.ref(opt)
+    step = type(opt).step
+
+    @functools.wraps(step)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        target = ref()
+        target._opt_called = True  # type: ignore[union-attr]
+        return step(target, *args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    opt.step = wrapper  # type: ignore[method-assign]

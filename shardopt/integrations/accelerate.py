@@ -29,12 +29,13 @@ from accelerate.utils import DistributedType
 from torch import Tensor
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
-from shardopt.integrations._convert import from_torch_adamw
+from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
 from shardopt.loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
 CHECKPOINT_DIR = "shardopt"  # the sharded optimizer checkpoint's folder inside a saved state
-_PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "get_state_dict", "save_state", "load_state")
+_PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "get_state_dict", "save_state", "load_state",
+            "free_memory", "clear")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 __all__ = ["CHECKPOINT_DIR", "ShardedAcceleratedOptimizer", "install", "prepare"]
@@ -112,15 +113,33 @@ class _Binding:
         # converted with these ShardedAdamW arguments, and a model given alone waits for its optimizer.
         self.convert_kwargs: dict[str, Any] | None = None
         self.original = {name: getattr(accelerator, name) for name in _PATCHED}
+        self._forget()
+        accelerator.register_save_state_pre_hook(self._before_save)
+        accelerator.register_load_state_pre_hook(self._before_load)
+        for name in _PATCHED:
+            setattr(accelerator, name, getattr(self, name))
+
+    def _forget(self) -> None:
+        """Know no model or optimizer: at construction and after ``free_memory``."""
+        pending = getattr(self, "pending", None)
+        if pending is not None:
+            pending[2].remove()
         self.model: torch.nn.Module | None = None  # the bare model the ShardedAdamW trains
         self.opt: ShardedAdamW | None = None
         self.wrapped: ShardedAcceleratedOptimizer | None = None
         self.pending: tuple[torch.nn.Module, dict[str, Any], Any] | None = None  # (model, kwargs, guard hook)
         self.ours: set[int] = set()  # ids of the models prepared here, without DDP
-        accelerator.register_save_state_pre_hook(self._before_save)
-        accelerator.register_load_state_pre_hook(self._before_load)
-        for name in _PATCHED:
-            setattr(accelerator, name, getattr(self, name))
+
+    def free_memory(self, *objects: Any) -> Any:
+        """``Accelerator.free_memory``: Accelerate forgets what it prepared, and so does this binding
+        (the next ``prepare`` may bring another ShardedAdamW, as Trainer's ``model_init`` does)."""
+        self._forget()
+        return self.original["free_memory"](*objects)
+
+    def clear(self, *objects: Any) -> Any:
+        """``Accelerator.clear``, an alias of ``free_memory``."""
+        self._forget()
+        return self.original["clear"](*objects)
 
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
@@ -128,6 +147,8 @@ class _Binding:
         accelerate.prepare``, a plain AdamW) and the model it trains are prepared without DDP; they
         may come in one call or in several, in either order."""
         acc = self.accelerator
+        if self.wrapped is not None and self.wrapped not in acc._optimizers:  # Accelerate was reset behind us
+            self._forget()
         pending_model, pending_kwargs = (self.pending[0], self.pending[1]) if self.pending else (None, None)
         mine = []
         for i, a in enumerate(args):
@@ -162,9 +183,10 @@ class _Binding:
                 self._link(self.pending[0])
             self._check_not_in_ddp(opt)
             self._check_devices(opt)
-            for a in args:  # a scheduler built on the AdamW now drives the ShardedAdamW that replaced it
-                if isinstance(a, torch.optim.lr_scheduler.LRScheduler) and a.optimizer is base and opt is not base:
-                    a.optimizer = opt
+            if opt is not base:  # schedulers built on the AdamW (composite ones too) now drive the ShardedAdamW
+                for a in args:
+                    if isinstance(a, torch.optim.lr_scheduler.LRScheduler):
+                        retarget_scheduler(a, {id(base): opt})
             self._take_over_fp16(opt)
             if self.wrapped is None or self.opt is not opt:
                 self.opt, self.wrapped = opt, ShardedAcceleratedOptimizer(opt)
@@ -261,10 +283,11 @@ class _Binding:
         given = {id(p) for p in params if p.requires_grad}
         if not given & ids:
             return self.original["clip_grad_norm_"](params, max_norm, norm_type)
-        if given != ids:
+        trainable = {id(p) for g in self.opt.param_groups for p in g["params"] if p.requires_grad}
+        if given != trainable:  # frozen ones (even frozen since) have no gradient to clip
             raise ValueError(f"clip_grad_norm_ got {len(given)} trainable parameters, {len(given & ids)} of them the "
-                             f"ShardedAdamW's {len(ids)}: it clips the global norm of all of the optimizer's "
-                             "parameters at once; pass model.parameters()")
+                             f"ShardedAdamW's, which trains {len(trainable)}: it clips the global norm of all of the "
+                             "optimizer's parameters at once; pass model.parameters()")
         return self.opt.clip_grad_norm_(max_norm, norm_type)
 
     @contextlib.contextmanager

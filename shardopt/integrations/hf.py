@@ -25,7 +25,7 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
-from shardopt.integrations._convert import from_torch_adamw
+from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
 from shardopt.integrations.accelerate import CHECKPOINT_DIR, _unshared, install
 from shardopt.optimizer import ShardedAdamW
 
@@ -45,9 +45,15 @@ class ShardedTrainer(Trainer):
         super().__init__(*args, **kwargs)
         if self.args.fp16:
             self.shardopt_kwargs.setdefault("loss_scale", "dynamic")  # shardopt scales fp16 losses itself
-        if self.args.optim not in ("adamw_torch", "adamw_torch_fused", "adamw_hf"):
-            warnings.warn(f"ShardedTrainer trains with shardopt.ShardedAdamW; TrainingArguments.optim="
-                          f"{self.args.optim!r} is ignored", stacklevel=2)
+        optim = getattr(self.args.optim, "value", self.args.optim)
+        if optim not in ("adamw_torch", "adamw_torch_fused", "adamw_hf"):
+            warnings.warn(f"ShardedTrainer trains with shardopt.ShardedAdamW; TrainingArguments.optim={optim!r} "
+                          "is ignored", stacklevel=2)
+        given = getattr(self, "optimizer_cls_and_kwargs", None)
+        if given is not None and given[0] is not torch.optim.AdamW and given[0] is not ShardedAdamW:
+            raise ValueError(f"ShardedTrainer trains with shardopt.ShardedAdamW; optimizer_cls_and_kwargs names "
+                             f"{given[0].__qualname__}: pass torch.optim.AdamW (its lr, betas, eps and weight_decay "
+                             "are used) or leave it unset")
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -72,15 +78,17 @@ class ShardedTrainer(Trainer):
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
-            self.optimizer = ShardedAdamW([g for g in groups if g["params"]], lr=self.args.learning_rate,
-                                          betas=(self.args.adam_beta1, self.args.adam_beta2),
-                                          eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay,
-                                          **self.shardopt_kwargs)
+            hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
+                      eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay)
+            given = getattr(self, "optimizer_cls_and_kwargs", None)
+            if given is not None:  # Trainer(optimizer_cls_and_kwargs=(AdamW, {...})): those values win, as in Trainer
+                hp.update({k: v for k, v in given[1].items() if k in hp})
+            self.optimizer = ShardedAdamW([g for g in groups if g["params"]], **hp, **self.shardopt_kwargs)
         elif not isinstance(self.optimizer, ShardedAdamW):
             old = self.optimizer
             self.optimizer = from_torch_adamw(old, **self.shardopt_kwargs)
-            if self.lr_scheduler is not None and getattr(self.lr_scheduler, "optimizer", None) is old:
-                self.lr_scheduler.optimizer = self.optimizer
+            if self.lr_scheduler is not None:  # composite schedulers too
+                retarget_scheduler(self.lr_scheduler, {id(old): self.optimizer})
         return self.optimizer
 
     # -- checkpoints ---------------------------------------------------------------------

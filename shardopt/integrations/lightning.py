@@ -43,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import weakref
 from typing import Any, Iterator
 
 import torch
@@ -63,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(or pip install lightning)") from e
 
 from shardopt import sync_module_states
-from shardopt.integrations._convert import from_torch_adamw
+from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
 from shardopt.optimizer import ShardedAdamW
 
 __all__ = ["ShardedStrategy"]
@@ -160,7 +159,7 @@ class ShardedStrategy(DDPStrategy):
         converted = [self._sharded(i, opt) for i, opt in enumerate(given)]
         replaced = {id(old): new for old, new in zip(given, converted) if new is not old}
         for config in self.lr_scheduler_configs:
-            _retarget(config.scheduler, replaced)
+            retarget_scheduler(config.scheduler, replaced)
         self.optimizers = converted
 
     def _sharded(self, index: int, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -298,34 +297,6 @@ def _check_built_on_final_module(opt: ShardedAdamW, plugin: Precision) -> None:
             "device, or return a torch.optim.AdamW and let ShardedStrategy convert it")
 
 
-def _retarget(scheduler: Any, replaced: dict[int, ShardedAdamW]) -> None:
-    """Point ``scheduler`` (and the schedulers a SequentialLR / ChainedScheduler holds) at the
-    ShardedAdamW that replaced its optimizer. The converted param groups carry the scheduler's
-    ``initial_lr`` and current ``lr``, so the schedule continues unchanged."""
-    new = replaced.get(id(getattr(scheduler, "optimizer", None)))
-    if new is not None:
-        scheduler.optimizer = new
-        _track_step_called(new)
-    for inner in getattr(scheduler, "_schedulers", ()):
-        _retarget(inner, replaced)
-
-
-def _track_step_called(opt: torch.optim.Optimizer) -> None:
-    """What ``LRScheduler.__init__`` does to its optimizer so that its first ``step`` can tell
-    whether ``optimizer.step()`` ran before it (otherwise it warns that the order is wrong)."""
-    if hasattr(opt.step, "_wrapped_by_lr_sched"):
-        return
-    ref = weakref.ref(opt)
-    step = type(opt).step
-
-    @functools.wraps(step)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        target = ref()
-        target._opt_called = True  # type: ignore[union-attr]
-        return step(target, *args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    opt.step = wrapper  # type: ignore[method-assign]
 
 
 class _ShardedClipping:

@@ -39,7 +39,9 @@ def build(kind: str, stage: int = 2, split: bool = False):
         opt = shardopt.ShardedAdamW(groups(model), lr=LR, betas=(0.9, 0.95), stage=stage)
     else:
         opt = torch.optim.AdamW(groups(model), lr=LR, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    lr = torch.optim.lr_scheduler  # a composite schedule: its inner schedulers must follow a converted AdamW
+    sched = lr.SequentialLR(opt, [lr.LinearLR(opt, start_factor=1 / 3, total_iters=2),
+                                  lr.LambdaLR(opt, lambda s: 1.0)], milestones=[2])
     if kind == "adamw":
         model, opt, data, sched = acc.prepare(model, opt, data, sched)
     elif kind == "converted" and split:  # the model alone first, then the rest
@@ -68,6 +70,21 @@ def train(acc, model, opt, data, sched, skip: int = 0, save_to: str | None = Non
         if save_to is not None and i + 1 == SAVE_AFTER:
             acc.save_state(save_to)
     return {"losses": losses, "norms": norms, "weights": weights(acc.unwrap_model(model))}
+
+
+def freeze_mid_run(acc, model, opt, data) -> str:
+    """Freeze part of the model after training started, then clip over model.parameters()."""
+    for p in acc.unwrap_model(model).transformer.ln_f.parameters():
+        p.requires_grad_(False)
+    batch = next(iter(data))
+    with acc.accumulate(model):
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+    with acc.accumulate(model):
+        acc.backward(model(input_ids=batch, labels=batch).loss)
+        acc.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        opt.zero_grad()
+    return "ok"
 
 
 def memory(opt) -> dict:
@@ -119,6 +136,11 @@ def main() -> None:
     acc, model, opt, data, sched = build("converted", stage=2, split=True)
     result["split"] = train(acc, model, opt, data, sched, save_to=state_dir + "-split")
     result["split_ddp"] = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+    result["frozen_mid_run"] = freeze_mid_run(acc, model, opt, data)
+    acc.free_memory()  # and a new model and optimizer on the same accelerator, as a new trial would
+    fresh = tiny_gpt2(seed=0)
+    fresh, fresh_opt = so_accelerate.prepare(acc, fresh, torch.optim.AdamW(fresh.parameters(), lr=LR), stage=2)
+    result["after_free_memory"] = isinstance(fresh_opt.optimizer, shardopt.ShardedAdamW)
     acc.wait_for_everyone()
     result["resume"] = resume(state_dir)
     write_result(result)

@@ -12,7 +12,7 @@ import os
 import sys
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from common import tiny_gpt2, tokens, weights, write_result
 from shardopt.integrations.hf import ShardedTrainer
@@ -63,10 +63,33 @@ def args(out: str, **kw) -> TrainingArguments:
     return TrainingArguments(**{**options, **kw})
 
 
+class FreezeAt(TrainerCallback):
+    """Freezes the final layer norm after the first step (training goes on without it)."""
+
+    def on_step_end(self, args, state, control, model=None, **kw):
+        if state.global_step == 1:
+            for p in model.transformer.ln_f.parameters():
+                p.requires_grad_(False)
+
+
 def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None = None, twice: bool = False,
-        **kw) -> dict:
+        how: str = "", **kw) -> dict:
     extra = {} if shardopt_kwargs is None else {"shardopt_kwargs": shardopt_kwargs}
-    trainer = cls(model=tiny_gpt2(seed=0), args=args(out, **kw), train_dataset=Tokens(), **extra)
+    model = tiny_gpt2(seed=0)
+    if how == "sequential_lr":  # the user's AdamW and a composite schedule
+        lr = torch.optim.lr_scheduler
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95))
+        sched = lr.SequentialLR(opt, [lr.LinearLR(opt, start_factor=0.1, total_iters=2), lr.ConstantLR(opt, 1.0)],
+                                milestones=[2])
+        extra["optimizers"] = (opt, sched)
+    elif how == "optimizer_cls":
+        extra["optimizer_cls_and_kwargs"] = (torch.optim.AdamW, {"lr": 1e-3, "betas": (0.8, 0.9)})
+    elif how == "freeze":
+        extra["callbacks"] = [FreezeAt()]
+    if how == "model_init":
+        trainer = cls(model_init=lambda: tiny_gpt2(seed=0), args=args(out, **kw), train_dataset=Tokens(), **extra)
+    else:
+        trainer = cls(model=model, args=args(out, **kw), train_dataset=Tokens(), **extra)
     trainer.seen_losses, trainer.seen_norms = [], []
     trainer.train(resume_from_checkpoint=resume)
     if twice:  # train() again on the same trainer goes on from the trained weights
@@ -98,10 +121,12 @@ def main() -> None:
     result["resume"] = run(RecordingShardedTrainer, os.path.join(out, "resumed2"), {"stage": 2},
                            resume=os.path.join(stage2, "checkpoint-2"))
     result["checkpoint_files"] = sorted(os.listdir(os.path.join(stage2, "checkpoint-2")))
-    result["twice_adamw"] = run(RecordingTrainer, os.path.join(out, "twice-adamw"), twice=True, max_steps=2,
-                                save_strategy="no")
-    result["twice_stage2"] = run(RecordingShardedTrainer, os.path.join(out, "twice-s2"), {"stage": 2}, twice=True,
-                                 max_steps=2, save_strategy="no")
+    for how in ("twice", "sequential_lr", "optimizer_cls", "freeze", "model_init"):
+        twice = how in ("twice", "model_init")
+        result[f"{how}_adamw"] = run(RecordingTrainer, os.path.join(out, f"{how}-adamw"), twice=twice, how=how,
+                                     max_steps=2 if twice else 4, save_strategy="no")
+        result[f"{how}_stage2"] = run(RecordingShardedTrainer, os.path.join(out, f"{how}-s2"), {"stage": 2},
+                                      twice=twice, how=how, max_steps=2 if twice else 4, save_strategy="no")
     write_result(result)
 
 
