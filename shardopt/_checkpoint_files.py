@@ -6,15 +6,18 @@ converter uses them with no process group at all); ``agree`` goes through the op
 
 [Note: a checkpoint is complete only when its marker says so]
 A checkpoint is written into ``PATH.tmp-TOKEN`` (TOKEN shared by all ranks). Every rank writes
-its tensor files there; when all have finished, rank 0 writes ``complete.json`` last, listing
-every file of the checkpoint with its size (and a SHA-256 of the small metadata files), fsyncs
-it, and renames the directory to ``PATH`` in one ``rename``. So:
+its tensor files there and a CRC-32 of each (streamed, right after writing); when all have
+finished, rank 0 writes ``complete.json`` last, listing every file of the checkpoint with its
+size, those CRCs and a SHA-256 of the small metadata files, fsyncs it, and renames the directory
+to ``PATH`` in one ``rename``. So:
 
 * a save that dies at any point (a rank killed, a full disk, a power cut) leaves at most a
   ``*.tmp-*`` directory that nothing mistakes for a checkpoint, and ``PATH`` untouched if it held
   an earlier checkpoint;
 * ``check_complete`` refuses a directory without the marker, or whose listed files are missing
-  or have another size, naming the file;
+  or have another size, naming the file; ``verify_data`` (which ``load_checkpoint`` runs, each
+  rank on its share of the files, before anything is modified) refuses a tensor file whose
+  content no longer matches its CRC, so flipped bytes of the same size are caught;
 * overwriting an existing ``PATH`` moves the old one to ``PATH.old-TOKEN`` just before the
   final rename and deletes it just after: if the process dies between the two renames, the old
   checkpoint survives there (``missing_checkpoint_message`` points at it).
@@ -26,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import zlib
 from typing import Any
 
 FORMAT = "shardopt.checkpoint.v1"
@@ -80,6 +84,33 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
+def crc32(path: str) -> int:
+    """CRC-32 of the file at ``path``, streamed in 4 MiB blocks."""
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(4 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc
+
+
+def data_checksums(tmp: str, rank: int) -> dict[str, int]:
+    """CRC-32 of each tensor file rank ``rank`` wrote into ``tmp`` (DCP names them ``__RANK_*``)."""
+    return {name: crc32(os.path.join(tmp, name)) for name in sorted(os.listdir(tmp))
+            if name.startswith(f"__{rank}_") and name.endswith(".distcp")}
+
+
+def verify_data(path: str, info: dict, rank: int = 0, world_size: int = 1) -> None:
+    """Raise ValueError naming the first tensor file of the checkpoint at ``path`` (``info``: its
+    marker) whose content does not match its recorded CRC; this rank checks every
+    ``world_size``-th file, starting at its ``rank``. Checkpoints saved without CRCs pass."""
+    crcs = sorted(dict(info.get("crc32", {})).items())
+    for name, value in crcs[rank::world_size]:
+        full = os.path.join(path, name)
+        if crc32(full) != value:
+            raise ValueError(f"checkpoint {path} is corrupt: {full} does not match the checksum recorded when it "
+                             "was saved (its size is unchanged: the content was altered); load an earlier checkpoint")
+
+
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -98,8 +129,9 @@ def check_replaceable(path: str) -> None:
     raise FileExistsError(f"{path} exists and is not a shardopt checkpoint; refusing to replace it")
 
 
-def commit(tmp: str, path: str, token: str) -> None:
-    """Mark ``tmp`` complete and rename it to ``path``. Rank 0 only, after every rank has written.
+def commit(tmp: str, path: str, token: str, crcs: dict[str, int] | None = None) -> None:
+    """Mark ``tmp`` complete (with every rank's ``data_checksums``, merged) and rename it to
+    ``path``. Rank 0 only, after every rank has written.
 
     See [Note: a checkpoint is complete only when its marker says so]."""
     files = {}
@@ -110,7 +142,7 @@ def commit(tmp: str, path: str, token: str) -> None:
     if DCP_METADATA not in files or MANIFEST not in files:
         raise RuntimeError(f"checkpoint {tmp} lacks {DCP_METADATA} or {MANIFEST} after every rank finished writing")
     sha = {name: _sha256(os.path.join(tmp, name)) for name in _HASHED if name in files}
-    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "files": files, "sha256": sha})
+    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "files": files, "sha256": sha, "crc32": crcs or {}})
     _fsync_dir(tmp)
     old = None
     if os.path.exists(path):

@@ -36,8 +36,9 @@ import shardopt
 from shardopt._checkpoint_adamw import full_state_dict, load_full_state_dict, settle
 from shardopt._checkpoint_dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
-from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_replaceable, commit, latest_checkpoint,
-                                        list_checkpoints, read_manifest, temp_path, write_json)
+from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable, commit,
+                                        data_checksums, latest_checkpoint, list_checkpoints, read_manifest, temp_path,
+                                        verify_data, write_json)
 from shardopt._collectives import Comm, ProcessGroup
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
@@ -184,10 +185,15 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    error = None
+    crcs, error = {}, None
+    try:
+        crcs = data_checksums(tmp, comm.rank)  # this rank's files, while they are still in the page cache
+    except OSError as e:
+        error = e
+    every = agree(comm, error, crcs)
     if comm.rank == 0:  # every rank's files are written: DCP's last step gathered them all
         try:
-            commit(tmp, path, token)
+            commit(tmp, path, token, {k: v for mine in every for k, v in mine.items()})
         except (OSError, RuntimeError) as e:
             error = e
     agree(comm, error)
@@ -287,6 +293,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
     try:
         manifest = read_manifest(path)
+        verify_data(path, check_complete(path), comm.rank, comm.world_size)  # each rank its share of the files
         entries, aliases = _entries(model, opt)
         _check_matches(manifest, entries, aliases, opt, model, path)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing

@@ -155,3 +155,40 @@ def test_an_extra_that_cannot_be_read_back_is_refused_at_save_and_a_load_changes
         assert listed == [], listed  # nothing written
         assert load_error and "extra.pt" in load_error and "nothing was loaded" in load_error, load_error
         assert unchanged, rank
+
+
+def flipped_bytes_case(root: str) -> tuple:
+    rank = dist.get_rank()
+    model = make_model(seed=3)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    opt.zero_grad()
+    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
+    opt.step()
+    path = os.path.join(root, "ckpt")
+    start = time.perf_counter()
+    shardopt.save_checkpoint(path, model, opt)
+    save_seconds = time.perf_counter() - start
+    if rank == 0:  # 4 bytes in the middle of rank 1's tensor file, same size
+        name = os.path.join(path, "__1_0.distcp")
+        with open(name, "r+b") as f:
+            f.seek(os.path.getsize(name) // 2)
+            data = f.read(4)
+            f.seek(-4, os.SEEK_CUR)
+            f.write(bytes(b ^ 0xFF for b in data))
+    dist.barrier()
+    other = make_model(seed=9)
+    opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        shardopt.load_checkpoint(path, other, opt2)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    unchanged = all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    return error, unchanged, save_seconds
+
+
+def test_a_tensor_file_with_flipped_bytes_is_refused_before_anything_is_loaded(pools, tmp_path):
+    for rank, (error, unchanged, _) in enumerate(pools(2).run(flipped_bytes_case, str(tmp_path))):
+        assert error and "__1_0.distcp" in error and "checksum" in error, (rank, error)
+        assert unchanged, rank
