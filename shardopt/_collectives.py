@@ -23,6 +23,7 @@ of the bucket per reduction in flight, which is why NCCL keeps its native, ring-
 """
 from __future__ import annotations
 
+import datetime
 import hashlib
 import pickle
 import time
@@ -62,12 +63,26 @@ class Pending:
     stats: CommStats | None = None
     then: Callable[[], "Pending | None"] | None = None  # local work once the data has arrived
     done: bool = False
+    comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
 
     def wait(self) -> None:
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()
+        timeout = self.comm.timeout if self.comm is not None else None
         for w in self.works:
-            w.wait()
+            if timeout is None:
+                w.wait()
+                continue
+            try:
+                w.wait(timeout=datetime.timedelta(seconds=timeout))
+            except RuntimeError as e:
+                if "imeout" not in str(e) and "imed out" not in str(e):
+                    raise
+                raise TimeoutError(
+                    f"rank {self.comm.rank} of {self.comm.world_size}: {self.comm.where} waited {timeout:g} s (the "
+                    "ShardedAdamW timeout) for the other ranks' part of a collective. Another rank is in another "
+                    "call, skipped this one (a step() or a backward that raised on one rank only), or died: every "
+                    "rank must call backward, clip_grad_norm_ and step in the same order") from None
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
         self.done = True
@@ -94,6 +109,8 @@ class Comm:
         self.backend: str = str(dist.get_backend(process_group))
         self.stats = CommStats()
         self.live_bytes = 0  # receive buffers of reductions in flight, bytes
+        self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
+        self.where = "a collective"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
 
@@ -101,17 +118,17 @@ class Comm:
     def all_reduce_sum(self, t: Tensor) -> Pending:
         """In-place SUM of ``t`` over the group. Call on every rank."""
         work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats)
+        return Pending(self._count([work]), stats=self.stats, comm=self)
 
     def all_reduce_max(self, t: Tensor) -> Pending:
         """In-place MAX of ``t`` over the group. Call on every rank."""
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats)
+        return Pending(self._count([work]), stats=self.stats, comm=self)
 
     def broadcast(self, t: Tensor, src: int = 0) -> Pending:
         """Broadcast ``t`` in place from group rank ``src``. Call on every rank."""
         work = dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats)
+        return Pending(self._count([work]), stats=self.stats, comm=self)
 
     def all_gather_objects(self, obj: object) -> list:
         """Every rank's picklable ``obj``, in rank order (blocking; small objects, rare paths).
@@ -156,7 +173,8 @@ class Comm:
             src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
             work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
                                        group=self.group, async_op=True)
-            return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats)
+            return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
+                           comm=self)
         n, mine = self.world_size, pieces[self.rank].size
         recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)
         self.live_bytes += recv.nbytes
@@ -173,14 +191,14 @@ class Comm:
                 out.copy_(acc.div_(n))
 
         return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out],
-                       stats=self.stats, then=finish)
+                       stats=self.stats, then=finish, comm=self)
 
     def all_reduce_avg(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None = None) -> Pending:
         """Average ``bucket`` over ranks, in place: a reduce-scatter (summed in ``sum_dtype``, default
         the bucket's) followed by an all-gather of the averaged pieces."""
         if self.backend == "nccl" and sum_dtype in (None, bucket.dtype):
             work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
-            return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats)
+            return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats, comm=self)
         own = bucket[pieces[self.rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
         reduced = self.reduce_scatter_avg(out, bucket, pieces)
@@ -204,11 +222,11 @@ class Comm:
             whole = flat[pieces[0].start:pieces[-1].end]
             mine = flat[pieces[self.rank].as_slice()]
             work = dist.all_gather_into_tensor(whole, mine, group=self.group, async_op=True)
-            return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats)
+            return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats, comm=self)
         works = [
             dist.broadcast(flat[p.as_slice()], src=self._global[r], group=self.group, async_op=True)
             for r, p in enumerate(pieces)
             if p.size > 0
         ]
         gathered = sum(p.size for p in pieces) * flat.element_size()
-        return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats)
+        return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats, comm=self)

@@ -19,6 +19,7 @@ class ShardConfig:
     seed: int = 0  # stochastic rounding: random bits depend on (seed, step, element offset) only
     reduce_dtype: object = None  # torch.dtype gradients are averaged in; None: the gradient dtype
     overlap_param_gather: bool = False
+    timeout: float | None = None  # seconds a collective may take before every waiting rank raises
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -36,6 +37,9 @@ class ShardConfig:
         if self.reduce_dtype not in (None, torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"reduce_dtype must be None (the gradient dtype) or a float dtype such as "
                              f"torch.float32; got {self.reduce_dtype!r}")
+        if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
+            raise ValueError(f"timeout must be None (the process group's own) or a positive number of seconds, "
+                             f"got {self.timeout!r}")
         if not (isinstance(self.alignment, int) and self.alignment >= 1):
             raise ValueError(f"alignment must be a positive int (elements), got {self.alignment!r}")
 

@@ -108,7 +108,8 @@ class ShardedBuffer:
     def gather_params(self) -> Pending:
         """All buckets' all-gathers as one handle. Every rank."""
         parts = [p for _, p in self.gather_buckets()]
-        return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats)
+        return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats,
+                       comm=self.comm)
 
     def _staging_buckets(self) -> int:
         """Buckets' worth of communication buffers at the worst moment: MAX_INFLIGHT + 1 reductions in

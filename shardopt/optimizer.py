@@ -59,15 +59,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         reduce_dtype: torch.dtype | None = None,
         overlap_param_gather: bool = False,
         seed: int = 0,
+        timeout: float | None = None,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
-                                  overlap_param_gather=overlap_param_gather)
+                                  overlap_param_gather=overlap_param_gather, timeout=timeout)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group)
+        self._comm.timeout = self.config.timeout
         trainable = self._check_params_on_all_ranks(loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
@@ -194,9 +196,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         scale = self._scaler.scale
         for b in self._buffers:
             b.reducer.backward_scaled = True
+        self._comm.where = "opt.backward()"
         try:
             (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
+            self._comm.where = "a backward pass"
             for b in self._buffers:
                 b.reducer.backward_scaled = False
 
@@ -262,7 +266,11 @@ class ShardedAdamW(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
-        found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
+        self._comm.where = "clip_grad_norm_()"
+        try:
+            found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
+        finally:
+            self._comm.where = "a backward pass"
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)
@@ -273,6 +281,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
         self._check_open()
+        self._comm.where = "step()"
+        try:
+            return self._take_step(closure)
+        finally:
+            self._comm.where = "a backward pass"
+
+    def _take_step(self, closure: Callable[[], Any] | None) -> Any:
         self.finish_param_gather()  # an update must not race the previous step's gathers
         self._consolidated = None  # gathered before this step: stale from here on
         if self._ddp_watch is not None:

@@ -192,3 +192,30 @@ def test_a_tensor_file_with_flipped_bytes_is_refused_before_anything_is_loaded(p
     for rank, (error, unchanged, _) in enumerate(pools(2).run(flipped_bytes_case, str(tmp_path))):
         assert error and "__1_0.distcp" in error and "checksum" in error, (rank, error)
         assert unchanged, rank
+
+
+# -- last in this module: it leaves the pool's process group unusable ------------------------------
+def skipped_step_case() -> tuple:
+    """Rank 1 skips step(); with timeout=3 rank 0 raises a TimeoutError naming step() instead of
+    waiting for the process group's 30 minutes."""
+    rank = dist.get_rank()
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, timeout=3.0)
+    opt.zero_grad()
+    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
+    if rank == 1:
+        time.sleep(6)
+        return None, 0.0
+    start = time.perf_counter()
+    try:
+        opt.step()
+        error = None
+    except TimeoutError as e:
+        error = str(e)
+    return error, time.perf_counter() - start
+
+
+def test_a_rank_that_skips_step_times_out_with_the_call_named(pools):
+    error, seconds = pools(2).run(skipped_step_case)[0]
+    assert error and "step() waited 3 s" in error and "rank 0 of 2" in error, error
+    assert 2.5 <= seconds < 10, seconds
