@@ -223,6 +223,17 @@ def main(out_dir: str) -> None:
     opt = t.strategy.optimizers[0]
     out["fp16"].update(loss_scale=opt.loss_scale, step_count=opt.step_count, skipped=opt.skipped_steps)
 
+    # The same module fitted twice (as after a learning-rate finder), with overlapped weight gathers.
+    ref = GPTModule(sched="dict")
+    run("ref_refit", out, ref, "ddp", epochs=1)
+    run("ref_refit", out, ref, "ddp", epochs=1)
+    refit = GPTModule(sched="dict")
+    run("refit", out, refit, ShardedStrategy(stage=2, overlap_param_gather=True), epochs=1)
+    t, _ = run("refit", out, refit, ShardedStrategy(stage=2, overlap_param_gather=True), epochs=1)
+    out["refit"]["pending_after_fit"] = t.strategy.optimizers[0].pending_param_buckets()
+    out["refit"]["weights_vs_ddp"] = max((a.detach() - b.detach()).abs().max().item()
+                                         for a, b in zip(refit.parameters(), ref.parameters()))
+
     expect_error("err_clip_value", out, GPTModule(), ShardedStrategy(), gradient_clip_val=CLIP,
                  gradient_clip_algorithm="value")
     expect_error("err_sgd", out, GPTModule(optim="sgd"), ShardedStrategy())
