@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import logging
 import math
-import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -16,6 +15,7 @@ from torch import Tensor
 from shardopt._agreement import CALL_CODES, raise_first_difference, settings
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
+from shardopt._gather_wait import watch_gathers
 from shardopt._ownership import take_over
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 from shardopt._sharded_buffer import ShardedBuffer
@@ -89,19 +89,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.step_was_skipped = False
         self.skipped_steps = 0
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
-        # Parameter all-gathers still in flight, by (buffer index, bucket): see [Note: overlapped gather].
+        # Parameter all-gathers still in flight, by (buffer index, bucket): see _gather_wait [Note: overlapped gather].
         self._gathers: dict[tuple[int, int], Pending] = {}
         self._bucket_of = {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()}
-        self._gather_hook = None
-        if self.config.overlap_param_gather:
-            ref = weakref.ref(self)  # the global hook must not keep the optimizer alive
-
-            def hook(module: torch.nn.Module, args: Any) -> None:
-                opt = ref()
-                if opt is not None:
-                    opt._wait_for_module(module, args)
-
-            self._gather_hook = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        self._gather_hook = watch_gathers(self) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
         self._built = True
@@ -325,21 +316,6 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._comm.stats.reset()
         return loss
 
-    # [Note: overlapped gather]
-    # With overlap_param_gather=True, step() returns while the weights are still being all-gathered.
-    # A global forward pre-hook waits, before any module runs, for the buckets holding that module's
-    # own parameters, so the gathers of later layers overlap the compute of earlier ones. Weights
-    # read outside a module's forward (model.state_dict(), a parent reading a child's weight
-    # directly) need finish_param_gather() first; step(), state_dict() and checkpoints call it.
-    def _wait_for_module(self, module: torch.nn.Module, args: Any) -> None:
-        if not self._gathers:
-            return
-        for p in module.parameters(recurse=False):
-            key = self._bucket_of.get(id(p))
-            if key is not None and key in self._gathers:
-                self._gathers.pop(key).wait()
-                self._gathered(*key)
-
     def _gathered(self, buffer: int, bucket: int) -> None:
         b = self._buffers[buffer]
         self._checks.note_gathered(b, b.layout.buckets[bucket].params)
@@ -509,3 +485,4 @@ class ShardedAdamW(torch.optim.Optimizer):
             error = ValueError(str(e))
         agree(self._comm, error)  # a rank given another rank's shard makes every rank raise
         load_rank_state_dict(self, sd)
+

@@ -82,6 +82,28 @@ def test_overlapped_gather_same_results_and_never_stale(pools):
             assert all(n == 0 for n in a["pending_at_start"])
 
 
+def state_dict_after_step_case() -> tuple:
+    """model.state_dict() right after an overlapped step (to save weights): the gathers are waited
+    for first, so what it returns is the updated weights, not half-gathered ones."""
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, overlap_param_gather=True, bucket_cap_mb=ONE_ELEMENT_MB)
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+    pending_before = len(opt.pending_param_buckets())
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    pending_after = len(opt.pending_param_buckets())
+    opt.finish_param_gather()
+    settled = model.state_dict()
+    return pending_before, pending_after, all(torch.equal(saved[k], settled[k]) for k in saved)
+
+
+def test_state_dict_right_after_an_overlapped_step_is_up_to_date(pools):
+    for before, after, equal in pools(2).run(state_dict_after_step_case):
+        assert before > 0 and after == 0 and equal, (before, after, equal)
+
+
 def reduce_dtype_case(reduce_fp32: bool) -> bool:
     """Stage 1, bf16: p.grad after backward equals the fp32 average of the ranks' bf16 gradients,
     rounded once (compared with an all_reduce done here in fp32)."""
