@@ -34,8 +34,9 @@ from shardopt.loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
 CHECKPOINT_DIR = "shardopt"  # the sharded optimizer checkpoint's folder inside a saved state
+# free_memory also covers clear(), which Accelerate defines as self.free_memory().
 _PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "get_state_dict", "save_state", "load_state",
-            "free_memory", "clear")
+            "free_memory")
 _UNSUPPORTED = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 
 __all__ = ["CHECKPOINT_DIR", "ShardedAcceleratedOptimizer", "install", "prepare"]
@@ -121,9 +122,8 @@ class _Binding:
 
     def _forget(self) -> None:
         """Know no model or optimizer: at construction and after ``free_memory``."""
-        pending = getattr(self, "pending", None)
-        if pending is not None:
-            pending[2].remove()
+        if getattr(self, "pending", None) is not None:
+            self._drop_pending()
         self.model: torch.nn.Module | None = None  # the bare model the ShardedAdamW trains
         self.opt: ShardedAdamW | None = None
         self.wrapped: ShardedAcceleratedOptimizer | None = None
@@ -136,19 +136,12 @@ class _Binding:
         self._forget()
         return self.original["free_memory"](*objects)
 
-    def clear(self, *objects: Any) -> Any:
-        """``Accelerator.clear``, an alias of ``free_memory``."""
-        self._forget()
-        return self.original["clear"](*objects)
-
     # -- prepare -------------------------------------------------------------------------
     def prepare(self, *args: Any, device_placement: list[bool] | None = None) -> Any:
         """``Accelerator.prepare``, except that a ShardedAdamW (or, through ``shardopt.integrations.
         accelerate.prepare``, a plain AdamW) and the model it trains are prepared without DDP; they
         may come in one call or in several, in either order."""
         acc = self.accelerator
-        if self.wrapped is not None and self.wrapped not in acc._optimizers:  # Accelerate was reset behind us
-            self._forget()
         pending_model, pending_kwargs = (self.pending[0], self.pending[1]) if self.pending else (None, None)
         mine = []
         for i, a in enumerate(args):
@@ -210,9 +203,12 @@ class _Binding:
 
     def _link(self, model: torch.nn.Module) -> None:
         if self.pending is not None and self.pending[0] is model:
-            self.pending[2].remove()
-            self.pending = None
+            self._drop_pending()
         self.model = model
+
+    def _drop_pending(self) -> None:
+        self.pending[2].remove()  # the guard hook of _wait_for_optimizer
+        self.pending = None
 
     def _wait_for_optimizer(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:
         """A model prepared alone (no DDP): it must not train before its optimizer is prepared, or its
@@ -226,7 +222,7 @@ class _Binding:
                                    "torch.optim.AdamW) before training, or its gradients are not averaged")
 
         if self.pending is not None:
-            self.pending[2].remove()
+            self._drop_pending()
         self.pending = (model, dict(kwargs), model.register_forward_pre_hook(guard))
 
     def _check_not_in_ddp(self, opt: ShardedAdamW) -> None:
@@ -306,11 +302,10 @@ class _Binding:
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """``Accelerator.get_state_dict``; for the ShardedAdamW's model, copies of the weights (they
         are views of one flat buffer, and safetensors, or Accelerate's clean-up of shared tensors
-        before it in ``save_model``, would keep one tensor of them). Any rank."""
+        before it in ``save_model``, would keep one tensor of them). Overlapped weight gathers are
+        waited for by ``state_dict()`` itself (see _gather_wait). Any rank."""
         state = self.original["get_state_dict"](model, unwrap=unwrap)
         if self.model is not None and self.accelerator.unwrap_model(model) is self.model:
-            if self.opt is not None:
-                self.opt.finish_param_gather()
             state = _unshared(state)
         return state
 

@@ -26,7 +26,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
 from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
-from shardopt.integrations.accelerate import CHECKPOINT_DIR, _unshared, install
+from shardopt.integrations.accelerate import CHECKPOINT_DIR, install
 from shardopt.optimizer import ShardedAdamW
 
 __all__ = ["ShardedTrainer"]
@@ -93,11 +93,8 @@ class ShardedTrainer(Trainer):
 
     # -- checkpoints ---------------------------------------------------------------------
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is None and self.args.should_save:
-            opt = self.sharded_optimizer
-            if opt is not None:
-                opt.finish_param_gather()
-            state_dict = _unshared(self.model.state_dict())
+        if state_dict is None and self.args.should_save:  # copies out of the flat buffer (see accelerate.py)
+            state_dict = self.accelerator.get_state_dict(self.model)
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

@@ -237,13 +237,6 @@ class ShardedStrategy(DDPStrategy):
         return getattr(self.precision_plugin, "_shardopt_last_grad_norm", None)
 
     # -- checkpoints -----------------------------------------------------------------------
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state dict, after waiting for weight all-gathers still in flight
-        (``overlap_param_gather``). Every rank (Lightning calls it on every rank)."""
-        for opt in self._sharded_optimizers():
-            opt.finish_param_gather()
-        return super().lightning_module_state_dict()
-
     # Saving: Strategy.optimizer_state calls opt.consolidate_state_dict() on every rank and keeps
     # rank 0's state_dict() (torch.optim.AdamW's format plus shardopt's master weights). Loading:
     # Strategy.load_optimizer_state_dict calls opt.load_state_dict(rank 0's dict) on every rank,
