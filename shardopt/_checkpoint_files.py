@@ -202,9 +202,11 @@ def check_complete(path: str) -> dict:
     return info
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of the complete checkpoint at ``path`` (raises as ``check_complete`` does)."""
-    check_complete(path)
+def read_manifest(path: str, marker: dict | None = None) -> dict:
+    """The manifest of the complete checkpoint at ``path`` (raises as ``check_complete`` does,
+    unless its ``marker`` from ``check_complete`` is given)."""
+    if marker is None:
+        check_complete(path)
     with open(os.path.join(path, MANIFEST)) as f:
         manifest = json.load(f)
     if manifest.get("format") != FORMAT:

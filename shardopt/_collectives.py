@@ -23,12 +23,13 @@ of the bucket per reduction in flight, which is why NCCL keeps its native, ring-
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,7 +111,7 @@ class Comm:
         self.stats = CommStats()
         self.live_bytes = 0  # receive buffers of reductions in flight, bytes
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
-        self.where = "a collective"  # the optimizer call in progress, for that message
+        self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
 
@@ -153,6 +154,15 @@ class Comm:
         gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(gathered, mine, group=self.group)
         return all(bool((g == mine).all()) for g in gathered)
+
+    @contextlib.contextmanager
+    def during(self, call: str) -> Iterator[None]:
+        """Name ``call`` (e.g. ``"step()"``) in the timeout message of collectives waited for inside."""
+        previous, self.where = self.where, call
+        try:
+            yield
+        finally:
+            self.where = previous
 
     # -- bucket collectives --------------------------------------------------------------
     def _count(self, works: list, *, reduced: int = 0, gathered: int = 0) -> list:

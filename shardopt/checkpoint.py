@@ -292,8 +292,9 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         settle(opt)
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
     try:
-        manifest = read_manifest(path)
-        verify_data(path, check_complete(path), comm.rank, comm.world_size)  # each rank its share of the files
+        marker = check_complete(path)
+        manifest = read_manifest(path, marker)
+        verify_data(path, marker, comm.rank, comm.world_size)  # each rank its share of the tensor files
         entries, aliases = _entries(model, opt)
         _check_matches(manifest, entries, aliases, opt, model, path)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing

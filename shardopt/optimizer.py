@@ -187,11 +187,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         scale = self._scaler.scale
         for b in self._buffers:
             b.reducer.backward_scaled = True
-        self._comm.where = "opt.backward()"
         try:
-            (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+            with self._comm.during("opt.backward()"):
+                (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
-            self._comm.where = "a backward pass"
             for b in self._buffers:
                 b.reducer.backward_scaled = False
 
@@ -257,11 +256,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
-        self._comm.where = "clip_grad_norm_()"
-        try:
+        with self._comm.during("clip_grad_norm_()"):
             found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
-        finally:
-            self._comm.where = "a backward pass"
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef)
@@ -272,11 +268,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
         self._check_open()
-        self._comm.where = "step()"
-        try:
+        with self._comm.during("step()"):
             return self._take_step(closure)
-        finally:
-            self._comm.where = "a backward pass"
 
     def _take_step(self, closure: Callable[[], Any] | None) -> Any:
         self.finish_param_gather()  # an update must not race the previous step's gathers
