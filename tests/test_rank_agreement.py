@@ -16,7 +16,37 @@ import torch.distributed as dist
 from torch import nn
 
 import shardopt
-from models import make_model
+from models import batch, make_model
+
+
+def _timed(call, kind: type) -> tuple[str | None, float]:
+    """(the message of the ``kind`` exception ``call()`` raised, or None; seconds it took)."""
+    start = time.perf_counter()
+    try:
+        call()
+        error = None
+    except kind as e:
+        error = str(e)
+    return error, time.perf_counter() - start
+
+
+def _load_into_another(path: str) -> tuple[str | None, bool]:
+    """Load ``path`` into a differently initialised model: (the ValueError's message or None,
+    whether the model was left unchanged)."""
+    other = make_model(seed=9)
+    opt = shardopt.ShardedAdamW(other.parameters(), lr=1e-3)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    error, _ = _timed(lambda: shardopt.load_checkpoint(path, other, opt), ValueError)
+    return error, all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
+def _after_one_backward(**kw) -> tuple:
+    """A model and its ShardedAdamW with one backward done, on this rank's batch."""
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, **kw)
+    opt.zero_grad()
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    return model, opt
 
 
 def differing_case(what: str) -> tuple:
@@ -39,13 +69,7 @@ def differing_case(what: str) -> tuple:
         if rank == 1:
             named[a], named[b] = named[b], named[a]
         params = named
-    start = time.perf_counter()
-    try:
-        shardopt.ShardedAdamW(params, **kw)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    return error, time.perf_counter() - start
+    return _timed(lambda: shardopt.ShardedAdamW(params, **kw), ValueError)
 
 
 def test_settings_and_parameter_order_must_agree_across_ranks(pools):
@@ -71,21 +95,8 @@ def _build_plain() -> int:
 
 def clip_on_one_rank_case() -> tuple:
     """clip_grad_norm_ on rank 0 only (to log the norm there): its all-reduce meets rank 1's step."""
-    rank = dist.get_rank()
-    model = make_model(seed=2)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)
-    opt.zero_grad()
-    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
-    start = time.perf_counter()
-    try:
-        if rank == 0:
-            opt.clip_grad_norm_(1.0)
-        else:
-            opt.step()
-        error = None
-    except RuntimeError as e:
-        error = str(e)
-    return error, time.perf_counter() - start
+    _, opt = _after_one_backward(stage=2)
+    return _timed(lambda: opt.clip_grad_norm_(1.0) if dist.get_rank() == 0 else opt.step(), RuntimeError)
 
 
 def test_clipping_on_one_rank_only_is_refused_on_every_rank(pools):
@@ -100,11 +111,7 @@ def per_rank_path_case(root: str) -> tuple:
     model = make_model(seed=3)
     opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
     where = os.path.join(root, f"ckpt-{dist.get_rank()}")  # e.g. a per-rank timestamp
-    try:
-        shardopt.save_checkpoint(where, model, opt)
-        error = None
-    except ValueError as e:
-        error = str(e)
+    error, _ = _timed(lambda: shardopt.save_checkpoint(where, model, opt), ValueError)
     dist.barrier()
     return error, sorted(os.listdir(root))
 
@@ -112,14 +119,10 @@ def per_rank_path_case(root: str) -> tuple:
 def unreadable_extra_case(root: str) -> tuple:
     import numpy as np
 
-    rank = dist.get_rank()
     model = make_model(seed=3)
     opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
-    try:
-        shardopt.save_checkpoint(os.path.join(root, "bad"), model, opt, extra={"rng": np.random.get_state()})
-        refused = None
-    except ValueError as e:
-        refused = str(e)
+    refused, _ = _timed(lambda: shardopt.save_checkpoint(os.path.join(root, "bad"), model, opt,
+                                                         extra={"rng": np.random.get_state()}), ValueError)
     dist.barrier()
     listed = sorted(os.listdir(root))
     import shardopt.checkpoint as ck
@@ -130,16 +133,7 @@ def unreadable_extra_case(root: str) -> tuple:
         shardopt.save_checkpoint(good, model, opt, extra={"rng": np.random.get_state()})
     finally:
         ck._check_loadable = check
-    other = make_model(seed=9)
-    opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
-    try:
-        shardopt.load_checkpoint(good, other, opt2)
-        load_error = None
-    except ValueError as e:
-        load_error = str(e)
-    unchanged = all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-    return refused, listed, load_error, unchanged
+    return (refused, listed, *_load_into_another(good))
 
 
 def test_a_checkpoint_path_that_differs_per_rank_is_refused(pools, tmp_path):
@@ -159,10 +153,7 @@ def test_an_extra_that_cannot_be_read_back_is_refused_at_save_and_a_load_changes
 
 def flipped_bytes_case(root: str) -> tuple:
     rank = dist.get_rank()
-    model = make_model(seed=3)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
-    opt.zero_grad()
-    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
+    model, opt = _after_one_backward()
     opt.step()
     path = os.path.join(root, "ckpt")
     start = time.perf_counter()
@@ -176,16 +167,7 @@ def flipped_bytes_case(root: str) -> tuple:
             f.seek(-4, os.SEEK_CUR)
             f.write(bytes(b ^ 0xFF for b in data))
     dist.barrier()
-    other = make_model(seed=9)
-    opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3)
-    before = {k: v.clone() for k, v in other.state_dict().items()}
-    try:
-        shardopt.load_checkpoint(path, other, opt2)
-        error = None
-    except ValueError as e:
-        error = str(e)
-    unchanged = all(torch.equal(before[k], v) for k, v in other.state_dict().items())
-    return error, unchanged, save_seconds
+    return (*_load_into_another(path), save_seconds)
 
 
 def test_a_tensor_file_with_flipped_bytes_is_refused_before_anything_is_loaded(pools, tmp_path):
@@ -198,21 +180,11 @@ def test_a_tensor_file_with_flipped_bytes_is_refused_before_anything_is_loaded(p
 def skipped_step_case() -> tuple:
     """Rank 1 skips step(); with timeout=3 rank 0 raises a TimeoutError naming step() instead of
     waiting for the process group's 30 minutes."""
-    rank = dist.get_rank()
-    model = make_model(seed=2)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, timeout=3.0)
-    opt.zero_grad()
-    opt.backward(model(torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(rank))))
-    if rank == 1:
+    _, opt = _after_one_backward(timeout=3.0)
+    if dist.get_rank() == 1:
         time.sleep(6)
         return None, 0.0
-    start = time.perf_counter()
-    try:
-        opt.step()
-        error = None
-    except TimeoutError as e:
-        error = str(e)
-    return error, time.perf_counter() - start
+    return _timed(opt.step, TimeoutError)
 
 
 def test_a_rank_that_skips_step_times_out_with_the_call_named(pools):
