@@ -12,13 +12,62 @@ import torch
 
 from shardopt.loss_scale import make_scaler
 
-# [Note: ranks in different calls] clip_grad_norm_ and step each start with the same small
-# all-reduce, so one rank in clip_grad_norm_ (say, to log the norm on rank 0 only) pairs with
-# another rank's step: the norm and the clipping would silently mix the two. Each rank adds its
-# call's code and its negative to that all-reduce; unless every rank is in the same call, the
-# sum (or max) differs from what this rank expects, and every rank raises.
-CALL_CODES = {"clip_grad_norm_": 1.0, "step": 1000.0}
+# [Note: ranks in different calls]
+# clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
+# gradient reductions (its tag; see _rounds [Note: a round that did not end]). One rank in
+# clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with another rank's step, a
+# rank that skipped a step with the others' step: the norm, the clipping or the gradients would
+# silently mix. Each rank adds a header to that all-reduce: its call's code c as (c, -c, c*c) and
+# whether it lost a round since the last step (a backward pass that raised there) as (a, -a).
+# Summed, sum(c) == n*c and sum(c*c) == n*c*c hold only when every rank has the same c (maxed:
+# max(c) == c and max(-c) == -c); so every rank sees a difference, and raises.
+CALL_CODES = {"clip_grad_norm_": 1.0, "step": 2.0, "backward": 3.0}
+_CALL_NAMES = {1: "clip_grad_norm_()", 2: "step()", 3: "a backward pass"}
+HEADER_AT, HEADER_LEN = 2, 5  # where the header sits in that all-reduce, and its elements
 
+
+def call_header(call: str, lost_round: bool) -> list[float]:
+    """This rank's header (see [Note: ranks in different calls])."""
+    c, a = CALL_CODES[call], float(lost_round)
+    return [c, -c, c * c, a, -a]
+
+
+def check_calls(header: list[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
+    """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
+    every rank in ``call`` with the same ``lost_round``. Every rank, with the same ``header``."""
+    c, a = CALL_CODES[call], float(lost_round)
+    n = 1 if maxed else world_size
+    same_call = header[0] == n * c and header[1] == -n * c and (maxed or header[2] == n * c * c)
+    same_loss = header[3] == n * a and header[4] == -n * a
+    if same_call and same_loss:
+        return
+    lost = ""
+    if not same_loss:
+        who = "this rank's backward pass" if lost_round else (
+            "the backward pass of another rank" if maxed else f"the backward pass of {int(header[3])} of {world_size} ranks")
+        lost = (f"{who} raised after its gradient reductions had started, and training went on there, so the ranks "
+                "no longer hold the same gradients; let such an exception end training on every rank, or catch it on "
+                "every rank alike (then zero_grad() and go on)")
+    if same_call:
+        raise RuntimeError(f"ranks fell out of step: {lost}")
+    if maxed:
+        others = {int(header[0]), int(-header[1])} - {int(c)}
+    else:  # counts of ranks in each call, from sum(c) and sum(c*c) with c in {1, 2, 3}
+        s1, s2 = header[0] - world_size, header[2] - world_size
+        n3 = round((s2 - 3 * s1) / 2)
+        n2 = round(s1 - 2 * n3)
+        counts = {1: world_size - n2 - n3, 2: n2, 3: n3}
+        others = {k for k, m in counts.items() if m > 0} - {int(c)}
+    other = _CALL_NAMES[min(others)] if others else "another call"
+    if {int(c)} | others == {1, 2}:
+        hint = ("call clip_grad_norm_ and step on every rank, in the same order (to log the norm on one rank, call "
+                "clip_grad_norm_ everywhere and log its result there)")
+    else:
+        hint = ("a rank skipped step() or ran more backward passes than the others, e.g. it caught an exception "
+                "from its backward pass and went on to the next batch; call backward, clip_grad_norm_ and step "
+                "alike on every rank")
+    raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[int(c)]}, another rank "
+                       f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
 def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
     """What must be equal on every rank besides the parameters: the sharding settings, every

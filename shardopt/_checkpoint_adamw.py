@@ -26,7 +26,11 @@ def adamw_defaults() -> dict[str, Any]:
 
 def settle(opt: Any) -> None:
     """Wait for weight all-gathers that ``step`` left in flight (``overlap_param_gather``) and take
-    weights written into the model from outside as master weights. Every rank."""
+    weights written into the model from outside as master weights; refuse an optimizer whose ranks
+    fell out of step. Every rank."""
+    rounds = getattr(opt, "_rounds", None)
+    if rounds is not None:
+        rounds.settle()  # see _rounds [Note: a round that did not end]
     finish = getattr(opt, "finish_param_gather", None)
     if finish is not None:
         finish()

@@ -5,19 +5,11 @@ parameters' ``.grad``; stage 2: only this rank's shard plus short-lived bucket s
 post-accumulate-grad hooks that fill buckets, and the order in which bucket collectives are
 launched. It knows the layout and calls :mod:`shardopt._collectives`; it does no optimizer math.
 
-[Note: launch order]
-Collectives must be issued in the same order on every rank, and buckets should be reduced in the
-order their gradients become ready, which the layout cannot know (param groups interleave layers).
-The first backward pass is a *learning round*: hooks only record in which order buckets complete,
-gradients stay in ``p.grad``, and at the end of backward every bucket is staged and reduced in
-bucket order. Rank 0's observed order is then broadcast once and every rank adopts it. From then
-on a bucket is launched from the hook that completes it, as soon as every bucket before it in
-that order has been launched; a bucket holding a parameter that got no gradient is launched when
-backward ends, by a callback queued on the autograd engine, which then waits for every reduction
-of that backward. Each backward pass is thus one *round* in which every bucket is reduced exactly
-once, in the agreed order, on every rank. Several rounds between two steps accumulate correctly:
-stage 1 averages the accumulated buffer again (the part averaged before is equal on every rank,
-so averaging it again is exact), stage 2 adds each round's averaged shard into the gradient shard.
+When buckets are reduced, and in which order, is decided by ``_rounds`` (see ``_rounds``
+[Note: launch order]); this module stages a bucket and issues its collective when asked. Several
+rounds between two steps accumulate correctly: stage 1 averages the accumulated buffer again (the
+part averaged before is equal on every rank, so averaging it again is exact), stage 2 adds each
+round's averaged shard into the gradient shard.
 
 [Note: what the reducer knows about each parameter's gradient]
 Torch semantics decide whether a parameter is updated and whether a backward adds to or replaces
@@ -43,9 +35,6 @@ from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._layout import Range
-
-MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on
-
 
 class GradReducer:
     """Reduces the gradients of one :class:`FlatParams` buffer over ``comm``'s ranks."""
@@ -107,13 +96,11 @@ class GradReducer:
             self._piece_of = layout.local_ranges(comm.rank)  # this rank's part of each parameter in grad_shard
         self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
         self._staging: dict[int, Tensor] = {}
-        self.require_sync = True
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
-        self._rounds = 0  # rounds completed since zero_grad
-        self._order: list[int] | None = None  # agreed bucket launch order, learned in round 1
-        self._backward_id: int | None = None  # autograd graph task of the backward pass seen last
-        self._sync_backward = True  # require_sync when that backward started
-        self._reset_round()
+        self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
+        self._seen = [False] * n  # gradient taken into the buffer being reduced in this round
+        self.rounds = None  # the optimizer's _rounds.Rounds, set by attach
+        self._k = 0  # this reducer's index there
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
@@ -124,19 +111,20 @@ class GradReducer:
             h.remove()
         self._hooks = []
 
-    # -- rounds ---------------------------------------------------------------------------
-    def _reset_round(self) -> None:
-        self._ready = [0] * len(self._bucket_size)
-        self._seen = [False] * len(self.flat.params)
-        self._pos = 0  # next position in self._order to launch
-        self._completed: list[int] = []  # learning round: buckets in the order they completed
-        self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
+    # -- what _rounds asks of a reducer ----------------------------------------------------
+    def attach(self, rounds, k: int) -> None:
+        self.rounds, self._k = rounds, k
 
-    def _begin_backward(self) -> None:
-        """First hook of a backward pass: note how it was scaled and what was zeroed since the last."""
-        self._backward_id = torch._C._current_graph_task_id()
-        self._sync_backward = self.require_sync
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+    @property
+    def num_buckets(self) -> int:
+        return len(self._bucket_size)
+
+    def bucket_size(self, b: int) -> int:
+        """Parameters in bucket ``b``."""
+        return self._bucket_size[b]
+
+    def begin_backward(self) -> None:
+        """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
         if self.backward_scaled:
             self.scaled_backwards += 1
         else:
@@ -144,10 +132,6 @@ class GradReducer:
         start = time.perf_counter()
         self.observe_zeroing()
         self.check_seconds += time.perf_counter() - start
-
-    def _end_backward(self) -> None:
-        if self._sync_backward:
-            self.finish_round()
 
     def _observe_views(self) -> bool:
         """Stage 1, before a step: ``p.grad`` set to None makes that gradient zero (and absent);
@@ -228,23 +212,15 @@ class GradReducer:
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            if self._backward_id != torch._C._current_graph_task_id():
-                self._begin_backward()
+            sync = self.rounds.on_hook()
             self.used[index] = True
-            if not self._sync_backward:
+            if not sync:
                 if self.accumulate_dtype is not None:
                     self._accumulate(index)
                 return
-            b = self._bucket_of[index]
-            self._ready[b] += 1
-            if self._order is None:  # learning round: only watch
-                if self._ready[b] == self._bucket_size[b]:
-                    self._completed.append(b)
-                return
-            self._take(index)
-            while self._pos < len(self._order) and self._ready[self._order[self._pos]] >= self._bucket_size[self._order[self._pos]]:
-                self._launch(self._order[self._pos])
-                self._pos += 1
+            if not self.rounds.learning:  # the learning round only watches
+                self._take(index)
+            self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
 
@@ -307,29 +283,25 @@ class GradReducer:
         if b not in self._staging:
             size = self.flat.layout.buckets[b].global_range.size
             self._staging[b] = torch.zeros(size, dtype=self.flat.dtype, device=self.flat.device)
-            self._note_buffers()
+            self.note_buffers()
         return self._staging[b]
 
-    def _note_buffers(self) -> None:
+    def note_buffers(self) -> None:
         """Track the high-water mark of staging plus the receive buffers of reductions in flight."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
         self.staging_peak_bytes = max(self.staging_peak_bytes, held)
 
-    def _launch(self, b: int) -> None:
+    def launch(self, b: int) -> tuple[Pending, Callable[[], None] | None]:
+        """Stage bucket ``b`` and issue its reduction: (its handle, what to run once it landed)."""
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             view = self.flat_grad[bucket.as_slice()]
-            self._inflight.append((self.comm.all_reduce_avg(view, self._pieces[b], self.reduce_dtype), None, b))
-        else:
-            self._launch_reduce_scatter(b)
-        self._note_buffers()
-        # Bound staging memory: at most MAX_INFLIGHT buckets wait on the network at once.
-        while len(self._inflight) > MAX_INFLIGHT:
-            self._complete_oldest()
+            return self.comm.all_reduce_avg(view, self._pieces[b], self.reduce_dtype), None
+        return self._launch_reduce_scatter(b)
 
-    def _launch_reduce_scatter(self, b: int) -> None:
+    def _launch_reduce_scatter(self, b: int) -> tuple[Pending, Callable[[], None] | None]:
         staging = self._staging_for(b)
         local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
         dest = self.grad_shard[local.as_slice()]
@@ -338,32 +310,18 @@ class GradReducer:
         else:
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
             after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
-        pending = self.comm.reduce_scatter_avg(out, staging, self._pieces[b])
-        self._inflight.append((pending, after, b))
+        return self.comm.reduce_scatter_avg(out, staging, self._pieces[b]), after
 
-    def _complete_oldest(self) -> None:
-        pending, after, b = self._inflight.pop(0)
-        pending.wait()
-        if after is not None:
-            after()
+    def landed(self, b: int) -> None:
+        """Bucket ``b``'s reduction arrived: its staging goes."""
         self._staging.pop(b, None)
 
-    def finish_round(self) -> None:
-        """Launch every bucket not yet launched in this round, in order, and wait for all.
-
-        Runs at the end of each backward pass; call on every rank."""
-        order = self._order if self._order is not None else list(range(len(self._bucket_size)))
-        for b in order[self._pos:]:
-            self._launch(b)
-        while self._inflight:
-            self._complete_oldest()
+    def end_round(self) -> None:
+        """Every bucket of this round was reduced: reset for the next. Local."""
         assert not self._staging, "staging left behind after a round"
         self.accum = None
-        if self._order is None:
-            self._order = self._agree_on_order(self._completed)
         self._fresh = False
-        self._rounds += 1
-        self._reset_round()
+        self._seen = [False] * len(self.flat.params)
         if self.stage == 2:
             start = time.perf_counter()
             placed = self._placed
@@ -376,13 +334,6 @@ class GradReducer:
                     pass  # converted after construction: reported by the binding check
             self.check_seconds += time.perf_counter() - start
 
-    def _agree_on_order(self, completed: list[int]) -> list[int]:
-        """Rank 0's completion order (then the never-completed buckets), adopted by every rank."""
-        rest = [b for b in range(len(self._bucket_size)) if b not in set(completed)]
-        order = torch.tensor(completed + rest, dtype=torch.int64, device=self.flat.device)
-        self.comm.broadcast(order, src=0).wait()
-        return [int(b) for b in order.tolist()]
-
     def bucket_of(self, index: int) -> int:
         """The bucket holding parameter ``index``."""
         return self._bucket_of[index]
@@ -390,17 +341,13 @@ class GradReducer:
     @property
     def forward_order(self) -> list[int]:
         """Buckets in the order the forward pass is expected to use them (reverse of gradient readiness)."""
-        order = self._order if self._order is not None else list(range(len(self._bucket_size)))
+        order = self.order if self.order is not None else list(range(len(self._bucket_size)))
         return order[::-1]
 
     # -- what the optimizer sees ---------------------------------------------------------
     def local_grad(self) -> Tensor:
-        """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements).
-
-        Runs a round first when no backward pass reduced gradients since ``zero_grad`` (e.g.
-        gradients assigned by hand); then every rank must call it."""
-        if self._rounds == 0:
-            self.finish_round()
+        """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements), once
+        ``_rounds`` ran a round since ``zero_grad``. Local."""
         if self.stage == 1:
             return self.flat_grad[self.shard.as_slice()]
         return self.grad_shard
@@ -432,7 +379,6 @@ class GradReducer:
                 self._placed[i] = True  # a zero gradient that is still there
             self._fresh = True  # the next round overwrites every element of grad_shard
         self.accum = None
-        self._rounds = 0
         if set_to_none:
             self.used = [False] * len(self.used)
         self.stepped()

@@ -15,7 +15,8 @@ from shardopt._collectives import Comm, Pending
 from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
-from shardopt._reducer import MAX_INFLIGHT, GradReducer
+from shardopt._reducer import GradReducer
+from shardopt._rounds import MAX_INFLIGHT
 from shardopt.kernels import make_scalars, select
 from shardopt.master import make_master
 from shardopt.memory import MemoryReport, predict_bytes

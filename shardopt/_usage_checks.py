@@ -153,6 +153,8 @@ class UsageChecks:
                 raise RuntimeError(problems[0])
             b.refresh_master(written)
 
+    NUM_FLAGS = 5  # elements of flags()
+
     @staticmethod
     def flags(found: Findings, device: torch.device) -> torch.Tensor:
         """1D fp32, 5 numbers: problems, scaled and unscaled backward passes, parameters without a

@@ -12,11 +12,12 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from shardopt._agreement import CALL_CODES, raise_first_difference, settings
+from shardopt._agreement import HEADER_AT, HEADER_LEN, call_header, check_calls, raise_first_difference, settings
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
 from shardopt._gather_wait import watch_gathers
 from shardopt._ownership import take_over
+from shardopt._rounds import Rounds
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 from shardopt._sharded_buffer import ShardedBuffer
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
@@ -82,6 +83,8 @@ class ShardedAdamW(torch.optim.Optimizer):
             if p.device == self._buffers[0].flat.device:
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
+        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm,
+                              stats_numel=HEADER_AT + HEADER_LEN + UsageChecks.NUM_FLAGS)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
@@ -198,20 +201,18 @@ class ShardedAdamW(torch.optim.Optimizer):
     def no_sync(self) -> Iterator[None]:
         """Inside, backward passes accumulate gradients locally without communicating; the first
         backward after it reduces everything accumulated. Use for all micro-batches but the last."""
-        previous = [b.reducer.require_sync for b in self._buffers]
-        for b in self._buffers:
-            b.reducer.require_sync = False
+        previous, self._rounds.require_sync = self._rounds.require_sync, False
         try:
             yield
         finally:
-            for b, prev in zip(self._buffers, previous):
-                b.reducer.require_sync = prev
+            self._rounds.require_sync = previous
 
     def _grad_stats(self, norm_type: float | None, caller: str = "step") -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
         which also carries which call each rank is in (``caller``; see _agreement [Note: ranks in
         different calls]) and the usage checks (see ``_usage_checks``)."""
         self.finish_param_gather()
+        self._rounds.before_step()
         found = self._checks.local()
         device = self._buffers[0].flat.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
@@ -227,21 +228,20 @@ class ShardedAdamW(torch.optim.Optimizer):
                 s = torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) ** norm_type if g.numel() else stats[1] * 0
                 stats[0] += (~torch.isfinite(s)).float()
                 stats[1] += s
-        code = CALL_CODES[caller]
-        stats = torch.cat([stats, torch.tensor([code, -code], dtype=torch.float32, device=device),
+        lost = self._rounds.lost_round
+        stats = torch.cat([stats, torch.tensor(call_header(caller, lost), dtype=torch.float32, device=device),
                            self._checks.flags(found, device)])
         maxed = norm_type is not None and math.isinf(norm_type)
         if maxed:
             self._comm.all_reduce_max(stats).wait()
         else:
             self._comm.all_reduce_sum(stats).wait()
-        n = 1 if maxed else self._comm.world_size
-        if (float(stats[2]), float(stats[3])) != (n * code, -n * code):
-            other = next(c for c in CALL_CODES if c != caller)
-            raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {caller}(), another rank in "
-                               f"{other}(); call clip_grad_norm_ and step on every rank, in the same order (to log the "
-                               "norm on one rank, call clip_grad_norm_ everywhere and log its result there)")
-        self._checks.apply(found, stats[4:], self._scaler.scale)
+        try:
+            check_calls(stats[HEADER_AT:HEADER_AT + HEADER_LEN].tolist(), caller, lost, self._comm.world_size, maxed)
+        except RuntimeError as e:
+            self._rounds.broken = str(e)
+            raise
+        self._checks.apply(found, stats[HEADER_AT + HEADER_LEN:], self._scaler.scale)
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):
             return found_inf, float(stats[1])
@@ -286,6 +286,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             found_inf = self._grad_stats(None)[0]
         self._clip = None
         self.step_was_skipped = found_inf
+        self._rounds.stepped()
         self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.stepped() for b in self._buffers)
         self._checks.seconds = 0.0
         if found_inf:
@@ -367,6 +368,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         As with torch, ``set_to_none=True`` leaves parameters without a gradient (the next step
         skips those that get none) and ``set_to_none=False`` with a zero one. Stage 1 keeps ``p.grad``
         a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place."""
+        self._rounds.zero_grad()
         for b in self._buffers:
             b.reducer.zero_grad(set_to_none)
         for p in self._untracked:

@@ -13,7 +13,7 @@ treated as one tensor, which undercounts by less than 8 elements per parameter t
 
 [Note: buffers estimate]
 ``buffers`` is the high-water mark of communication buffers while gradients are reduced, bucket
-by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_reducer``). Stage 2
+by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_rounds``). Stage 2
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
 place. On gloo each reduction also receives every rank's copy of this rank's piece of the bucket
 (``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]); on NCCL the
@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 
 from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
-from shardopt._reducer import MAX_INFLIGHT
+from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
 from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
 
