@@ -291,7 +291,9 @@ def worker(args: argparse.Namespace) -> None:
             print(f"N={dist.get_world_size()} {name}: {results[-1].get('skipped', 'done')}", flush=True)
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's result is written
+    sys.stdout.flush()
+    os._exit(0)  # see MACHINE_NOTES: a gloo worker can deadlock in process-group teardown
 
 
 # ---------------------------------------------------------------------------------------- driver

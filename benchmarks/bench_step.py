@@ -182,7 +182,9 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         with open(args.result, "w") as f:
             json.dump(results, f)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's result is written
+    sys.stdout.flush()
+    os._exit(0)  # see MACHINE_NOTES: a gloo worker can deadlock in process-group teardown
 
 
 # ----------------------------------------------------------------------------------- driver
