@@ -66,6 +66,10 @@ class Pending:
     done: bool = False
     comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
 
+    def arrived(self) -> bool:
+        """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
+        return all(w.is_completed() for w in self.works)
+
     def wait(self) -> None:
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()

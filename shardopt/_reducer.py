@@ -101,6 +101,10 @@ class GradReducer:
         self._seen = [False] * n  # gradient taken into the buffer being reduced in this round
         self.rounds = None  # the optimizer's _rounds.Rounds, set by attach
         self._k = 0  # this reducer's index there
+        with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
+            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
+        self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
+        self._absent = [False] * n  # counted as reduced without a gradient in the open round
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
@@ -122,6 +126,17 @@ class GradReducer:
     def bucket_size(self, b: int) -> int:
         """Parameters in bucket ``b``."""
         return self._bucket_size[b]
+
+    def unreached(self) -> list[int]:
+        """When a round opens inside a backward pass: the bucket of each parameter that pass will
+        not reach (one entry per parameter), which the round counts as ready at once. Local."""
+        out = []
+        will_run = torch._C._will_engine_execute_node
+        for i, acc in enumerate(self._accumulators):
+            if not self._nested[i] and not will_run(acc):
+                self._absent[i] = True
+                out.append(self._bucket_of[i])
+        return out
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -213,13 +228,24 @@ class GradReducer:
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
             sync = self.rounds.on_hook()
+            if self.rounds.nested:
+                self._nested[index] = True
+            if self._absent[index]:
+                self._absent[index] = False
+                self._nested[index] = True  # never counted ahead again
+                if param.dtype != self.flat.dtype or param.device != self.flat.device:
+                    return  # converted after construction (a new accumulator): reported at step() on every rank
+                raise RuntimeError(
+                    f"parameter {index} of shape {tuple(param.shape)} got its gradient in a backward pass nested in "
+                    "another (torch.utils.checkpoint with use_reentrant=True) that the outer pass did not show, after "
+                    "its bucket was reduced without it; use use_reentrant=False, or turn checkpointing on before the "
+                    "first backward pass")
             self.used[index] = True
             if not sync:
                 if self.accumulate_dtype is not None:
                     self._accumulate(index)
                 return
-            if not self.rounds.learning:  # the learning round only watches
-                self._take(index)
+            self._take(index)
             self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
@@ -322,6 +348,7 @@ class GradReducer:
         self.accum = None
         self._fresh = False
         self._seen = [False] * len(self.flat.params)
+        self._absent = [False] * len(self.flat.params)
         if self.stage == 2:
             start = time.perf_counter()
             placed = self._placed

@@ -8,13 +8,20 @@ when asked; this module decides when.
 [Note: launch order]
 Collectives must be issued in the same order on every rank, and buckets should be reduced in the
 order their gradients become ready, which the layout cannot know (param groups interleave layers).
-The first backward pass is a *learning round*: hooks only record in which order buckets complete,
-gradients stay in ``p.grad``, and at the end of backward every bucket is staged and reduced in
-bucket order. Rank 0's observed order is then broadcast once and every rank adopts it. From then
-on a bucket is launched from the hook that completes it, as soon as every bucket before it in
-that order has been launched; a bucket holding a parameter that got no gradient is launched
-when backward ends, by a callback queued on the autograd engine,
-which then waits for every reduction of that backward. Each backward pass is thus one *round*
+The first backward pass is a *learning round*: rank 0 announces each bucket as it completes there
+(a one-element broadcast, then that bucket's reduction) and every rank reduces the buckets in the
+announced order, each as soon as it is announced and complete on that rank (a rank polls the
+announcement from its hooks without blocking). The first backward thus holds no more gradient than
+later ones while the ranks run at a similar pace, and its announcements are the order every later
+round follows, without any announcement: from then on a bucket is launched from the hook that
+completes it, as soon as every bucket before it in that order has been launched. From the second
+round on, a parameter that this backward pass will not reach on this rank
+(``torch._C._will_engine_execute_node`` of its gradient accumulator, asked when the round opens)
+counts as ready at once, so a parameter unused on one rank (a branch, an expert) holds back
+nothing there. Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
+``use_reentrant=True``): the outer pass does not show the parameters of the inner one. A bucket still missing a gradient is launched when backward ends, by a callback
+queued on the autograd engine, which then waits for every reduction of that backward (in the
+learning round, rank 0 announces such buckets then, in index order). Each backward pass is thus one *round*
 in which every bucket is reduced exactly once, in the agreed order, on every rank. Several rounds
 between two steps accumulate correctly (see ``_reducer``).
 
@@ -78,6 +85,7 @@ class Rounds:
     def __init__(self, reducers: Sequence, comm: Comm, stats_numel: int) -> None:
         self.reducers, self.comm = list(reducers), comm
         self._stats_numel = stats_numel
+        self._device = self.reducers[0].flat.device
         self.buckets = [(k, b) for k, r in enumerate(self.reducers) for b in range(r.num_buckets)]
         self._index = {kb: i for i, kb in enumerate(self.buckets)}
         self._size = [self.reducers[k].bucket_size(b) for k, b in self.buckets]
@@ -91,12 +99,21 @@ class Rounds:
         self.broken: str | None = None  # why the ranks can no longer train together
         self.rounds = 0  # rounds completed since zero_grad
         self._task: int | None = None  # autograd graph task of the backward pass seen last
+        self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
+        self.nested = False  # the hook running now is in a backward pass nested in that one
+        self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
         self._reset()
 
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._pos = 0  # next position in self.order to launch
-        self._completed: list[int] = []  # learning round: buckets in the order they completed
+        # Learning round: buckets announced so far (rank 0's completion order), the announcement
+        # in flight (ranks but 0), buckets complete on rank 0 and not yet announced.
+        self._announced: list[int] = []
+        self._announcing: list[tuple[Pending, torch.Tensor]] = []  # rank 0's broadcasts in flight
+        self._listening: tuple[Pending, torch.Tensor] | None = None  # ranks but 0: the next announcement
+        self._next: int | None = None  # ranks but 0: announced, not yet complete here
+        self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
         self._tag_pending: Pending | None = None
         self._tag_lost = False
@@ -111,11 +128,14 @@ class Rounds:
             self._task = task
             if not (self.callback is not None and self.callback["alive"]):  # not nested in the open round
                 self.settle()
+                self._round_task = task
                 for r in self.reducers:
                     r.begin_backward()
                 self.sync_backward = self.require_sync
                 if self.sync_backward:
                     self._open()
+            self.nested = task != self._round_task
+            self.nesting_seen |= self.nested
         return self.sync_backward
 
     def settle(self) -> None:
@@ -156,29 +176,90 @@ class Rounds:
             tag = torch.zeros(self._stats_numel, dtype=torch.float32)
             self._tag_lost = self.lost_round  # what this tag says, for its check
             tag[HEADER_AT:HEADER_AT + HEADER_LEN] = torch.tensor(call_header("backward", self._tag_lost))
-            self._tag_sum = tag.to(self.reducers[0].flat.device)
+            self._tag_sum = tag.to(self._device)
             self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
+            if self.order is None and self.comm.rank != 0:
+                self._listen()
+        if queue and self.order is not None and not self.nesting_seen:
+            # Inside a backward pass: parameters it will not reach hold nothing back.
+            for k, r in enumerate(self.reducers):
+                for b in r.unreached():
+                    self._count(self._index[(k, b)])
+
+    def _count(self, i: int) -> None:
+        """One more parameter of bucket ``i`` is in; launch (or announce) what is ready."""
+        self._ready[i] += 1
+        if self.order is not None:
+            self._launch_ready()
+        elif self._ready[i] == self._size[i] and self.comm.rank == 0:
+            self._announce(i)
+        elif self.comm.rank != 0:
+            if self._ready[i] == self._size[i]:
+                self._held.add(i)
+            self._follow(block=False)
 
     def bucket_filled(self, k: int, b: int) -> None:
         """One more parameter of bucket ``b`` of reducer ``k`` got its gradient in this round."""
-        i = self._index[(k, b)]
-        self._ready[i] += 1
-        if self.order is None:
-            if self._ready[i] == self._size[i]:
-                self._completed.append(i)
-            return
-        self._launch_ready()
+        self._count(self._index[(k, b)])
+
+    # -- the learning round -----------------------------------------------------------------
+    def _announce(self, i: int) -> None:
+        """Rank 0: bucket ``i`` is next; tell the others, then reduce it."""
+        self._announced.append(i)
+        if self.comm.world_size > 1:
+            t = torch.tensor([i], dtype=torch.int64).to(self._device)
+            self._announcing.append((self.comm.broadcast(t, src=0), t))
+        self._launch(i)
+
+    def _listen(self) -> None:
+        """Ranks but 0: post the receive of the next announcement, unless all were made."""
+        self._listening = None
+        if len(self._announced) < len(self.buckets):
+            t = torch.zeros(1, dtype=torch.int64, device=self._device)
+            self._listening = (self.comm.broadcast(t, src=0), t)
+
+    def _follow(self, block: bool) -> None:
+        """Ranks but 0: reduce the announced buckets that are complete here, in the announced
+        order; with ``block`` (backward has ended) every bucket, waiting for each announcement.
+        A rank ahead of rank 0 waits for the next announcement rather than hold a complete bucket
+        (the same bound as later rounds, where it waits for the reductions in flight)."""
+        while True:
+            if self._next is None:
+                if self._listening is None:
+                    return  # every bucket was announced
+                pending, t = self._listening
+                if not block and not self._held and not pending.arrived():
+                    return
+                pending.wait()
+                self._next = int(t.item())
+                self._announced.append(self._next)
+            i = self._next
+            if not block and self._ready[i] < self._size[i]:
+                return
+            self._next = None
+            self._held.discard(i)
+            self._launch(i)
+            self._listen()
+
+    def _finish_learning(self) -> None:
+        if self.comm.rank == 0:
+            done = set(self._announced)
+            for i in range(len(self.buckets)):
+                if i not in done:
+                    self._announce(i)  # never complete on rank 0 (a parameter without a gradient)
+        else:
+            self._follow(block=True)
+        for pending, _ in self._announcing:
+            pending.wait()
+        self.order = list(self._announced)
+        for k, r in enumerate(self.reducers):
+            r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
 
     def _launch_ready(self) -> None:
         order, ready, size = self.order, self._ready, self._size
         while self._pos < len(order) and ready[order[self._pos]] >= size[order[self._pos]]:
             self._launch(order[self._pos])
             self._pos += 1
-
-    @property
-    def learning(self) -> bool:
-        """The next round is the learning round: no order agreed yet."""
-        return self.order is None
 
     def _launch(self, i: int) -> None:
         k, b = self.buckets[i]
@@ -213,14 +294,14 @@ class Rounds:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
         at the end of each backward pass. Every rank."""
         try:
-            order = self.order if self.order is not None else list(range(len(self.buckets)))
-            for i in order[self._pos:]:
-                self._launch(i)
+            if self.order is None:
+                self._finish_learning()
+            else:
+                for i in self.order[self._pos:]:
+                    self._launch(i)
             while self._inflight:
                 self._complete_oldest()
             self._wait_tag()
-            if self.order is None:
-                self.order = self._agree_on_order(self._completed)
         except BaseException as e:
             self.broken = self.broken or f"a round of gradient reductions failed on this rank: {e}"
             raise
@@ -229,14 +310,3 @@ class Rounds:
         self._reset()
         for r in self.reducers:
             r.end_round()
-
-    def _agree_on_order(self, completed: list[int]) -> list[int]:
-        """Rank 0's completion order (then the never-completed buckets), adopted by every rank."""
-        done = set(completed)
-        rest = [i for i in range(len(self.buckets)) if i not in done]
-        order = torch.tensor(completed + rest, dtype=torch.int64, device=self.reducers[0].flat.device)
-        self.comm.broadcast(order, src=0).wait()
-        agreed = [int(i) for i in order.tolist()]
-        for k, r in enumerate(self.reducers):
-            r.order = [b for kk, b in (self.buckets[i] for i in agreed) if kk == k]
-        return agreed

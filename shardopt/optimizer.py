@@ -343,6 +343,11 @@ class ShardedAdamW(torch.optim.Optimizer):
             raise RuntimeError(f"this ShardedAdamW is {self._closed}; use that one (or build a new one)")
 
     def __del__(self) -> None:
+        # Dropped with weight gathers in flight (a local of a function that returned right after
+        # step()): wait for them, or gloo aborts the process at exit with collectives still running.
+        with contextlib.suppress(Exception):
+            for pending in self.__dict__.get("_gathers", {}).values():
+                pending.wait()
         self._remove_hooks()  # left on the parameters, they would keep taking gradients
 
     def finish_param_gather(self) -> None:

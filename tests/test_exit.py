@@ -14,7 +14,7 @@ from launch import torchrun
 
 
 def test_a_script_ending_right_after_an_overlapped_step_exits_cleanly(tmp_path):
-    for run in range(3):  # it failed in 2 runs of 3
+    for run in range(4):  # it failed in half the runs
         out = tmp_path / str(run)
         results = torchrun("tests/test_exit.py", nproc=2, out_dir=str(out), timeout=120)
         assert [r["stepped"] for r in results] == [1, 1], results

@@ -24,6 +24,10 @@ def launch(out_dir: str, *args: str, nproc: int = 2) -> list[tuple[float, float]
            f"--out_dir={out_dir}", "--max_iters=12", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_KERNEL="reference")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    if proc.returncode != 0 and "--use_shardopt=False" in args and "terminate called without an active" in proc.stderr:
+        # The DDP reference (no shardopt in it) sometimes aborts in torch's own gloo teardown after
+        # it finished; its printed numbers are what the test compares, so run it once more.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [(float(a), float(b)) for a, b in re.findall(r"iter +\d+: loss ([0-9.]+), grad norm ([0-9.]+)", proc.stdout)]
 

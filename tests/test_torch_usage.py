@@ -894,3 +894,57 @@ def test_a_second_optimizer_over_the_same_parameters_takes_them_over(pools):
             assert worst <= 2e-6, (stage, worst)
             assert refused and refused[0] == "RuntimeError" and "superseded" in refused[1], refused
             assert real_grads, stage
+
+
+# -- activation checkpointing, reentrant or not ------------------------------------------------
+class Checkpointed(nn.Module):
+    """TinyNet's layers with the middle block recomputed in backward (torch.utils.checkpoint)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.net, self.reentrant = make_model(seed=6), reentrant
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        import torch.utils.checkpoint as ck
+
+        n = self.net
+        x = n.emb(idx)
+
+        def block(x: torch.Tensor) -> torch.Tensor:
+            return n.fc2(torch.relu(n.norm(n.fc1(x)))) * n.scalar
+
+        x = x + ck.checkpoint(block, x, use_reentrant=self.reentrant)
+        logits = n.head(x)
+        return nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), idx.roll(1, dims=-1).view(-1))
+
+
+class CheckpointedUntied(Checkpointed):
+    """As above with an untied head: the first gradient arrives outside the recomputed block."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__(reentrant)
+        self.net.head.weight = nn.Parameter(self.net.emb.weight.detach().clone())
+
+
+def checkpointed_case(stage: int, reentrant: bool, untied: bool) -> float:
+    rank = dist.get_rank()
+    kind = CheckpointedUntied if untied else Checkpointed
+    model, ref = kind(reentrant), kind(reentrant)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(3):
+        opt.zero_grad()
+        model(batch(rank, step)).backward()
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    return _worst(model, ref)
+
+
+def test_checkpointing_with_parameters_outside_the_recomputed_block(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for reentrant in (True, False):
+            for untied in (False, True):
+                for worst in pool.run(checkpointed_case, stage, reentrant, untied):
+                    assert worst < 1e-6, (stage, reentrant, untied, worst)
+

@@ -17,15 +17,16 @@ by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_r
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
 place. On gloo each reduction also receives every rank's copy of this rank's piece of the bucket
 (``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]); on NCCL the
-native collectives need no such buffer. With the shapes, the estimate replays the reducer: the
-first backward pass reduces the buckets in buffer order; later passes launch a bucket once it is
-complete and every bucket before it in the order learned in the first pass has been launched, and
-a stage-2 bucket's staging exists from its first gradient on. So a bucket whose first gradient
+native collectives need no such buffer. With the shapes, the estimate replays the reducer: every
+backward pass, the first included, launches a bucket once it is complete and every bucket that
+completed before it has been launched (the first pass follows rank 0's completions, later ones the
+order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists
+from its first gradient on. So a bucket whose first gradient
 arrives early and whose last arrives late stays alive across the pass: in GPT recipes, the bucket
 holding the biases and norms, which sit in their own param group at the front of the buffer.
 ``grad_order`` says in which order gradients become ready; the reverse of the model's
-registration order is close for most models. Without it, later passes are taken to match the
-first, and the peak may be up to one bucket's buffers higher (``buffers_slack``). A bucket holds
+registration order is close for most models. Without it, gradients are taken to arrive in buffer
+order, and the peak may be up to one bucket's buffers higher (``buffers_slack``). A bucket holds
 whole parameters up to ``bucket_cap_mb``; a larger parameter gets a bucket of its own. Without
 shapes, buckets are taken to be ``max(bucket cap, largest_param)`` and the worst rank to own
 whole buckets.
@@ -47,6 +48,7 @@ from typing import Sequence
 
 import torch
 
+from shardopt._buffer_model import replay_buffers
 from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
@@ -162,67 +164,6 @@ def _ring(world_size: int, nbytes: int, passes: int) -> int:
     return passes * (world_size - 1) * nbytes // world_size
 
 
-class _Buffers:
-    """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
-
-    def __init__(self, numels: Sequence[int], pieces: Sequence[int], *, stage: int, world_size: int, psize: int,
-                 gloo: bool) -> None:
-        self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
-        self.recv_bytes = [world_size * m * psize if gloo else 0 for m in pieces]  # pieces[b]: this rank's elements
-        self.staging: dict[int, int] = {}
-        self.inflight: list[int] = []
-        self.live = self.peak = 0
-
-    def _note(self) -> None:
-        self.peak = max(self.peak, sum(self.staging.values()) + self.live)
-
-    def fill(self, b: int) -> None:
-        """A gradient of bucket ``b`` arrives: its staging buffer exists from now on (stage 2)."""
-        if self.staging_bytes[b] and b not in self.staging:
-            self.staging[b] = self.staging_bytes[b]
-            self._note()
-
-    def launch(self, b: int) -> None:
-        self.fill(b)
-        self.live += self.recv_bytes[b]
-        self.inflight.append(b)
-        self._note()
-        while len(self.inflight) > MAX_INFLIGHT:
-            self.complete()
-
-    def complete(self) -> None:
-        done = self.inflight.pop(0)
-        self.live -= self.recv_bytes[done]
-        self.staging.pop(done, None)
-
-
-def _replay(numels: Sequence[int], pieces: Sequence[int], members: Sequence[Sequence[int]],
-            arrival: Sequence[int] | None, **kw: int | bool) -> tuple[int, int]:
-    """Peak bytes of communication buffers on one rank over the first backward pass (buckets reduced
-    in buffer order) and a later one (gradients arriving in ``arrival`` order, buffer indices;
-    buckets launched in the order they completed in the first), and the most one bucket holds."""
-    buf = _Buffers(numels, pieces, **kw)
-    for b in range(len(numels)):
-        buf.launch(b)
-    while buf.inflight:
-        buf.complete()
-    if arrival is not None:
-        bucket_of = {i: b for b, m in enumerate(members) for i in m}
-        position = {i: t for t, i in enumerate(arrival)}
-        order = sorted(range(len(numels)), key=lambda b: max((position[i] for i in members[b]), default=-1))
-        waiting, nxt = [len(m) for m in members], 0
-        for i in arrival:
-            buf.fill(bucket_of[i])
-            waiting[bucket_of[i]] -= 1
-            while nxt < len(order) and waiting[order[nxt]] == 0:
-                buf.launch(order[nxt])
-                nxt += 1
-        while buf.inflight:
-            buf.complete()
-    slack = max((s + r for s, r in zip(buf.staging_bytes, buf.recv_bytes)), default=0)
-    return buf.peak, slack
-
-
 def estimate_memory(
     num_params: float | int | None,
     world_size: int,
@@ -243,10 +184,10 @@ def estimate_memory(
     ``num_params`` counts trainable elements (``7e9`` is accepted); it may be ``None`` when
     ``param_shapes`` is given. ``param_shapes`` are the shapes of the trainable parameters in the
     order they are passed to ``ShardedAdamW``; with them padding and buckets are those the
-    optimizer builds and every category is exact, ``buffers`` for the first backward pass (see
-    [Note: buffers estimate]) on ``rank`` (default: the rank with the most) and, given
-    ``grad_order`` (indices into ``param_shapes`` in the order their gradients become ready in
-    backward, e.g. the reverse of registration order), for later passes too. ``largest_param``
+    optimizer builds and every category is exact, ``buffers`` (see [Note: buffers estimate]) on
+    ``rank`` (default: the rank with the most) given ``grad_order`` (indices into ``param_shapes``
+    in the order their gradients become ready in backward, e.g. the reverse of registration order);
+    without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
     ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs). Needs no process
     group; call it anywhere.
@@ -275,19 +216,14 @@ def estimate_memory(
             raise ValueError(f"num_params={num_params!r} disagrees with param_shapes, which hold "
                              f"{layout.param_numel} elements; pass one or make them agree")
         num_params, padded = layout.param_numel, layout.numel
-        numels = [b.global_range.size for b in layout.buckets]
-        pieces = [[r.size for r in layout.bucket_shard_ranges(b.index)] for b in layout.buckets]
-        members = [b.params for b in layout.buckets]
         last = len(layout.params) - 1
         if grad_order is not None and sorted(grad_order) != list(range(last + 1)):
             raise ValueError(f"grad_order must be a permutation of the {last + 1} indices of param_shapes, "
                              f"got {list(grad_order)[:8]}{'...' if len(grad_order) > 8 else ''}")
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
         ranks = [rank] if rank is not None else (range(world_size) if gloo else [0])
-        (buffers, slack), chosen = max(
-            (_replay(numels, [p[r] for p in pieces], members, arrival, stage=stage, world_size=world_size,
-                     psize=psize, gloo=gloo), r)
-            for r in ranks)
+        (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize), r)
+                                       for r in ranks)
     else:
         if num_params is None:
             raise ValueError("give num_params or param_shapes")
