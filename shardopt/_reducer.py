@@ -94,7 +94,12 @@ class GradReducer:
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
             self._piece_of = layout.local_ranges(comm.rank)  # this rank's part of each parameter in grad_shard
-        self.staging_peak_bytes = 0  # high-water mark of bucket staging (or the no_sync fp32 sum), bytes
+        self.staging_peak_bytes = 0  # high-water mark of staging, receive buffers and the no_sync fp32 sum, bytes
+        self.grad_peak_bytes = 0  # high-water mark of gradient bytes: storage plus .grad tensors held by autograd
+        self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
+        self.arrival: list[int] = []  # parameters in the order their gradients arrived in the first round
+        self._arrived = [False] * len(flat.params)
+        self._loose: dict[int, int] = {}  # .grad tensors kept across no_sync backward passes: bytes by parameter
         self._staging: dict[int, Tensor] = {}
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
@@ -241,14 +246,36 @@ class GradReducer:
                     "its bucket was reduced without it; use use_reentrant=False, or turn checkpointing on before the "
                     "first backward pass")
             self.used[index] = True
+            self._note_grad(index, param.grad, keep=not sync and self.accumulate_dtype is None)
             if not sync:
                 if self.accumulate_dtype is not None:
                     self._accumulate(index)
                 return
+            if self.rounds.order is None and not self._arrived[index]:
+                self._arrived[index] = True
+                self.arrival.append(index)
             self._take(index)
             self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
+
+    def _note_grad(self, index: int, grad: Tensor | None, keep: bool) -> None:
+        """The high-water mark of gradient bytes, with the ``.grad`` autograd just produced for
+        parameter ``index`` (held until taken, or across no_sync passes when ``keep``)."""
+        if type(grad) is GradPlaceholder:
+            grad = grad.pending
+        own = grad is None or (self.stage == 1 and grad.data_ptr() == self._view_ptr[index])
+        nbytes = 0 if own else grad.numel() * grad.element_size()
+        if keep and nbytes:
+            self._loose[index] = nbytes
+        loose = sum(self._loose.values()) if self._loose else 0
+        self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + (0 if index in self._loose else nbytes))
+
+    def reset_peaks(self) -> None:
+        """Restart the high-water marks from what is held now. Local."""
+        self.staging_peak_bytes = self._buffer_bytes()
+        self.grad_peak_bytes = self.grad_bytes + sum(self._loose.values())
+        self.accumulated = self.accum is not None
 
     def _accumulate(self, index: int) -> None:
         p = self.flat.params[index]
@@ -259,8 +286,8 @@ class GradReducer:
             return
         if self.accum is None:
             self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
-            held = self.accum.numel() * self.accum.element_size()
-            self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+            self.accumulated = True
+            self.note_buffers()
         self.flat.param_view(self.accum, index).add_(grad)
         if self.stage == 1 and grad.data_ptr() == self._view_ptr[index]:
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
@@ -278,6 +305,7 @@ class GradReducer:
         if self._seen[index]:
             return
         self._seen[index] = True
+        self._loose.pop(index, None)
         p = self.flat.params[index]
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError(f"parameter #{index} of shape {tuple(p.shape)} got a sparse gradient; ShardedAdamW "
@@ -312,10 +340,14 @@ class GradReducer:
             self.note_buffers()
         return self._staging[b]
 
-    def note_buffers(self) -> None:
-        """Track the high-water mark of staging plus the receive buffers of reductions in flight."""
+    def _buffer_bytes(self) -> int:
+        """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
-        self.staging_peak_bytes = max(self.staging_peak_bytes, held)
+        return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
+
+    def note_buffers(self) -> None:
+        """Track the high-water mark of communication buffers (see ``_buffer_bytes``)."""
+        self.staging_peak_bytes = max(self.staging_peak_bytes, self._buffer_bytes())
 
     def launch(self, b: int) -> tuple[Pending, Callable[[], None] | None]:
         """Stage bucket ``b`` and issue its reduction: (its handle, what to run once it landed)."""
@@ -384,6 +416,7 @@ class GradReducer:
         parameters then have no gradient (a step leaves them alone), else a zero one (a step still
         applies weight decay and momentum to those that had one), as with torch. Local."""
         self._placed = [False] * len(self._placed)
+        self._loose.clear()
         self.replaced = []
         if not set_to_none:
             for p in self.flat.params:  # a real .grad (16-bit accumulation aside) is zeroed in place

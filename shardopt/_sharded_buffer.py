@@ -16,7 +16,7 @@ from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
 from shardopt._reducer import GradReducer
-from shardopt._rounds import MAX_INFLIGHT
+from shardopt._buffer_model import replay_buffers
 from shardopt.kernels import make_scalars, select
 from shardopt.master import make_master
 from shardopt.memory import MemoryReport, predict_bytes
@@ -112,24 +112,22 @@ class ShardedBuffer:
         return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats,
                        comm=self.comm)
 
-    def _staging_buckets(self) -> int:
-        """Buckets' worth of communication buffers at the worst moment: MAX_INFLIGHT + 1 reductions in
-        flight, each with a receive buffer of up to world_size x this rank's piece (gloo's all-to-all;
-        none on NCCL), and in stage 2 their staging plus one bucket filling."""
-        in_flight = MAX_INFLIGHT + 1
-        recv = 0 if self.comm.backend == "nccl" else in_flight * self.comm.world_size
-        return recv if self.config.stage == 1 else recv + in_flight + 1
-
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        predicted = predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
+                                  param_dtype=self.dtype, master_weights=self.master.name)
+        # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
+        # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
+        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.rank, self.reducer.arrival or None,
+                                                 stage=self.config.stage, gloo=self.comm.backend != "nccl",
+                                                 psize=self.flat.data.element_size())
+        if self.reducer.accumulated:
+            predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
             exp_avg=nbytes(self.exp_avg), exp_avg_sq=nbytes(self.exp_avg_sq), extra=self.master.extra_bytes,
-            buffers=self.reducer.staging_peak_bytes,
-            predicted=predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
-                                    param_dtype=self.dtype, master_weights=self.master.name,
-                                    bucket_cap_bytes=self.config.bucket_cap_mb * 2**20,
-                                    staging_buckets=self._staging_buckets()),
+            buffers=self.reducer.staging_peak_bytes, grads_peak=self.reducer.grad_peak_bytes,
+            predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             stage=self.config.stage)

@@ -5,7 +5,10 @@ Categories (all in bytes, on one rank):
 stage 2: this rank's shard); ``master`` fp32 master shard (none for fp32 parameters, whose shard
 is its own master); ``exp_avg`` / ``exp_avg_sq`` fp32 Adam moments, sharded; ``extra`` other
 per-element state of the master-weight mode (e.g. remainders); ``buffers`` communication
-staging (high-water mark).
+buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumulation
+(high-water mark). ``peak`` holds each category's high-water mark since the optimizer was built
+or ``reset_peak_memory()``: ``grads`` there includes the ``.grad`` tensors autograd holds during
+backward until the optimizer takes them.
 """
 from __future__ import annotations
 
@@ -26,7 +29,9 @@ class MemoryReport:
     exp_avg_sq: int = 0
     extra: int = 0
     buffers: int = 0
+    grads_peak: int = 0  # high-water mark of gradient bytes, .grad tensors held during backward included
     predicted: dict[str, int] = field(default_factory=dict)
+    cuda_max_allocated: int | None = None  # torch.cuda.max_memory_allocated() on this rank's device, bytes
     num_params: int = 0  # trainable parameter elements (each shared tensor counted once)
     world_size: int = 1
     rank: int = 0
@@ -35,6 +40,16 @@ class MemoryReport:
     @property
     def total(self) -> int:
         return sum(getattr(self, c) for c in CATEGORIES)
+
+    @property
+    def peak(self) -> dict[str, int]:
+        """High-water mark per category, bytes (see the module docstring)."""
+        return {c: max(self.grads, self.grads_peak) if c == "grads" else getattr(self, c) for c in CATEGORIES}
+
+    @property
+    def peak_total(self) -> int:
+        """Sum of the categories' high-water marks: an upper bound of the peak of their total, bytes."""
+        return sum(self.peak.values())
 
     @property
     def predicted_total(self) -> int:
@@ -49,18 +64,25 @@ class MemoryReport:
         merged = {c: getattr(self, c) + getattr(other, c) for c in CATEGORIES}
         pred = {c: self.predicted.get(c, 0) + other.predicted.get(c, 0) for c in CATEGORIES}
         return MemoryReport(**merged, predicted=pred, num_params=self.num_params + other.num_params,
-                            world_size=self.world_size, rank=self.rank, stage=self.stage)
+                            grads_peak=max(self.grads, self.grads_peak) + max(other.grads, other.grads_peak),
+                            world_size=self.world_size, rank=self.rank, stage=self.stage,
+                            cuda_max_allocated=self.cuda_max_allocated)
 
     def __str__(self) -> str:
         per = max(self.num_params, 1)
+        peak = self.peak
         rows = [f"memory on rank {self.rank} of {self.world_size} (stage {self.stage}, "
                 f"{self.num_params:,} parameters)",
-                f"| {'category':<10} | {'measured':>14} | {'predicted':>14} | {'B/param':>7} |",
-                f"|{'-' * 12}|{'-' * 16}|{'-' * 16}|{'-' * 9}|"]
+                f"| {'category':<10} | {'now':>14} | {'peak':>14} | {'predicted':>14} | {'B/param':>7} |",
+                f"|{'-' * 12}|{'-' * 16}|{'-' * 16}|{'-' * 16}|{'-' * 9}|"]
         for c in CATEGORIES + ("total",):
             m = self.total if c == "total" else getattr(self, c)
+            top = self.peak_total if c == "total" else peak[c]
             p = self.predicted_total if c == "total" else self.predicted.get(c, 0)
-            rows.append(f"| {c:<10} | {m:>14,} | {p:>14,} | {m / per:>7.3f} |")
+            rows.append(f"| {c:<10} | {m:>14,} | {top:>14,} | {p:>14,} | {m / per:>7.3f} |")
+        rows.append("(buffers: high-water mark; peak: since the optimizer was built or reset_peak_memory())")
+        if self.cuda_max_allocated is not None:
+            rows.append(f"torch.cuda.max_memory_allocated(): {self.cuda_max_allocated:,} bytes (activations included)")
         return "\n".join(rows)
 
 def predict_bytes(

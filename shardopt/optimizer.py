@@ -414,11 +414,19 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured and predicted. Local; no communication."""
-        reports = [b.memory_report() for b in self._buffers]
-        total = reports[0]
-        for r in reports[1:]:
-            total = total + r
+        total = sum((b.memory_report() for b in self._buffers[1:]), self._buffers[0].memory_report())
+        if total.stage and self._buffers[0].flat.device.type == "cuda":
+            total = dataclasses.replace(total, cuda_max_allocated=torch.cuda.max_memory_allocated(
+                self._buffers[0].flat.device))
         return total
+
+    def reset_peak_memory(self) -> None:
+        """Restart the high-water marks of ``memory_report()`` (``peak``, ``buffers``) from what is
+        held now; also ``torch.cuda.reset_peak_memory_stats()`` on CUDA. Local."""
+        for b in self._buffers:
+            b.reducer.reset_peaks()
+        if self._buffers[0].flat.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)
 
     # -- state -----------------------------------------------------------------------------
     def consolidate_state_dict(self, to: int = 0) -> None:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
+
+from launch import run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -17,7 +18,7 @@ def run_example(*args: str, nproc: int = 2, timeout: int = 240) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            os.path.join(ROOT, "examples", "train_gpt.py"), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = run_launcher(cmd, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -56,7 +57,7 @@ def _run_script(script: str, *args: str, timeout: int = 240) -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            os.path.join(ROOT, "examples", script), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_KERNEL="reference")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    proc = run_launcher(cmd, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 

@@ -13,13 +13,12 @@ Two launches: ``main`` at 2 ranks (every run, about 10 s), ``resume1`` at 1 rank
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from launch import ROOT, torchrun
+from launch import ROOT, run_launcher, torchrun
 
 WORKER = "tests/frameworks/lightning_worker.py"
 CLIP = 0.5
@@ -164,7 +163,7 @@ def test_example_under_lightnings_own_launcher():
     """``python examples/lightning_gpt.py --devices 2``: Lightning starts the second process itself."""
     cmd = [sys.executable, os.path.join(ROOT, "examples", "lightning_gpt.py"), "--devices", "2", "--steps", "20"]
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env, cwd=ROOT)
+    proc = run_launcher(cmd, timeout=180, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     losses = [float(line.split("| loss ")[1].split()[0]) for line in proc.stdout.splitlines() if "| loss " in line]
     assert len(losses) == 2 and losses[-1] < losses[0] - 0.5, proc.stdout

@@ -11,8 +11,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
 import sys
+
+from launch import run_launcher
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "nanogpt_train.py")
@@ -23,11 +24,7 @@ def launch(out_dir: str, *args: str, nproc: int = 2) -> list[tuple[float, float]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", SCRIPT,
            f"--out_dir={out_dir}", "--max_iters=12", *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_KERNEL="reference")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
-    if proc.returncode != 0 and "--use_shardopt=False" in args and "terminate called without an active" in proc.stderr:
-        # The DDP reference (no shardopt in it) sometimes aborts in torch's own gloo teardown after
-        # it finished; its printed numbers are what the test compares, so run it once more.
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    proc = run_launcher(cmd, timeout=240, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [(float(a), float(b)) for a, b in re.findall(r"iter +\d+: loss ([0-9.]+), grad norm ([0-9.]+)", proc.stdout)]
 
