@@ -15,6 +15,9 @@ we sum ``nbytes`` of the local parameter, gradient and optimizer-state tensors. 
 peers are not visible from outside and are left blank, except DDP's, which are the gradients
 (``gradient_as_bucket_view=True``). Also: peak RSS (VmHWM, reset before each configuration) and
 RSS before it (psutil), and on CUDA ``torch.cuda.max_memory_allocated``/``reserved`` per phase.
+On CPU the peak of each of the first 3 steps is counted without trusting any library: every live
+tensor and ``.grad`` (``benchmarks/live_tensors.py``), sampled from a gradient hook on every
+parameter and after each step.
 On CPU the ranks use shardopt's reference update kernel unless SHARDOPT_KERNEL says otherwise. A
 first, discarded run of the first configuration warms each process up.
 
@@ -46,8 +49,10 @@ import torch.distributed as dist
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from live_tensors import live_bytes  # noqa: E402
 from shardopt.estimate import estimate_memory  # noqa: E402
 
 CATS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
@@ -230,10 +235,18 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
                 phases[f"cuda {label} allocated"] = torch.cuda.max_memory_allocated()
                 phases[f"cuda {label} reserved"] = torch.cuda.max_memory_reserved()
 
+    walk = not cuda  # on CPU: count live tensors from gradient hooks during the first 3 steps
+    base = live_bytes() if walk else 0
     phase("build", True)
     run = build(name, args, device, n)
     model, predicted = run["model"], run["predicted"]
     phase("build", False)
+    walked = [0]  # per step: the most live tensor bytes seen, over what was live before the build
+
+    def sample(*_: object) -> None:
+        walked[-1] = max(walked[-1], live_bytes() - base)
+
+    hooks = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad] if walk else []
     g = torch.Generator().manual_seed(1000 + rank)
     times, opt_times, losses = [], [], []
     for i in range(args.warmup + args.steps):
@@ -250,6 +263,14 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
         run["step"]()
         phase("step", False)
         t2 = time.perf_counter()
+        if hooks:
+            sample()
+            if len(walked) == 3:
+                for h in hooks:
+                    h.remove()
+                hooks = []
+            else:
+                walked.append(0)
         if i == args.warmup + args.steps - 1:
             measured = run["cats"]()  # after step(), before zero_grad(): everything is allocated
         run["zero_grad"]()
@@ -261,6 +282,8 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
            **{f"measured {c}": measured.get(c) for c in CATS}, "rss before MiB": rss_before / 2**20,
            "peak rss MiB": peak / 2**20, "step ms": 1e3 * statistics.median(times),
            "optimizer step ms": 1e3 * statistics.median(opt_times), "initial loss": losses[0], **phases}
+    if walk:
+        out["walk peak step 1"], out["walk peak steps 2-3"] = walked[0], max(walked[1:] or [0])
     if predicted and "total_states" in predicted:
         out["predicted states"] = predicted["total_states"]
     elif predicted:
@@ -380,6 +403,16 @@ def tables(rows: list[dict], skipped: dict, args: argparse.Namespace) -> str:
                "the reference update kernel, shardopt's includes the kernel's shard-sized fp32 temporaries, which "
                "the fused kernel does not allocate.\n\n"
                + md(["configuration"] + [f"N = {n}" for n in ns], body))
+    if "walk peak step 1" in rows[0]:
+        top_walk = lambda c, n, k: max(r[k] for r in rows if r["config"] == c and r["world_size"] == n)  # noqa: E731
+        body = [[c] + [f"{top_walk(c, n, 'walk peak step 1') / 2**20:,.2f} / {top_walk(c, n, 'walk peak steps 2-3') / 2**20:,.2f}"
+                       if (c, n) in worst else "" for n in ns] for c in configs]
+        out.append("## Peak per rank over the first 3 steps, MiB: step 1 / steps 2-3 (largest rank)\n\nEvery tensor "
+                   "reachable from Python and every `.grad`, counted from a gradient hook after each parameter's "
+                   "gradient arrives and after each step (`benchmarks/live_tensors.py`), minus what was live before "
+                   "the configuration was built: weights, gradients, optimizer state and buffers as each library holds "
+                   "them, plus the batch; activations held only by autograd are not counted.\n\n"
+                   + md(["configuration"] + [f"N = {n}" for n in ns], body))
     cuda_keys = [k for k in rows[0] if k.startswith("cuda ")]
     if cuda_keys:
         body = [[c, str(n)] + [mib(worst[(c, n)].get(k)) for k in cuda_keys] + [f"{worst[(c, n)]['step ms']:.1f}",

@@ -9,6 +9,8 @@ optimizer's, so it sees each gradient as the optimizer leaves it.
 from __future__ import annotations
 
 import gc
+import os
+import sys
 
 import pytest
 import torch
@@ -16,6 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 import shardopt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+from live_tensors import live_bytes  # noqa: E402  (the same count as benchmarks/bench_memory.py)
 
 BUCKET_MB = 0.02  # about one 96 x 96 bf16 weight per bucket
 _GROUPS: dict[int, object] = {}
@@ -26,26 +31,6 @@ def _group(world_size: int) -> object:
     if world_size not in _GROUPS:
         _GROUPS[world_size] = dist.new_group(list(range(world_size)))
     return _GROUPS[world_size]
-
-
-def live_bytes() -> int:
-    """Bytes of every distinct storage reachable from Python: tensors and their ``.grad``."""
-    seen, total = set(), 0
-    for o in gc.get_objects():
-        if not isinstance(o, torch.Tensor):
-            continue
-        for t in (o, o.grad if o.is_leaf else None):
-            if t is None or t.device.type == "meta":
-                continue
-            try:
-                s = t.untyped_storage()
-                ptr, nbytes = s.data_ptr(), s.nbytes()
-            except RuntimeError:  # no data (e.g. a tensor subclass standing in for a gradient)
-                continue
-            if nbytes and ptr not in seen:
-                seen.add(ptr)
-                total += nbytes
-    return total
 
 
 class Stack(nn.Module):
