@@ -411,7 +411,9 @@ def tables(rows: list[dict], skipped: dict, args: argparse.Namespace) -> str:
                    "reachable from Python and every `.grad`, counted from a gradient hook after each parameter's "
                    "gradient arrives and after each step (`benchmarks/live_tensors.py`), minus what was live before "
                    "the configuration was built: weights, gradients, optimizer state and buffers as each library holds "
-                   "them, plus the batch; activations held only by autograd are not counted.\n\n"
+                   "them, plus the batch; activations held only by autograd are not counted. On CPU the example GPT "
+                   "computes in fp32, so the 16-bit configurations also hold the fp32 copies of the weights that "
+                   "forward casts and saves for backward (up to 4 B/param).\n\n"
                    + md(["configuration"] + [f"N = {n}" for n in ns], body))
     cuda_keys = [k for k in rows[0] if k.startswith("cuda ")]
     if cuda_keys:
