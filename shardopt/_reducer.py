@@ -254,10 +254,33 @@ class GradReducer:
             if self.rounds.order is None and not self._arrived[index]:
                 self._arrived[index] = True
                 self.arrival.append(index)
+            if self._seen[index]:  # a second gradient in one round: used inside and outside a reentrant checkpoint
+                self._late(index, param)
+                return
             self._take(index)
             self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
+
+    def _late(self, index: int, param: Tensor) -> None:
+        """Parameter ``index`` got a second gradient in this round (autograd accumulated it twice, in
+        an outer and a nested backward pass). Folded into its bucket if that is not reduced yet;
+        otherwise it cannot be reduced any more: raise rather than drop it. Local."""
+        b = self._bucket_of[index]
+        if not self.rounds.launched(self._k, b):
+            grad = param.grad
+            if type(grad) is GradPlaceholder:
+                grad, param.grad.pending = grad.pending, None
+            if self.stage == 2 and grad is not None:
+                span = self.flat.layout.params[index].global_range
+                start = span.start - self.flat.layout.buckets[b].global_range.start
+                self._staging_for(b)[start:start + span.size].add_(grad.reshape(-1))
+                param.grad = None
+            return  # stage 1: autograd added it to the parameter's view of the flat gradient in place
+        raise RuntimeError(
+            f"parameter {index} of shape {tuple(param.shape)} got a second gradient in one backward pass (it is used "
+            "both inside and outside a torch.utils.checkpoint with use_reentrant=True) after its bucket was reduced; "
+            "use use_reentrant=False")
 
     def _note_grad(self, index: int, grad: Tensor | None, keep: bool) -> None:
         """The high-water mark of gradient bytes, with the ``.grad`` autograd just produced for

@@ -115,6 +115,7 @@ class Rounds:
         self._next: int | None = None  # ranks but 0: announced, not yet complete here
         self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
+        self._launched: set[int] = set()  # buckets reduced (or being reduced) in this round
         self._tag_pending: Pending | None = None
         self._tag_lost = False
         self._tag_sum: torch.Tensor | None = None
@@ -261,7 +262,12 @@ class Rounds:
             self._launch(order[self._pos])
             self._pos += 1
 
+    def launched(self, k: int, b: int) -> bool:
+        """Bucket ``b`` of reducer ``k`` was launched in this round."""
+        return self._index[(k, b)] in self._launched
+
     def _launch(self, i: int) -> None:
+        self._launched.add(i)
         k, b = self.buckets[i]
         pending, after = self.reducers[k].launch(b)
         self._inflight.append((pending, after, i))
