@@ -43,7 +43,11 @@ others' step with its next round's tag; a rank that lost a round among several m
 tags: either way every rank sees the difference and raises, within the round, and the optimizer
 refuses every later call with the same message. A backward that raised on every rank alike is
 no error: the ranks still agree. A backward pass nested in another (``torch.utils.checkpoint``
-with ``use_reentrant=True``) runs while the open round's callback is alive: it joins that round.
+with ``use_reentrant=True``) that starts while the outer pass's round is open joins that round;
+one whose hooks come first opens a round of its own, which ends with it: correct, but each such
+segment then reduces every bucket once more (``use_reentrant=False`` avoids it). A parameter that
+gets a second gradient in one round (used inside and outside such a checkpoint) counts once; see
+``_reducer`` for that second gradient.
 """
 from __future__ import annotations
 
