@@ -272,9 +272,7 @@ class GradReducer:
             if type(grad) is GradPlaceholder:
                 grad, param.grad.pending = grad.pending, None
             if self.stage == 2 and grad is not None:
-                span = self.flat.layout.params[index].global_range
-                start = span.start - self.flat.layout.buckets[b].global_range.start
-                self._staging_for(b)[start:start + span.size].add_(grad.reshape(-1))
+                self._staged(index).add_(grad.reshape(-1))
                 param.grad = None
             return  # stage 1: autograd added it to the parameter's view of the flat gradient in place
         raise RuntimeError(
@@ -346,15 +344,19 @@ class GradReducer:
         if self.stage == 1:
             self._into_view(index, grad)
         elif grad is not None:
-            b = self._bucket_of[index]
-            span = self.flat.layout.params[index].global_range
-            start = span.start - self.flat.layout.buckets[b].global_range.start
             try:
-                self._staging_for(b)[start:start + span.size].copy_(grad.reshape(-1))
+                self._staged(index).copy_(grad.reshape(-1))
             except RuntimeError:
                 pass  # converted after construction: reported at step() on every rank (see _into_view)
             if p.grad is grad:
                 p.grad = None
+
+    def _staged(self, index: int) -> Tensor:
+        """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
+        b = self._bucket_of[index]
+        span = self.flat.layout.params[index].global_range
+        start = span.start - self.flat.layout.buckets[b].global_range.start
+        return self._staging_for(b)[start:start + span.size]
 
     def _staging_for(self, b: int) -> Tensor:
         if b not in self._staging:
