@@ -143,6 +143,18 @@ class GradReducer:
                 out.append(self._bucket_of[i])
         return out
 
+    def unreached_missing(self, b: int) -> bool:
+        """In the first round, for a bucket announced by rank 0 that lacks gradients here: whether
+        this backward pass will reach none of its missing parameters. If so they count as reduced
+        without a gradient (as ``unreached`` does from the second round on). Local."""
+        missing = [i for i in self.flat.layout.buckets[b].params if not self._seen[i]]
+        will_run = torch._C._will_engine_execute_node
+        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
+            return False
+        for i in missing:
+            self._absent[i] = True
+        return True
+
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
         if self.backward_scaled:

@@ -18,7 +18,11 @@ completes it, as soon as every bucket before it in that order has been launched.
 round on, a parameter that this backward pass will not reach on this rank
 (``torch._C._will_engine_execute_node`` of its gradient accumulator, asked when the round opens)
 counts as ready at once, so a parameter unused on one rank (a branch, an expert) holds back
-nothing there. Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
+nothing there. In the learning round the same question is asked only on a rank whose graph
+visibly differs from rank 0's: the announced bucket lacks gradients here while a later one is
+complete (with the same graph, buckets complete in the same order everywhere, and a parameter
+the outer pass does not show may still come from a nested one). A parameter unused on rank 0
+alone holds its own bucket on the other ranks until the learning round ends. Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
 ``use_reentrant=True``): the outer pass does not show the parameters of the inner one. A bucket still missing a gradient is launched when backward ends, by a callback
 queued on the autograd engine, which then waits for every reduction of that backward (in the
 learning round, rank 0 announces such buckets then, in index order). Each backward pass is thus one *round*
@@ -240,11 +244,22 @@ class Rounds:
                 self._announced.append(self._next)
             i = self._next
             if not block and self._ready[i] < self._size[i]:
-                return
+                if not (self._held and self._unreached(i)):
+                    return
             self._next = None
             self._held.discard(i)
             self._launch(i)
             self._listen()
+
+    def _unreached(self, i: int) -> bool:
+        """Ranks but 0, learning round: bucket ``i`` is announced and lacks gradients here while a
+        later one is complete, so this rank's graph differs from rank 0's. True (and ``i`` counted
+        complete) when this backward pass will reach none of the missing parameters."""
+        k, b = self.buckets[i]
+        if not self.reducers[k].unreached_missing(b):
+            return False
+        self._ready[i] = self._size[i]
+        return True
 
     def _finish_learning(self) -> None:
         if self.comm.rank == 0:
