@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shardopt._layout import FlatLayout
+from shardopt._layout import FlatLayout, Range, receive_chunks
 from shardopt._rounds import MAX_INFLIGHT
 
 
@@ -16,20 +16,26 @@ def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None,
     arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the end),
     the most bytes one bucket adds). ``psize``: bytes per gradient element."""
     numels = [b.global_range.size for b in layout.buckets]
-    pieces = [layout.bucket_shard_ranges(b.index)[rank].size for b in layout.buckets]
+    receives = []  # per bucket, the elements each of its collectives receives on this rank
+    for b in layout.buckets:
+        if not gloo:
+            receives.append([0])  # NCCL's reduce-scatter writes into the gradient shard
+            continue
+        pieces = [r.relative_to(b.global_range.start) if r.size else Range(0, 0)
+                  for r in layout.bucket_shard_ranges(b.index)]
+        receives.append([layout.world_size * c[rank].size for c in receive_chunks(pieces)] or [0])
     members = [b.params for b in layout.buckets]
-    return _replay(numels, pieces, members, arrival, stage=stage, world_size=layout.world_size, psize=psize, gloo=gloo)
+    return _replay(numels, receives, members, arrival, stage=stage, psize=psize)
 
 
 class _Buffers:
     """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
 
-    def __init__(self, numels: Sequence[int], pieces: Sequence[int], *, stage: int, world_size: int, psize: int,
-                 gloo: bool) -> None:
+    def __init__(self, numels: Sequence[int], receives: Sequence[Sequence[int]], *, stage: int, psize: int) -> None:
         self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
-        self.recv_bytes = [world_size * m * psize if gloo else 0 for m in pieces]  # pieces[b]: this rank's elements
+        self.recv_bytes = [[m * psize for m in r] for r in receives]  # per bucket, per collective
         self.staging: dict[int, int] = {}
-        self.inflight: list[int] = []
+        self.inflight: list[tuple[int, int, bool]] = []  # (bucket, receive bytes, its last collective)
         self.live = self.peak = 0
 
     def _note(self) -> None:
@@ -43,25 +49,27 @@ class _Buffers:
 
     def launch(self, b: int) -> None:
         self.fill(b)
-        self.live += self.recv_bytes[b]
-        self.inflight.append(b)
-        self._note()
-        while len(self.inflight) > MAX_INFLIGHT:
-            self.complete()
+        for j, nbytes in enumerate(self.recv_bytes[b]):
+            self.live += nbytes
+            self.inflight.append((b, nbytes, j == len(self.recv_bytes[b]) - 1))
+            self._note()
+            while len(self.inflight) > MAX_INFLIGHT:
+                self.complete()
 
     def complete(self) -> None:
-        done = self.inflight.pop(0)
-        self.live -= self.recv_bytes[done]
-        self.staging.pop(done, None)
+        b, nbytes, last = self.inflight.pop(0)
+        self.live -= nbytes
+        if last:
+            self.staging.pop(b, None)
 
 
-def _replay(numels: Sequence[int], pieces: Sequence[int], members: Sequence[Sequence[int]],
-            arrival: Sequence[int] | None, **kw: int | bool) -> tuple[int, int]:
+def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], members: Sequence[Sequence[int]],
+            arrival: Sequence[int] | None, **kw: int) -> tuple[int, int]:
     """Peak bytes of communication buffers on one rank over a backward pass whose gradients arrive
     in ``arrival`` order (buffer indices; None: buffer order), each bucket launched once it is
     complete and every bucket that completed before it has been launched (the first pass follows
     rank 0's completions, later passes the order they learned), and the most one bucket holds."""
-    buf = _Buffers(numels, pieces, **kw)
+    buf = _Buffers(numels, receives, **kw)
     bucket_of = {i: b for b, m in enumerate(members) for i in m}
     waiting = [len(m) for m in members]
     for i in dict.fromkeys(arrival if arrival is not None else sorted(bucket_of)):  # a repeat counts once
@@ -75,5 +83,5 @@ def _replay(numels: Sequence[int], pieces: Sequence[int], members: Sequence[Sequ
             buf.launch(b)
     while buf.inflight:
         buf.complete()
-    slack = max((s + r for s, r in zip(buf.staging_bytes, buf.recv_bytes)), default=0)
+    slack = max((s + max(r) for s, r in zip(buf.staging_bytes, buf.recv_bytes)), default=0)
     return buf.peak, slack

@@ -16,8 +16,9 @@ treated as one tensor, which undercounts by less than 8 elements per parameter t
 by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_rounds``). Stage 2
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
 place. On gloo each reduction also receives every rank's copy of this rank's piece of the bucket
-(``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]); on NCCL the
-native collectives need no such buffer. With the shapes, the estimate replays the reducer: every
+(``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]), cut into
+collectives that receive at most about one bucket each (``_layout.receive_chunks``), whatever the
+world size; on NCCL the native collectives need no such buffer. With the shapes, the estimate replays the reducer: every
 backward pass, the first included, launches a bucket once it is complete and every bucket that
 completed before it has been launched (the first pass follows rank 0's completions, later ones the
 order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists
@@ -234,8 +235,11 @@ def estimate_memory(
         bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
         window = min(whole, (MAX_INFLIGHT + 1) * bucket)
         staging = window if stage == 2 else 0
-        recv = min(whole, world_size * window) if gloo else 0  # a rank owning the window's buckets whole
-        buffers, slack = staging + recv, (bucket if stage == 2 else 0) + (min(whole, world_size * bucket) if gloo else 0)
+        # gloo: each collective in flight receives at most world_size x ceil(bucket / world_size) elements
+        # (_layout.receive_chunks cuts a bucket that one rank owns most of)
+        per_collective = world_size * -(-(bucket // psize) // world_size) * psize
+        recv = min(whole, MAX_INFLIGHT * per_collective) if gloo else 0
+        buffers, slack = staging + recv, (bucket if stage == 2 else 0) + (min(whole, per_collective) if gloo else 0)
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
