@@ -101,6 +101,7 @@ class GradReducer:
         self._arrived = [False] * len(flat.params)
         self._loose: dict[int, int] = {}  # .grad tensors kept across no_sync backward passes: bytes by parameter
         self._staging: dict[int, Tensor] = {}
+        self._pending = 0  # bytes of the .grad autograd just produced, until taken
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self._seen = [False] * n  # gradient taken into the buffer being reduced in this round
@@ -302,7 +303,10 @@ class GradReducer:
         if keep and nbytes:
             self._loose[index] = nbytes
         loose = sum(self._loose.values()) if self._loose else 0
-        self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + (0 if index in self._loose else nbytes))
+        self._pending = 0 if index in self._loose else nbytes
+        self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
+        if self.rounds is not None:
+            self.rounds.note_held()
 
     def reset_peaks(self) -> None:
         """Restart the high-water marks from what is held now. Local."""
@@ -311,6 +315,7 @@ class GradReducer:
         self.accumulated = self.accum is not None
 
     def _accumulate(self, index: int) -> None:
+        self._pending = 0
         p = self.flat.params[index]
         grad = p.grad
         if type(grad) is GradPlaceholder:  # autograd added to a gradient held in the shard: keep it there
@@ -338,6 +343,7 @@ class GradReducer:
         if self._seen[index]:
             return
         self._seen[index] = True
+        self._pending = 0
         self._loose.pop(index, None)
         p = self.flat.params[index]
         if p.grad is not None and p.grad.is_sparse:
@@ -385,18 +391,27 @@ class GradReducer:
     def note_buffers(self) -> None:
         """Track the high-water mark of communication buffers (see ``_buffer_bytes``)."""
         self.staging_peak_bytes = max(self.staging_peak_bytes, self._buffer_bytes())
+        if self.rounds is not None:
+            self.rounds.note_held()
 
-    def launch(self, b: int) -> tuple[Pending, Callable[[], None] | None]:
-        """Stage bucket ``b`` and issue its reduction: (its handle, what to run once it landed)."""
+    def held_bytes(self) -> int:
+        """Gradient bytes (storage, ``.grad`` tensors autograd holds until taken) plus communication
+        buffers held now. Local."""
+        loose = sum(self._loose.values()) if self._loose else 0
+        return self.grad_bytes + loose + self._pending + self._buffer_bytes()
+
+    def launch(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
+        """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
+        called in order on every rank; what to run once the last landed)."""
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             view = self.flat_grad[bucket.as_slice()]
-            return self.comm.all_reduce_avg(view, self._pieces[b], self.reduce_dtype), None
+            return self.comm.all_reduce_parts(view, self._pieces[b], self.reduce_dtype), None
         return self._launch_reduce_scatter(b)
 
-    def _launch_reduce_scatter(self, b: int) -> tuple[Pending, Callable[[], None] | None]:
+    def _launch_reduce_scatter(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         staging = self._staging_for(b)
         local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
         dest = self.grad_shard[local.as_slice()]
@@ -405,7 +420,7 @@ class GradReducer:
         else:
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
             after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
-        return self.comm.reduce_scatter_avg(out, staging, self._pieces[b]), after
+        return self.comm.reduce_scatter_parts(out, staging, self._pieces[b]), after
 
     def landed(self, b: int) -> None:
         """Bucket ``b``'s reduction arrived: its staging goes."""

@@ -110,6 +110,7 @@ class Rounds:
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
         self.nested = False  # the hook running now is in a backward pass nested in that one
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
+        self.held_peak = 0  # high-water mark of the reducers' held_bytes() at one moment, summed, bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -118,11 +119,13 @@ class Rounds:
         # Learning round: buckets announced so far (rank 0's completion order), the announcement
         # in flight (ranks but 0), buckets complete on rank 0 and not yet announced.
         self._announced: list[int] = []
+        self._absent_on_0: set[int] = set()  # announced at the end: never complete on rank 0
+        self._done_at: dict[int, int] = {}  # bucket -> how many buckets were complete here before it
         self._announcing: list[tuple[Pending, torch.Tensor]] = []  # rank 0's broadcasts in flight
         self._listening: tuple[Pending, torch.Tensor] | None = None  # ranks but 0: the next announcement
         self._next: int | None = None  # ranks but 0: announced, not yet complete here
         self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
-        self._inflight: list[tuple[Pending, Callable[[], None] | None, int]] = []  # oldest first
+        self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
         self._launched: set[int] = set()  # buckets reduced (or being reduced) in this round
         self._tag_pending: Pending | None = None
         self._tag_lost = False
@@ -174,6 +177,13 @@ class Rounds:
     def stepped(self) -> None:
         self.lost_round = False
 
+    def note_held(self) -> None:
+        """Track the most gradient and buffer bytes held at one moment over every flat buffer."""
+        self.held_peak = max(self.held_peak, sum(r.held_bytes() for r in self.reducers))
+
+    def reset_held(self) -> None:
+        self.held_peak = sum(r.held_bytes() for r in self.reducers)
+
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True) -> None:
         self.callback = None
@@ -198,6 +208,8 @@ class Rounds:
     def _count(self, i: int) -> None:
         """One more parameter of bucket ``i`` is in; launch (or announce) what is ready."""
         self._ready[i] += 1
+        if self.order is None and self._ready[i] == self._size[i]:
+            self._done_at[i] = len(self._done_at)
         if self.order is not None:
             self._launch_ready()
         elif self._ready[i] == self._size[i] and self.comm.rank == 0:
@@ -212,11 +224,14 @@ class Rounds:
         self._count(self._index[(k, b)])
 
     # -- the learning round -----------------------------------------------------------------
-    def _announce(self, i: int) -> None:
-        """Rank 0: bucket ``i`` is next; tell the others, then reduce it."""
+    def _announce(self, i: int, absent: bool = False) -> None:
+        """Rank 0: bucket ``i`` is next (``absent``: it never completed here); tell the others, then
+        reduce it."""
         self._announced.append(i)
+        if absent:
+            self._absent_on_0.add(i)
         if self.comm.world_size > 1:
-            t = torch.tensor([i], dtype=torch.int64).to(self._device)
+            t = torch.tensor([i + len(self.buckets) * absent], dtype=torch.int64).to(self._device)
             self._announcing.append((self.comm.broadcast(t, src=0), t))
         self._launch(i)
 
@@ -240,7 +255,10 @@ class Rounds:
                 if not block and not self._held and not pending.arrived():
                     return
                 pending.wait()
-                self._next = int(t.item())
+                value = int(t.item())
+                self._next = value % len(self.buckets)
+                if value >= len(self.buckets):
+                    self._absent_on_0.add(self._next)
                 self._announced.append(self._next)
             i = self._next
             if not block and self._ready[i] < self._size[i]:
@@ -266,14 +284,39 @@ class Rounds:
             done = set(self._announced)
             for i in range(len(self.buckets)):
                 if i not in done:
-                    self._announce(i)  # never complete on rank 0 (a parameter without a gradient)
+                    self._announce(i, absent=True)  # a parameter without a gradient on rank 0
         else:
             self._follow(block=True)
         for pending, _ in self._announcing:
             pending.wait()
-        self.order = list(self._announced)
+        self.order = self._learned_order()
         for k, r in enumerate(self.reducers):
             r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
+
+    def _learned_order(self) -> list[int]:
+        """The launch order of later rounds: the announced one, except that a bucket rank 0 never
+        completed (announced at the end) goes where it completed on the other ranks, found with one
+        small all-reduce (every rank knows whether there is such a bucket). Placed at the end, it
+        would hold its gradients on those ranks until backward ends, in every round."""
+        if not self._absent_on_0 or self.comm.world_size == 1:
+            return list(self._announced)
+        n = len(self.buckets)
+        at = torch.full((n,), float(n + 1), dtype=torch.float64)
+        if self.comm.rank == 0:
+            for pos, i in enumerate(b for b in self._announced if b not in self._absent_on_0):
+                at[i] = pos  # its place in rank 0's order
+        else:  # between the buckets of rank 0's order that completed before and after it here
+            done = sorted(self._done_at, key=self._done_at.__getitem__)
+            before = 0
+            for seq, i in enumerate(done):
+                if i in self._absent_on_0:
+                    at[i] = before - 1 + (seq + 1) / (n + 1)
+                else:
+                    before += 1
+        at = at.to(self._device)
+        self.comm.all_reduce_min(at).wait()
+        place = at.cpu().tolist()
+        return sorted(self._announced, key=lambda i: (place[i], i))
 
     def _launch_ready(self) -> None:
         order, ready, size = self.order, self._ready, self._size
@@ -288,11 +331,13 @@ class Rounds:
     def _launch(self, i: int) -> None:
         self._launched.add(i)
         k, b = self.buckets[i]
-        pending, after = self.reducers[k].launch(b)
-        self._inflight.append((pending, after, i))
-        self.reducers[k].note_buffers()
-        while len(self._inflight) > MAX_INFLIGHT:  # bounds staging: at most MAX_INFLIGHT buckets on the network
-            self._complete_oldest()
+        parts, after = self.reducers[k].launch(b)
+        for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
+            last = j == len(parts) - 1
+            self._inflight.append((issue(), after if last else None, i if last else None))
+            self.reducers[k].note_buffers()
+            while len(self._inflight) > MAX_INFLIGHT:  # at most MAX_INFLIGHT collectives on the network
+                self._complete_oldest()
 
     def _wait_tag(self) -> None:
         if self._tag_pending is None:
@@ -312,8 +357,9 @@ class Rounds:
         pending.wait()
         if after is not None:
             after()
-        k, b = self.buckets[i]
-        self.reducers[k].landed(b)
+        if i is not None:  # the bucket's last collective
+            k, b = self.buckets[i]
+            self.reducers[k].landed(b)
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs

@@ -30,6 +30,7 @@ class MemoryReport:
     extra: int = 0
     buffers: int = 0
     grads_peak: int = 0  # high-water mark of gradient bytes, .grad tensors held during backward included
+    held_peak: int = 0  # high-water mark of gradient plus buffer bytes held at one moment; 0: not tracked
     predicted: dict[str, int] = field(default_factory=dict)
     cuda_max_allocated: int | None = None  # torch.cuda.max_memory_allocated() on this rank's device, bytes
     num_params: int = 0  # trainable parameter elements (each shared tensor counted once)
@@ -48,8 +49,11 @@ class MemoryReport:
 
     @property
     def peak_total(self) -> int:
-        """Sum of the categories' high-water marks: an upper bound of the peak of their total, bytes."""
-        return sum(self.peak.values())
+        """The most bytes held at one moment: weights and optimizer state plus the high-water mark of
+        gradients and buffers held together (the sum of their own high-water marks, an upper bound,
+        when ``held_peak`` was not tracked)."""
+        fixed = self.params + self.optimizer_state
+        return fixed + (self.held_peak or self.peak["grads"] + self.buffers)
 
     @property
     def predicted_total(self) -> int:
@@ -65,6 +69,7 @@ class MemoryReport:
         pred = {c: self.predicted.get(c, 0) + other.predicted.get(c, 0) for c in CATEGORIES}
         return MemoryReport(**merged, predicted=pred, num_params=self.num_params + other.num_params,
                             grads_peak=max(self.grads, self.grads_peak) + max(other.grads, other.grads_peak),
+                            held_peak=self.held_peak + other.held_peak if self.held_peak and other.held_peak else 0,
                             world_size=self.world_size, rank=self.rank, stage=self.stage,
                             cuda_max_allocated=self.cuda_max_allocated)
 
@@ -80,7 +85,8 @@ class MemoryReport:
             top = self.peak_total if c == "total" else peak[c]
             p = self.predicted_total if c == "total" else self.predicted.get(c, 0)
             rows.append(f"| {c:<10} | {m:>14,} | {top:>14,} | {p:>14,} | {m / per:>7.3f} |")
-        rows.append("(buffers: high-water mark; peak: since the optimizer was built or reset_peak_memory())")
+        rows.append("(buffers: high-water mark; peak: since the optimizer was built or reset_peak_memory(); "
+                    "peak total: the most held at one moment)")
         if self.cuda_max_allocated is not None:
             rows.append(f"torch.cuda.max_memory_allocated(): {self.cuda_max_allocated:,} bytes (activations included)")
         return "\n".join(rows)
