@@ -43,6 +43,7 @@ class GradReducer:
     grad_shard: Tensor | None  # stage 2: 1D, grad dtype, this rank's shard of the averaged gradient
 
     accum: Tensor | None  # 1D fp32, whole buffer: gradients accumulated under no_sync (16-bit params only)
+    accum_shard: Tensor | None  # stage 2, 1D fp32, this rank's shard: the sum of several rounds since zero_grad
 
     def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
@@ -57,6 +58,14 @@ class GradReducer:
         # rounded to the gradient dtype once, when the last micro-batch is reduced.
         self.accumulate_dtype = accumulate_dtype if accumulate_dtype not in (None, flat.dtype) else None
         self.accum = None
+        # [Note: accumulating in the shard] Several backward passes between two steps without
+        # no_sync reduce every micro-batch. In stage 2 the averaged micro-batch gradients are then
+        # summed in an fp32 shard (accumulate_dtype, allocated at the second round: 4/N B/param)
+        # and rounded to the gradient dtype once, when the step reads them: no unsharded copy of
+        # the gradient exists at any time, for one reduction per micro-batch instead of one.
+        self.accum_shard = None
+        self._accum_dirty = False  # accum_shard holds a sum not yet rounded into grad_shard
+        self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         layout = flat.layout
         self.shard = layout.shard_range(comm.rank)
         self._bucket_of = [0] * len(layout.params)
@@ -232,6 +241,7 @@ class GradReducer:
         if self.stage == 1:  # placed only while accumulating: the views were emptied into accum
             return True
         if len(cleared) == len(self.flat.params):
+            self.accum_shard, self._accum_dirty = None, False
             if at_step:
                 self.grad_shard.zero_()
             else:
@@ -241,6 +251,8 @@ class GradReducer:
             r = self._piece_of.get(i)
             if r is not None:
                 self.grad_shard[r.as_slice()].zero_()
+                if self.accum_shard is not None:
+                    self.accum_shard[r.as_slice()].zero_()
         return True
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -313,6 +325,7 @@ class GradReducer:
         self.staging_peak_bytes = self._buffer_bytes()
         self.grad_peak_bytes = self.grad_bytes + sum(self._loose.values())
         self.accumulated = self.accum is not None
+        self.shard_accumulated = self.accum_shard is not None
 
     def _accumulate(self, index: int) -> None:
         self._pending = 0
@@ -386,6 +399,7 @@ class GradReducer:
     def _buffer_bytes(self) -> int:
         """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
+        held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
     def note_buffers(self) -> None:
@@ -417,6 +431,17 @@ class GradReducer:
         dest = self.grad_shard[local.as_slice()]
         if self._fresh and self.reduce_dtype is None:
             out, after = dest, None
+        elif not self._fresh and self.accumulate_dtype is not None:  # see [Note: accumulating in the shard]
+            if self.accum_shard is None:
+                self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
+                self.shard_accumulated = True
+                self.note_buffers()
+            total = self.accum_shard[local.as_slice()]
+            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
+
+            def after() -> None:
+                total.add_(out)
+                self._accum_dirty = True
         else:
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
             after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
@@ -461,6 +486,9 @@ class GradReducer:
         ``_rounds`` ran a round since ``zero_grad``. Local."""
         if self.stage == 1:
             return self.flat_grad[self.shard.as_slice()]
+        if self._accum_dirty:  # rounded once from the fp32 sum of several rounds
+            self.grad_shard.copy_(self.accum_shard)
+            self._accum_dirty = False
         return self.grad_shard
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -491,6 +519,7 @@ class GradReducer:
                 self._placed[i] = True  # a zero gradient that is still there
             self._fresh = True  # the next round overwrites every element of grad_shard
         self.accum = None
+        self.accum_shard, self._accum_dirty = None, False
         if set_to_none:
             self.used = [False] * len(self.used)
         self.stepped()

@@ -124,6 +124,8 @@ class ShardedBuffer:
                                                  psize=self.flat.data.element_size())
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
+        if self.reducer.shard_accumulated:  # several rounds between two steps (see _reducer)
+            predicted["buffers"] += self.layout.shard_numel * self.reducer.accumulate_dtype.itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
             exp_avg=nbytes(self.exp_avg), exp_avg_sq=nbytes(self.exp_avg_sq), extra=self.master.extra_bytes,

@@ -203,3 +203,49 @@ def test_bf16_gradients_accumulate_in_fp32(pools):
         assert same32 and not same16  # the bf16 sum really differs, and we match the fp32 sum
     for same32, same16 in pool.run(bf16_accumulation_case, None):
         assert same16 and not same32  # accumulate_dtype=None: autograd's bf16 accumulation
+
+
+def shard_accumulation_case(accumulate_dtype_name: str | None) -> tuple[bool, bool, int, int]:
+    """Stage 2, 8 micro-batches without no_sync: each is reduced, and the averaged micro-batch
+    gradients are summed in fp32 in the shard (rounded once) unless ``accumulate_dtype=None``.
+    Compares this rank's gradient shard bit for bit with both sums, made with plain collectives,
+    and returns the buffer bytes held against the shard's fp32 bytes."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = getattr(torch, accumulate_dtype_name) if accumulate_dtype_name else None
+    model = make_model(seed=8, dtype=torch.bfloat16)
+    ref = copy.deepcopy(model)
+    opt = shardopt.ShardedAdamW(model.parameters(), stage=2, accumulate_dtype=dtype, loss_scale=None)
+    micro = 8
+    for i in range(micro):
+        opt.backward(model(batch(rank, i)))
+    trainable = {id(p): q for p, q in zip(model.parameters(), ref.parameters()) if p.requires_grad}
+    sums32 = {k: torch.zeros_like(q, dtype=torch.float32) for k, q in trainable.items()}
+    sums16 = {k: torch.zeros_like(q) for k, q in trainable.items()}
+    for i in range(micro):
+        ref.zero_grad(set_to_none=True)
+        ref(batch(rank, i)).backward()
+        for k, q in trainable.items():
+            g = (q.grad if q.grad is not None else torch.zeros_like(q)).float()
+            dist.all_reduce(g)  # two ranks: a + b, as exact as any order
+            avg = (g / world).to(torch.bfloat16)  # one micro-batch, averaged and rounded once
+            sums32[k] += avg.float()
+            sums16[k] += avg
+    buf = opt._buffers[0]
+    shard = buf.reducer.local_grad()
+    same32 = same16 = True
+    for piece in buf.layout.shard_pieces(rank):
+        key = id(buf.flat.params[piece.param])
+        mine = shard[piece.local_range.as_slice()]
+        same32 &= torch.equal(mine, sums32[key].reshape(-1)[piece.param_range.as_slice()].to(torch.bfloat16))
+        same16 &= torch.equal(mine, sums16[key].reshape(-1)[piece.param_range.as_slice()])
+    rep = opt.memory_report()
+    return same32, same16, rep.buffers, buf.layout.shard_numel * 4
+
+
+def test_micro_batches_reduced_one_by_one_sum_in_an_fp32_shard(pools):
+    pool = pools(2)
+    for same32, same16, buffers, shard32 in pool.run(shard_accumulation_case, "float32"):
+        assert same32 and not same16  # the bf16 sum really differs, and we match the fp32 one
+        assert buffers >= shard32  # the fp32 sum is counted, and it is a shard, not the whole gradient
+    for same32, same16, _, _ in pool.run(shard_accumulation_case, None):
+        assert same16 and not same32  # accumulate_dtype=None: summed in the gradient dtype
