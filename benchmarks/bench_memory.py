@@ -2,7 +2,7 @@
 a replicated optimizer without master weights (fairseq's memory-efficient one), PyTorch's
 ZeroRedundancyOptimizer, FSDP2 and DeepSpeed ZeRO-1/2 (when installed), measured and predicted.
 
-    python benchmarks/bench_memory.py                                # N = 1, 2, 4, 8 on CPU (gloo), ~10 min on 2 cores
+    python benchmarks/bench_memory.py                                # N = 1, 2, 4, 8 on CPU (gloo), ~7 min on 2 cores
     python benchmarks/bench_memory.py --world-sizes 1 2 --n-layer 2  # quicker
     python benchmarks/bench_memory.py --device cuda --world-sizes 1  # one GPU (NCCL), adds torch.cuda figures
 
@@ -37,6 +37,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -52,7 +53,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from live_tensors import live_bytes  # noqa: E402
+from live_tensors import LiveTensors  # noqa: E402
 from shardopt.estimate import estimate_memory  # noqa: E402
 
 CATS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
@@ -236,7 +237,8 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
                 phases[f"cuda {label} reserved"] = torch.cuda.max_memory_reserved()
 
     walk = not cuda  # on CPU: count live tensors from gradient hooks during the first 3 steps
-    base = live_bytes() if walk else 0
+    live = LiveTensors().__enter__() if walk else None
+    base = live.bytes() if walk else 0
     phase("build", True)
     run = build(name, args, device, n)
     model, predicted = run["model"], run["predicted"]
@@ -244,7 +246,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     walked = [0]  # per step: the most live tensor bytes seen, over what was live before the build
 
     def sample(*_: object) -> None:
-        walked[-1] = max(walked[-1], live_bytes() - base)
+        walked[-1] = max(walked[-1], live.bytes() - base)
 
     hooks = [p.register_post_accumulate_grad_hook(sample) for p in model.parameters() if p.requires_grad] if walk else []
     g = torch.Generator().manual_seed(1000 + rank)
@@ -269,6 +271,7 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
                 for h in hooks:
                     h.remove()
                 hooks = []
+                live.__exit__()
             else:
                 walked.append(0)
         if i == args.warmup + args.steps - 1:
@@ -307,13 +310,18 @@ def worker(args: argparse.Namespace) -> None:
         try:
             results.append(measure(name, args, device))
         except ImportError as e:
+            gc.unfreeze()  # the live-tensor count of a configuration that stopped part way
             results.append({"config": name, "rank": rank, "world_size": dist.get_world_size(),
                             "skipped": f"not installed ({e.name or e})"})
+        except Exception as e:  # noqa: BLE001 - reported in the table; the next configuration runs
+            results.append({"config": name, "rank": rank, "world_size": dist.get_world_size(),
+                            "skipped": f"failed: {type(e).__name__}: {str(e)[:200]}"})
+            gc.unfreeze()
+        with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:  # what survives a later hang
+            json.dump(results, f)
         dist.barrier()
         if rank == 0:
             print(f"N={dist.get_world_size()} {name}: {results[-1].get('skipped', 'done')}", flush=True)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(results, f)
     dist.barrier()  # every rank's result is written
     sys.stdout.flush()
     os._exit(0)  # see MACHINE_NOTES: a gloo worker can deadlock in process-group teardown
@@ -485,17 +493,29 @@ def drive(args: argparse.Namespace) -> None:
             if args.device == "cpu":  # the update kernel changes no byte held; compiling it on every rank is slow
                 env.setdefault("SHARDOPT_KERNEL", "reference")
             t = time.perf_counter()
-            proc = subprocess.run(cmd, env=env, timeout=args.timeout, text=True, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT)
-            if proc.returncode != 0:
-                sys.exit(f"N={n} failed:\n{proc.stdout[-6000:]}")
-            for r in range(n):
-                with open(os.path.join(tmp, f"rank{r}.json")) as f:
-                    for res in json.load(f):
-                        if "skipped" in res:
-                            skipped[res["config"]] = res["skipped"]
-                        else:
-                            rows.append(res)
+            proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+            try:
+                output, _ = proc.communicate(timeout=args.timeout)
+                failure = None if proc.returncode == 0 else f"exit {proc.returncode}: {output[-2000:]}"
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
+                proc.communicate()
+                failure = f"timed out after {args.timeout} s"
+            done = set()
+            for r in range(n):  # each rank rewrites its file after every configuration
+                path = os.path.join(tmp, f"rank{r}.json")
+                for res in json.load(open(path)) if os.path.exists(path) else []:
+                    done.add(res["config"])
+                    if "skipped" in res:
+                        skipped[f"{res['config']} (N={n})"] = res["skipped"]
+                    else:
+                        rows.append(res)
+            if failure:
+                for c in args.configs:
+                    if c not in done:
+                        skipped[f"{c} (N={n})"] = failure.splitlines()[0][:300]
+                print(f"N={n}: {failure[-3000:]}", flush=True)
             print(f"N={n}: {time.perf_counter() - t:.0f}s", flush=True)
     for c, why in skipped.items():
         print(f"skipped {c}: {why}")
