@@ -3,16 +3,13 @@ memory benchmark and ``tests/test_peak_memory.py`` sample from gradient hooks on
 from __future__ import annotations
 
 import gc
-import sys
 import weakref
 from typing import Iterable
 
 import torch
 
 
-def _count(objects: Iterable[object], graph: bool, seen: set[int], only_gc: int = 0) -> int:
-    """``only_gc``: the reference count of a tensor that nothing in Python refers to (only the
-    list being walked); with ``graph=False`` such tensors are left out."""
+def _count(objects: Iterable[object], graph: bool, seen: set[int]) -> int:
     total = 0
     for o in objects:
         try:
@@ -20,7 +17,7 @@ def _count(objects: Iterable[object], graph: bool, seen: set[int], only_gc: int 
                 continue
         except ReferenceError:  # a weakref.proxy whose object is gone
             continue
-        if not graph and (o.grad_fn is not None or sys.getrefcount(o) <= only_gc):
+        if not graph and o.grad_fn is not None:
             continue
         for t in (o, o.grad if o.is_leaf else None):
             if t is None or t.device.type == "meta":
@@ -40,20 +37,12 @@ def live_bytes(graph: bool = True) -> int:
     """Bytes of every distinct storage reachable from Python: tensors and their ``.grad``.
 
     ``graph=False`` leaves out tensors that autograd produced (a ``grad_fn``: activations and the
-    outputs saved for backward) and tensors that only C++ still holds (an input saved for backward,
-    the buffers of a finished collective that the backend has not released yet), unless a tensor
-    counted shares their storage: what remains is weights, gradients, optimizer state and the
-    communication buffers of collectives in flight."""
-    return _count(gc.get_objects(), graph, set(), _unreferenced_count())
-
-
-def _unreferenced_count() -> int:
-    """The reference count ``_count`` sees for a tensor that only the walked sequence holds:
-    measured on a probe walked the same way (its list's reference, the loop variable, the call)."""
-    seen: list[int] = []
-    for o in [torch.empty(1)]:
-        seen.append(sys.getrefcount(o))
-    return seen[0]
+    outputs saved for backward) unless a tensor counted shares their storage: what remains is
+    weights, gradients, optimizer state and communication buffers. A tensor that only C++ still
+    holds is counted too (its Python object lives as long as its storage): an input saved for
+    backward, or the buffers of a finished gloo collective, which gloo's worker thread releases a
+    moment after the collective completes."""
+    return _count(gc.get_objects(), graph, set())
 
 
 class LiveTensors:
@@ -85,7 +74,5 @@ class LiveTensors:
         """Bytes of every distinct storage reachable from Python now (see :func:`live_bytes`)."""
         seen: set[int] = set()
         old = (r() for r in self._old)
-        only_gc = _unreferenced_count()
         alive = [t for t in old if t is not None]
-        del old
-        return _count(alive, self.graph, seen, only_gc) + _count(gc.get_objects(), self.graph, seen, only_gc)
+        return _count(alive, self.graph, seen) + _count(gc.get_objects(), self.graph, seen)
