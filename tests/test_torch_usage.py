@@ -724,17 +724,19 @@ def test_eps_zero_leaves_gradient_free_parameters_alone(pools):
             assert finite and worst <= 2e-6, (stage, worst)
 
 
-def unused_on_one_rank_case(stage: int) -> float:
-    """A parameter used on rank 1 only is trained with the averaged gradient, as under DDP."""
+def unused_on_one_rank_case(stage: int, user: int = 1, bucket_cap_mb: float = 25.0) -> float:
+    """A parameter used on rank ``user`` only is trained with the averaged gradient, as under DDP.
+    With tiny buckets (one parameter each) the first backward reduces its bucket without it on the
+    other rank (``user`` 0), or places it where rank 1 completed it (``user`` 1)."""
     rank = dist.get_rank()
     model, ref = make_model(seed=10), make_model(seed=10)
-    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=bucket_cap_mb)
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
     for step in range(3):
         opt.zero_grad()
         ref_opt.zero_grad()
         for m in (model, ref):
-            loss = m(batch(rank, step)) + (m.unused.sum() * 0.5 if rank == 1 else 0.0)
+            loss = m(batch(rank, step)) + (m.unused.sum() * 0.5 if rank == user else 0.0)
             opt.backward(loss) if m is model else loss.backward()
         opt.step()
         _ddp_average(ref)
@@ -746,6 +748,8 @@ def test_parameter_used_on_one_rank_only(pools):
     pool = pools(2)
     for stage in (1, 2):
         assert max(pool.run(unused_on_one_rank_case, stage)) <= 2e-6
+        for user in (0, 1):
+            assert max(pool.run(unused_on_one_rank_case, stage, user, 1e-4)) <= 2e-6, (stage, user)
 
 
 # -- 10: torch.nn.utils.clip_grad_norm_ ---------------------------------------------------------
