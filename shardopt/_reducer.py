@@ -61,7 +61,8 @@ class GradReducer:
         # [Note: accumulating in the shard] Several backward passes between two steps without
         # no_sync reduce every micro-batch. In stage 2 the averaged micro-batch gradients are then
         # summed in an fp32 shard (accumulate_dtype, allocated at the second round: 4/N B/param)
-        # and rounded to the gradient dtype once, when the step reads them: no unsharded copy of
+        # (each average arrives in the gradient dtype; the sum is kept in fp32) and rounded to the
+        # gradient dtype once, when the step reads them: no unsharded copy of
         # the gradient exists at any time, for one reduction per micro-batch instead of one.
         self.accum_shard = None
         self._accum_dirty = False  # accum_shard holds a sum not yet rounded into grad_shard
@@ -152,18 +153,6 @@ class GradReducer:
                 self._absent[i] = True
                 out.append(self._bucket_of[i])
         return out
-
-    def unreached_missing(self, b: int) -> bool:
-        """In the first round, for a bucket announced by rank 0 that lacks gradients here: whether
-        this backward pass will reach none of its missing parameters. If so they count as reduced
-        without a gradient (as ``unreached`` does from the second round on). Local."""
-        missing = [i for i in self.flat.layout.buckets[b].params if not self._seen[i]]
-        will_run = torch._C._will_engine_execute_node
-        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
-            return False
-        for i in missing:
-            self._absent[i] = True
-        return True
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -356,7 +345,6 @@ class GradReducer:
         if self._seen[index]:
             return
         self._seen[index] = True
-        self._pending = 0
         self._loose.pop(index, None)
         p = self.flat.params[index]
         if p.grad is not None and p.grad.is_sparse:
@@ -381,6 +369,7 @@ class GradReducer:
                 pass  # converted after construction: reported at step() on every rank (see _into_view)
             if p.grad is grad:
                 p.grad = None
+        self._pending = 0  # the .grad is gone (it was counted while the staging buffer was allocated)
 
     def _staged(self, index: int) -> Tensor:
         """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
@@ -408,11 +397,13 @@ class GradReducer:
         if self.rounds is not None:
             self.rounds.note_held()
 
-    def held_bytes(self) -> int:
+    def held_bytes(self, comm: bool = True) -> int:
         """Gradient bytes (storage, ``.grad`` tensors autograd holds until taken) plus communication
-        buffers held now. Local."""
+        buffers held now; without ``comm``, leaving out the receive buffers of the Comm, which the
+        reducers of one optimizer share. Local."""
         loose = sum(self._loose.values()) if self._loose else 0
-        return self.grad_bytes + loose + self._pending + self._buffer_bytes()
+        buffers = self._buffer_bytes() - (0 if comm else self.comm.live_bytes)
+        return self.grad_bytes + loose + self._pending + buffers
 
     def launch(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be

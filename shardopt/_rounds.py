@@ -18,11 +18,12 @@ completes it, as soon as every bucket before it in that order has been launched.
 round on, a parameter that this backward pass will not reach on this rank
 (``torch._C._will_engine_execute_node`` of its gradient accumulator, asked when the round opens)
 counts as ready at once, so a parameter unused on one rank (a branch, an expert) holds back
-nothing there. In the learning round the same question is asked only on a rank whose graph
-visibly differs from rank 0's: the announced bucket lacks gradients here while a later one is
-complete (with the same graph, buckets complete in the same order everywhere, and a parameter
-the outer pass does not show may still come from a nested one). A parameter unused on rank 0
-alone holds its own bucket on the other ranks until the learning round ends. Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
+nothing there. Not in the learning round: a parameter the outer pass does not show may still get
+its gradient from a pass nested in it (a reentrant checkpoint), which the first backward cannot
+know yet; there, a parameter unused on one rank holds the buckets after it on that rank until
+the round ends. A bucket that rank 0 never completed in the learning round is placed, for later
+rounds, where the other ranks completed it, unless some rank saw a nested pass (then rank 0
+could not count it ready, and it stays last). Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
 ``use_reentrant=True``): the outer pass does not show the parameters of the inner one. A bucket still missing a gradient is launched when backward ends, by a callback
 queued on the autograd engine, which then waits for every reduction of that backward (in the
 learning round, rank 0 announces such buckets then, in index order). Each backward pass is thus one *round*
@@ -177,12 +178,15 @@ class Rounds:
     def stepped(self) -> None:
         self.lost_round = False
 
+    def _held_now(self) -> int:
+        return sum(r.held_bytes(comm=False) for r in self.reducers) + self.comm.live_bytes  # one Comm for all
+
     def note_held(self) -> None:
         """Track the most gradient and buffer bytes held at one moment over every flat buffer."""
-        self.held_peak = max(self.held_peak, sum(r.held_bytes() for r in self.reducers))
+        self.held_peak = max(self.held_peak, self._held_now())
 
     def reset_held(self) -> None:
-        self.held_peak = sum(r.held_bytes() for r in self.reducers)
+        self.held_peak = self._held_now()
 
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True) -> None:
@@ -262,22 +266,11 @@ class Rounds:
                 self._announced.append(self._next)
             i = self._next
             if not block and self._ready[i] < self._size[i]:
-                if not (self._held and self._unreached(i)):
-                    return
+                return
             self._next = None
             self._held.discard(i)
             self._launch(i)
             self._listen()
-
-    def _unreached(self, i: int) -> bool:
-        """Ranks but 0, learning round: bucket ``i`` is announced and lacks gradients here while a
-        later one is complete, so this rank's graph differs from rank 0's. True (and ``i`` counted
-        complete) when this backward pass will reach none of the missing parameters."""
-        k, b = self.buckets[i]
-        if not self.reducers[k].unreached_missing(b):
-            return False
-        self._ready[i] = self._size[i]
-        return True
 
     def _finish_learning(self) -> None:
         if self.comm.rank == 0:
@@ -301,7 +294,8 @@ class Rounds:
         if not self._absent_on_0 or self.comm.world_size == 1:
             return list(self._announced)
         n = len(self.buckets)
-        at = torch.full((n,), float(n + 1), dtype=torch.float64)
+        at = torch.full((n + 1,), float(n + 1), dtype=torch.float64)
+        at[n] = 0.0 if self.nesting_seen else 1.0  # MIN: 0 when any rank saw a nested backward pass
         if self.comm.rank == 0:
             for pos, i in enumerate(b for b in self._announced if b not in self._absent_on_0):
                 at[i] = pos  # its place in rank 0's order
@@ -316,6 +310,8 @@ class Rounds:
         at = at.to(self._device)
         self.comm.all_reduce_min(at).wait()
         place = at.cpu().tolist()
+        if place[n] == 0.0:  # later rounds cannot count it ready on rank 0 (see [Note: launch order])
+            return list(self._announced)
         return sorted(self._announced, key=lambda i: (place[i], i))
 
     def _launch_ready(self) -> None:

@@ -131,7 +131,10 @@ def test_the_first_backward_holds_no_more_than_later_ones(pools, world_size):
             # Unused on rank 0 only, a layer's buckets (its weight and its bias fall in two here)
             # wait on the other ranks for the end of the first backward, in which rank 0 announces
             # them; later passes reduce them where they complete (see _rounds [Note: launch order]).
-            held = 2 * bucket if unused == 0 else 0
+            # Unused on rank 1, the first backward there holds the buckets after the unused layer
+            # (6 layers) until it ends: it cannot yet tell an unused parameter from one a reentrant
+            # checkpoint will still reach.
+            held = {0: 2 * bucket, 1: 6 * bucket if rank == 1 else 0}.get(unused, 0)
             assert first <= later + 2 * bucket + held, where
             if unused is None:
                 steady[(stage, dtype, rank)] = later
@@ -144,7 +147,10 @@ def test_the_first_backward_holds_no_more_than_later_ones(pools, world_size):
             # in about one run in three, about 4% of this small model and a rounding error on one
             # with hundreds of buckets.
             small = 256  # the round tag and the announcements: a few elements each
-            assert -2 * bucket - small <= r["report_peak"] - max(r["steps"]) <= small, (where, r["report"])
+            # The report also sees, inside the optimizer's hook, the moment a staging buffer is
+            # allocated while autograd's .grad is still alive (up to one bucket), which the count,
+            # sampled outside it, cannot.
+            assert -2 * bucket - small <= r["report_peak"] - max(r["steps"]) <= bucket + small, (where, r["report"])
 
 
 # The steady state against the ZeRO-2 formula: 2 + (2 + 12)/N bytes per parameter (16-bit weights,
