@@ -107,6 +107,7 @@ class Rounds:
         self.lost_round = False  # a round of this rank's stopped before its end since the last step
         self.broken: str | None = None  # why the ranks can no longer train together
         self.rounds = 0  # rounds completed since zero_grad
+        self.total_rounds = 0  # rounds completed since construction
         self._task: int | None = None  # autograd graph task of the backward pass seen last
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
         self.nested = False  # the hook running now is in a backward pass nested in that one
@@ -374,6 +375,7 @@ class Rounds:
             raise
         self.callback = None
         self.rounds += 1
+        self.total_rounds += 1
         self._reset()
         for r in self.reducers:
             r.end_round()

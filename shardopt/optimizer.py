@@ -88,7 +88,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
-        self._clip: tuple[bool, float] | None = None  # (found_inf, clip coefficient) from clip_grad_norm_
+        # (found_inf, clip coefficient, rounds completed then) from clip_grad_norm_
+        self._clip: tuple[bool, float, int] | None = None
         self.step_was_skipped = False
         self.skipped_steps = 0
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
@@ -260,7 +261,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
-        self._clip = (found_inf, coef)
+        self._clip = (found_inf, coef, self._rounds.total_rounds)
         return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
     @torch.no_grad()
@@ -281,8 +282,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf, coef = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0)
-        if self._clip is not None and self._checks.changed_since_check():  # e.g. model.zero_grad() after clipping
+        found_inf, coef, rounds = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0, None)
+        # Gradients changed after clipping (model.zero_grad(), or another backward pass, whose
+        # gradient may not be finite): look at them again. Every rank sees the same rounds.
+        if self._clip is not None and (self._checks.changed_since_check() or rounds != self._rounds.total_rounds):
             found_inf = self._grad_stats(None)[0]
         self._clip = None
         self.step_was_skipped = found_inf

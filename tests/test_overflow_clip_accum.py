@@ -249,3 +249,27 @@ def test_micro_batches_reduced_one_by_one_sum_in_an_fp32_shard(pools):
         assert buffers >= shard32  # the fp32 sum is counted, and it is a shard, not the whole gradient
     for same32, same16, _, _ in pool.run(shard_accumulation_case, None):
         assert same16 and not same32  # accumulate_dtype=None: summed in the gradient dtype
+
+
+def clip_then_nan_case(stage: int) -> tuple[bool, bool, bool]:
+    """clip_grad_norm_ on finite gradients, then one more backward pass whose gradient is NaN on
+    rank 1 only, then step: the step must see the NaN (it used to reuse the clip's verdict)."""
+    rank = dist.get_rank()
+    model = make_model(seed=12)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, stage=stage, loss_scale=None)
+    before = _snapshot(model)
+    opt.backward(model(batch(rank, 0)))
+    opt.clip_grad_norm_(1.0)
+    loss = model(batch(rank, 1))
+    opt.backward(loss * float("nan") if rank == 1 else loss)
+    opt.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    return opt.step_was_skipped, unchanged, finite
+
+
+def test_a_backward_pass_after_clipping_is_checked_again(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for skipped, unchanged, finite in pool.run(clip_then_nan_case, stage):
+            assert skipped and unchanged and finite, (stage, skipped, unchanged, finite)
