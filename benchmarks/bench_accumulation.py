@@ -51,23 +51,14 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import shardopt
-    from gpt import GPT, GPTConfig, load_bytes
+    from gpt_batches import gpt_and_batches
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=args.block_size, n_layer=6, n_embd=384, n_head=6)
-    model = GPT(cfg)
-    data = load_bytes(None, limit=4 << 20)
-    gen = torch.Generator().manual_seed(1 + rank)
-
-    def batch():
-        ix = torch.randint(len(data) - cfg.block_size - 1, (args.batch_size,), generator=gen)
-        return (torch.stack([data[i:i + cfg.block_size] for i in ix]),
-                torch.stack([data[i + 1:i + 1 + cfg.block_size] for i in ix]))
+    model, batch = gpt_and_batches(rank, args.block_size, args.batch_size, n_layer=6, n_embd=384, n_head=6)
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     name = args.config

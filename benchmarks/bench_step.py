@@ -52,23 +52,15 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     sys.path.insert(0, ROOT)
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import shardopt
-    from gpt import GPT, GPTConfig, load_bytes
+    from gpt_batches import gpt_and_batches
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    cfg = GPTConfig(block_size=args.block_size, **SIZES[args.size])
-    model = GPT(cfg)
-    data = load_bytes(None, limit=4 << 20)
-    gen = torch.Generator().manual_seed(1 + rank)
-
-    def batch():
-        ix = torch.randint(len(data) - cfg.block_size - 1, (args.batch_size,), generator=gen)
-        return (torch.stack([data[i:i + cfg.block_size] for i in ix]),
-                torch.stack([data[i + 1:i + 1 + cfg.block_size] for i in ix]))
+    model, batch = gpt_and_batches(rank, args.block_size, args.batch_size, **SIZES[args.size])
+    num_params = sum(p.numel() for p in model.parameters())  # before any wrapper shards them
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     name, comm_wait = args.config, None
@@ -172,7 +164,7 @@ def worker(args: argparse.Namespace) -> None:
             waits.append(comm_wait)
     step = statistics.median(times)
     result = {
-        "config": name, "size": args.size, "params": sum(p.numel() for p in GPT(cfg).parameters()),
+        "config": name, "size": args.size, "params": num_params,
         "step_s": step, "tokens_per_s_rank": args.batch_size * args.block_size / step,
         "opt_s": statistics.median(opt_times), "comm_wait_s": statistics.median(waits) if waits else None,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "state_bytes": state(),
