@@ -118,6 +118,7 @@ class Comm:
         self.backend: str = str(dist.get_backend(process_group))
         self.stats = CommStats()
         self.live_bytes = 0  # receive buffers of reductions in flight, bytes
+        self._chunks: dict[tuple[Range, ...], list[list[Range]]] = {}  # receive_chunks by the pieces cut
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
@@ -223,7 +224,10 @@ class Comm:
         caller bounds how many are in flight. NCCL: one native reduce-scatter."""
         if self.backend == "nccl":
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        chunks = receive_chunks(pieces)
+        key = tuple(pieces)
+        chunks = self._chunks.get(key)
+        if chunks is None:  # the same few bucket layouts every backward pass
+            chunks = self._chunks[key] = receive_chunks(pieces)
         if len(chunks) <= 1:
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
         mine = pieces[self.rank]
