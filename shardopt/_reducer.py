@@ -21,6 +21,18 @@ in stage 1 ``p.grad`` is a view of the flat gradient, in stage 2 a placeholder (
 ``_grad_placeholder`` [Note: the stage-2 gradient placeholder]); when one is gone or zeroed, that
 parameter's gradient (stage 2: its part of the shard) restarts from zero. Every rank sets
 ``p.grad`` of *every* parameter after a round, so a zeroing is seen alike on every rank.
+
+[Note: a gradient after its bucket]
+In the learning round a rank may reduce a bucket without parameters that the backward pass does
+not show (``count_unshown``, asked by ``_rounds``). A reentrant checkpoint can still give one of
+them a gradient, in a pass nested in that one. That gradient is kept (``_late_grads``; stage 1
+sets such a parameter's ``.grad`` to None after the launch so that it arrives as a tensor of its
+own, then points it back at its view). At the end of the round one all-reduce tells every rank
+which buckets got such gradients anywhere, and ``make_up`` reduces each of those once more, with
+only the late gradients in it and zeros elsewhere (and on ranks without any), and adds the
+average to what the first reduction gave: the sum of every rank's gradient, rounded once more
+in the gradient dtype. From the second round on the question is asked only when this rank has seen
+no nested pass, and a gradient after its bucket is an error.
 """
 from __future__ import annotations
 
@@ -121,6 +133,9 @@ class GradReducer:
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
         self._absent = [False] * n  # counted as reduced without a gradient in the open round
+        self._unshown: set[int] = set()  # learning round: such parameters that a nested pass may still reach
+        self._late_grads: dict[int, Tensor] = {}  # their gradients that came, until make_up
+        self._making_up: dict[int, Tensor] = {}  # make_up buffers in flight, by bucket
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
@@ -153,6 +168,52 @@ class GradReducer:
                 self._absent[i] = True
                 out.append(self._bucket_of[i])
         return out
+
+    def count_unshown(self, b: int) -> bool:
+        """Learning round, a bucket announced by rank 0 that lacks gradients here: whether this
+        backward pass shows none of its missing parameters. If so they count as reduced without a
+        gradient, and one that a nested pass (a reentrant checkpoint) still gives a gradient is
+        kept for :meth:`make_up` (see [Note: a gradient after its bucket]). Local."""
+        missing = [i for i in self.flat.layout.buckets[b].params if not self._seen[i]]
+        will_run = torch._C._will_engine_execute_node
+        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
+            return False
+        for i in missing:
+            self._absent[i] = True
+            self._unshown.add(i)
+        return True
+
+    def late_buckets(self) -> list[int]:
+        """Buckets holding a gradient kept for :meth:`make_up`. Local."""
+        return sorted({self._bucket_of[i] for i in self._late_grads})
+
+    def make_up(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None]]:
+        """Bucket ``b`` once more, with only the gradients that came after it was reduced (zero
+        elsewhere, and on ranks without any): (the functions that issue the reduction, what adds it
+        to the gradient once it landed). Every rank, for the same buckets in the same order."""
+        bucket = self.flat.layout.buckets[b]
+        span = bucket.global_range
+        buf = torch.zeros(span.size, dtype=self.flat.dtype, device=self.flat.device)
+        for i in bucket.params:
+            g = self._late_grads.pop(i, None)
+            if g is not None:
+                r = self.flat.layout.params[i].global_range
+                buf[r.start - span.start:r.start - span.start + r.size].copy_(g.reshape(-1))
+        self._making_up[b] = buf
+        self.note_buffers()
+        if self.stage == 1:
+            parts = self.comm.all_reduce_parts(buf, self._pieces[b], self.reduce_dtype)
+            dest, out = self.flat_grad[span.as_slice()], buf
+        else:
+            local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
+            dest = self.grad_shard[local.as_slice()]
+            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
+            parts = self.comm.reduce_scatter_parts(out, buf, self._pieces[b])
+
+        def after() -> None:
+            dest.add_(out)
+            self._making_up.pop(b, None)
+        return parts, after
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -249,11 +310,14 @@ class GradReducer:
             sync = self.rounds.on_hook()
             if self.rounds.nested:
                 self._nested[index] = True
-            if self._absent[index]:
+            if self._absent[index] or index in self._unshown:
                 self._absent[index] = False
                 self._nested[index] = True  # never counted ahead again
                 if param.dtype != self.flat.dtype or param.device != self.flat.device:
                     return  # converted after construction (a new accumulator): reported at step() on every rank
+                if index in self._unshown:  # learning round: reduced once more when it ends
+                    self._keep_late(index, param)
+                    return
                 raise RuntimeError(
                     f"parameter {index} of shape {tuple(param.shape)} got its gradient in a backward pass nested in "
                     "another (torch.utils.checkpoint with use_reentrant=True) that the outer pass did not show, after "
@@ -275,6 +339,19 @@ class GradReducer:
             self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
+
+    def _keep_late(self, index: int, param: Tensor) -> None:
+        """Learning round: parameter ``index`` got its gradient after its bucket was reduced without
+        it (see [Note: a gradient after its bucket]); keep it for :meth:`make_up`. Local."""
+        grad = param.grad
+        if grad is not None:
+            self.used[index] = True
+            prev = self._late_grads.get(index)
+            self._late_grads[index] = grad if prev is None else prev + grad
+        param.grad = self.flat.param_view(self.flat_grad, index) if self.stage == 1 else None
+        self._pending = 0
+        if self.rounds is not None:
+            self.rounds.note_held()
 
     def _late(self, index: int, param: Tensor) -> None:
         """Parameter ``index`` got a second gradient in this round (autograd accumulated it twice, in
@@ -388,6 +465,7 @@ class GradReducer:
     def _buffer_bytes(self) -> int:
         """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
+        held += sum(t.numel() * t.element_size() for t in self._making_up.values()) if self._making_up else 0
         held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
@@ -402,6 +480,7 @@ class GradReducer:
         buffers held now; without ``comm``, leaving out the receive buffers of the Comm, which the
         reducers of one optimizer share. Local."""
         loose = sum(self._loose.values()) if self._loose else 0
+        loose += sum(t.numel() * t.element_size() for t in self._late_grads.values()) if self._late_grads else 0
         buffers = self._buffer_bytes() - (0 if comm else self.comm.live_bytes)
         return self.grad_bytes + loose + self._pending + buffers
 
@@ -410,6 +489,8 @@ class GradReducer:
         called in order on every rank; what to run once the last landed)."""
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
+            if self.stage == 1 and i in self._unshown:
+                self.flat.params[i].grad = None  # a gradient that still comes arrives on its own
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             view = self.flat_grad[bucket.as_slice()]
@@ -444,7 +525,14 @@ class GradReducer:
 
     def end_round(self) -> None:
         """Every bucket of this round was reduced: reset for the next. Local."""
-        assert not self._staging, "staging left behind after a round"
+        assert not self._staging and not self._late_grads, "gradients left behind after a round"
+        if self.stage == 1:
+            for i in self._unshown:  # no gradient came: the view holds the reduced value
+                try:
+                    self.flat.params[i].grad = self.flat.param_view(self.flat_grad, i)
+                except RuntimeError:
+                    pass  # converted after construction: reported by the binding check
+        self._unshown.clear()
         self.accum = None
         self._fresh = False
         self._seen = [False] * len(self.flat.params)

@@ -18,10 +18,13 @@ completes it, as soon as every bucket before it in that order has been launched.
 round on, a parameter that this backward pass will not reach on this rank
 (``torch._C._will_engine_execute_node`` of its gradient accumulator, asked when the round opens)
 counts as ready at once, so a parameter unused on one rank (a branch, an expert) holds back
-nothing there. Not in the learning round: a parameter the outer pass does not show may still get
-its gradient from a pass nested in it (a reentrant checkpoint), which the first backward cannot
-know yet; there, a parameter unused on one rank holds the buckets after it on that rank until
-the round ends. A bucket that rank 0 never completed in the learning round is placed, for later
+nothing there. In the learning round the same question is asked only on a rank other than 0 whose
+graph visibly differs from rank 0's: the announced bucket lacks gradients there while a later
+one is complete. A parameter the outer pass does not show may still get its gradient from a pass
+nested in it (a reentrant checkpoint); such a gradient is kept and its bucket reduced once more
+at the end of the round (see ``_reducer`` [Note: a gradient after its bucket]). A parameter
+unused on rank 0 alone holds its own bucket on the other ranks until the learning round ends.
+A bucket that rank 0 never completed in the learning round is placed, for later
 rounds, where the other ranks completed it, unless some rank saw a nested pass (then rank 0
 could not count it ready, and it stays last). Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
 ``use_reentrant=True``): the outer pass does not show the parameters of the inner one. A bucket still missing a gradient is launched when backward ends, by a callback
@@ -267,11 +270,23 @@ class Rounds:
                 self._announced.append(self._next)
             i = self._next
             if not block and self._ready[i] < self._size[i]:
-                return
+                if not (self._held and self._unshown(i)):
+                    return
             self._next = None
             self._held.discard(i)
             self._launch(i)
             self._listen()
+
+    def _unshown(self, i: int) -> bool:
+        """Ranks but 0, learning round: bucket ``i`` is announced and lacks gradients here while a
+        later one is complete, so this rank's graph differs from rank 0's. True (and ``i`` counted
+        complete) when this backward pass shows none of the missing parameters; a gradient that a
+        nested pass still gives one of them is reduced once more when the round ends."""
+        k, b = self.buckets[i]
+        if not self.reducers[k].count_unshown(b):
+            return False
+        self._ready[i] = self._size[i]
+        return True
 
     def _finish_learning(self) -> None:
         if self.comm.rank == 0:
@@ -283,20 +298,27 @@ class Rounds:
             self._follow(block=True)
         for pending, _ in self._announcing:
             pending.wait()
-        self.order = self._learned_order()
+        self.order, late = self._learned_order()
+        for i in late:  # every rank, in index order: the gradients that came after their bucket
+            k, b = self.buckets[i]
+            self._issue(k, *self.reducers[k].make_up(b), None)
         for k, r in enumerate(self.reducers):
             r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
 
-    def _learned_order(self) -> list[int]:
-        """The launch order of later rounds: the announced one, except that a bucket rank 0 never
-        completed (announced at the end) goes where it completed on the other ranks, found with one
-        small all-reduce (every rank knows whether there is such a bucket). Placed at the end, it
-        would hold its gradients on those ranks until backward ends, in every round."""
-        if not self._absent_on_0 or self.comm.world_size == 1:
-            return list(self._announced)
+    def _learned_order(self) -> tuple[list[int], list[int]]:
+        """(The launch order of later rounds, the buckets some rank got a gradient for after it had
+        reduced them without it), from one small all-reduce at the end of the learning round.
+
+        The order is the announced one, except that a bucket rank 0 never completed (announced at
+        the end) goes where it completed on the other ranks. Placed at the end, it would hold its
+        gradients on those ranks until backward ends, in every round."""
+        if self.comm.world_size == 1:
+            return list(self._announced), []
         n = len(self.buckets)
-        at = torch.full((n + 1,), float(n + 1), dtype=torch.float64)
+        at = torch.full((2 * n + 1,), float(n + 1), dtype=torch.float64)
         at[n] = 0.0 if self.nesting_seen else 1.0  # MIN: 0 when any rank saw a nested backward pass
+        for i in self._late_buckets():
+            at[n + 1 + i] = 0.0  # MIN: 0 when any rank has a late gradient in bucket i
         if self.comm.rank == 0:
             for pos, i in enumerate(b for b in self._announced if b not in self._absent_on_0):
                 at[i] = pos  # its place in rank 0's order
@@ -311,9 +333,13 @@ class Rounds:
         at = at.to(self._device)
         self.comm.all_reduce_min(at).wait()
         place = at.cpu().tolist()
-        if place[n] == 0.0:  # later rounds cannot count it ready on rank 0 (see [Note: launch order])
-            return list(self._announced)
-        return sorted(self._announced, key=lambda i: (place[i], i))
+        late = [i for i in range(n) if place[n + 1 + i] == 0.0]
+        if place[n] == 0.0 or not self._absent_on_0:  # later rounds cannot count it ready on rank 0
+            return list(self._announced), late  # (see [Note: launch order])
+        return sorted(self._announced, key=lambda i: (place[i], i)), late
+
+    def _late_buckets(self) -> list[int]:
+        return [self._index[(k, b)] for k, r in enumerate(self.reducers) for b in r.late_buckets()]
 
     def _launch_ready(self) -> None:
         order, ready, size = self.order, self._ready, self._size
@@ -328,7 +354,12 @@ class Rounds:
     def _launch(self, i: int) -> None:
         self._launched.add(i)
         k, b = self.buckets[i]
-        parts, after = self.reducers[k].launch(b)
+        self._issue(k, *self.reducers[k].launch(b), i)
+
+    def _issue(self, k: int, parts: list[Callable[[], Pending]], after: Callable[[], None] | None,
+               i: int | None) -> None:
+        """Issue one bucket's collectives (reducer ``k``); ``i``: the bucket whose staging goes when
+        the last lands."""
         for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
             last = j == len(parts) - 1
             self._inflight.append((issue(), after if last else None, i if last else None))

@@ -131,10 +131,10 @@ def test_the_first_backward_holds_no_more_than_later_ones(pools, world_size):
             # Unused on rank 0 only, a layer's buckets (its weight and its bias fall in two here)
             # wait on the other ranks for the end of the first backward, in which rank 0 announces
             # them; later passes reduce them where they complete (see _rounds [Note: launch order]).
-            # Unused on rank 1, the first backward there holds the buckets after the unused layer
-            # (6 layers) until it ends: it cannot yet tell an unused parameter from one a reentrant
-            # checkpoint will still reach.
-            held = {0: 2 * bucket, 1: 6 * bucket if rank == 1 else 0}.get(unused, 0)
+            # Unused on rank 1, nothing waits there: the first backward reduces the unused layer's
+            # bucket without it once a later bucket is complete (held back, the 6 buckets after it
+            # would stay until backward ends).
+            held = {0: 2 * bucket}.get(unused, 0)
             assert first <= later + 2 * bucket + held, where
             if unused is None:
                 steady[(stage, dtype, rank)] = later
