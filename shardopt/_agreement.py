@@ -74,7 +74,7 @@ def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str
     group's hyperparameters and the loss scaler (each shapes the collectives or the math). Local."""
     c = opt.config
     scaler = make_scaler(loss_scale, dtypes)
-    return {"stage": c.stage, "master_weights": c.master_weights, "bucket_cap_mb": c.bucket_cap_mb,
+    return {"stage": c.stage, "master_weights": c.master_weights, "moments": c.moments, "bucket_cap_mb": c.bucket_cap_mb,
             "accumulate_dtype": str(c.accumulate_dtype), "reduce_dtype": str(c.reduce_dtype),
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),

@@ -68,13 +68,14 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
     state: dict[int, dict[str, Tensor]] = {}
     masters: dict[int, Tensor] = {}
     shards = {id(b): b.master.fp32() for b in opt._buffers if extras and _keeps_master(opt, b)}
+    decoded = {id(b): b.moments.fp32() for b in opt._buffers}  # fp32, whatever the moments mode
     groups, index = [], 0
     for g in opt.param_groups:
         ids = []
         for p in g["params"]:
             if id(p) in where:
                 b, i = where[id(p)]
-                moments = [_gather(b, i, b.exp_avg, comm), _gather(b, i, b.exp_avg_sq, comm)]
+                moments = [_gather(b, i, t, comm) for t in decoded[id(b)]]
                 shape = b.layout.params[i].shape
                 if id(b) in shards:
                     master = _gather(b, i, shards[id(b)], comm)
@@ -161,16 +162,16 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         error = e
     agree(comm, error)
     with torch.no_grad():
-        for b in opt._buffers:
-            b.exp_avg.zero_()
-            b.exp_avg_sq.zero_()
+        # fp32 moments to fill (the stored ones for fp32 moments), encoded at the end
+        moments = {id(b): tuple(torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
+                                for _ in range(2)) for b in opt._buffers}
         masters = {id(b): b.flat.slice(b.shard_range).float() for b in opt._buffers}  # from the weights
         for idx in sorted(set(header["state"]) | set(header["master"])):
             p = numbered[idx]
             if id(p) not in where:
                 continue  # frozen here: AdamW state for it is ignored
             b, i = where[id(p)]
-            names = [("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)] if idx in header["state"] else []
+            names = list(zip(("exp_avg", "exp_avg_sq"), moments[id(b)])) if idx in header["state"] else []
             if idx in header["master"] and b.dtype != torch.float32:
                 names.append(("master", masters[id(b)]))
             for name, shard in names:
@@ -185,6 +186,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     local, in_param = mine.relative_to(b.shard_range.start), mine.relative_to(span.start)
                     shard[local.as_slice()] = full[in_param.as_slice()]
         for b in opt._buffers:
+            b.moments.load_(*moments[id(b)])
             b.master.load_state_tensors({"master": masters[id(b)]})
         for pending in [b.gather_params() for b in opt._buffers]:
             pending.wait()

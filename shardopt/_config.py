@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardopt.master import STRATEGIES
+from shardopt.moments import MOMENTS
 
 
 @dataclass(frozen=True, kw_only=True)
 class ShardConfig:
     stage: int = 2
     master_weights: str = "fp32"
+    moments: str = "fp32"  # how exp_avg and exp_avg_sq are stored (see shardopt.moments)
     bucket_cap_mb: float = 25.0
     alignment: int = 8
     accumulate_dtype: object = None  # torch.dtype of the no_sync gradient sum for 16-bit params
@@ -27,6 +29,8 @@ class ShardConfig:
                              f"gradients), got stage={self.stage!r}")
         if self.master_weights not in STRATEGIES:
             raise ValueError(f"unknown master_weights={self.master_weights!r}; choose one of {sorted(STRATEGIES)}")
+        if self.moments not in MOMENTS:
+            raise ValueError(f"unknown moments={self.moments!r}; choose one of {sorted(MOMENTS)}")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {self.bucket_cap_mb!r}")
         import torch

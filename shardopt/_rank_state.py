@@ -21,6 +21,7 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
         "rank": opt._comm.rank,
         "stage": opt.config.stage,
         "master_weights": opt.config.master_weights,
+        "moments": opt.config.moments,
         "seed": opt.config.seed,
         "step": opt._step,
         "skipped_steps": opt.skipped_steps,
@@ -30,7 +31,7 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
              "param_shapes": [span.shape for span in b.layout.params],
              **{k: v.clone() for k, v in b.master.state_tensors().items()},
-             "exp_avg": b.exp_avg.clone(), "exp_avg_sq": b.exp_avg_sq.clone(), "lag": list(b.lag)}
+             **{k: v.clone() for k, v in b.moments.tensors().items()}, "lag": list(b.lag)}
             for b in opt._buffers
         ],
     }
@@ -43,6 +44,10 @@ def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
                          f"{opt._comm.rank} of {opt._comm.world_size}: a ShardedAdamW's state_dict() is one rank's "
                          "shard. Save the whole state with opt.consolidate_state_dict() before state_dict() (it "
                          "loads at any world size), or use shardopt.save_checkpoint / load_checkpoint")
+    if sd.get("moments", "fp32") != opt.config.moments:
+        raise ValueError(f"state dict was saved with moments={sd.get('moments', 'fp32')!r}, this optimizer uses "
+                         f"{opt.config.moments!r}; save with shardopt.save_checkpoint (moments stored as fp32) to "
+                         "change modes")
     if sd["master_weights"] != opt.config.master_weights:
         raise ValueError(f"state dict was saved with master_weights={sd['master_weights']!r}, this optimizer "
                          f"uses {opt.config.master_weights!r}")
@@ -65,8 +70,8 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
     world size it came from, and write the restored master weights into the model. Every rank
     (the weights are all-gathered)."""
     for saved, b in zip(sd["buffers"], opt._buffers):
-        b.exp_avg.copy_(saved["exp_avg"])
-        b.exp_avg_sq.copy_(saved["exp_avg_sq"])
+        for k, t in b.moments.tensors().items():
+            t.copy_(saved[k])
         b.master.load_state_tensors(saved)
         b.lag = [int(x) for x in saved.get("lag", [0] * len(b.lag))]
     for g, saved in zip(opt.param_groups, sd["param_groups"]):

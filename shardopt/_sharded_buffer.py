@@ -5,6 +5,7 @@ and the Adam moments of this rank's shard. Holds no math of its own.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -19,20 +20,19 @@ from shardopt._reducer import GradReducer
 from shardopt._buffer_model import replay_buffers
 from shardopt.kernels import make_scalars, select
 from shardopt.master import make_master
+from shardopt.moments import make_moments, moment_alignment
 from shardopt.memory import MemoryReport, predict_bytes
 
 
 class ShardedBuffer:
     """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
 
-    exp_avg: Tensor  # 1D fp32, this rank's shard
-    exp_avg_sq: Tensor  # 1D fp32, this rank's shard
-
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
                  config: ShardConfig, names: Sequence[str]) -> None:
         self.comm, self.config = comm, config
         element_size = params[0].element_size()
-        self.layout = build_layout([p.shape for p in params], comm.world_size, alignment=config.alignment,
+        alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
+        self.layout = build_layout([p.shape for p in params], comm.world_size, alignment=alignment,
                                    bucket_numel=config.bucket_numel(element_size))
         self.group_of = list(group_of)  # param-group index of each parameter, in buffer order
         self.flat = FlatParams(params, self.layout)
@@ -46,9 +46,7 @@ class ShardedBuffer:
         self._all_used_keys = tuple((g, 0) for g in self.group_of)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
                                   global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
-        n = self.layout.shard_numel
-        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=self.flat.device)
+        self.moments = make_moments(config.moments, self.layout.shard_numel, self.flat.device)
         self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
@@ -80,7 +78,7 @@ class ShardedBuffer:
             scalars = make_scalars(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
                                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
                                    device=self.flat.device)
-            self.master.update_(r, grad[s], self.exp_avg[s], self.exp_avg_sq[s], scalars, step - lag)
+            self.master.update_(r, grad[s], *self.moments.operands(r), scalars, step - lag)
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
 
@@ -114,9 +112,8 @@ class ShardedBuffer:
 
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         predicted = predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
-                                  param_dtype=self.dtype, master_weights=self.master.name)
+                                  param_dtype=self.dtype, master_weights=self.master.name, moments=self.moments.name)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.rank, self.reducer.arrival or None,
@@ -128,7 +125,7 @@ class ShardedBuffer:
             predicted["buffers"] += self.layout.shard_numel * self.reducer.accumulate_dtype.itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
-            exp_avg=nbytes(self.exp_avg), exp_avg_sq=nbytes(self.exp_avg_sq), extra=self.master.extra_bytes,
+            exp_avg=self.moments.exp_avg_bytes, exp_avg_sq=self.moments.exp_avg_sq_bytes, extra=self.master.extra_bytes,
             buffers=self.reducer.staging_peak_bytes, grads_peak=self.reducer.grad_peak_bytes,
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,

@@ -226,6 +226,7 @@ def _blocks_to_save(entries: list[_Entry], rank: int) -> list[Block]:
     blocks: list[Block] = []
     pieces: dict[int, dict[int, Any]] = {}
     masters: dict[int, Tensor] = {}
+    moments: dict[int, tuple[Tensor, Tensor]] = {}
     for e in entries:
         if e.where is None:
             if rank == 0:  # replicated on every rank: one copy is enough
@@ -234,6 +235,7 @@ def _blocks_to_save(entries: list[_Entry], rank: int) -> list[Block]:
         b, i = e.where
         if id(b) not in pieces:
             pieces[id(b)], masters[id(b)] = _pieces(b, rank), b.master.fp32()
+            moments[id(b)] = b.moments.fp32()  # stored as fp32 whatever the moments mode
         piece = pieces[id(b)].get(i)
         if piece is None:
             continue
@@ -241,8 +243,8 @@ def _blocks_to_save(entries: list[_Entry], rank: int) -> list[Block]:
         blocks += blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
         if b.dtype != torch.float32:
             blocks += blocks_of(MASTER + e.key, shape, r, masters[id(b)][local])
-        blocks += blocks_of(EXP_AVG + e.key, shape, r, b.exp_avg[local])
-        blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, b.exp_avg_sq[local])
+        blocks += blocks_of(EXP_AVG + e.key, shape, r, moments[id(b)][0][local])
+        blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, moments[id(b)][1][local])
     return blocks
 
 
@@ -305,10 +307,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     staging: dict[int, Tensor] = {}
     blocks: list[Block] = []
     with torch.no_grad():
+        moments: dict[int, tuple[Tensor, Tensor]] = {}  # fp32, encoded into the moments mode once read
         for b in opt._buffers if opt is not None else []:
-            b.exp_avg.zero_()
-            b.exp_avg_sq.zero_()
             staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
+            moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(2))
         pieces = {id(b): _pieces(b, comm.rank) for b in (opt._buffers if opt is not None else [])}
         for e in entries:
             s = manifest["tensors"][e.key]
@@ -326,9 +328,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
             shape, r, local = tuple(s["shape"]), piece.param_range, piece.local_range.as_slice()
             blocks += blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
             if s["sharded"]:  # else it was frozen when saved: its moments start at zero
-                blocks += blocks_of(EXP_AVG + e.key, shape, r, b.exp_avg[local])
-                blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, b.exp_avg_sq[local])
+                blocks += blocks_of(EXP_AVG + e.key, shape, r, moments[id(b)][0][local])
+                blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, moments[id(b)][1][local])
         read_blocks(path, blocks, comm.group)
+        for b in opt._buffers if opt is not None else []:
+            b.moments.load_(*moments[id(b)])
         for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write
             torch.autograd.graph.increment_version(e.tensor)
         if opt is not None:

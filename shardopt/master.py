@@ -27,6 +27,8 @@ from shardopt._layout import Range
 from shardopt.kernels import Kernels, reference, select
 from shardopt.kernels.reference import Scalars, round_to_dtype
 
+Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales)
+
 
 class MasterWeights(abc.ABC):
     """Base: the interface every strategy implements."""
@@ -41,8 +43,20 @@ class MasterWeights(abc.ABC):
         self.seed = seed
 
     @abc.abstractmethod
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
-        """AdamW over local range ``r`` (``grad`` and the moments are already sliced to ``r``)."""
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+        """AdamW over local range ``r`` (``grad`` and the moments' operands, see ``shardopt.moments``,
+        are already sliced to ``r``)."""
+
+    def _key(self, r: Range, step: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The random-bit key of local range ``r`` at ``step``: (seed, step, global offset), int64."""
+        dev = self.param_shard.device
+        return tuple(torch.tensor(v, dtype=torch.int64, device=dev)  # type: ignore[return-value]
+                     for v in (self.seed, step, self.global_offset + r.start))
+
+    def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The key, when the moments are rounded stochastically (not fp32)."""
+        dense32 = isinstance(exp_avg, Tensor) and exp_avg.dtype == torch.float32
+        return None if dense32 else self._key(r, step)
 
     def fp32(self) -> Tensor:
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
@@ -77,9 +91,10 @@ class FP32Master(MasterWeights):
         self.owns_copy = param_shard.dtype != torch.float32
         self.master: Tensor = param_shard.float().clone() if self.owns_copy else param_shard  # 1D fp32; aliases param_shard for fp32 params
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         out = self.param_shard[r.as_slice()] if self.owns_copy else None
-        self.kernels.step_fp32(self.master[r.as_slice()], grad, exp_avg, exp_avg_sq, s, out)
+        self.kernels.step_fp32(self.master[r.as_slice()], grad, exp_avg, exp_avg_sq, s, out,
+                               self._moment_key(r, step, exp_avg))
 
     def fp32(self) -> Tensor:
         return self.master
@@ -112,9 +127,10 @@ class RemainderMaster(MasterWeights):
             return reference.encode_bf16, reference.decode_bf16
         return reference.encode_fp16, reference.decode_fp16
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         sl = r.as_slice()
-        self.kernels.step_remainder(self.param_shard[sl], self.remainder[sl], grad, exp_avg, exp_avg_sq, s)
+        self.kernels.step_remainder(self.param_shard[sl], self.remainder[sl], grad, exp_avg, exp_avg_sq, s,
+                                    self._moment_key(r, step, exp_avg))
 
     def fp32(self) -> Tensor:
         return self._codec()[1](self.param_shard, self.remainder)
@@ -144,17 +160,16 @@ class RemainderMaster(MasterWeights):
 class StochasticMaster(MasterWeights):
     name = "stochastic"
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
-        dev = self.param_shard.device
-        key = [torch.tensor(v, dtype=torch.int64, device=dev) for v in (self.seed, step, self.global_offset + r.start)]
-        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, *key)
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, *self._key(r, step))
 
 
 class NoMaster(MasterWeights):
     name = "none"
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, s: Scalars, step: int) -> None:
-        self.kernels.step_none(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s)
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+        self.kernels.step_none(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s,
+                               self._moment_key(r, step, exp_avg))
 
 
 STRATEGIES: dict[str, type[MasterWeights]] = {

@@ -3,7 +3,8 @@
 Categories (all in bytes, on one rank):
 ``params`` 16-bit (or fp32) model weights, replicated; ``grads`` gradient storage (stage 1: full,
 stage 2: this rank's shard); ``master`` fp32 master shard (none for fp32 parameters, whose shard
-is its own master); ``exp_avg`` / ``exp_avg_sq`` fp32 Adam moments, sharded; ``extra`` other
+is its own master); ``exp_avg`` / ``exp_avg_sq`` Adam moments, sharded (fp32, bf16, or 8-bit codes
+plus their block scales: see ``shardopt.moments``); ``extra`` other
 per-element state of the master-weight mode (e.g. remainders); ``buffers`` communication
 buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumulation
 (high-water mark). ``peak`` holds each category's high-water mark since the optimizer was built
@@ -15,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from shardopt.kernels.reference import MOMENT_BLOCK
 
 CATEGORIES = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
 
@@ -93,7 +96,7 @@ class MemoryReport:
 
 def predict_bytes(
     num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32",
-    bucket_cap_bytes: float = 0.0, staging_buckets: int = 3,
+    moments: str = "fp32", bucket_cap_bytes: float = 0.0, staging_buckets: int = 3,
 ) -> dict[str, int]:
     """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
 
@@ -110,12 +113,18 @@ def predict_bytes(
 
     master = {"fp32": 4, "remainder": 0, "stochastic": 0, "none": 0}[master_weights] if sixteen_bit else 0
     extra = 2 if (sixteen_bit and master_weights == "remainder") else 0
+
+    def moment() -> int:  # one moment: fp32, bf16, or one byte per element plus an fp32 scale per block
+        if moments == "8bit":
+            n = -(-num_params // world_size)
+            return n + 4 * -(-n // MOMENT_BLOCK)
+        return shard({"fp32": 4, "bf16": 2}[moments])
     return {
         "params": num_params * psize,
         "grads": num_params * psize if stage == 1 else shard(psize),
         "master": shard(master),
-        "exp_avg": shard(4),
-        "exp_avg_sq": shard(4),
+        "exp_avg": moment(),
+        "exp_avg_sq": moment(),
         "extra": shard(extra),
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }

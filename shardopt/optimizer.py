@@ -53,6 +53,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         *,
         stage: int = 2,
         master_weights: str = "fp32",
+        moments: str = "fp32",
         loss_scale: str | float | LossScaler | None = "auto",
         process_group: ProcessGroup = None,
         bucket_cap_mb: float = 25.0,
@@ -63,7 +64,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         timeout: float | None = None,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
-        self.config = ShardConfig(stage=stage, master_weights=master_weights, bucket_cap_mb=bucket_cap_mb,
+        self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout)
         make_scaler(loss_scale, set())  # validate before any communication

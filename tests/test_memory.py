@@ -33,7 +33,7 @@ def memory_case(stage: int) -> dict:
     held = {}
     for b in opt._buffers:
         held["master"] = held.get("master", 0) + (b.master.master.numel() * 4 if b.master.owns_copy else 0)
-        held["exp"] = held.get("exp", 0) + b.exp_avg.nbytes + b.exp_avg_sq.nbytes
+        held["exp"] = held.get("exp", 0) + sum(t.untyped_storage().nbytes() for t in b.moments.tensors().values())
         g = b.reducer.flat_grad if stage == 1 else b.reducer.grad_shard
         held["grads"] = held.get("grads", 0) + g.untyped_storage().nbytes()
         held["params"] = held.get("params", 0) + b.flat.data.untyped_storage().nbytes()

@@ -53,6 +53,7 @@ from shardopt._buffer_model import replay_buffers
 from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
+from shardopt.moments import MOMENTS, moment_alignment
 from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "DTYPES", "BACKENDS"]
@@ -74,6 +75,7 @@ class MemoryEstimate:
     stage: int
     master_weights: str
     param_dtype: torch.dtype
+    moments: str  # how the Adam moments are stored (see shardopt.moments)
     padded_numel: int  # elements of the flat buffer, padding included
     params: int
     grads: int
@@ -119,7 +121,8 @@ class MemoryEstimate:
     def __str__(self) -> str:
         per, gib = max(self.num_params, 1), 2.0**30
         rows = [f"{self.num_params:,} parameters ({_dtype_name(self.param_dtype)}), {self.world_size} ranks, "
-                f"stage {self.stage}, master_weights={self.master_weights} (bytes on one rank; GiB = 2^30 bytes)",
+                f"stage {self.stage}, master_weights={self.master_weights}, moments={self.moments} "
+                "(bytes on one rank; GiB = 2^30 bytes)",
                 f"| {'category':<10} | {'GiB':>10} | {'B/param':>7} | {'DDP + AdamW GiB':>15} |",
                 f"|{'-' * 12}|{'-' * 12}|{'-' * 9}|{'-' * 17}|"]
         for c in CATEGORIES + ("total",):
@@ -179,6 +182,7 @@ def estimate_memory(
     backend: str = "nccl",
     rank: int | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
+    moments: str = "fp32",
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -190,7 +194,8 @@ def estimate_memory(
     in the order their gradients become ready in backward, e.g. the reverse of registration order);
     without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
-    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs). Needs no process
+    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); ``moments`` as in
+    ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``). Needs no process
     group; call it anywhere.
     """
     world_size = _as_count("world_size", world_size, 1)
@@ -198,6 +203,9 @@ def estimate_memory(
         raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
     if master_weights not in STRATEGIES:
         raise ValueError(f"unknown master_weights={master_weights!r}; choose one of {sorted(STRATEGIES)}")
+    if moments not in MOMENTS:
+        raise ValueError(f"unknown moments={moments!r}; choose one of {sorted(MOMENTS)}")
+    alignment = math.lcm(alignment, moment_alignment(moments))  # as ShardedAdamW lays the buffer out
     dtype = _as_dtype(param_dtype)
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
         raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {bucket_cap_mb=!r}")
@@ -243,11 +251,11 @@ def estimate_memory(
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
-    formula = predict_bytes(padded, world_size, stage=stage, param_dtype=dtype, master_weights=mode)
+    formula = predict_bytes(padded, world_size, stage=stage, param_dtype=dtype, master_weights=mode, moments=moments)
     formula["buffers"] = buffers
     nbytes = padded * psize
     return MemoryEstimate(
-        num_params=num_params, world_size=world_size, stage=stage, master_weights=mode, param_dtype=dtype,
+        num_params=num_params, world_size=world_size, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
         padded_numel=padded, **formula, backend=backend, rank=chosen, buffers_slack=slack,
         comm_reduce=_ring(world_size, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(world_size, nbytes, 1),
         ddp=ddp_adamw_bytes(num_params, dtype), ddp_comm=_ring(world_size, num_params * psize, 2))

@@ -17,6 +17,7 @@ import sys
 
 from shardopt.estimate import BACKENDS, DTYPES, MemoryEstimate, estimate_memory
 from shardopt.master import STRATEGIES
+from shardopt.moments import MOMENTS
 
 GIB = 2.0**30
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -39,6 +40,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stage", type=int, nargs="+", choices=(1, 2), default=[1, 2])
     p.add_argument("--master-weights", nargs="+", choices=sorted(STRATEGIES),
                    default=["fp32", "remainder", "stochastic", "none"])
+    p.add_argument("--moments", choices=sorted(MOMENTS), default="fp32",
+                   help="how the Adam moments are stored (ShardedAdamW's moments=)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="MiB, as in ShardedAdamW")
     p.add_argument("--backend", choices=BACKENDS, default="nccl", help="collectives whose buffers to count")
@@ -68,7 +71,7 @@ def _markdown(rows: list[list[str]]) -> str:
 def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend)
+              backend=args.backend, moments=args.moments)
     ests = [estimate_memory(n, world, s, m, **kw) for s in args.stage for m in args.master_weights]
     head = ["scheme", "params", "grads", "master", "moments", "extra", "buffers", "total GiB", "B/param",
             "sent/step GB", f"floor @{args.bandwidth:g} GB/s"]
@@ -80,7 +83,7 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
                 + [_fmt_gib(first.ddp_total, args.gpu_memory), f"{first.ddp_total / n:.2f}",
                    f"{first.ddp_comm / 1e9:,.2f}", f"{first.ddp_comm / (args.bandwidth * 1e9):.3f} s"])
     for e in ests:
-        rows.append([f"stage {e.stage}, {e.master_weights}"]
+        rows.append([f"stage {e.stage}, {e.master_weights}" + (f", {e.moments} moments" if e.moments != "fp32" else "")]
                     + [_fmt_gib(v, None) for v in (e.params, e.grads, e.master, e.exp_avg + e.exp_avg_sq,
                                                    e.extra, e.buffers)]
                     + [_fmt_gib(e.total, args.gpu_memory), f"{e.bytes_per_param:.2f}", f"{e.comm_bytes / 1e9:,.2f}",
@@ -93,7 +96,7 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
 def compact_table(args: argparse.Namespace) -> str:
     """One row per (parameters, world size): total GiB per rank for each scheme, traffic and floor."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend)
+              backend=args.backend, moments=args.moments)
     modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
     schemes = [(s, m) for s in args.stage for m in modes]
     head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}" for s, m in schemes]

@@ -31,6 +31,31 @@ distance, so E[round(w)] = w. The random bits come from a counter-based hash of 
 global element offset): the same element gets the same bits whatever the number of ranks, and a
 resumed run repeats exactly. Only as many random bits are used as the rounding discards, so the
 floor below is exact and the rounding unbiased (for normal numbers).
+
+[Note: 16-bit moments]
+With ``moments="bf16"`` both moments are stored in bf16 (8 significant bits). ``exp_avg`` is
+rounded to nearest: it moves by ``1 - beta1`` (10%) of the way to each new gradient, far more than
+its rounding. ``exp_avg_sq`` is rounded stochastically (stream 2 of the random bits): with
+``beta2 = 0.999`` its decay ``v * 0.999`` is below half an ulp of ``v``, so round to nearest gives
+back ``v`` and a large gradient, once seen, never decays: measured after a spike, nearest left
+``v`` 19x too large after 3000 steps (the updates 4.4x too small), stochastic rounding within 0.4%
+(``benchmarks/bench_fidelity.py``, moments micro).
+
+[Note: 8-bit moments]
+With ``moments="8bit"`` each moment is one byte per element plus one fp32 scale per block of
+``MOMENT_BLOCK`` elements. A block is a run of elements in the flat buffer's global coordinates;
+the layout aligns every parameter and every shard boundary to ``MOMENT_BLOCK``, so a block never
+holds two parameters (a small-gradient tensor quantised against a large one loses its
+``exp_avg_sq`` while its ``exp_avg`` survives: oversized updates) and is the same set of elements
+at any world size. The code, chosen by measurement on a recorded GPT gradient stream:
+``exp_avg`` linear, ``round(m / max|m| * 127)`` in int8; ``exp_avg_sq`` through its square root,
+linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8 (the square root halves the dynamic range
+and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
+elements per run). Both rounded stochastically (streams 1 and 2): as with bf16, round to nearest
+leaves a decaying element at its old code for good. Decoding clamps ``|m|`` to the bound exact
+Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
+over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
+rather than ``m / eps``.
 """
 from __future__ import annotations
 
@@ -40,6 +65,8 @@ from torch import Tensor
 Scalars = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 _MASK32 = 0xFFFFFFFF
+MOMENT_BLOCK = 64  # elements per scale of the 8-bit moments (see [Note: 8-bit moments])
+_TINY = 1e-38
 
 
 def make_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
@@ -110,11 +137,12 @@ def decode_fp16(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(q == 0, base, base + q.float() * _fp16_residual_scale(p))  # keeps -0.0 negative
 
 
-def random_bits(seed: Tensor, step: Tensor, offset: Tensor, n: int) -> Tensor:
+def random_bits(seed: Tensor, step: Tensor, offset: Tensor, n: int, stream: int = 0) -> Tensor:
     """``n`` pseudo-random 32-bit values (int64 in [0, 2**32)) for global elements offset..offset+n-1
-    at ``step``: a counter-based integer hash, so no state beyond (seed, step, offset)."""
+    at ``step``: a counter-based integer hash, so no state beyond (seed, step, offset). ``stream``
+    0 rounds the weights, 1 and 2 the moments."""
     idx = torch.arange(n, dtype=torch.int64, device=offset.device) + offset
-    x = (idx * 0x9E3779B1 + step * 0x632BE5AB + seed * 0x2545F491) & _MASK32
+    x = (idx * 0x9E3779B1 + step * 0x632BE5AB + seed * 0x2545F491 + stream * 0x68E31DA4) & _MASK32
     for mul in (0x7FEB352D, 0x5BD1E995):  # multipliers below 2**31 keep every product inside int64
         x = x ^ (x >> 16)
         x = (x * mul) & _MASK32
@@ -131,46 +159,119 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     return (torch.floor(x / ulp + u) * ulp).to(dtype)
 
 
+# -- moments: fp32, bf16 or 8-bit (see shardopt.moments) -----------------------------------
+Key = tuple[Tensor, Tensor, Tensor]  # (seed, step, global offset of the range's first element), int64
+
+
+def _uniform(key: Key, n: int, stream: int) -> Tensor:
+    seed, step, offset = key
+    return (random_bits(seed, step, offset, n, stream) >> 8).float() * 2.0 ** -24  # [0, 1)
+
+
+def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+    """fp32 moments (1-D, whole blocks) -> ((int8 codes, scales), (uint8 codes, scales)), rounded
+    stochastically with ``key``, to nearest without (see [Note: 8-bit moments])."""
+    mb, rb = m.view(-1, MOMENT_BLOCK), v.sqrt().view(-1, MOMENT_BLOCK)
+    m_scale, v_scale = mb.abs().amax(1), rb.amax(1)
+    qm = mb / m_scale.clamp_min(_TINY)[:, None] * 127.0
+    qv = rb / v_scale.clamp_min(_TINY)[:, None] * 255.0
+    if key is None:
+        um = uv = 0.5
+    else:
+        um = _uniform(key, m.numel(), 1).view(-1, MOMENT_BLOCK)
+        uv = _uniform(key, m.numel(), 2).view(-1, MOMENT_BLOCK)
+    m_codes = torch.floor(qm + um).clamp(-127.0, 127.0).to(torch.int8).flatten()
+    v_codes = torch.floor(qv + uv).clamp(0.0, 255.0).to(torch.uint8).flatten()
+    return (m_codes, m_scale), (v_codes, v_scale)
+
+
+def decode_moment8(m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """The inverse of :func:`encode_moment8`, to fp32 (without the clamp of :func:`load_moments`)."""
+    m = (m_codes.view(-1, MOMENT_BLOCK).float() * (m_scale / 127.0)[:, None]).flatten()
+    r = v_codes.view(-1, MOMENT_BLOCK).float() * (v_scale / 255.0)[:, None]
+    return m, (r * r).flatten()
+
+
+def moment_ratio_bound(s: Scalars) -> Tensor:
+    """The most ``|exp_avg| / sqrt(exp_avg_sq)`` can be in exact Adam for these betas (inf when
+    ``beta1**2 >= beta2``), with 1% to spare for rounding."""
+    one_minus_beta1, beta2, one_minus_beta2 = s[1], s[2], s[3]
+    beta1 = 1.0 - one_minus_beta1
+    den = one_minus_beta2 * (1.0 - beta1 * beta1 / beta2)
+    return torch.where(den > 0, 1.01 * one_minus_beta1 / den.clamp_min(_TINY).sqrt(),
+                       torch.full_like(den, float("inf")))
+
+
+def load_moments(m: Tensor | tuple, v: Tensor | tuple, s: Scalars) -> tuple[Tensor, Tensor]:
+    """The stored moments (tensors in fp32 or bf16, or 8-bit (codes, scales) pairs) as fp32."""
+    if isinstance(m, tuple):
+        m32, v32 = decode_moment8(m[0], m[1], v[0], v[1])
+        bound = moment_ratio_bound(s) * v32.sqrt()
+        return torch.minimum(torch.maximum(m32, -bound), bound), v32
+    return m.float(), v.float()
+
+
+def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tensor, key: Key | None) -> None:
+    """Write fp32 moments back in the stored form (see [Note: 16-bit moments], [Note: 8-bit moments])."""
+    if isinstance(m, tuple):
+        (mq, ms), (vq, vs) = encode_moment8(m32, v32, key)
+        m[0].copy_(mq)
+        m[1].copy_(ms)
+        v[0].copy_(vq)
+        v[1].copy_(vs)
+    elif m.dtype == torch.float32:
+        m.copy_(m32)
+        v.copy_(v32)
+    else:
+        m.copy_(m32)
+        seed, step, offset = key
+        v.copy_(stochastic_round(v32, v.dtype, random_bits(seed, step, offset, v32.numel(), 2)))
+
+
 # -- one step per master-weight mode: decode, AdamW, encode, in place -----------------------
-def step_fp32(master: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars, param_out: Tensor | None) -> None:
-    """fp32 master (updated in place); the rounded weight goes to ``param_out`` when given."""
-    w, m_new, v_new = adamw_math(master, grad, m, v, s)
+def step_fp32(master: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
+              param_out: Tensor | None, key: Key | None = None) -> None:
+    """fp32 master (updated in place); the rounded weight goes to ``param_out`` when given. ``m``,
+    ``v``: the stored moments (see :func:`load_moments`); ``key``: their random bits unless fp32."""
+    m32, v32 = load_moments(m, v, s)
+    w, m_new, v_new = adamw_math(master, grad, m32, v32, s)
     master.copy_(w)
-    m.copy_(m_new)
-    v.copy_(v_new)
+    store_moments_(m, v, m_new, v_new, key)
     if param_out is not None:
         param_out.copy_(round_to_dtype(w, param_out.dtype))
 
 
-def step_remainder(param: Tensor, rem: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> None:
+def step_remainder(param: Tensor, rem: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
+                   key: Key | None = None) -> None:
     """16-bit weight + int16 remainder hold the exact fp32 master."""
+    m32, v32 = load_moments(m, v, s)
     if param.dtype == torch.bfloat16:
-        w, m_new, v_new = adamw_math(decode_bf16(param, rem), grad, m, v, s)
+        w, m_new, v_new = adamw_math(decode_bf16(param, rem), grad, m32, v32, s)
         hi, lo = encode_bf16(w)
     else:
-        w, m_new, v_new = adamw_math(decode_fp16(param, rem), grad, m, v, s)
+        w, m_new, v_new = adamw_math(decode_fp16(param, rem), grad, m32, v32, s)
         hi, lo = encode_fp16(w)
     param.copy_(hi)
     rem.copy_(lo)
-    m.copy_(m_new)
-    v.copy_(v_new)
+    store_moments_(m, v, m_new, v_new, key)
 
 
-def step_stochastic(param: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars, seed: Tensor, step: Tensor,
-                    offset: Tensor) -> None:
+def step_stochastic(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars, seed: Tensor,
+                    step: Tensor, offset: Tensor) -> None:
     """No master: the fp32 result is rounded stochastically into the 16-bit weight."""
-    w, m_new, v_new = adamw_math(param.float(), grad, m, v, s)
+    m32, v32 = load_moments(m, v, s)
+    w, m_new, v_new = adamw_math(param.float(), grad, m32, v32, s)
     param.copy_(stochastic_round(w, param.dtype, random_bits(seed, step, offset, param.numel())))
-    m.copy_(m_new)
-    v.copy_(v_new)
+    store_moments_(m, v, m_new, v_new, (seed, step, offset))
 
 
-def step_none(param: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> None:
+def step_none(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
+              key: Key | None = None) -> None:
     """No master: fp32 recomputed from the 16-bit weight, rounded to nearest again (lossy)."""
-    w, m_new, v_new = adamw_math(param.float(), grad, m, v, s)
+    m32, v32 = load_moments(m, v, s)
+    w, m_new, v_new = adamw_math(param.float(), grad, m32, v32, s)
     param.copy_(round_to_dtype(w, param.dtype))
-    m.copy_(m_new)
-    v.copy_(v_new)
+    store_moments_(m, v, m_new, v_new, key)
 
 
 def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float, beta1: float,
