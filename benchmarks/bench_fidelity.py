@@ -12,6 +12,13 @@ mode and 16-bit dtype, under a cosine schedule that decays the learning rate 100
 is emulated on CPU: weights are stored in 16 bits, activations (and their gradients) are rounded
 to 16 bits between blocks, matmuls accumulate in fp32. Repeated over seeds to show the noise.
 Prints markdown tables and writes benchmarks/results/fidelity.md and fidelity.png.
+
+    python benchmarks/bench_fidelity.py --part moments    # the moments modes, about 5 minutes
+
+Moments: the same GPT with bf16 weights and the exact (remainder) master, each ``moments`` mode,
+over --moment-seeds seeds; the validation loss against fp32 moments' on the same seed (a paired
+difference) beside the seed-to-seed spread of fp32 moments themselves, and a micro measurement
+of why ``exp_avg_sq`` is rounded stochastically. Writes benchmarks/results/fidelity_moments.md.
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
 from shardopt._layout import Range  # noqa: E402
-from shardopt.kernels import make_scalars, select  # noqa: E402
+from shardopt.kernels import make_scalars, reference, select  # noqa: E402
 from shardopt.master import make_master  # noqa: E402
 
 MODES = ("fp32", "remainder", "stochastic", "none")
@@ -63,12 +70,13 @@ def micro(steps: int) -> list[str]:
     return rows
 
 
-def train(mode: str, dtype: torch.dtype, seed: int, steps: int, data: torch.Tensor) -> tuple[list[float], float]:
+def train(mode: str, dtype: torch.dtype, seed: int, steps: int, data: torch.Tensor,
+          moments: str = "fp32") -> tuple[list[float], float]:
     torch.manual_seed(seed)
     cfg = GPTConfig(block_size=64, n_layer=2, n_head=4, n_embd=64, activation_dtype=dtype)
     model = GPT(cfg).to(dtype)
     opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=3e-3, betas=(0.9, 0.95), master_weights=mode,
-                                seed=seed, loss_scale="auto")
+                                moments=moments, seed=seed, loss_scale="auto")
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.01 + 0.99 * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
@@ -95,17 +103,91 @@ def train(mode: str, dtype: torch.dtype, seed: int, steps: int, data: torch.Tens
     return curve, val
 
 
+def moments_micro(steps: int = 3000) -> list[str]:
+    """exp_avg_sq after a gradient spike: 1.0, then gradients of 1e-3 with beta2 = 0.999, stored
+    each step as each mode stores it (the reference codecs, the same random bits as training)."""
+    n = 64 * 64
+    rows = ["| stored as | exp_avg_sq after 3000 steps | exact (fp32) | ratio |", "|---|---:|---:|---:|"]
+    exact = None
+    for name in ("fp32", "bf16, to nearest", "bf16, stochastic (shardopt)", "8-bit, to nearest",
+                 "8-bit, stochastic (shardopt)"):
+        v = torch.zeros(n)
+        v[1::64] = 1.0  # the spiked element of each block
+        g2 = torch.full((n,), 1e-6)
+        g2[::64] = 1.0  # one element per block keeps a large gradient: the block's scale
+        for step in range(steps):
+            v = v * 0.999 + 0.001 * g2
+            key = (torch.tensor(0), torch.tensor(step), torch.tensor(0))
+            if name.startswith("bf16, to"):
+                v = v.bfloat16().float()
+            elif name.startswith("bf16, st"):
+                v = reference.stochastic_round(v, torch.bfloat16, reference.random_bits(*key, n, 2)).float()
+            elif name.startswith("8-bit"):
+                codes = reference.encode_moment8(torch.zeros(n), v, None if "nearest" in name else key)
+                v = reference.decode_moment8(*codes[0], *codes[1])[1]
+        got = float(v[1::64].mean())
+        exact = got if name == "fp32" else exact
+        rows.append(f"| {name} | {got:.3e} | {exact:.3e} | {got / exact:.2f}x |")
+        print(rows[-1], flush=True)
+    return rows
+
+
+def moments_part(args: argparse.Namespace, data: torch.Tensor) -> None:
+    print("## Moments micro: exp_avg_sq decaying after a spike\n", flush=True)
+    micro_rows = moments_micro()
+    print("\n## Moments: small GPT, bf16 weights, remainder master\n", flush=True)
+    kinds = ("fp32", "bf16", "8bit")
+    per = {"fp32": 8, "bf16": 4, "8bit": 2.125}
+    vals = {}
+    for m in kinds:
+        t = time.perf_counter()
+        vals[m] = [train("remainder", torch.bfloat16, seed, args.real_steps, data, moments=m)[1]
+                   for seed in range(args.moment_seeds)]
+        print(m, [f"{v:.4f}" for v in vals[m]], f"({time.perf_counter() - t:.0f}s)", flush=True)
+    ref = vals["fp32"]
+    mean = sum(ref) / len(ref)
+    spread = (sum((v - mean) ** 2 for v in ref) / max(len(ref) - 1, 1)) ** 0.5
+    rows = ["| moments | bytes/param (both, sharded) | val loss per seed | paired diff vs fp32 per seed | mean diff | "
+            "fp32 seed-to-seed std | within the spread |", "|---|---:|---|---|---:|---:|---|"]
+    for m in kinds:
+        diffs = [v - r for v, r in zip(vals[m], ref)]
+        md = sum(diffs) / len(diffs)
+        rows.append(f"| {m} | {per[m]:g} | {' / '.join(f'{v:.4f}' for v in vals[m])} | "
+                    f"{' / '.join(f'{d:+.4f}' for d in diffs)} | {md:+.4f} | {spread:.4f} | "
+                    f"{'yes' if abs(md) <= spread else 'no'} |")
+        print(rows[-1], flush=True)
+    text = (f"# Moments fidelity\n\nCommand: `python benchmarks/bench_fidelity.py --part moments --real-steps "
+            f"{args.real_steps} --moment-seeds {args.moment_seeds}` (torch {torch.__version__})\n\n"
+            "## Micro: exp_avg_sq after a spike\n\nOne element per 64-element block keeps a gradient of 1 (the "
+            "block's scale), another had exp_avg_sq = 1 and then gets gradients of 1e-3; beta2 = 0.999. "
+            "Stored each step as each mode stores it.\n\n" + "\n".join(micro_rows) +
+            "\n\n## Small GPT: validation loss per moments mode\n\nbf16 weights, remainder (exact) master, "
+            f"{args.real_steps} steps, lr decayed 100x; the same seeds (data order and initialisation) for every "
+            "mode, so the difference is paired.\n\n" + "\n".join(rows) + "\n")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "fidelity_moments.md"), "w") as f:
+        f.write(text)
+    print(f"written to {os.path.join(args.out, 'fidelity_moments.md')}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--micro-steps", type=int, default=3000)
     ap.add_argument("--real-steps", type=int, default=400)
     ap.add_argument("--seeds", type=int, default=2)
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--part", choices=("all", "masters", "moments"), default="all")
+    ap.add_argument("--moment-seeds", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("SHARDOPT_KERNEL", "reference")
     store = os.path.join(tempfile.mkdtemp(), "store")
     dist.init_process_group("gloo", store=dist.FileStore(store, 1), rank=0, world_size=1)
+    if args.part in ("all", "moments"):
+        moments_part(args, load_bytes(None, limit=2 << 20))
+        if args.part == "moments":
+            dist.destroy_process_group()
+            return
     print("## Micro: drift from the fp32 master, as a fraction of the distance travelled\n", flush=True)
     micro_rows = micro(args.micro_steps)
     data = load_bytes(None, limit=2 << 20)

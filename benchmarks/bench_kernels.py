@@ -8,9 +8,10 @@ Every path is first checked against the eager reference on the same inputs, then
 compares with the memory bound measured on the spot: the bandwidth of this machine (bytes read +
 written per second by a large copy, a triad or a compiled streaming kernel, whichever is fastest) divided by the bytes the path must
 read + write per element.
-torch.optim.AdamW(fused=True) on an fp32 master followed by a separate cast to 16 bits is what a
-mixed-precision trainer without a fused cast runs today. Results go to stdout and
-benchmarks/results/kernels.md.
+The torch rows are what a careful mixed-precision trainer writes: a persistent fp32 gradient
+buffer the 16-bit gradient is copied into, torch.optim.AdamW(fused=True) (or foreach) on the fp32
+master, and a copy_ back into the 16-bit weight. ``--moments`` adds a table of every master-weight
+mode with each moments mode (bf16 weights). Results go to stdout and benchmarks/results/kernels.md.
 """
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from shardopt._layout import Range  # noqa: E402
 from shardopt.kernels import make_scalars, reference, select  # noqa: E402
+from shardopt.moments import make_moments  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 
@@ -76,29 +79,40 @@ def make_state(n: int, dtype: torch.dtype) -> dict:
     return {k: v.to(DEVICE) for k, v in st.items()}
 
 
-def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype):
+def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype, moments: str = "fp32"):
     s = make_scalars(**HP, step=10, grad_scale=1.0, device=DEVICE)
     if mode == "remainder":
         st["param"], st["rem"] = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
     seed, step, off = (torch.tensor(v, device=DEVICE) for v in (0, 10, 0))
     out = st["param"] if dtype != torch.float32 else None
+    m, v = st["m"], st["v"]
+    key = None
+    if moments != "fp32":
+        held = make_moments(moments, st["m"].numel(), DEVICE)
+        held.load_(st["m"], st["v"])
+        st["moments"] = held
+        m, v = held.operands(Range(0, st["m"].numel()))
+        key = (seed, step, off)
     return {
-        "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], st["m"], st["v"], s, out),
-        "remainder": lambda: kernels.step_remainder(st["param"], st["rem"], st["grad"], st["m"], st["v"], s),
-        "stochastic": lambda: kernels.step_stochastic(st["param"], st["grad"], st["m"], st["v"], s, seed, step, off),
-        "none": lambda: kernels.step_none(st["param"], st["grad"], st["m"], st["v"], s),
+        "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], m, v, s, out, key),
+        "remainder": lambda: kernels.step_remainder(st["param"], st["rem"], st["grad"], m, v, s, key),
+        "stochastic": lambda: kernels.step_stochastic(st["param"], st["grad"], m, v, s, seed, step, off),
+        "none": lambda: kernels.step_none(st["param"], st["grad"], m, v, s, key),
     }[mode]
 
 
 def torch_path(kind: str, st: dict, dtype: torch.dtype):
-    """torch.optim.AdamW on the fp32 master (grads cast to fp32 first, as it needs), plus the cast."""
+    """torch.optim.AdamW on the fp32 master; 16-bit: the gradient copied into a persistent fp32
+    buffer first (as it needs fp32), the result copied back into the 16-bit weight."""
     p = torch.nn.Parameter(st["master"])
     opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
                             weight_decay=HP["weight_decay"], fused=kind == "fused", foreach=kind == "foreach")
     g32 = st["grad"].float()
+    p.grad = g32
 
     def run() -> None:
-        p.grad = g32 if dtype == torch.float32 else st["grad"].float()
+        if dtype != torch.float32:
+            g32.copy_(st["grad"])
         opt.step()
         if dtype != torch.float32:
             st["param"].copy_(p.detach())
@@ -106,18 +120,23 @@ def torch_path(kind: str, st: dict, dtype: torch.dtype):
     return run
 
 
+# Bytes the moments move per element (read + write both): fp32, bf16, 8-bit codes plus block scales.
+MOMENT_RW = {"fp32": 16.0, "bf16": 8.0, "8bit": 4.0 + 4 * 4 / 64}
+
+
 # Bytes each path must move per element (read + write): master/params, moments, gradient, 16-bit copy.
-def bytes_per_elem(path: str, dtype: torch.dtype) -> int:
+def bytes_per_elem(path: str, dtype: torch.dtype, moments: str = "fp32") -> float:
     g = torch.empty((), dtype=dtype).element_size()
+    mom = MOMENT_RW[moments]
     if path in ("fp32", "reference") or path.startswith("torch"):
-        base = 8 + 16 + g  # master r/w, moments r/w, grad r
+        base = 8 + mom + g  # master r/w, moments r/w, grad r
         extra = 2 if dtype != torch.float32 else 0  # write the 16-bit weight
         if path.startswith("torch") and dtype != torch.float32:
-            extra += 2 * 2 + 4 * 2  # grad cast to fp32 (r 2, w 4), then read by the step (+4, counted), cast r4 w2
+            extra += 2 + 4 + 4  # grad copied into the fp32 buffer (r 2, w 4), weight copied back (r 4)
         return base + extra
     if path == "remainder":
-        return 16 + g + 2 * 2 + 2 * 2  # moments, grad, weight r/w, remainder r/w
-    return 16 + g + 2 * 2  # stochastic / none: moments, grad, weight r/w
+        return mom + g + 2 * 2 + 2 * 2  # moments, grad, weight r/w, remainder r/w
+    return mom + g + 2 * 2  # stochastic / none: moments, grad, weight r/w
 
 
 def validate(dtype: torch.dtype) -> list[str]:
@@ -136,12 +155,33 @@ def validate(dtype: torch.dtype) -> list[str]:
     return notes
 
 
+def moments_table(n: int, bw: float, repeats: int, kinds: list[str]) -> str:
+    """Every master mode with each moments mode, bf16 weights, fused; each checked first."""
+    rows = ["| moments | master | ms/step | Melem/s | bytes/elem | % of bound |", "|---|---|---:|---:|---:|---:|"]
+    dtype, n = torch.bfloat16, n - n % 64  # whole 8-bit blocks
+    for moments in kinds:
+        for mode in ("fp32", "remainder", "stochastic", "none"):
+            a, b = make_state(100_032, dtype), make_state(100_032, dtype)
+            shardopt_path(select("reference"), mode, a, dtype, moments)()
+            shardopt_path(select("fused"), mode, b, dtype, moments)()
+            worst = int((a["param"].view(torch.int16).int() - b["param"].view(torch.int16).int()).abs().max())
+            assert worst <= 1, f"{mode}/{moments}: fused weights differ from the reference by {worst} ulps"
+            t = timed(shardopt_path(select("fused"), mode, make_state(n, dtype), dtype, moments), repeats)
+            by = bytes_per_elem(mode, dtype, moments)
+            rate = n / t
+            rows.append(f"| {moments} | {mode} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {100 * rate * by / bw:.0f}% |")
+            print(rows[-1], flush=True)
+    return "\n".join(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--numel", type=float, default=32e6)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--moments", nargs="*", default=["fp32", "bf16", "8bit"],
+                    help="moments modes of the second table (none: skip it)")
     ap.add_argument("--out", default="", help="results file (default benchmarks/results/kernels[_cuda].md)")
     args = ap.parse_args()
     global DEVICE
@@ -179,12 +219,15 @@ def main() -> None:
                         f"{100 * rate / bound:.0f}% | {base / t:.2f}x |")
     table = "\n".join(rows)
     print("\n" + table)
+    if args.moments:
+        print("\nmoments modes (bf16 weights, fused):", flush=True)
+        table += ("\n\n## Moments modes, bf16 weights (fused)\n\n" + moments_table(n, bw, args.repeats, args.moments))
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         "kernels_cuda.md" if DEVICE.type == "cuda" else "kernels.md")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(f"# Update kernels\n\nCommand: `python benchmarks/bench_kernels.py --numel {args.numel:g} --threads "
-                f"{args.threads} --device {args.device}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
+                f"{args.threads} --device {args.device} --moments {' '.join(args.moments)}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
                 "bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
     print(f"\nwritten to {args.out}")
 

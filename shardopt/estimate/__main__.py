@@ -99,7 +99,8 @@ def compact_table(args: argparse.Namespace) -> str:
               backend=args.backend, moments=args.moments)
     modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
     schemes = [(s, m) for s in args.stage for m in modes]
-    head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}" for s, m in schemes]
+    mom = "" if args.moments == "fp32" else f" ({args.moments} moments)"
+    head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}{mom}" for s, m in schemes]
     head += [f"sent/step GB (DDP, {', '.join(f'S{s}' for s in args.stage)})",
              f"floor @{args.bandwidth:g} GB/s (DDP, {', '.join(f'S{s}' for s in args.stage)})"]
     rows = [head]

@@ -38,8 +38,8 @@ rounded to nearest: it moves by ``1 - beta1`` (10%) of the way to each new gradi
 its rounding. ``exp_avg_sq`` is rounded stochastically (stream 2 of the random bits): with
 ``beta2 = 0.999`` its decay ``v * 0.999`` is below half an ulp of ``v``, so round to nearest gives
 back ``v`` and a large gradient, once seen, never decays: measured after a spike, nearest left
-``v`` 19x too large after 3000 steps (the updates 4.4x too small), stochastic rounding within 0.4%
-(``benchmarks/bench_fidelity.py``, moments micro).
+``v`` 20x too large after 3000 steps (the updates 4.5x too small), stochastic rounding within 0.2%
+(``benchmarks/bench_fidelity.py --part moments``, micro table).
 
 [Note: 8-bit moments]
 With ``moments="8bit"`` each moment is one byte per element plus one fp32 scale per block of
@@ -51,8 +51,9 @@ at any world size. The code, chosen by measurement on a recorded GPT gradient st
 ``exp_avg`` linear, ``round(m / max|m| * 127)`` in int8; ``exp_avg_sq`` through its square root,
 linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8 (the square root halves the dynamic range
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
-elements per run). Both rounded stochastically (streams 1 and 2): as with bf16, round to nearest
-leaves a decaying element at its old code for good. Decoding clamps ``|m|`` to the bound exact
+elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (streams 1
+and 2): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
+too large in the same micro measurement, 1.02x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
 rather than ``m / eps``.
