@@ -27,7 +27,8 @@ In the learning round a rank may reduce a bucket without parameters that the bac
 not show (``count_unshown``, asked by ``_rounds``). A reentrant checkpoint can still give one of
 them a gradient, in a pass nested in that one. That gradient is kept (``_late_grads``; stage 1
 sets such a parameter's ``.grad`` to None after the launch so that it arrives as a tensor of its
-own, then points it back at its view). At the end of the round one all-reduce tells every rank
+own, and again after each such gradient, since another nested pass may add one more; it points
+``.grad`` back at its view when the round ends). At the end of the round one all-reduce tells every rank
 which buckets got such gradients anywhere, and ``make_up`` reduces each of those once more, with
 only the late gradients in it and zeros elsewhere (and on ranks without any), and adds the
 average to what the first reduction gave: the sum of every rank's gradient, rounded once more
@@ -348,7 +349,7 @@ class GradReducer:
             self.used[index] = True
             prev = self._late_grads.get(index)
             self._late_grads[index] = grad if prev is None else prev + grad
-        param.grad = self.flat.param_view(self.flat_grad, index) if self.stage == 1 else None
+        param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
         self._pending = 0
         if self.rounds is not None:
             self.rounds.note_held()
@@ -368,8 +369,8 @@ class GradReducer:
             return  # stage 1: autograd added it to the parameter's view of the flat gradient in place
         raise RuntimeError(
             f"parameter {index} of shape {tuple(param.shape)} got a second gradient in one backward pass (it is used "
-            "both inside and outside a torch.utils.checkpoint with use_reentrant=True) after its bucket was reduced; "
-            "use use_reentrant=False")
+            "both inside and outside a torch.utils.checkpoint with use_reentrant=True, or in two such checkpoints) "
+            "after its bucket was reduced; use use_reentrant=False")
 
     def _note_grad(self, index: int, grad: Tensor | None, keep: bool) -> None:
         """The high-water mark of gradient bytes, with the ``.grad`` autograd just produced for

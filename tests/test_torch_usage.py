@@ -977,11 +977,14 @@ def test_a_second_gradient_after_its_bucket_was_reduced_is_refused(pools):
             assert got is not None and "second gradient in one backward pass" in got[1], (stage, got)
 
 
-def reentrant_differing_graphs_case(stage: int, unused: bool) -> float:
+def reentrant_differing_graphs_case(stage: int, unused: bool, twice: bool = False) -> float:
     """Rank 0's backward reaches a reentrant-checkpointed layer first, rank 1's last: in the first
     backward the outer pass does not show that layer's parameters on either rank, and rank 1 reduces
     its bucket before the nested pass gives it a gradient. With ``unused``, a layer rank 1 does
-    not use comes first in backward. Trained as torch AdamW over DDP-averaged gradients."""
+    not use comes first in backward; with ``twice``, rank 1 applies the checkpointed layer twice
+    (two nested passes, two late gradients), for one step: from the second backward on, a second
+    gradient after its bucket is refused (see test_a_second_gradient_after_its_bucket_was_reduced_is_refused).
+    Trained as torch AdamW over DDP-averaged gradients."""
     from torch.utils.checkpoint import checkpoint
 
     rank = dist.get_rank()
@@ -993,11 +996,12 @@ def reentrant_differing_graphs_case(stage: int, unused: bool) -> float:
     model, ref = layers(), layers()
     opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage, bucket_cap_mb=1100 / 2**20)  # a bucket per layer
     ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
-    for step in range(3):
+    for step in range(1 if twice else 3):
         for m in (model, ref):
             a, b, h, u = m
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step + 10 * rank)).requires_grad_(True)
-            y = h(checkpoint(a, b(x), use_reentrant=True)) if rank == 0 else h(b(checkpoint(a, x, use_reentrant=True)))
+            inner = checkpoint(a, x, use_reentrant=True) if twice else x
+            y = h(checkpoint(a, b(x), use_reentrant=True)) if rank == 0 else h(b(checkpoint(a, inner, use_reentrant=True)))
             if unused and rank == 0:
                 y = u(y)
             y.square().mean().backward()
@@ -1013,5 +1017,6 @@ def test_reentrant_checkpoint_in_graphs_that_differ_per_rank(pools):
     # It used to raise on rank 1 in the first backward (its bucket counted reduced without the
     # checkpointed layer), leaving rank 0 waiting on a closed connection.
     for stage in (1, 2):
-        for unused in (False, True):
-            assert max(pools(2).run(reentrant_differing_graphs_case, stage, unused)) <= 2e-6, (stage, unused)
+        for unused, twice in ((False, False), (True, False), (False, True)):
+            worst = max(pools(2).run(reentrant_differing_graphs_case, stage, unused, twice))
+            assert worst <= 2e-6, (stage, unused, twice)
