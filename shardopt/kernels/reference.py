@@ -51,8 +51,8 @@ at any world size. The code, chosen by measurement on a recorded GPT gradient st
 ``exp_avg`` linear, ``round(m / max|m| * 127)`` in int8; ``exp_avg_sq`` through its square root,
 linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8 (the square root halves the dynamic range
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
-elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (streams 1
-and 2): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
+elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (16 bits
+each of one hash, stream 1): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
 too large in the same micro measurement, 1.02x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
@@ -164,11 +164,6 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
 Key = tuple[Tensor, Tensor, Tensor]  # (seed, step, global offset of the range's first element), int64
 
 
-def _uniform(key: Key, n: int, stream: int) -> Tensor:
-    seed, step, offset = key
-    return (random_bits(seed, step, offset, n, stream) >> 8).float() * 2.0 ** -24  # [0, 1)
-
-
 def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """fp32 moments (1-D, whole blocks) -> ((int8 codes, scales), (uint8 codes, scales)), rounded
     stochastically with ``key``, to nearest without (see [Note: 8-bit moments])."""
@@ -178,9 +173,10 @@ def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor,
     qv = rb / v_scale.clamp_min(_TINY)[:, None] * 255.0
     if key is None:
         um = uv = 0.5
-    else:
-        um = _uniform(key, m.numel(), 1).view(-1, MOMENT_BLOCK)
-        uv = _uniform(key, m.numel(), 2).view(-1, MOMENT_BLOCK)
+    else:  # one hash per element: its top 16 bits round m, its low 16 bits sqrt(v) (a 2**-17 code bias at most)
+        bits = random_bits(*key, m.numel(), 1).view(-1, MOMENT_BLOCK)
+        um = (bits >> 16).float() * 2.0 ** -16
+        uv = (bits & 0xFFFF).float() * 2.0 ** -16
     m_codes = torch.floor(qm + um).clamp(-127.0, 127.0).to(torch.int8).flatten()
     v_codes = torch.floor(qv + uv).clamp(0.0, 255.0).to(torch.uint8).flatten()
     return (m_codes, m_scale), (v_codes, v_scale)
