@@ -106,12 +106,26 @@ def test_8bit_codec_error_and_bias():
     # Stochastic: the mean over many keys is the value (in the code's domain: m and sqrt(v)).
     x = torch.full((64,), 0.3)
     x[0] = 1.0  # the block's maximum: 0.3 sits between codes 38 and 39
-    draws = torch.stack([reference.decode_moment8(*reference.encode_moment8(
-        x, x.square(), (torch.tensor(1), torch.tensor(k), torch.tensor(0)))[0], *reference.encode_moment8(
-        x, x.square(), (torch.tensor(1), torch.tensor(k), torch.tensor(0)))[1])[0] for k in range(4000)])
+    decoded = [reference.decode_moment8(*(c for pair in reference.encode_moment8(
+        x, x.square(), (torch.tensor(1), torch.tensor(k), torch.tensor(0))) for c in pair)) for k in range(4000)]
+    draws = torch.stack([m for m, _ in decoded])[:, 1:]
     step = 1 / 127
-    assert set(torch.unique(torch.round(draws[:, 1:] / step)).tolist()) <= {38.0, 39.0}
-    assert abs(float(draws[:, 1:].double().mean()) - 0.3) < 6 * 0.5 * step / math.sqrt(draws[:, 1:].numel())
+    assert set(torch.unique(torch.round(draws / step)).tolist()) <= {38.0, 39.0}
+    assert abs(float(draws.double().mean()) - 0.3) < 6 * 0.5 * step / math.sqrt(draws.numel())
+    # exp_avg_sq is coded through sqrt(v) = 0.3, between codes 76 and 77 of 255, and rounded so
+    # that v itself (not its square root) is unbiased.
+    vs = torch.stack([v for _, v in decoded])[:, 1:]
+    spread = (77**2 - 76**2) / 255**2
+    assert set(torch.unique(torch.round(vs.sqrt() * 255)).tolist()) <= {76.0, 77.0}
+    assert abs(float(vs.double().mean()) - 0.09) < 6 * 0.5 * spread / math.sqrt(vs.numel())
+    # Between codes 0 and 1 the difference is plain: sqrt(v) = 0.5 code rounded without bias would
+    # give v = 0.5 code^2, twice the value.
+    r = torch.full((64,), 0.5 / 255)
+    r[0] = 1.0
+    small = torch.stack([reference.decode_moment8(*(c for pair in reference.encode_moment8(
+        torch.zeros(64), r.square(), (torch.tensor(2), torch.tensor(k), torch.tensor(0))) for c in pair))[1][1:]
+        for k in range(2000)])
+    assert abs(float(small.double().mean()) / (0.5 / 255) ** 2 - 1) < 0.03
 
 
 def test_8bit_clamp_keeps_a_zero_sqrt_v_from_taking_an_m_over_eps_step():

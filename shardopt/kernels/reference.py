@@ -49,7 +49,8 @@ holds two parameters (a small-gradient tensor quantised against a large one lose
 ``exp_avg_sq`` while its ``exp_avg`` survives: oversized updates) and is the same set of elements
 at any world size. The code, chosen by measurement on a recorded GPT gradient stream:
 ``exp_avg`` linear, ``round(m / max|m| * 127)`` in int8; ``exp_avg_sq`` through its square root,
-linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8 (the square root halves the dynamic range
+linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8, rounded up with the probability that makes
+``v`` itself unbiased (the square root halves the dynamic range
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
 elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (16 bits
 each of one hash, stream 1): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
@@ -172,13 +173,16 @@ def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor,
     qm = mb / m_scale.clamp_min(_TINY)[:, None] * 127.0
     qv = rb / v_scale.clamp_min(_TINY)[:, None] * 255.0
     if key is None:
-        um = uv = 0.5
+        m_codes, v_codes = torch.floor(qm + 0.5), torch.floor(qv + 0.5)
     else:  # one hash per element: its top 16 bits round m, its low 16 bits sqrt(v) (a 2**-17 code bias at most)
         bits = random_bits(*key, m.numel(), 1).view(-1, MOMENT_BLOCK)
-        um = (bits >> 16).float() * 2.0 ** -16
-        uv = (bits & 0xFFFF).float() * 2.0 ** -16
-    m_codes = torch.floor(qm + um).clamp(-127.0, 127.0).to(torch.int8).flatten()
-    v_codes = torch.floor(qv + uv).clamp(0.0, 255.0).to(torch.uint8).flatten()
+        m_codes = torch.floor(qm + (bits >> 16).float() * 2.0 ** -16)
+        # Up with probability (qv^2 - lo^2) / (hi^2 - lo^2), so that the decoded v = code^2, not the
+        # code, is unbiased (rounding sqrt(v) unbiased would bias v up by its variance, every step).
+        lo = torch.floor(qv)
+        v_codes = lo + ((bits & 0xFFFF).float() * 2.0 ** -16 < (qv * qv - lo * lo) / (2.0 * lo + 1.0)).float()
+    m_codes = m_codes.clamp(-127.0, 127.0).to(torch.int8).flatten()
+    v_codes = v_codes.clamp(0.0, 255.0).to(torch.uint8).flatten()
     return (m_codes, m_scale), (v_codes, v_scale)
 
 
