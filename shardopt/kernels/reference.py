@@ -52,8 +52,8 @@ at any world size. The code, chosen by measurement on a recorded GPT gradient st
 linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8, rounded up with the probability that makes
 ``v`` itself unbiased (the square root halves the dynamic range
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
-elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (16 bits
-each of one hash, stream 1): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
+elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (streams 1 and
+2): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
 too large in the same micro measurement, 0.96x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
@@ -161,6 +161,14 @@ def stochastic_round(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
     return (torch.floor(x / ulp + u) * ulp).to(dtype)
 
 
+def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
+    """Round fp32 ``x`` (finite) to bf16 up or down in magnitude at random, unbiased: 16 random bits
+    added below the kept ones carry into them with probability equal to the discarded fraction.
+    Integer operations only (no division), for the moments' hot loop."""
+    b = x.view(torch.int32)
+    return ((b + (bits >> 16).to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
+
+
 # -- moments: fp32, bf16 or 8-bit (see shardopt.moments) -----------------------------------
 Key = tuple[Tensor, Tensor, Tensor]  # (seed, step, global offset of the range's first element), int64
 
@@ -168,22 +176,24 @@ Key = tuple[Tensor, Tensor, Tensor]  # (seed, step, global offset of the range's
 def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """fp32 moments (1-D, whole blocks) -> ((int8 codes, scales), (uint8 codes, scales)), rounded
     stochastically with ``key``, to nearest without (see [Note: 8-bit moments])."""
-    mb, rb = m.view(-1, MOMENT_BLOCK), v.sqrt().view(-1, MOMENT_BLOCK)
-    m_scale, v_scale = mb.abs().amax(1), rb.amax(1)
+    mb, vb = m.view(-1, MOMENT_BLOCK), v.view(-1, MOMENT_BLOCK)
+    m_scale, v_max = mb.abs().amax(1), vb.amax(1)
     qm = mb / m_scale.clamp_min(_TINY)[:, None] * 127.0
-    qv = rb / v_scale.clamp_min(_TINY)[:, None] * 255.0
+    t = vb / v_max.clamp_min(_TINY)[:, None] * 65025.0  # (sqrt(v) / max sqrt(v) * 255) ** 2
+    lo = torch.floor(torch.sqrt(t))
     if key is None:
-        m_codes, v_codes = torch.floor(qm + 0.5), torch.floor(qv + 0.5)
-    else:  # one hash per element: its top 16 bits round m, its low 16 bits sqrt(v) (a 2**-17 code bias at most)
+        m_codes = torch.floor(qm + 0.5)
+        v_codes = torch.where(t > (lo + 0.5) * (lo + 0.5), lo + 1.0, lo)  # nearest in sqrt(v)
+    else:  # one hash per element, stream 1 for m, stream 2 for v
         bits = random_bits(*key, m.numel(), 1).view(-1, MOMENT_BLOCK)
-        m_codes = torch.floor(qm + (bits >> 16).float() * 2.0 ** -16)
-        # Up with probability (qv^2 - lo^2) / (hi^2 - lo^2), so that the decoded v = code^2, not the
-        # code, is unbiased (rounding sqrt(v) unbiased would bias v up by its variance, every step).
-        lo = torch.floor(qv)
-        v_codes = lo + ((bits & 0xFFFF).float() * 2.0 ** -16 < (qv * qv - lo * lo) / (2.0 * lo + 1.0)).float()
+        m_codes = torch.floor(qm + (bits >> 8).float() * 2.0 ** -24)
+        # Up with probability (t - lo^2) / ((lo + 1)^2 - lo^2), so that the decoded v = code^2, not
+        # the code, is unbiased (rounding sqrt(v) unbiased would bias v up by its variance, every step).
+        u = (random_bits(*key, m.numel(), 2).view(-1, MOMENT_BLOCK) >> 8).float() * 2.0 ** -24
+        v_codes = torch.floor(lo + (t - lo * lo) / (2.0 * lo + 1.0) + (1.0 - u))  # lo + 1 when u <= p
     m_codes = m_codes.clamp(-127.0, 127.0).to(torch.int8).flatten()
     v_codes = v_codes.clamp(0.0, 255.0).to(torch.uint8).flatten()
-    return (m_codes, m_scale), (v_codes, v_scale)
+    return (m_codes, m_scale), (v_codes, v_max.sqrt())
 
 
 def decode_moment8(m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor) -> tuple[Tensor, Tensor]:
@@ -226,7 +236,7 @@ def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tenso
     else:
         m.copy_(m32)
         seed, step, offset = key
-        v.copy_(stochastic_round(v32, v.dtype, random_bits(seed, step, offset, v32.numel(), 2)))
+        v.copy_(stochastic_round_bf16(v32, random_bits(seed, step, offset, v32.numel(), 2)))
 
 
 # -- one step per master-weight mode: decode, AdamW, encode, in place -----------------------
