@@ -54,7 +54,7 @@ linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8, rounded up with the pro
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
 elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (streams 1 and
 2): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
-too large in the same micro measurement, 0.96x stochastically). Decoding clamps ``|m|`` to the bound exact
+too large in the same micro measurement, 0.99x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
 rather than ``m / eps``.
