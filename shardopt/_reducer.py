@@ -137,6 +137,8 @@ class GradReducer:
         self._unshown: set[int] = set()  # learning round: such parameters that a nested pass may still reach
         self._late_grads: dict[int, Tensor] = {}  # their gradients that came, until make_up
         self._making_up: dict[int, Tensor] = {}  # make_up buffers in flight, by bucket
+        self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
+        self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
         ]
@@ -175,6 +177,8 @@ class GradReducer:
         backward pass shows none of its missing parameters. If so they count as reduced without a
         gradient, and one that a nested pass (a reentrant checkpoint) still gives a gradient is
         kept for :meth:`make_up` (see [Note: a gradient after its bucket]). Local."""
+        if self.rounds.nested:  # the engine would answer for the nested pass, not the outer one
+            return False
         missing = [i for i in self.flat.layout.buckets[b].params if not self._seen[i]]
         will_run = torch._C._will_engine_execute_node
         if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
@@ -188,12 +192,21 @@ class GradReducer:
         """Buckets holding a gradient kept for :meth:`make_up`. Local."""
         return sorted({self._bucket_of[i] for i in self._late_grads})
 
-    def make_up(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None]]:
+    def make_up(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         """Bucket ``b`` once more, with only the gradients that came after it was reduced (zero
-        elsewhere, and on ranks without any): (the functions that issue the reduction, what adds it
-        to the gradient once it landed). Every rank, for the same buckets in the same order."""
+        elsewhere, and on ranks without any; stage 1: added to the averaged bucket, averaged
+        again): (the functions that issue the reduction, what adds it to the gradient once it
+        landed). Every rank, for the same buckets in the same order."""
         bucket = self.flat.layout.buckets[b]
         span = bucket.global_range
+        if self.stage == 1:
+            # In place: the bucket holds the average, equal on every rank; with each rank's late
+            # gradients added, averaging it again gives the average plus theirs, without a buffer.
+            for i in bucket.params:
+                g = self._late_grads.pop(i, None)
+                if g is not None:
+                    self.flat.param_view(self.flat_grad, i).add_(g)
+            return self.comm.all_reduce_parts(self.flat_grad[span.as_slice()], self._pieces[b], self.reduce_dtype), None
         buf = torch.zeros(span.size, dtype=self.flat.dtype, device=self.flat.device)
         for i in bucket.params:
             g = self._late_grads.pop(i, None)
@@ -202,14 +215,10 @@ class GradReducer:
                 buf[r.start - span.start:r.start - span.start + r.size].copy_(g.reshape(-1))
         self._making_up[b] = buf
         self.note_buffers()
-        if self.stage == 1:
-            parts = self.comm.all_reduce_parts(buf, self._pieces[b], self.reduce_dtype)
-            dest, out = self.flat_grad[span.as_slice()], buf
-        else:
-            local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
-            dest = self.grad_shard[local.as_slice()]
-            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
-            parts = self.comm.reduce_scatter_parts(out, buf, self._pieces[b])
+        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
+        dest = self.grad_shard[local.as_slice()]
+        out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
+        parts = self.comm.reduce_scatter_parts(out, buf, self._pieces[b])
 
         def after() -> None:
             dest.add_(out)
@@ -319,11 +328,12 @@ class GradReducer:
                 if index in self._unshown:  # learning round: reduced once more when it ends
                     self._keep_late(index, param)
                     return
-                raise RuntimeError(
-                    f"parameter {index} of shape {tuple(param.shape)} got its gradient in a backward pass nested in "
-                    "another (torch.utils.checkpoint with use_reentrant=True) that the outer pass did not show, after "
-                    "its bucket was reduced without it; use use_reentrant=False, or turn checkpointing on before the "
-                    "first backward pass")
+                self._refuse(index, param,
+                             f"parameter {self.names[index]} got its gradient in a backward "
+                             "pass nested in another (torch.utils.checkpoint with use_reentrant=True) that the outer pass "
+                             "did not show, after its bucket was reduced without it; use use_reentrant=False, or turn "
+                             "checkpointing on before the first backward pass")
+                return
             self.used[index] = True
             self._note_grad(index, param.grad, keep=not sync and self.accumulate_dtype is None)
             if not sync:
@@ -350,9 +360,7 @@ class GradReducer:
             prev = self._late_grads.get(index)
             self._late_grads[index] = grad if prev is None else prev + grad
         param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
-        self._pending = 0
-        if self.rounds is not None:
-            self.rounds.note_held()
+        self._note_grad(index, None, keep=False)
 
     def _late(self, index: int, param: Tensor) -> None:
         """Parameter ``index`` got a second gradient in this round (autograd accumulated it twice, in
@@ -367,10 +375,17 @@ class GradReducer:
                 self._staged(index).add_(grad.reshape(-1))
                 param.grad = None
             return  # stage 1: autograd added it to the parameter's view of the flat gradient in place
-        raise RuntimeError(
-            f"parameter {index} of shape {tuple(param.shape)} got a second gradient in one backward pass (it is used "
-            "both inside and outside a torch.utils.checkpoint with use_reentrant=True, or in two such checkpoints) "
-            "after its bucket was reduced; use use_reentrant=False")
+        self._refuse(index, param,
+                     f"parameter {self.names[index]} got a second gradient in one backward "
+                     "pass (it is used both inside and outside a torch.utils.checkpoint with use_reentrant=True, or in "
+                     "two such checkpoints) after its bucket was reduced; use use_reentrant=False")
+
+    def _refuse(self, index: int, param: Tensor, message: str) -> None:
+        """A gradient that can no longer be reduced: drop it and report ``message`` at the next step
+        on every rank (raising here, in one rank's hook, would leave the others waiting)."""
+        self.problems.append(message + "; the step was not taken")
+        if self.stage == 2 or type(param.grad) is GradPlaceholder:
+            param.grad = None
 
     def _note_grad(self, index: int, grad: Tensor | None, keep: bool) -> None:
         """The high-water mark of gradient bytes, with the ``.grad`` autograd just produced for
@@ -382,6 +397,7 @@ class GradReducer:
         if keep and nbytes:
             self._loose[index] = nbytes
         loose = sum(self._loose.values()) if self._loose else 0
+        loose += sum(t.numel() * t.element_size() for t in self._late_grads.values()) if self._late_grads else 0
         self._pending = 0 if index in self._loose else nbytes
         self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
         if self.rounds is not None:

@@ -52,6 +52,7 @@ class ShardedBuffer:
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
         self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
+        self.reducer.names = self.binding.names
         self._local_piece = self.layout.local_ranges(comm.rank)
 
     @property

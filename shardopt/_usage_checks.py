@@ -53,6 +53,8 @@ class UsageChecks:
         found = Findings(written=[], problems=self.late_problems)
         self.late_problems = []
         for b in self.buffers:
+            found.problems += b.reducer.problems
+            b.reducer.problems = []
             b.reducer.observe_zeroing(at_step=True)
             for i in b.reducer.replaced:
                 found.problems.append(
