@@ -60,6 +60,7 @@ CATS = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers"
 MODES = ("fp32", "remainder", "stochastic", "none")
 MODEL_ARGS = ("n_layer", "n_embd", "n_head", "block_size", "batch_size")
 CONFIGS = [f"shardopt S{s} {m}" for s in (1, 2) for m in MODES] + [
+    "shardopt S2 remainder+bf16", "shardopt S2 remainder+8bit"] + [  # master + moments modes
     "DDP + AdamW", "replicated, no master", "ZeroRedundancyOptimizer", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2"]
 # Bytes per parameter per rank, model states only (ZeRO paper accounting), for the peers; N ranks.
 FORMULAS = {
@@ -78,6 +79,9 @@ SERIES = [("DDP + AdamW: 16", FORMULAS["DDP + AdamW"], ["DDP + AdamW"]),
           ("ZeRO-2: 2 + (2 + 12)/N", FORMULAS["DeepSpeed ZeRO-2"], ["shardopt S2 fp32", "DeepSpeed ZeRO-2"]),
           ("ZeRO-2, remainder: 2 + (2 + 10)/N", lambda n: 2 + 12 / n, ["shardopt S2 remainder"]),
           ("ZeRO-2, no master: 2 + (2 + 8)/N", lambda n: 2 + 10 / n, ["shardopt S2 stochastic", "shardopt S2 none"]),
+          ("ZeRO-2, remainder, bf16 moments: 2 + (2 + 6)/N", lambda n: 2 + 8 / n, ["shardopt S2 remainder+bf16"]),
+          ("ZeRO-2, remainder, 8-bit moments: 2 + (2 + 4.125)/N", lambda n: 2 + 6.125 / n,
+           ["shardopt S2 remainder+8bit"]),
           ("ZeRO-3 / FSDP2, fp32: 16/N", FORMULAS["FSDP2"], ["FSDP2"])]
 
 
@@ -170,11 +174,13 @@ def build(name: str, args: argparse.Namespace, device: torch.device, n: int) -> 
     formula = FORMULAS.get(name)
     predicted = None if formula is None else {"total_states": formula(n) * sum(p.numel() for p in params())}
     if name.startswith("shardopt"):
-        stage, mode = int(name[10]), name.split()[-1]
-        opt = shardopt.ShardedAdamW(groups, **hp, stage=stage, master_weights=mode, bucket_cap_mb=args.bucket_cap_mb,
-                                    loss_scale=None)
+        stage, (mode, _, moments) = int(name[10]), name.split()[-1].partition("+")
+        moments = moments or "fp32"
+        opt = shardopt.ShardedAdamW(groups, **hp, stage=stage, master_weights=mode, moments=moments,
+                                    bucket_cap_mb=args.bucket_cap_mb, loss_scale=None)
         # Gradients become ready in about the reverse of the order the model registers its parameters.
         est = estimate_memory(None, n, stage, mode, torch.bfloat16, param_shapes=shapes, bucket_cap_mb=args.bucket_cap_mb,
+                              moments=moments,
                               grad_order=[index[id(p)] for p in reversed(params())], rank=dist.get_rank(),
                               backend="nccl" if device.type == "cuda" else "gloo")
         rep = lambda: {c: getattr(opt.memory_report(), c) for c in CATS}  # noqa: E731
