@@ -7,7 +7,7 @@ the new weights into ``param_shard``; ``fp32`` returns the master as fp32; ``sta
 into any mode). Extra bytes per element, sharded (16-bit parameters):
 
 ``fp32``        4  an fp32 copy (for fp32 parameters the shard itself is the master, no copy)
-``remainder``   2  an int16 remainder beside the 16-bit weight rebuilds the fp32 master exactly
+``remainder``   2  a 16-bit remainder beside the 16-bit weight rebuilds the fp32 master exactly
                    (bf16: bit for bit; fp16: for 2**-16 <= |w| <= 65504, see kernels.reference)
 ``stochastic``  0  no master; the fp32 result is rounded stochastically (unbiased) into 16 bits
 ``none``        0  no master; rounded to nearest every step, so updates below half an ulp of a
@@ -119,8 +119,16 @@ class RemainderMaster(MasterWeights):
 
     def __init__(self, param_shard: Tensor, **kw: object) -> None:
         super().__init__(param_shard, **kw)  # type: ignore[arg-type]
-        self.remainder: Tensor = torch.zeros_like(param_shard, dtype=torch.int16)  # 1D int16, this rank's shard
+        # The 16-bit remainder of each element as two int8 planes, low and high byte (see
+        # kernels.reference [Note: remainder planes]); 1D, this rank's shard.
+        self.rem_lo: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
+        self.rem_hi: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
         self.load_state_tensors({"master": param_shard.float()})
+
+    @property
+    def remainder(self) -> Tensor:
+        """The remainders as one int16 tensor (a copy)."""
+        return reference.join_remainder((self.rem_lo, self.rem_hi)).to(torch.int16)
 
     def _codec(self) -> tuple:
         if self.param_shard.dtype == torch.bfloat16:
@@ -129,11 +137,12 @@ class RemainderMaster(MasterWeights):
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         sl = r.as_slice()
-        self.kernels.step_remainder(self.param_shard[sl], self.remainder[sl], grad, exp_avg, exp_avg_sq, s,
+        planes = (self.rem_lo[sl], self.rem_hi[sl])
+        self.kernels.step_remainder(self.param_shard[sl], planes, grad, exp_avg, exp_avg_sq, s,
                                     self._moment_key(r, step, exp_avg))
 
     def fp32(self) -> Tensor:
-        return self._codec()[1](self.param_shard, self.remainder)
+        return self._codec()[1](self.param_shard, reference.join_remainder((self.rem_lo, self.rem_hi)))
 
     def refresh_(self, r: Range) -> None:
         # [Note: remainder under a written weight] The old weight is gone, so keep a remainder only
@@ -142,19 +151,21 @@ class RemainderMaster(MasterWeights):
         # exact master; other written weights get a master that rounds to them, within half a ulp.
         sl = r.as_slice()
         encode, decode = self._codec()
-        w, lo = self.param_shard[sl], self.remainder[sl]
+        w, planes = self.param_shard[sl], (self.rem_lo[sl], self.rem_hi[sl])
+        lo = reference.join_remainder(planes)
         m = decode(w, lo)
         hi, lo2 = encode(m)
-        lo.copy_(torch.where(torch.isfinite(m) & (hi == w) & (lo2 == lo), lo, torch.zeros_like(lo)))
+        reference.split_remainder_(planes, torch.where(torch.isfinite(m) & (hi == w) & (lo2.to(torch.int32) == lo), lo,
+                                                       torch.zeros_like(lo)))
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         hi, lo = self._codec()[0](tensors["master"].float().contiguous())
         self.param_shard.copy_(hi)
-        self.remainder.copy_(lo)
+        reference.split_remainder_((self.rem_lo, self.rem_hi), lo.to(torch.int32))
 
     @property
     def extra_bytes(self) -> int:
-        return self.remainder.numel() * 2
+        return self.rem_lo.numel() + self.rem_hi.numel()
 
 
 class StochasticMaster(MasterWeights):
