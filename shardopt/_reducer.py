@@ -22,18 +22,7 @@ in stage 1 ``p.grad`` is a view of the flat gradient, in stage 2 a placeholder (
 parameter's gradient (stage 2: its part of the shard) restarts from zero. Every rank sets
 ``p.grad`` of *every* parameter after a round, so a zeroing is seen alike on every rank.
 
-[Note: a gradient after its bucket]
-In the learning round a rank may reduce a bucket without parameters that the backward pass does
-not show (``count_unshown``, asked by ``_rounds``). A reentrant checkpoint can still give one of
-them a gradient, in a pass nested in that one. That gradient is kept (``_late_grads``; stage 1
-sets such a parameter's ``.grad`` to None after the launch so that it arrives as a tensor of its
-own, and again after each such gradient, since another nested pass may add one more; it points
-``.grad`` back at its view when the round ends). At the end of the round one all-reduce tells every rank
-which buckets got such gradients anywhere, and ``make_up`` reduces each of those once more, with
-only the late gradients in it and zeros elsewhere (and on ranks without any), and adds the
-average to what the first reduction gave: the sum of every rank's gradient, rounded once more
-in the gradient dtype. From the second round on the question is asked only when this rank has seen
-no nested pass, and a gradient after its bucket is an error.
+A gradient that comes after its bucket was reduced in the first backward: see ``_late_grads``.
 """
 from __future__ import annotations
 
@@ -47,6 +36,7 @@ from torch import Tensor
 from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
+from shardopt._late_grads import LateGradients
 from shardopt._layout import Range
 
 class GradReducer:
@@ -134,9 +124,7 @@ class GradReducer:
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
         self._absent = [False] * n  # counted as reduced without a gradient in the open round
-        self._unshown: set[int] = set()  # learning round: such parameters that a nested pass may still reach
-        self._late_grads: dict[int, Tensor] = {}  # their gradients that came, until make_up
-        self._making_up: dict[int, Tensor] = {}  # make_up buffers in flight, by bucket
+        self.late = LateGradients(self)  # the first backward's gradients after their bucket (see _late_grads)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
         self._hooks = [
@@ -171,59 +159,6 @@ class GradReducer:
                 self._absent[i] = True
                 out.append(self._bucket_of[i])
         return out
-
-    def count_unshown(self, b: int) -> bool:
-        """Learning round, a bucket announced by rank 0 that lacks gradients here: whether this
-        backward pass shows none of its missing parameters. If so they count as reduced without a
-        gradient, and one that a nested pass (a reentrant checkpoint) still gives a gradient is
-        kept for :meth:`make_up` (see [Note: a gradient after its bucket]). Local."""
-        if self.rounds.nested:  # the engine would answer for the nested pass, not the outer one
-            return False
-        missing = [i for i in self.flat.layout.buckets[b].params if not self._seen[i]]
-        will_run = torch._C._will_engine_execute_node
-        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
-            return False
-        for i in missing:
-            self._absent[i] = True
-            self._unshown.add(i)
-        return True
-
-    def late_buckets(self) -> list[int]:
-        """Buckets holding a gradient kept for :meth:`make_up`. Local."""
-        return sorted({self._bucket_of[i] for i in self._late_grads})
-
-    def make_up(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
-        """Bucket ``b`` once more, with only the gradients that came after it was reduced (zero
-        elsewhere, and on ranks without any; stage 1: added to the averaged bucket, averaged
-        again): (the functions that issue the reduction, what adds it to the gradient once it
-        landed). Every rank, for the same buckets in the same order."""
-        bucket = self.flat.layout.buckets[b]
-        span = bucket.global_range
-        if self.stage == 1:
-            # In place: the bucket holds the average, equal on every rank; with each rank's late
-            # gradients added, averaging it again gives the average plus theirs, without a buffer.
-            for i in bucket.params:
-                g = self._late_grads.pop(i, None)
-                if g is not None:
-                    self.flat.param_view(self.flat_grad, i).add_(g)
-            return self.comm.all_reduce_parts(self.flat_grad[span.as_slice()], self._pieces[b], self.reduce_dtype), None
-        buf = torch.zeros(span.size, dtype=self.flat.dtype, device=self.flat.device)
-        for i in bucket.params:
-            g = self._late_grads.pop(i, None)
-            if g is not None:
-                r = self.flat.layout.params[i].global_range
-                buf[r.start - span.start:r.start - span.start + r.size].copy_(g.reshape(-1))
-        self._making_up[b] = buf
-        self.note_buffers()
-        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
-        dest = self.grad_shard[local.as_slice()]
-        out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
-        parts = self.comm.reduce_scatter_parts(out, buf, self._pieces[b])
-
-        def after() -> None:
-            dest.add_(out)
-            self._making_up.pop(b, None)
-        return parts, after
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -320,13 +255,13 @@ class GradReducer:
             sync = self.rounds.on_hook()
             if self.rounds.nested:
                 self._nested[index] = True
-            if self._absent[index] or index in self._unshown:
+            if self._absent[index] or index in self.late.unshown:
                 self._absent[index] = False
                 self._nested[index] = True  # never counted ahead again
                 if param.dtype != self.flat.dtype or param.device != self.flat.device:
                     return  # converted after construction (a new accumulator): reported at step() on every rank
-                if index in self._unshown:  # learning round: reduced once more when it ends
-                    self._keep_late(index, param)
+                if index in self.late.unshown:  # learning round: reduced once more when it ends
+                    self.late.keep(index, param)
                     return
                 self._refuse(index, param,
                              f"parameter {self.names[index]} got its gradient in a backward "
@@ -350,17 +285,6 @@ class GradReducer:
             self.rounds.bucket_filled(self._k, self._bucket_of[index])
 
         return hook
-
-    def _keep_late(self, index: int, param: Tensor) -> None:
-        """Learning round: parameter ``index`` got its gradient after its bucket was reduced without
-        it (see [Note: a gradient after its bucket]); keep it for :meth:`make_up`. Local."""
-        grad = param.grad
-        if grad is not None:
-            self.used[index] = True
-            prev = self._late_grads.get(index)
-            self._late_grads[index] = grad if prev is None else prev + grad
-        param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
-        self._note_grad(index, None, keep=False)
 
     def _late(self, index: int, param: Tensor) -> None:
         """Parameter ``index`` got a second gradient in this round (autograd accumulated it twice, in
@@ -397,7 +321,7 @@ class GradReducer:
         if keep and nbytes:
             self._loose[index] = nbytes
         loose = sum(self._loose.values()) if self._loose else 0
-        loose += sum(t.numel() * t.element_size() for t in self._late_grads.values()) if self._late_grads else 0
+        loose += self.late.grad_bytes
         self._pending = 0 if index in self._loose else nbytes
         self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
         if self.rounds is not None:
@@ -467,10 +391,13 @@ class GradReducer:
 
     def _staged(self, index: int) -> Tensor:
         """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
-        b = self._bucket_of[index]
+        return self._staging_for(self._bucket_of[index])[self.in_bucket(index)]
+
+    def in_bucket(self, index: int) -> slice:
+        """Where parameter ``index`` sits in a bucket-sized buffer of its bucket."""
         span = self.flat.layout.params[index].global_range
-        start = span.start - self.flat.layout.buckets[b].global_range.start
-        return self._staging_for(b)[start:start + span.size]
+        start = span.start - self.flat.layout.buckets[self._bucket_of[index]].global_range.start
+        return slice(start, start + span.size)
 
     def _staging_for(self, b: int) -> Tensor:
         if b not in self._staging:
@@ -482,7 +409,7 @@ class GradReducer:
     def _buffer_bytes(self) -> int:
         """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
-        held += sum(t.numel() * t.element_size() for t in self._making_up.values()) if self._making_up else 0
+        held += self.late.buffer_bytes
         held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
@@ -497,7 +424,7 @@ class GradReducer:
         buffers held now; without ``comm``, leaving out the receive buffers of the Comm, which the
         reducers of one optimizer share. Local."""
         loose = sum(self._loose.values()) if self._loose else 0
-        loose += sum(t.numel() * t.element_size() for t in self._late_grads.values()) if self._late_grads else 0
+        loose += self.late.grad_bytes
         buffers = self._buffer_bytes() - (0 if comm else self.comm.live_bytes)
         return self.grad_bytes + loose + self._pending + buffers
 
@@ -506,7 +433,7 @@ class GradReducer:
         called in order on every rank; what to run once the last landed)."""
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
-            if self.stage == 1 and i in self._unshown:
+            if self.stage == 1 and i in self.late.unshown:
                 self.flat.params[i].grad = None  # a gradient that still comes arrives on its own
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
@@ -542,14 +469,8 @@ class GradReducer:
 
     def end_round(self) -> None:
         """Every bucket of this round was reduced: reset for the next. Local."""
-        assert not self._staging and not self._late_grads, "gradients left behind after a round"
-        if self.stage == 1:
-            for i in self._unshown:  # no gradient came: the view holds the reduced value
-                try:
-                    self.flat.params[i].grad = self.flat.param_view(self.flat_grad, i)
-                except RuntimeError:
-                    pass  # converted after construction: reported by the binding check
-        self._unshown.clear()
+        assert not self._staging, "staging left behind after a round"
+        self.late.end_round()
         self.accum = None
         self._fresh = False
         self._seen = [False] * len(self.flat.params)

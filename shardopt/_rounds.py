@@ -22,7 +22,7 @@ nothing there. In the learning round the same question is asked only on a rank o
 graph visibly differs from rank 0's: the announced bucket lacks gradients there while a later
 one is complete. A parameter the outer pass does not show may still get its gradient from a pass
 nested in it (a reentrant checkpoint); such a gradient is kept and its bucket reduced once more
-at the end of the round (see ``_reducer`` [Note: a gradient after its bucket]). A parameter
+at the end of the round (see ``_late_grads`` [Note: a gradient after its bucket]). A parameter
 unused on rank 0 alone holds its own bucket on the other ranks until the learning round ends.
 A bucket that rank 0 never completed in the learning round is placed, for later
 rounds, where the other ranks completed it, unless some rank saw a nested pass (then rank 0
@@ -283,7 +283,7 @@ class Rounds:
         complete) when this backward pass shows none of the missing parameters; a gradient that a
         nested pass still gives one of them is reduced once more when the round ends."""
         k, b = self.buckets[i]
-        if not self.reducers[k].count_unshown(b):
+        if not self.reducers[k].late.count_unshown(b):
             return False
         self._ready[i] = self._size[i]
         return True
@@ -301,7 +301,7 @@ class Rounds:
         self.order, late = self._learned_order()
         for i in late:  # every rank, in index order: the gradients that came after their bucket
             k, b = self.buckets[i]
-            self._issue(k, *self.reducers[k].make_up(b), None)
+            self._issue(k, *self.reducers[k].late.make_up(b), None)
         for k, r in enumerate(self.reducers):
             r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
 
@@ -339,7 +339,7 @@ class Rounds:
         return sorted(self._announced, key=lambda i: (place[i], i)), late
 
     def _late_buckets(self) -> list[int]:
-        return [self._index[(k, b)] for k, r in enumerate(self.reducers) for b in r.late_buckets()]
+        return [self._index[(k, b)] for k, r in enumerate(self.reducers) for b in r.late.buckets()]
 
     def _launch_ready(self) -> None:
         order, ready, size = self.order, self._ready, self._size

@@ -53,10 +53,6 @@ class Moments(abc.ABC):
     def tensors(self) -> dict[str, Tensor]:
         """The stored tensors by name (for this rank's own state dict, restored bit for bit)."""
 
-    def zero_(self) -> None:
-        for t in self.tensors().values():
-            t.zero_()
-
     @property
     def exp_avg_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if not k.startswith("exp_avg_sq"))
@@ -147,8 +143,3 @@ def make_moments(name: str, numel: int, device: torch.device) -> Moments:
 def moment_alignment(name: str) -> int:
     """Elements the flat-buffer layout must align parameters and shard boundaries to for ``name``."""
     return MOMENTS[name].alignment if name in MOMENTS else 1
-
-
-def moment_bytes_per_element(name: str) -> tuple[float, float]:
-    """(exp_avg, exp_avg_sq) bytes per sharded element, scales included (padding aside)."""
-    return {"fp32": (4.0, 4.0), "bf16": (2.0, 2.0), "8bit": (1 + 4 / MOMENT_BLOCK, 1 + 4 / MOMENT_BLOCK)}[name]

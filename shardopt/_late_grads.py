@@ -1,0 +1,121 @@
+"""The first backward's gradients that come after their bucket was reduced without them.
+
+Owned by one ``GradReducer``: which parameters were counted as reduced without a gradient, the
+gradients that came for them anyway, and the one extra reduction of their buckets. ``_rounds``
+decides when (``count_unshown`` while following rank 0's announcements, ``make_up`` at the end of
+the learning round, for the buckets one all-reduce names).
+
+[Note: a gradient after its bucket]
+In the learning round a rank may reduce a bucket without parameters that the backward pass does
+not show (``count_unshown``). A reentrant checkpoint can still give one of them a gradient, in a
+pass nested in that one. That gradient is kept (``keep``; such a parameter's ``.grad`` is set to
+None after the launch and after each such gradient, so that each arrives as a tensor of its own,
+since another nested pass may add one more; stage 1 points ``.grad`` back at its view when the
+round ends). At the end of the round one all-reduce tells every rank which buckets got such
+gradients anywhere, and ``make_up`` reduces each of those once more: stage 2 with only the late
+gradients in a bucket-sized buffer (zeros elsewhere, and on ranks without any), added to the
+shard; stage 1 by adding them to the averaged bucket, equal on every rank, and averaging it
+again, without a buffer. Either way: the sum of every rank's gradient, rounded once more in the
+gradient dtype. From the second round on the question is asked only when this rank has seen no
+nested pass, and a gradient after its bucket is an error (``GradReducer._refuse``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor
+
+from shardopt._collectives import Pending
+from shardopt._layout import Range
+
+if TYPE_CHECKING:
+    from shardopt._reducer import GradReducer
+
+
+class LateGradients:
+    """The late gradients of one reducer's flat buffer in the learning round."""
+
+    def __init__(self, reducer: "GradReducer") -> None:
+        self._r = reducer
+        self.unshown: set[int] = set()  # counted as reduced without a gradient; a nested pass may still reach them
+        self._grads: dict[int, Tensor] = {}  # the gradients that came for them, until make_up
+        self._buffers: dict[int, Tensor] = {}  # stage 2: make_up buffers in flight, by bucket
+
+    def count_unshown(self, b: int) -> bool:
+        """A bucket announced by rank 0 that lacks gradients here: whether this backward pass
+        shows none of its missing parameters; if so they count as reduced without a gradient.
+        Local."""
+        r = self._r
+        if r.rounds.nested:  # the engine would answer for the nested pass, not the outer one
+            return False
+        missing = [i for i in r.flat.layout.buckets[b].params if not r._seen[i]]
+        will_run = torch._C._will_engine_execute_node
+        if any(r._nested[i] or will_run(r._accumulators[i]) for i in missing):
+            return False
+        for i in missing:
+            r._absent[i] = True
+            self.unshown.add(i)
+        return True
+
+    def keep(self, index: int, param: Tensor) -> None:
+        """Parameter ``index`` got its gradient after its bucket was reduced without it. Local."""
+        grad = param.grad
+        if grad is not None:
+            self._r.used[index] = True
+            prev = self._grads.get(index)
+            self._grads[index] = grad if prev is None else prev + grad
+        param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
+        self._r._note_grad(index, None, keep=False)
+
+    def buckets(self) -> list[int]:
+        """Buckets holding a kept gradient. Local."""
+        return sorted({self._r.bucket_of(i) for i in self._grads})
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._grads.values()) if self._grads else 0
+
+    @property
+    def buffer_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values()) if self._buffers else 0
+
+    def make_up(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
+        """Bucket ``b`` once more, with only the kept gradients: (the functions that issue the
+        reduction, what adds it to the gradient once it landed). Every rank, for the same buckets
+        in the same order."""
+        r = self._r
+        bucket = r.flat.layout.buckets[b]
+        late = [(i, self._grads.pop(i)) for i in bucket.params if i in self._grads]
+        if r.stage == 1:
+            for i, g in late:
+                r.flat.param_view(r.flat_grad, i).add_(g)
+            return r.comm.all_reduce_parts(r.flat_grad[bucket.global_range.as_slice()], r._pieces[b],
+                                           r.reduce_dtype), None
+        buf = torch.zeros(bucket.global_range.size, dtype=r.flat.dtype, device=r.flat.device)
+        for i, g in late:
+            buf[r.in_bucket(i)].copy_(g.reshape(-1))
+        self._buffers[b] = buf
+        r.note_buffers()
+        local = r._local[b].relative_to(r.shard.start) if r._local[b].size else Range(0, 0)
+        dest = r.grad_shard[local.as_slice()]
+        out = torch.empty_like(dest, dtype=r.reduce_dtype or dest.dtype)
+        parts = r.comm.reduce_scatter_parts(out, buf, r._pieces[b])
+
+        def after() -> None:
+            dest.add_(out)
+            self._buffers.pop(b, None)
+        return parts, after
+
+    def end_round(self) -> None:
+        """The round ended: stage 1 points ``.grad`` of parameters without a late gradient back at
+        their view (it holds the reduced value); forget the round. Local."""
+        assert not self._grads, "late gradients left behind after a round"
+        r = self._r
+        if r.stage == 1:
+            for i in self.unshown:
+                try:
+                    r.flat.params[i].grad = r.flat.param_view(r.flat_grad, i)
+                except RuntimeError:
+                    pass  # converted after construction: reported by the binding check
+        self.unshown.clear()
