@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import shardopt
 from models import batch, make_model
+from test_kernels import _ulps
 from shardopt._layout import Range, build_layout
 from shardopt.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from shardopt.kernels import make_scalars, reference, select
@@ -31,13 +32,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from live_tensors import LiveTensors  # noqa: E402
 
 MOMENTS = ("fp32", "bf16", "8bit")
-
-
-def _ulps(a: torch.Tensor, b: torch.Tensor) -> int:
-    ia, ib = a.view(torch.int16).int(), b.view(torch.int16).int()
-    ia = torch.where(ia < 0, -(ia & 0x7FFF), ia)
-    ib = torch.where(ib < 0, -(ib & 0x7FFF), ib)
-    return int((ia - ib).abs().max()) if a.numel() else 0
 
 
 def _hard_gradient(n: int, step: int) -> torch.Tensor:
