@@ -117,11 +117,11 @@ def moments_micro(steps: int = 3000) -> list[str]:
         g2[::64] = 1.0  # one element per block keeps a large gradient: the block's scale
         for step in range(steps):
             v = v * 0.999 + 0.001 * g2
-            key = (torch.tensor(0), torch.tensor(step), torch.tensor(0))
+            key = reference.make_key(0, step, 0)
             if name.startswith("bf16, to"):
                 v = v.bfloat16().float()
             elif name.startswith("bf16, st"):
-                v = reference.stochastic_round(v, torch.bfloat16, reference.random_bits(*key, n, 2)).float()
+                v = reference.stochastic_round(v, torch.bfloat16, reference.random_bits16(key, n, 2)).float()
             elif name.startswith("8-bit"):
                 codes = reference.encode_moment8(torch.zeros(n), v, None if "nearest" in name else key)
                 v = reference.decode_moment8(*codes[0], *codes[1])[1]

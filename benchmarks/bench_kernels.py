@@ -85,21 +85,24 @@ def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype, moments: str
         st["param"], rem = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
         st["rem"] = (torch.empty_like(rem, dtype=torch.int8), torch.empty_like(rem, dtype=torch.int8))
         reference.split_remainder_(st["rem"], rem.to(torch.int32))
-    seed, step, off = (torch.tensor(v, device=DEVICE) for v in (0, 10, 0))
+    rkey = reference.make_key(0, 10, 0, DEVICE)
     out = st["param"] if dtype != torch.float32 else None
-    m, v = st["m"], st["v"]
-    key = None
+    held, key = None, None
     if moments != "fp32":
         held = make_moments(moments, st["m"].numel(), DEVICE)
         held.load_(st["m"], st["v"])
         st["moments"] = held
-        m, v = held.operands(Range(0, st["m"].numel()))
-        key = (seed, step, off)
+        key = rkey
+    whole = Range(0, st["m"].numel())
+
+    def mom():  # the moments' operands, after the pass an 8-bit step makes first (timed with the step)
+        return (st["m"], st["v"]) if held is None else held.prepare(whole, st["grad"], s, kernels)
+
     return {
-        "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], m, v, s, out, key),
-        "remainder": lambda: kernels.step_remainder(st["param"], st["rem"], st["grad"], m, v, s, key),
-        "stochastic": lambda: kernels.step_stochastic(st["param"], st["grad"], m, v, s, seed, step, off),
-        "none": lambda: kernels.step_none(st["param"], st["grad"], m, v, s, key),
+        "fp32": lambda: kernels.step_fp32(st["master"], st["grad"], *mom(), s, out, key),
+        "remainder": lambda: kernels.step_remainder(st["param"], st["rem"], st["grad"], *mom(), s, key),
+        "stochastic": lambda: kernels.step_stochastic(st["param"], st["grad"], *mom(), s, rkey),
+        "none": lambda: kernels.step_none(st["param"], st["grad"], *mom(), s, key),
     }[mode]
 
 

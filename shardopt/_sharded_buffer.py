@@ -79,7 +79,8 @@ class ShardedBuffer:
             scalars = make_scalars(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
                                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
                                    device=self.flat.device)
-            self.master.update_(r, grad[s], *self.moments.operands(r), scalars, step - lag)
+            g = grad[s]
+            self.master.update_(r, g, *self.moments.prepare(r, g, scalars, self.master.kernels), scalars, step - lag)
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
 

@@ -27,7 +27,7 @@ from shardopt._layout import Range
 from shardopt.kernels import Kernels, reference, select
 from shardopt.kernels.reference import Scalars, round_to_dtype
 
-Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales)
+Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales, new maxima)
 
 
 class MasterWeights(abc.ABC):
@@ -47,13 +47,12 @@ class MasterWeights(abc.ABC):
         """AdamW over local range ``r`` (``grad`` and the moments' operands, see ``shardopt.moments``,
         are already sliced to ``r``)."""
 
-    def _key(self, r: Range, step: int) -> tuple[Tensor, Tensor, Tensor]:
-        """The random-bit key of local range ``r`` at ``step``: (seed, step, global offset), int64."""
-        dev = self.param_shard.device
-        return tuple(torch.tensor(v, dtype=torch.int64, device=dev)  # type: ignore[return-value]
-                     for v in (self.seed, step, self.global_offset + r.start))
+    def _key(self, r: Range, step: int) -> reference.Key:
+        """The random-bit key of local range ``r`` at ``step`` (from the seed, the step and the
+        range's global offset, see kernels.reference.make_key)."""
+        return reference.make_key(self.seed, step, self.global_offset + r.start, self.param_shard.device)
 
-    def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> tuple[Tensor, Tensor, Tensor] | None:
+    def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> reference.Key | None:
         """The key, when the moments are rounded stochastically (not fp32)."""
         dense32 = isinstance(exp_avg, Tensor) and exp_avg.dtype == torch.float32
         return None if dense32 else self._key(r, step)
@@ -172,7 +171,7 @@ class StochasticMaster(MasterWeights):
     name = "stochastic"
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
-        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, *self._key(r, step))
+        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, self._key(r, step))
 
 
 class NoMaster(MasterWeights):

@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from shardopt._layout import Range
-from shardopt.kernels.reference import MOMENT_BLOCK, decode_moment8, encode_moment8
+from shardopt.kernels import Kernels
+from shardopt.kernels.reference import MOMENT_BLOCK, Scalars, decode_moment8, encode_moment8
 
 
 class Moments(abc.ABC):
@@ -39,6 +40,11 @@ class Moments(abc.ABC):
     @abc.abstractmethod
     def operands(self, r: Range) -> tuple[object, object]:
         """(exp_avg, exp_avg_sq) operands of the step kernels over local range ``r``."""
+
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+        """The operands of this step over local range ``r`` (``grad``: its slice of the gradient
+        shard), after any pass the step needs first. Local."""
+        return self.operands(r)
 
     @abc.abstractmethod
     def fp32(self) -> tuple[Tensor, Tensor]:
@@ -113,6 +119,12 @@ class Int8Moments(Moments):
             raise ValueError(f"8-bit moments update whole {MOMENT_BLOCK}-element blocks, got range {r}")
         s, b = r.as_slice(), slice(r.start // MOMENT_BLOCK, r.end // MOMENT_BLOCK)
         return (self.m_codes[s], self.m_scales[b]), (self.v_codes[s], self.v_scales[b])
+
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+        # Two passes (see kernels.reference.moment8_scan): the new blocks' maxima, then the step.
+        m, v = self.operands(r)
+        m_max, v_max = kernels.moment8_scan(grad, m, v, s)
+        return (*m, m_max), (*v, v_max)
 
     def fp32(self) -> tuple[Tensor, Tensor]:
         m, v = decode_moment8(self.m_codes, self.m_scales, self.v_codes, self.v_scales)

@@ -116,19 +116,38 @@ def test_fp16_remainder_round_trip_in_range():
 
 
 def test_random_bits_do_not_depend_on_how_the_buffer_is_split():
-    whole = reference.random_bits(torch.tensor(5), torch.tensor(9), torch.tensor(100), 1000)
-    parts = torch.cat([reference.random_bits(torch.tensor(5), torch.tensor(9), torch.tensor(100 + a), b - a)
-                       for a, b in [(0, 7), (7, 513), (513, 1000)]])
-    assert torch.equal(whole, parts)
-    assert 0 <= int(whole.min()) and int(whole.max()) < 2**32
-    other_step = reference.random_bits(torch.tensor(5), torch.tensor(10), torch.tensor(100), 1000)
-    assert (whole != other_step).float().mean() > 0.99
+    def bits(step, offset, n, stream):
+        return reference.random_bits16(reference.make_key(5, step, offset), n, stream)
+    for stream in (0, 1, 2):
+        whole = bits(9, 100, 1000, stream)
+        parts = torch.cat([bits(9, 100 + a, b - a, stream) for a, b in [(0, 7), (7, 513), (513, 1000)]])
+        assert torch.equal(whole, parts)
+        assert 0 <= int(whole.min()) and int(whole.max()) < 2**16
+        assert (whole != bits(10, 100, 1000, stream)).float().mean() > 0.99  # another step
+    assert (bits(9, 100, 1000, 0) != bits(9, 100, 1000, 1)).float().mean() > 0.99  # other streams
+    assert (bits(9, 100, 1000, 0) != bits(9, 100, 1000, 2)).float().mean() > 0.99
+    # A global offset past 2**31 (int32 counters wrap) splits the same way.
+    big = 2**31 - 300
+    assert torch.equal(bits(9, big, 1000, 2), torch.cat([bits(9, big, 300, 2), bits(9, big + 300, 700, 2)]))
+
+
+def test_random_bits_are_uniform_and_uncorrelated():
+    """Each of the 16 bits is set half the time, and neighbouring elements and steps are independent."""
+    n = 1 << 18
+    words = [reference.random_bits16(reference.make_key(0, step, 0), n, 2) for step in (1, 2)]
+    x = words[0]
+    ones = torch.stack([(x >> k) & 1 for k in range(16)]).float().mean(1)
+    assert float((ones - 0.5).abs().max()) < 6 * 0.5 / n**0.5
+    u = [(w.double() + 0.5) / 2**16 - 0.5 for w in words]
+    for a, b in ((u[0][1:], u[0][:-1]), (u[0], u[1])):  # next element, next step
+        corr = float((a * b).mean() / (a * a).mean())
+        assert abs(corr) < 6 / n**0.5, corr
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_rounding_is_unbiased(dtype):
     n = 1 << 20
-    bits = reference.random_bits(torch.tensor(0), torch.tensor(1), torch.tensor(0), n)
+    bits = reference.random_bits16(reference.make_key(0, 1, 0), n, 0)
     for value in (1.0 + 2.0**-10, -3.0 - 2.0**-12, 0.1, 1000.3):
         x = torch.full((n,), value)
         r = reference.stochastic_round(x, dtype, bits).float()

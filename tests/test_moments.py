@@ -54,7 +54,7 @@ def _run(master: str, moments: str, n: int, impl: str, steps: int = 3) -> dict:
     for step in range(1, steps + 1):
         g = _hard_gradient(n, step).to(torch.bfloat16)
         s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=step, grad_scale=0.25)
-        strategy.update_(Range(0, n), g, *mom.operands(Range(0, n)), s, step)
+        strategy.update_(Range(0, n), g, *mom.prepare(Range(0, n), g, s, strategy.kernels), s, step)
     assert strategy.kernels.name == impl  # a fused kernel that failed to compile would fall back
     return {"param": strategy.param_shard.clone(), "mom": {k: t.clone() for k, t in mom.tensors().items()},
             "decoded": mom.fp32()}
@@ -84,6 +84,32 @@ def test_fused_matches_reference_with_low_precision_moments(master, moments):
             assert bool(torch.isfinite(a).all()) and bool(torch.isfinite(b).all())
 
 
+@pytest.mark.parametrize("moments", ["bf16", "8bit"])
+def test_fused_step_allocates_no_full_length_temporaries(moments):
+    """What the compiled step allocates beyond the state it updates, read from the code inductor
+    generates: a low-precision moments mode must not take back, in fp32 temporaries, the bytes it
+    saves (an 8-bit step written as one graph held three full-length fp32 buffers, 12 B/element)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    n = 64 * 4099  # a shape no other test compiles, so this call compiles and its code is seen
+    strategy = make_master("fp32", torch.randn(n).to(torch.bfloat16), kernels=select("fused"))
+    mom = make_moments(moments, n, torch.device("cpu"))
+    g = torch.randn(n).to(torch.bfloat16)
+    s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, grad_scale=1.0)
+
+    def step() -> None:
+        strategy.update_(Range(0, n), g, *mom.prepare(Range(0, n), g, s, strategy.kernels), s, 1)
+
+    torch._dynamo.reset()  # compile afresh, for this exact shape (sizes appear as numbers)
+    _, codes = run_and_get_code(step)
+    assert strategy.kernels.name == "fused" and codes
+    sizes = [math.prod(int(d) for d in dims.split(",") if d.strip())
+             for code in codes for dims in re.findall(r"empty_strided_cpu\(\(([0-9, ]*)\)", code)]
+    assert all(size <= n // MOMENT_BLOCK for size in sizes), sizes  # per-block values at most
+
+
 def test_8bit_codec_error_and_bias():
     """Nearest: within half a code of each block's scale; stochastic: within one code, unbiased."""
     n = 64 * 512
@@ -101,7 +127,7 @@ def test_8bit_codec_error_and_bias():
     x = torch.full((64,), 0.3)
     x[0] = 1.0  # the block's maximum: 0.3 sits between codes 38 and 39
     decoded = [reference.decode_moment8(*(c for pair in reference.encode_moment8(
-        x, x.square(), (torch.tensor(1), torch.tensor(k), torch.tensor(0))) for c in pair)) for k in range(4000)]
+        x, x.square(), reference.make_key(1, k, 0)) for c in pair)) for k in range(4000)]
     draws = torch.stack([m for m, _ in decoded])[:, 1:]
     step = 1 / 127
     assert set(torch.unique(torch.round(draws / step)).tolist()) <= {38.0, 39.0}
@@ -117,7 +143,7 @@ def test_8bit_codec_error_and_bias():
     r = torch.full((64,), 0.5 / 255)
     r[0] = 1.0
     small = torch.stack([reference.decode_moment8(*(c for pair in reference.encode_moment8(
-        torch.zeros(64), r.square(), (torch.tensor(2), torch.tensor(k), torch.tensor(0))) for c in pair))[1][1:]
+        torch.zeros(64), r.square(), reference.make_key(2, k, 0)) for c in pair))[1][1:]
         for k in range(2000)])
     assert abs(float(small.double().mean()) / (0.5 / 255) ** 2 - 1) < 0.03
 
@@ -134,10 +160,10 @@ def test_8bit_clamp_keeps_a_zero_sqrt_v_from_taking_an_m_over_eps_step():
     mom.v_scales.fill_(1.0)
     w = torch.zeros(n)
     s = make_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=10, grad_scale=1.0)
-    key = (torch.tensor(0), torch.tensor(10), torch.tensor(0))
+    key = reference.make_key(0, 10, 0)
     reference.step_fp32(w, torch.zeros(n), *mom.operands(Range(0, n)), s, None, key)
     assert float(w[1:].abs().max()) == 0.0  # m clamped to 0 where sqrt(v) is 0
-    bound = float(reference.moment_ratio_bound(s))
+    bound = reference.moment_ratio_bound(0.9, 0.999)
     assert 7.2 < bound < 7.5  # (1 - b1) / sqrt((1 - b2)(1 - b1^2 / b2)) for (0.9, 0.999), +1%
 
 
@@ -162,7 +188,7 @@ def test_bf16_moments_decay_after_a_spike_only_when_rounded_stochastically():
     v_rne = torch.ones(n, dtype=torch.bfloat16)
     exact = 0.999 ** steps
     for step in range(steps):
-        bits = reference.random_bits(torch.tensor(0), torch.tensor(step), torch.tensor(0), n, 2)
+        bits = reference.random_bits16(reference.make_key(0, step, 0), n, 2)
         v_sr.copy_(reference.stochastic_round(v_sr.float() * 0.999, torch.bfloat16, bits))
         v_rne.copy_(v_rne.float() * 0.999)
     assert float(v_rne.float().mean()) == 1.0  # never decays

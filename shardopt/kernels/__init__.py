@@ -17,7 +17,7 @@ from shardopt.kernels.reference import adamw_update_, make_scalars, round_to_dty
 
 __all__ = ["adamw_update_", "make_scalars", "round_to_dtype", "reference", "select", "Kernels"]
 
-STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none")
+STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none", "moment8_scan")
 
 
 class Kernels:

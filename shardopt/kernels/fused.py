@@ -36,3 +36,7 @@ def step_stochastic(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
 
 def step_none(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
     _compiled("step_none")(*args, **kwargs)
+
+
+def moment8_scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    return _compiled("moment8_scan")(*args, **kwargs)

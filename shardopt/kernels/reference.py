@@ -29,8 +29,10 @@ to fp16 zero or subnormals.
 w is rounded down or up to a neighbouring 16-bit value with probability proportional to its
 distance, so E[round(w)] = w. The random bits come from a counter-based hash of (seed, step,
 global element offset): the same element gets the same bits whatever the number of ranks, and a
-resumed run repeats exactly. Only as many random bits are used as the rounding discards, so the
-floor below is exact and the rounding unbiased (for normal numbers).
+resumed run repeats exactly. Each element gets 16 bits per stream; streams 0 (weights) and 2
+(``exp_avg_sq``) are the halves of one 32-bit word, so a kernel rounding both hashes once. Only
+as many random bits are used as the rounding discards (16 for bf16, 13 for fp16), so the floor
+below is exact and the rounding unbiased (for normal numbers).
 
 [Note: 16-bit moments]
 With ``moments="bf16"`` both moments are stored in bf16 (8 significant bits). ``exp_avg`` is
@@ -57,39 +59,57 @@ elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastic
 too large in the same micro measurement, 0.99x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
-rather than ``m / eps``.
+rather than ``m / eps``. A block scale is at least 1e-30 (so that 127 / scale stays finite);
+moments below it are stored as 0.
+
+The step needs each block's new scale before it can encode the block, so an 8-bit update is two
+compiled passes: :func:`moment8_scan` (a reduction per block over the gradient and the stored
+codes) and the step itself, elementwise with the scan's maxima. One graph doing both held three
+fp32 buffers of the segment's length; two hold two floats per block.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-Scalars = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+Key = tuple[Tensor, Tensor]  # per random word, the counter of the range's first element (see make_key)
+Scalars = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 _MASK32 = 0xFFFFFFFF
 MOMENT_BLOCK = 64  # elements per scale of the 8-bit moments (see [Note: 8-bit moments])
-_TINY = 1e-38
+_SCALE_MIN = 1e-30  # the smallest 8-bit block scale: moments below it are stored as 0
 
 
 def make_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                  grad_scale: float, device: torch.device | str = "cpu") -> Scalars:
     """Per-step scalars as 0-d fp32 tensors, computed in Python doubles exactly as torch.optim.AdamW does:
-    (decay factor, 1 - beta1, beta2, 1 - beta2, step size, sqrt of bias correction 2, eps)."""
+    (decay factor, 1 - beta1, beta2, 1 - beta2, step size, sqrt of bias correction 2, eps, gradient
+    scale, :func:`moment_ratio_bound`)."""
     values = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
-              (1 - beta2**step) ** 0.5, eps)
-    t = torch.tensor(values, dtype=torch.float32, device=device)
-    scale = torch.tensor(grad_scale, dtype=torch.float32, device=device)
-    return (*t.unbind(), scale)  # type: ignore[return-value]
+              (1 - beta2**step) ** 0.5, eps, grad_scale, moment_ratio_bound(beta1, beta2))
+    return tuple(torch.tensor(values, dtype=torch.float32, device=device).unbind())  # type: ignore[return-value]
+
+
+def moment_ratio_bound(beta1: float, beta2: float) -> float:
+    """The most ``|exp_avg| / sqrt(exp_avg_sq)`` can be in exact Adam for these betas (inf when
+    ``beta1**2 >= beta2``), with 1% to spare for rounding (see [Note: 8-bit moments])."""
+    den = (1 - beta2) * (1 - beta1 * beta1 / beta2) if beta2 > 0 else 0.0
+    return 1.01 * (1 - beta1) / den**0.5 if den > 0 else float("inf")
+
+
+def adam_moments(g: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, Tensor]:
+    """The new (exp_avg, exp_avg_sq) from the fp32 scaled gradient ``g`` and the fp32 moments."""
+    one_minus_beta1, beta2, one_minus_beta2 = s[1], s[2], s[3]
+    return torch.lerp(m, g, one_minus_beta1), v * beta2 + one_minus_beta2 * g * g
 
 
 def adamw_math(w: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, Tensor, Tensor]:
     """One AdamW step on fp32 ``w`` (functional): returns (w, m, v). ``grad`` in any float dtype is
     multiplied by the gradient scale (1 / loss scale times the clip coefficient) in fp32."""
-    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bc2_sqrt, eps, grad_scale = s
+    decay, step_size, bc2_sqrt, eps, grad_scale = s[0], s[4], s[5], s[6], s[7]
     g = grad.float() * grad_scale
     w = w * decay  # decoupled weight decay, before the Adam step
-    m = torch.lerp(m, g, one_minus_beta1)
-    v = v * beta2 + one_minus_beta2 * g * g
+    m, v = adam_moments(g, m, v, s)
     denom = v.sqrt() / bc2_sqrt + eps
     w = w + (-step_size * m) / denom
     return w, m, v
@@ -151,93 +171,146 @@ def decode_fp16(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(q == 0, base, base + q.float() * _fp16_residual_scale(p))  # keeps -0.0 negative
 
 
-def random_bits(seed: Tensor, step: Tensor, offset: Tensor, n: int, stream: int = 0) -> Tensor:
-    """``n`` pseudo-random 32-bit values (int64 in [0, 2**32)) for global elements offset..offset+n-1
-    at ``step``: a counter-based integer hash, so no state beyond (seed, step, offset). ``stream``
-    0 rounds the weights, 1 and 2 the moments."""
-    idx = torch.arange(n, dtype=torch.int64, device=offset.device) + offset
-    x = (idx * 0x9E3779B1 + step * 0x632BE5AB + seed * 0x2545F491 + stream * 0x68E31DA4) & _MASK32
-    for mul in (0x7FEB352D, 0x5BD1E995):  # multipliers below 2**31 keep every product inside int64
-        x = x ^ (x >> 16)
+def _mix32(x: Tensor) -> Tensor:
+    """A bijective avalanche of int32 words (Wellons' lowbias32): multiplies wrap modulo 2**32
+    and shifts are made logical with a mask, so eager and compiled code agree bit for bit."""
+    x = x ^ ((x >> 16) & 0xFFFF)
+    x = x * 0x7FEB352D
+    x = x ^ ((x >> 15) & 0x1FFFF)
+    x = x * -0x7B935975  # 0x846CA68B as a signed 32-bit constant
+    return x ^ ((x >> 16) & 0xFFFF)
+
+
+def _word_key(seed: int, step: int, word: int) -> int:
+    """A well-mixed 32-bit key of (seed, step, word)."""
+    x = (step * 0x632BE5AB + seed * 0x2545F491 + word * 0x68E31DA4) & _MASK32
+    for mul in (0x7FEB352D, 0x5BD1E995):
+        x ^= x >> 16
         x = (x * mul) & _MASK32
     return x ^ (x >> 15)
 
 
+def make_key(seed: int, step: int, offset: int, device: torch.device | str = "cpu") -> Key:
+    """The random-bit key of a range that starts at global element ``offset``, at ``step``: per
+    word, the 32-bit counter of its first element, (offset + key(seed, step, word)) mod 2**32, as
+    a 0-d int32 tensor (computed here once, not in the kernel's loop)."""
+    def base(word: int) -> int:
+        x = (offset + _word_key(seed, step, word)) & _MASK32
+        return x - (1 << 32) if x >= 1 << 31 else x
+    return tuple(torch.tensor(base(w), dtype=torch.int32, device=device) for w in range(2))  # type: ignore[return-value]
+
+
+def random_words(key: Key, n: int, word: int = 0) -> Tensor:
+    """``n`` pseudo-random int32 words for the ``n`` elements from the key's range start: a
+    counter-based hash of (element + key), so no state beyond (seed, step, global offset), and
+    the same element gets the same word however the buffer is split. Elements 2**32 apart share
+    their words; that correlates them, it does not bias them."""
+    return _mix32(torch.arange(n, dtype=torch.int32, device=key[word].device) + key[word])
+
+
+def random_bits16(key: Key, n: int, stream: int = 0) -> Tensor:
+    """16 random bits per element (int32 in [0, 2**16)): ``stream`` 0 rounds the weights, 1 and 2
+    the moments. Streams 0 and 2 are the two halves of one word, so a kernel that rounds both a
+    weight and ``exp_avg_sq`` hashes each element once."""
+    w = random_words(key, n, 1 if stream == 1 else 0)
+    return (w >> 16) & 0xFFFF if stream == 2 else w & 0xFFFF
+
+
+def uniform16(bits: Tensor) -> Tensor:
+    """16 random bits -> fp32 uniform on (0, 1), at the centres of 2**16 equal cells."""
+    return (bits.float() + 0.5) * 2.0 ** -16
+
+
 def stochastic_round(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
-    """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, using 32-bit ``bits`` (int64)."""
+    """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, using 16 random bits (int32)."""
     mant, emin = (7, -126) if dtype == torch.bfloat16 else (10, -14)
-    discarded = 23 - mant  # random bits needed: exactly what the rounding throws away
+    discarded = 23 - mant  # random bits needed: exactly what the rounding throws away (16 or 13)
     e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
     ulp = ((torch.clamp(e, min=emin) - mant + 127) << 23).view(torch.float32)
-    u = (bits >> (32 - discarded)).float() * (2.0 ** -discarded)
+    u = (bits >> (16 - discarded)).float() * (2.0 ** -discarded)
     return (torch.floor(x / ulp + u) * ulp).to(dtype)
 
 
 def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
     """Round fp32 ``x`` (finite) to bf16 up or down in magnitude at random, unbiased: 16 random bits
-    added below the kept ones carry into them with probability equal to the discarded fraction.
-    Integer operations only (no division), for the moments' hot loop."""
+    (int32 in [0, 2**16)) added below the kept ones carry into them with probability equal to the
+    discarded fraction. Integer operations only (no division), for the moments' hot loop."""
     b = x.view(torch.int32)
-    return ((b + (bits >> 16).to(torch.int32)) & -65536).view(torch.float32).to(torch.bfloat16)
+    return ((b + bits) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 # -- moments: fp32, bf16 or 8-bit (see shardopt.moments) -----------------------------------
-Key = tuple[Tensor, Tensor, Tensor]  # (seed, step, global offset of the range's first element), int64
+def _per_block(x: Tensor, like: Tensor) -> Tensor:
+    """One value per block (``nb`` elements) -> the same value on each element of the block, shaped
+    as ``like``: 1-D (``nb * MOMENT_BLOCK``) or 2-D (``nb, MOMENT_BLOCK``).
+
+    The step encodes elementwise over 1-D tensors with the block values broadcast this way, so
+    that it compiles to one loop with no full-length temporaries; the scan (a reduction per
+    block) works in 2-D for the same reason."""
+    return x[:, None] if like.dim() == 2 else x[:, None].expand(x.numel(), MOMENT_BLOCK).reshape(-1)
 
 
-def encode_moment8(m: Tensor, v: Tensor, key: Key | None) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
+def moment8_maxima(m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Per block of fp32 moments (1-D, whole blocks): (max |exp_avg|, max exp_avg_sq)."""
+    return m.view(-1, MOMENT_BLOCK).abs().amax(1), v.view(-1, MOMENT_BLOCK).amax(1)
+
+
+def encode_moment8(m: Tensor, v: Tensor, key: Key | None, maxima: tuple[Tensor, Tensor] | None = None
+                   ) -> tuple[tuple[Tensor, Tensor], tuple[Tensor, Tensor]]:
     """fp32 moments (1-D, whole blocks) -> ((int8 codes, scales), (uint8 codes, scales)), rounded
-    stochastically with ``key``, to nearest without (see [Note: 8-bit moments])."""
-    mb, vb = m.view(-1, MOMENT_BLOCK), v.view(-1, MOMENT_BLOCK)
-    m_scale, v_max = mb.abs().amax(1), vb.amax(1)
-    qm = mb / m_scale.clamp_min(_TINY)[:, None] * 127.0
-    t = vb / v_max.clamp_min(_TINY)[:, None] * 65025.0  # (sqrt(v) / max sqrt(v) * 255) ** 2
+    stochastically with ``key``, to nearest without (see [Note: 8-bit moments]). ``maxima``: the
+    blocks' :func:`moment8_maxima`, when already known."""
+    m_max, v_max = maxima if maxima is not None else moment8_maxima(m, v)
+    m_max, v_max = m_max.clamp_min(_SCALE_MIN), v_max.clamp_min(_SCALE_MIN)  # 127 / scale stays finite
+    qm = m * _per_block(127.0 / m_max, m)
+    t = v * _per_block(65025.0 / v_max, v)  # (sqrt(v) / max sqrt(v) * 255) ** 2
     lo = torch.floor(torch.sqrt(t))
     if key is None:
         m_codes = torch.floor(qm + 0.5)
         v_codes = torch.where(t > (lo + 0.5) * (lo + 0.5), lo + 1.0, lo)  # nearest in sqrt(v)
-    else:  # one hash per element, stream 1 for m, stream 2 for v
-        bits = random_bits(*key, m.numel(), 1).view(-1, MOMENT_BLOCK)
-        m_codes = torch.floor(qm + (bits >> 8).float() * 2.0 ** -24)
+    else:  # 16 random bits per element and moment: stream 1 for m, stream 2 for v
+        m_codes = torch.floor(qm + uniform16(random_bits16(key, m.numel(), 1)))
         # Up with probability (t - lo^2) / ((lo + 1)^2 - lo^2), so that the decoded v = code^2, not
         # the code, is unbiased (rounding sqrt(v) unbiased would bias v up by its variance, every step).
-        u = (random_bits(*key, m.numel(), 2).view(-1, MOMENT_BLOCK) >> 8).float() * 2.0 ** -24
-        v_codes = torch.floor(lo + (t - lo * lo) / (2.0 * lo + 1.0) + (1.0 - u))  # lo + 1 when u <= p
-    m_codes = m_codes.clamp(-127.0, 127.0).to(torch.int8).flatten()
-    v_codes = v_codes.clamp(0.0, 255.0).to(torch.uint8).flatten()
-    return (m_codes, m_scale), (v_codes, v_max.sqrt())
+        u = uniform16(random_bits16(key, m.numel(), 2))
+        v_codes = lo + (t - lo * lo > u * (2.0 * lo + 1.0)).float()
+    m_codes = m_codes.clamp(-127.0, 127.0).to(torch.int8)
+    v_codes = v_codes.clamp(0.0, 255.0).to(torch.uint8)
+    return (m_codes, m_max), (v_codes, v_max.sqrt())
 
 
 def decode_moment8(m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`encode_moment8`, to fp32 (without the clamp of :func:`load_moments`)."""
-    m = (m_codes.view(-1, MOMENT_BLOCK).float() * (m_scale / 127.0)[:, None]).flatten()
-    r = v_codes.view(-1, MOMENT_BLOCK).float() * (v_scale / 255.0)[:, None]
-    return m, (r * r).flatten()
-
-
-def moment_ratio_bound(s: Scalars) -> Tensor:
-    """The most ``|exp_avg| / sqrt(exp_avg_sq)`` can be in exact Adam for these betas (inf when
-    ``beta1**2 >= beta2``), with 1% to spare for rounding."""
-    one_minus_beta1, beta2, one_minus_beta2 = s[1], s[2], s[3]
-    beta1 = 1.0 - one_minus_beta1
-    den = one_minus_beta2 * (1.0 - beta1 * beta1 / beta2)
-    return torch.where(den > 0, 1.01 * one_minus_beta1 / den.clamp_min(_TINY).sqrt(),
-                       torch.full_like(den, float("inf")))
+    m = m_codes.float() * _per_block(m_scale / 127.0, m_codes)
+    r = v_codes.float() * _per_block(v_scale / 255.0, v_codes)
+    return m, r * r
 
 
 def load_moments(m: Tensor | tuple, v: Tensor | tuple, s: Scalars) -> tuple[Tensor, Tensor]:
-    """The stored moments (tensors in fp32 or bf16, or 8-bit (codes, scales) pairs) as fp32."""
+    """The stored moments as fp32: tensors in fp32 or bf16, or 8-bit operands (codes, scales) or
+    (codes, scales, the new blocks' maximum from :func:`moment8_scan`)."""
     if isinstance(m, tuple):
-        m32, v32 = decode_moment8(m[0], m[1], v[0], v[1])
-        bound = moment_ratio_bound(s) * v32.sqrt()
-        return torch.minimum(torch.maximum(m32, -bound), bound), v32
+        m32 = m[0].float() * _per_block(m[1] / 127.0, m[0])
+        r = v[0].float() * _per_block(v[1] / 255.0, v[0])  # sqrt(exp_avg_sq)
+        bound = r * s[8]  # moment_ratio_bound
+        return torch.minimum(torch.maximum(m32, -bound), bound), r * r
     return m.float(), v.float()
+
+
+def moment8_scan(grad: Tensor, m: tuple, v: tuple, s: Scalars) -> tuple[Tensor, Tensor]:
+    """The first of two passes of an 8-bit update: per block, (max |exp_avg|, max exp_avg_sq) after
+    this step, read from the gradient and the stored codes alone; the step pass (given these as
+    the operands' third element) then encodes in one elementwise loop without fp32 temporaries."""
+    blocks = (-1, MOMENT_BLOCK)
+    m32, v32 = load_moments((m[0].view(blocks), m[1]), (v[0].view(blocks), v[1]), s)
+    m_new, v_new = adam_moments(grad.view(blocks).float() * s[7], m32, v32, s)
+    return m_new.abs().amax(1), v_new.amax(1)
 
 
 def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tensor, key: Key | None) -> None:
     """Write fp32 moments back in the stored form (see [Note: 16-bit moments], [Note: 8-bit moments])."""
     if isinstance(m, tuple):
-        (mq, ms), (vq, vs) = encode_moment8(m32, v32, key)
+        (mq, ms), (vq, vs) = encode_moment8(m32, v32, key, (m[2], v[2]) if len(m) > 2 else None)
         m[0].copy_(mq)
         m[1].copy_(ms)
         v[0].copy_(vq)
@@ -247,8 +320,7 @@ def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tenso
         v.copy_(v32)
     else:
         m.copy_(m32)
-        seed, step, offset = key
-        v.copy_(stochastic_round_bf16(v32, random_bits(seed, step, offset, v32.numel(), 2)))
+        v.copy_(stochastic_round_bf16(v32, random_bits16(key, v32.numel(), 2)))
 
 
 # -- one step per master-weight mode: decode, AdamW, encode, in place -----------------------
@@ -299,13 +371,12 @@ def step_remainder(param: Tensor, rem: Tensor | tuple, grad: Tensor, m: Tensor |
     store_moments_(m, v, m_new, v_new, key)
 
 
-def step_stochastic(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars, seed: Tensor,
-                    step: Tensor, offset: Tensor) -> None:
+def step_stochastic(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars, key: Key) -> None:
     """No master: the fp32 result is rounded stochastically into the 16-bit weight."""
     m32, v32 = load_moments(m, v, s)
     w, m_new, v_new = adamw_math(param.float(), grad, m32, v32, s)
-    param.copy_(stochastic_round(w, param.dtype, random_bits(seed, step, offset, param.numel())))
-    store_moments_(m, v, m_new, v_new, (seed, step, offset))
+    param.copy_(stochastic_round(w, param.dtype, random_bits16(key, param.numel(), 0)))
+    store_moments_(m, v, m_new, v_new, key)
 
 
 def step_none(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
