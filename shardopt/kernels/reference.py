@@ -40,7 +40,7 @@ rounded to nearest: it moves by ``1 - beta1`` (10%) of the way to each new gradi
 its rounding. ``exp_avg_sq`` is rounded stochastically (stream 2 of the random bits): with
 ``beta2 = 0.999`` its decay ``v * 0.999`` is below half an ulp of ``v``, so round to nearest gives
 back ``v`` and a large gradient, once seen, never decays: measured after a spike, nearest left
-``v`` 20x too large after 3000 steps (the updates 4.5x too small), stochastic rounding within 0.2%
+``v`` 20x too large after 3000 steps (the updates 4.5x too small), stochastic rounding within 2%
 (``benchmarks/bench_fidelity.py --part moments``, micro table).
 
 [Note: 8-bit moments]
@@ -56,7 +56,7 @@ linear, ``round(sqrt(v) / max sqrt(v) * 255)`` in uint8, rounded up with the pro
 and is what the update divides by; ``v`` itself, linear, gave oversized updates on thousands of
 elements per run; ``benchmarks/bench_moment_codes.py``). Both rounded stochastically (streams 1 and
 2): as with bf16, round to nearest leaves a decaying element at its old code for good (17x
-too large in the same micro measurement, 0.99x stochastically). Decoding clamps ``|m|`` to the bound exact
+too large in the same micro measurement, 0.97x stochastically). Decoding clamps ``|m|`` to the bound exact
 Adam obeys, ``|m| <= (1 - b1) / sqrt((1 - b2) (1 - b1**2 / b2)) * sqrt(v)`` (Cauchy-Schwarz
 over the two exponential sums), so a block whose ``sqrt(v)`` code rounded to zero gives no update
 rather than ``m / eps``. A block scale is at least 1e-30 (so that 127 / scale stays finite);
