@@ -301,7 +301,7 @@ def moment8_scan(grad: Tensor, m: tuple, v: tuple, s: Scalars) -> tuple[Tensor, 
     """The first of two passes of an 8-bit update: per block, (max |exp_avg|, max exp_avg_sq) after
     this step, read from the gradient and the stored codes alone; the step pass (given these as
     the operands' third element) then encodes in one elementwise loop without fp32 temporaries."""
-    blocks = (-1, MOMENT_BLOCK)
+    blocks = (m[1].shape[0], MOMENT_BLOCK)  # one size for every operand, also when compiled for dynamic shapes
     m32, v32 = load_moments((m[0].view(blocks), m[1]), (v[0].view(blocks), v[1]), s)
     m_new, v_new = adam_moments(grad.view(blocks).float() * s[7], m32, v32, s)
     return m_new.abs().amax(1), v_new.amax(1)
