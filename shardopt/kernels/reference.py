@@ -251,7 +251,7 @@ def _per_block(x: Tensor, like: Tensor) -> Tensor:
 
 
 def moment8_maxima(m: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """Per block of fp32 moments (1-D, whole blocks): (max |exp_avg|, max exp_avg_sq)."""
+    """Per block of fp32 moments (1-D whole blocks, or 2-D one row per block): (max |exp_avg|, max exp_avg_sq)."""
     return m.view(-1, MOMENT_BLOCK).abs().amax(1), v.view(-1, MOMENT_BLOCK).amax(1)
 
 
@@ -281,17 +281,21 @@ def encode_moment8(m: Tensor, v: Tensor, key: Key | None, maxima: tuple[Tensor, 
 
 def decode_moment8(m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor) -> tuple[Tensor, Tensor]:
     """The inverse of :func:`encode_moment8`, to fp32 (without the clamp of :func:`load_moments`)."""
-    m = m_codes.float() * _per_block(m_scale / 127.0, m_codes)
-    r = v_codes.float() * _per_block(v_scale / 255.0, v_codes)
+    m, r = _decode_moment8_sqrt(m_codes, m_scale, v_codes, v_scale)
     return m, r * r
+
+
+def _decode_moment8_sqrt(m_codes: Tensor, m_scale: Tensor, v_codes: Tensor, v_scale: Tensor) -> tuple[Tensor, Tensor]:
+    """(exp_avg, sqrt(exp_avg_sq)) from 8-bit codes and block scales, 1-D or 2-D like the codes."""
+    return (m_codes.float() * _per_block(m_scale / 127.0, m_codes),
+            v_codes.float() * _per_block(v_scale / 255.0, v_codes))
 
 
 def load_moments(m: Tensor | tuple, v: Tensor | tuple, s: Scalars) -> tuple[Tensor, Tensor]:
     """The stored moments as fp32: tensors in fp32 or bf16, or 8-bit operands (codes, scales) or
     (codes, scales, the new blocks' maximum from :func:`moment8_scan`)."""
     if isinstance(m, tuple):
-        m32 = m[0].float() * _per_block(m[1] / 127.0, m[0])
-        r = v[0].float() * _per_block(v[1] / 255.0, v[0])  # sqrt(exp_avg_sq)
+        m32, r = _decode_moment8_sqrt(m[0], m[1], v[0], v[1])
         bound = r * s[8]  # moment_ratio_bound
         return torch.minimum(torch.maximum(m32, -bound), bound), r * r
     return m.float(), v.float()
@@ -304,7 +308,7 @@ def moment8_scan(grad: Tensor, m: tuple, v: tuple, s: Scalars) -> tuple[Tensor, 
     blocks = (m[1].shape[0], MOMENT_BLOCK)  # one size for every operand, also when compiled for dynamic shapes
     m32, v32 = load_moments((m[0].view(blocks), m[1]), (v[0].view(blocks), v[1]), s)
     m_new, v_new = adam_moments(grad.view(blocks).float() * s[7], m32, v32, s)
-    return m_new.abs().amax(1), v_new.amax(1)
+    return moment8_maxima(m_new, v_new)
 
 
 def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tensor, key: Key | None) -> None:
