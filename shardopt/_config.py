@@ -1,10 +1,13 @@
-"""Validated, frozen settings of a ``ShardedAdamW``, and the validation of its param groups."""
+"""Validated, frozen settings of a ``ShardedAdamW``, the validation of its param groups, and which
+of their parameters it shards (and how messages name them)."""
 from __future__ import annotations
 
 import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from shardopt.master import STRATEGIES
 from shardopt.moments import MOMENTS
@@ -114,3 +117,48 @@ def _is_number(x: object) -> bool:
     if isinstance(x, torch.Tensor):
         return x.numel() == 1 and not bool(torch.isnan(x))
     return isinstance(x, (int, float)) and not isinstance(x, bool) and not math.isnan(x)
+
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def param_names(param_groups: list[dict[str, Any]]) -> dict[int, str]:
+    """How messages name each parameter (by ``id``): its name when named parameters were given,
+    else its position in param-group order and its shape."""
+    names, k = {}, 0
+    for gi, g in enumerate(param_groups):
+        given = g.get("param_names")
+        for j, p in enumerate(g["params"]):
+            names.setdefault(id(p), repr(given[j]) if given else f"#{k} (param group {gi}, shape {tuple(p.shape)})")
+            k += 1
+    return names
+
+
+def trainable_params(param_groups: list[dict[str, Any]]) -> list[tuple[torch.nn.Parameter, int]]:
+    """(parameter, param-group index) of every parameter that requires grad; a clear error for one
+    ShardedAdamW cannot shard (non-leaf, meta, unsupported dtype, sparse, on several devices). Local."""
+    out, devices = [], set()
+    for gi, group in enumerate(param_groups):
+        for p in group["params"]:
+            if not p.is_leaf:
+                raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} was passed as a parameter "
+                                 f"(param group {gi}); pass the model's nn.Parameters, not results of ops on them")
+            if not p.requires_grad:
+                continue
+            if p.device.type == "meta":
+                raise ValueError(f"parameter of shape {tuple(p.shape)} is on the meta device (no values yet); "
+                                 "materialise the model before building ShardedAdamW, e.g. "
+                                 "model.to_empty(device=...) followed by its initialisation")
+            if p.dtype not in _SUPPORTED_DTYPES:
+                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; ShardedAdamW "
+                                f"supports {[str(d) for d in _SUPPORTED_DTYPES]}: convert the model first")
+            if p.is_sparse:
+                raise TypeError(f"parameter of shape {tuple(p.shape)} is sparse; ShardedAdamW needs dense parameters")
+            devices.add(p.device)
+            out.append((p, gi))
+    if not out:
+        raise ValueError("ShardedAdamW got an empty parameter list (or no parameter with requires_grad=True)")
+    if len(devices) > 1:
+        raise ValueError(f"parameters are on different devices {sorted(map(str, devices))}; "
+                         "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")
+    return out

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from shardopt._agreement import HEADER_AT, HEADER_LEN, call_header, check_calls, raise_first_difference, settings
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
-from shardopt._config import ShardConfig, check_hyperparameters, check_param_group
+from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names, trainable_params
 from shardopt._gather_wait import watch_gathers
 from shardopt._ownership import take_over
 from shardopt._rounds import Rounds
@@ -25,7 +25,6 @@ from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
-_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -75,7 +74,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         trainable = self._check_params_on_all_ranks(loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
-        self._names = self._param_names()
+        self._names = param_names(self.param_groups)
         self._buffers = self._build_buffers(trainable)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
@@ -109,52 +108,14 @@ class ShardedAdamW(torch.optim.Optimizer):
                                "pass every param group to the constructor instead of add_param_group")
         super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults))
 
-    def _param_names(self) -> dict[int, str]:
-        """How messages name each parameter: its name when named parameters were given, else its
-        position in param-group order and its shape."""
-        names, k = {}, 0
-        for gi, g in enumerate(self.param_groups):
-            given = g.get("param_names")
-            for j, p in enumerate(g["params"]):
-                names.setdefault(id(p), repr(given[j]) if given else f"#{k} (param group {gi}, shape {tuple(p.shape)})")
-                k += 1
-        return names
-
-    def _trainable(self) -> list[tuple[torch.nn.Parameter, int]]:
-        out, devices = [], set()
-        for gi, group in enumerate(self.param_groups):
-            for p in group["params"]:
-                if not p.is_leaf:
-                    raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} was passed as a parameter "
-                                     f"(param group {gi}); pass the model's nn.Parameters, not results of ops on them")
-                if not p.requires_grad:
-                    continue
-                if p.device.type == "meta":
-                    raise ValueError(f"parameter of shape {tuple(p.shape)} is on the meta device (no values yet); "
-                                     "materialise the model before building ShardedAdamW, e.g. "
-                                     "model.to_empty(device=...) followed by its initialisation")
-                if p.dtype not in _SUPPORTED_DTYPES:
-                    raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; ShardedAdamW "
-                                    f"supports {[str(d) for d in _SUPPORTED_DTYPES]}: convert the model first")
-                if p.is_sparse:
-                    raise TypeError(f"parameter of shape {tuple(p.shape)} is sparse; ShardedAdamW needs dense parameters")
-                devices.add(p.device)
-                out.append((p, gi))
-        if not out:
-            raise ValueError("ShardedAdamW got an empty parameter list (or no parameter with requires_grad=True)")
-        if len(devices) > 1:
-            raise ValueError(f"parameters are on different devices {sorted(map(str, devices))}; "
-                             "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")
-        return out
-
     def _check_params_on_all_ranks(self, loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
         """Validate the parameters and settings on every rank and compare them across ranks with
         one small collective; any problem, local or a mismatch, raises on every rank (never a hang).
         Parameters are compared by (group, shape, dtype) and, when named parameters were given, by
         name; two same-shape parameters swapped on one rank without names cannot be told apart."""
-        names = self._param_names()
+        names = param_names(self.param_groups)
         try:
-            trainable, error = self._trainable(), None
+            trainable, error = trainable_params(self.param_groups), None
             named = any(g.get("param_names") for g in self.param_groups)
             desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ())
                           for p, gi in trainable]
