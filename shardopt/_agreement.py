@@ -77,6 +77,7 @@ def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str
     return {"stage": c.stage, "master_weights": c.master_weights, "moments": c.moments, "bucket_cap_mb": c.bucket_cap_mb,
             "accumulate_dtype": str(c.accumulate_dtype), "reduce_dtype": str(c.reduce_dtype),
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
+            "mesh (replicas, shard size)": (opt._comm.replicas, opt._comm.shard_size),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
                for k, v in sorted(g.items()) if k not in ("params", "param_names")}}

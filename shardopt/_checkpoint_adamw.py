@@ -102,7 +102,7 @@ def _gather(b: Any, i: int, shard: Tensor, comm: Any) -> Tensor:
     span = b.layout.params[i].global_range
     pieces = _param_pieces(b, i)
     out = torch.zeros(span.size, dtype=torch.float32, device=shard.device)
-    mine = pieces[comm.rank]
+    mine = pieces[comm.shard_rank]
     if mine.size:
         local = Range(span.start + mine.start, span.start + mine.end).relative_to(b.shard_range.start)
         out[mine.as_slice()] = shard[local.as_slice()]

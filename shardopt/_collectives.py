@@ -24,6 +24,18 @@ each receiving at most about one bucket, issued one after another under the call
 collectives in flight: the receive side stays a constant number of buckets at any world size, and
 the sum, element by element in rank order, is unchanged. NCCL keeps its native, ring-based
 collectives (bucket-size-dependent summation order, no receive buffer).
+
+[Note: hybrid sharding]
+With a 2-D ``DeviceMesh`` (replicate x shard) the state is sharded over the ``shard`` dimension
+and replicated over ``replicate``. A bucket's gradients are reduce-scattered inside the shard
+group, and each rank's averaged piece is then all-reduced across the replicate group (the ranks
+holding the same piece in the other replicas); the weights are all-gathered inside the shard
+group. On gloo the cross-replica all-reduce sums the fp32 partial sums of the shard groups, and
+the average is rounded to the gradient dtype once, after it (so 16-bit gradients are averaged in
+fp32 over all ranks, as in the flat case). The cross-replica all-reduce of a bucket is issued
+when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
+of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
+announcements) still spans every rank of the mesh, so every decision is the same everywhere.
 """
 from __future__ import annotations
 
@@ -50,12 +62,13 @@ class CommStats:
 
     reduce_bytes: int = 0  # gradient bytes fed into reductions (all-reduce or reduce-scatter input)
     gather_bytes: int = 0  # parameter bytes assembled by all-gathers (output size)
+    cross_bytes: int = 0  # hybrid sharding: bytes fed into the cross-replica all-reduces of gradient pieces
     collectives: int = 0  # collective calls issued (a gloo all-gather counts one per sending rank)
     wait_seconds: float = 0.0  # time spent blocked in wait() on those collectives
 
     def reset(self) -> None:
         """Zero the counters in place (handles in flight keep adding their wait time here)."""
-        self.reduce_bytes = self.gather_bytes = self.collectives = 0
+        self.reduce_bytes = self.gather_bytes = self.cross_bytes = self.collectives = 0
         self.wait_seconds = 0.0
 
 
@@ -66,15 +79,24 @@ class Pending:
     works: list = field(default_factory=list)
     keep_alive: list = field(default_factory=list)
     stats: CommStats | None = None
-    then: Callable[[], "Pending | None"] | None = None  # local work once the data has arrived
+    then: Callable[[], "Pending | None"] | None = None  # local work once the data has arrived; may start more
     done: bool = False
     comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
+    overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
         return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
+        """Block until these collectives and every follow-up they started have finished."""
+        follow = self.wait_landed()
+        while follow is not None:
+            follow = follow.wait_landed()
+
+    def wait_landed(self) -> "Pending | None":
+        """Block until these collectives finished and run ``then``; return the follow-up it started
+        when that one may be waited on later (``overlap``), else wait for it too and return None."""
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()
         timeout = self.comm.timeout if self.comm is not None else None
@@ -98,23 +120,68 @@ class Pending:
         self.works.clear()
         follow_up = self.then() if self.then is not None else None
         self.keep_alive.clear()
-        if follow_up is not None:
+        if follow_up is not None and not follow_up.overlap:
             follow_up.wait()
+            return None
+        return follow_up
+
+
+def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
+    """``pending``, changed to run ``fn`` once it and every follow-up it starts have landed."""
+    first = pending.then
+
+    def then() -> Pending | None:
+        follow = first() if first is not None else None
+        return and_then(follow, fn) if follow is not None else fn()
+
+    pending.then = then
+    return pending
+
+
+def mesh_groups(mesh: Any) -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
+    """(every rank of ``mesh``, its shard group, its replicate group or None) for this rank. A 1-D
+    mesh shards over all its ranks; a 2-D mesh is (replicate, shard), as FSDP2's HSDP."""
+    if mesh.ndim == 1:
+        return mesh.get_group(), mesh.get_group(), None
+    if mesh.ndim != 2:
+        raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard), got a {mesh.ndim}-D mesh "
+                         f"{tuple(mesh.shape)}; pass the data-parallel sub-mesh, e.g. mesh['replicate', 'shard']")
+    replicate, shard = mesh.get_group(0), mesh.get_group(1)
+    if mesh.size() == dist.get_world_size():
+        whole = None
+    else:  # the data-parallel part of a larger mesh (tensor parallelism beside it)
+        whole = mesh._flatten().get_group()
+    return whole, shard, (replicate if mesh.shape[0] > 1 else None)
 
 
 class Comm:
     """A process group with its rank and size, and the collectives shardopt needs."""
 
-    def __init__(self, process_group: ProcessGroup = None) -> None:
+    def __init__(self, process_group: ProcessGroup = None, device_mesh: Any = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "shardopt needs torch.distributed initialised: launch with torchrun and call "
                 "torch.distributed.init_process_group() (gloo on CPU, nccl on GPU) before "
                 "building the optimizer"
             )
-        self.group = process_group
+        shard_group, replicate_group = process_group, None
+        if device_mesh is not None:
+            if process_group is not None:
+                raise ValueError("pass process_group= or device_mesh=, not both")
+            process_group, shard_group, replicate_group = mesh_groups(device_mesh)
+        self.group = process_group  # every rank: small collectives, decisions, checkpoints
         self.rank: int = dist.get_rank(process_group)
         self.world_size: int = dist.get_world_size(process_group)
+        # The state is sharded over shard_group and replicated over replicate_group (see [Note: hybrid sharding]).
+        self.shard_group = shard_group
+        self.shard_rank: int = dist.get_rank(shard_group)
+        self.shard_size: int = dist.get_world_size(shard_group)
+        self.replicate_group = replicate_group
+        self.replica: int = dist.get_rank(replicate_group) if replicate_group is not None else 0
+        self.replicas: int = self.world_size // self.shard_size
+        if self.replicas * self.shard_size != self.world_size or self.replica < 0 or self.shard_rank < 0:
+            raise ValueError(f"device_mesh: a shard group of {self.shard_size} ranks does not tile the "
+                             f"{self.world_size} data-parallel ranks")
         self.backend: str = str(dist.get_backend(process_group))
         self.stats = CommStats()
         self.live_bytes = 0  # receive buffers of reductions in flight, bytes
@@ -123,6 +190,8 @@ class Comm:
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
+        self._shard_global = [dist.get_global_rank(shard_group, r) if shard_group is not None else r
+                              for r in range(self.shard_size)]
 
     # -- small collectives ---------------------------------------------------------------
     def all_reduce_sum(self, t: Tensor) -> Pending:
@@ -179,40 +248,77 @@ class Comm:
             self.where = previous
 
     # -- bucket collectives --------------------------------------------------------------
-    def _count(self, works: list, *, reduced: int = 0, gathered: int = 0) -> list:
+    def _count(self, works: list, *, reduced: int = 0, gathered: int = 0, crossed: int = 0) -> list:
         self.stats.collectives += len(works)
         self.stats.reduce_bytes += reduced
         self.stats.gather_bytes += gathered
+        self.stats.cross_bytes += crossed
         return works
+
+    def sent_bytes(self, stats: CommStats, stage: int) -> tuple[int, int]:
+        """(bytes this rank sent inside its shard group, bytes it sent across replicas) for the
+        collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
+        all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
+        s, r = self.shard_size, self.replicas
+        passes = 2 if stage == 1 and self.replicate_group is None and self.backend == "nccl" else 1  # all-reduce
+        inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
+        return inside, 2 * stats.cross_bytes * (r - 1) // r
+
+    def _cross(self, t: Tensor, avg: bool, then: Callable[[], None] | None = None) -> Pending:
+        """All-reduce this rank's piece ``t`` across the replicate group (SUM, or AVG), in place;
+        a follow-up its issuer may wait on later (see [Note: hybrid sharding]). An empty piece
+        (empty on every rank of the replicate group alike) issues nothing."""
+        if not t.numel():
+            if then is not None:
+                then()
+            return Pending(stats=self.stats, comm=self, overlap=True)
+        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
+        work = dist.all_reduce(t, op=op, group=self.replicate_group, async_op=True)
+        return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
+                       overlap=True)
 
     def reduce_scatter_avg(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
         """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once waited.
 
-        ``pieces[r]`` is rank r's range relative to the start of ``bucket`` (uneven and empty pieces
-        allowed; together they tile the bucket). See [Note: deterministic reduction]. On gloo the
-        sum is accumulated in fp32 whatever the gradient dtype (16-bit gradients cannot overflow in
-        the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. Every rank,
-        same order."""
+        ``pieces[r]`` is shard rank r's range relative to the start of ``bucket`` (uneven and empty
+        pieces allowed; together they tile the bucket). See [Note: deterministic reduction]. On gloo
+        the sum is accumulated in fp32 whatever the gradient dtype (16-bit gradients cannot overflow
+        in the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. With hybrid
+        sharding the average spans the replicas too (see [Note: hybrid sharding]). Every rank, same
+        order."""
+        hybrid = self.replicate_group is not None
         if self.backend == "nccl":  # NCCL's own reduce-scatter: ring-efficient, no N-fold receive buffer
             src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
             work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
-                                       group=self.group, async_op=True)
+                                       group=self.shard_group, async_op=True)
+            cross = (lambda: self._cross(out, avg=True)) if hybrid else None
             return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
-                           comm=self)
-        n, mine = self.world_size, pieces[self.rank].size
+                           then=cross, comm=self)
+        n, mine = self.shard_size, pieces[self.shard_rank].size
         recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)
         self.live_bytes += recv.nbytes
         work = dist.all_to_all_single(recv, bucket, output_split_sizes=[mine] * n,
-                                      input_split_sizes=[p.size for p in pieces], group=self.group, async_op=True)
+                                      input_split_sizes=[p.size for p in pieces], group=self.shard_group,
+                                      async_op=True)
 
-        def finish() -> None:
+        def finish() -> Pending | None:
             self.live_bytes -= recv.nbytes
-            if mine:
-                parts = recv.view(n, mine)
-                acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
-                for q in range(1, n):  # rank order: the result does not depend on the bucketing
-                    acc.add_(parts[q])
+            if not mine:  # a follow-up all the same: every rank's queue of collectives has one shape
+                return Pending(stats=self.stats, comm=self, overlap=True) if hybrid else None
+            parts = recv.view(n, mine)
+            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
+            for q in range(1, n):  # rank order: the result does not depend on the bucketing
+                acc.add_(parts[q])
+            if not hybrid:
                 out.copy_(acc.div_(n))
+                return None
+            self.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
+
+            def land() -> None:
+                self.live_bytes -= acc.nbytes
+                out.copy_(acc.div_(n * self.replicas))
+
+            return self._cross(acc, avg=False, then=land)
 
         return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out],
                        stats=self.stats, then=finish, comm=self)
@@ -230,13 +336,13 @@ class Comm:
             chunks = self._chunks[key] = receive_chunks(pieces)
         if len(chunks) <= 1:
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        mine = pieces[self.rank]
+        mine = pieces[self.shard_rank]
         parts = []
         for chunk in chunks:
             owned = [r for r in chunk if r.size]
             run = Range(owned[0].start, owned[-1].end)
             rel = [r.relative_to(run.start) if r.size else Range(0, 0) for r in chunk]
-            sub = chunk[self.rank]
+            sub = chunk[self.shard_rank]
             dest = out[sub.start - mine.start:sub.end - mine.start] if sub.size else out[:0]
             parts.append(lambda d=dest, src=bucket[run.as_slice()], p=rel: self.reduce_scatter_avg(d, src, p))
         return parts
@@ -246,29 +352,26 @@ class Comm:
         """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
         called (in order, every rank): a reduce-scatter (summed in ``sum_dtype``, default the
         bucket's; see :meth:`reduce_scatter_parts`), then, once the last part is waited, an
-        all-gather of the averaged pieces. NCCL without ``sum_dtype``: one native all-reduce."""
-        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype):
+        all-gather of the averaged pieces. NCCL without ``sum_dtype``, not hybrid: one native all-reduce."""
+        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype) and self.replicate_group is None:
             def whole() -> Pending:
-                work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+                work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
                 return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats, comm=self)
             return [whole]
-        own = bucket[pieces[self.rank].as_slice()]
+        own = bucket[pieces[self.shard_rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
         parts = self.reduce_scatter_parts(out, bucket, pieces)
         issue_last = parts[-1]
 
         def last() -> Pending:
             reduced = issue_last()
-            inner = reduced.then
 
             def gather() -> Pending:
-                if inner is not None:
-                    inner()
                 if out is not own:
                     own.copy_(out)
                 return self.all_gather_inplace(bucket, pieces)
 
-            reduced.then = gather
+            and_then(reduced, gather)
             return reduced
 
         parts[-1] = last
@@ -276,16 +379,17 @@ class Comm:
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
-        ``flat``, already holding that rank's data on rank r. Call on every rank."""
+        ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
+        group. Call on every rank."""
         sizes = {p.size for p in pieces}
         contiguous = all(pieces[r].end == pieces[r + 1].start for r in range(len(pieces) - 1))
         if self.backend == "nccl" and len(sizes) == 1 and contiguous:
             whole = flat[pieces[0].start:pieces[-1].end]
-            mine = flat[pieces[self.rank].as_slice()]
-            work = dist.all_gather_into_tensor(whole, mine, group=self.group, async_op=True)
+            mine = flat[pieces[self.shard_rank].as_slice()]
+            work = dist.all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
             return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats, comm=self)
         works = [
-            dist.broadcast(flat[p.as_slice()], src=self._global[r], group=self.group, async_op=True)
+            dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
             for r, p in enumerate(pieces)
             if p.size > 0
         ]

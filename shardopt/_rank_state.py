@@ -19,6 +19,7 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
         "format": STATE_FORMAT,
         "world_size": opt._comm.world_size,
         "rank": opt._comm.rank,
+        "shard_size": opt._comm.shard_size,
         "stage": opt.config.stage,
         "master_weights": opt.config.master_weights,
         "moments": opt.config.moments,
@@ -39,9 +40,11 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
 
 def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``sd`` is ``rank_state_dict``'s output for this rank and layout. Local."""
-    if sd["world_size"] != opt._comm.world_size or sd["rank"] != opt._comm.rank:
-        raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']}, this is rank "
-                         f"{opt._comm.rank} of {opt._comm.world_size}: a ShardedAdamW's state_dict() is one rank's "
+    if sd["world_size"] != opt._comm.world_size or sd["rank"] != opt._comm.rank or \
+            sd.get("shard_size", sd["world_size"]) != opt._comm.shard_size:
+        raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']} sharded over "
+                         f"{sd.get('shard_size', sd['world_size'])}, this is rank {opt._comm.rank} of "
+                         f"{opt._comm.world_size} sharded over {opt._comm.shard_size}: a ShardedAdamW's state_dict() is one rank's "
                          "shard. Save the whole state with opt.consolidate_state_dict() before state_dict() (it "
                          "loads at any world size), or use shardopt.save_checkpoint / load_checkpoint")
     if sd.get("moments", "fp32") != opt.config.moments:

@@ -71,7 +71,7 @@ class GradReducer:
         self._accum_dirty = False  # accum_shard holds a sum not yet rounded into grad_shard
         self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         layout = flat.layout
-        self.shard = layout.shard_range(comm.rank)
+        self.shard = layout.shard_range(comm.shard_rank)
         self._bucket_of = [0] * len(layout.params)
         for b in layout.buckets:
             for i in b.params:
@@ -84,7 +84,7 @@ class GradReducer:
             for b in layout.buckets
         ]
         self._local = [
-            layout.bucket_shard_ranges(b.index)[comm.rank] for b in layout.buckets
+            layout.bucket_shard_ranges(b.index)[comm.shard_rank] for b in layout.buckets
         ]
         self.flat_grad = self.grad_shard = None
         n = len(flat.params)
@@ -106,7 +106,7 @@ class GradReducer:
             self._view_ptr = [p.grad.data_ptr() for p in flat.params]
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            self._piece_of = layout.local_ranges(comm.rank)  # this rank's part of each parameter in grad_shard
+            self._piece_of = layout.local_ranges(comm.shard_rank)  # this rank's part of each parameter in grad_shard
         self.staging_peak_bytes = 0  # high-water mark of staging, receive buffers and the no_sync fp32 sum, bytes
         self.grad_peak_bytes = 0  # high-water mark of gradient bytes: storage plus .grad tensors held by autograd
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset

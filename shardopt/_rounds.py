@@ -67,7 +67,7 @@ import torch
 from shardopt._agreement import HEADER_AT, HEADER_LEN, call_header, check_calls
 from shardopt._collectives import Comm, Pending
 
-MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on
+MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
 
 
 class _EndOfBackward:
@@ -131,6 +131,7 @@ class Rounds:
         self._next: int | None = None  # ranks but 0: announced, not yet complete here
         self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
+        self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
         self._launched: set[int] = set()  # buckets reduced (or being reduced) in this round
         self._tag_pending: Pending | None = None
         self._tag_lost = False
@@ -364,7 +365,8 @@ class Rounds:
             last = j == len(parts) - 1
             self._inflight.append((issue(), after if last else None, i if last else None))
             self.reducers[k].note_buffers()
-            while len(self._inflight) > MAX_INFLIGHT:  # at most MAX_INFLIGHT collectives on the network
+            # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
+            while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
                 self._complete_oldest()
 
     def _wait_tag(self) -> None:
@@ -380,14 +382,23 @@ class Rounds:
             raise
 
     def _complete_oldest(self) -> None:
+        """Wait for the oldest collective in flight. A reduction that starts a follow-up (the
+        cross-replica all-reduce of hybrid sharding) frees its staging now; the follow-up goes to
+        the back of the queue and carries what runs once the bucket's gradient is complete."""
         self._wait_tag()
         pending, after, i = self._inflight.pop(0)
-        pending.wait()
-        if after is not None:
-            after()
-        if i is not None:  # the bucket's last collective
+        if pending.overlap:
+            self._follow_ups -= 1
+        follow = pending.wait_landed()
+        if i is not None:  # the bucket's last collective: its staging was read
             k, b = self.buckets[i]
             self.reducers[k].landed(b)
+        if follow is not None:
+            self._inflight.append((follow, after, None))
+            self._follow_ups += 1
+            return
+        if after is not None:
+            after()
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs

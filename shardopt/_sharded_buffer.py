@@ -32,12 +32,12 @@ class ShardedBuffer:
         self.comm, self.config = comm, config
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
-        self.layout = build_layout([p.shape for p in params], comm.world_size, alignment=alignment,
+        self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                    bucket_numel=config.bucket_numel(element_size))
         self.group_of = list(group_of)  # param-group index of each parameter, in buffer order
         self.flat = FlatParams(params, self.layout)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
-        self.shard_range = self.layout.shard_range(comm.rank)
+        self.shard_range = self.layout.shard_range(comm.shard_rank)
         # Per parameter: steps it was left out of because no rank had a gradient for it, so that
         # its own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is
         # the optimizer's step minus its lag.
@@ -53,7 +53,7 @@ class ShardedBuffer:
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
         self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
         self.reducer.names = self.binding.names
-        self._local_piece = self.layout.local_ranges(comm.rank)
+        self._local_piece = self.layout.local_ranges(comm.shard_rank)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,7 +71,7 @@ class ShardedBuffer:
         if segments is None:
             if len(self._segments) > 8:
                 self._segments.clear()
-            segments = self._segments[keys] = self.layout.segments(self.comm.rank, keys)
+            segments = self._segments[keys] = self.layout.segments(self.comm.shard_rank, keys)
         for (g, lag), r in segments:
             hp = param_groups[g]
             beta1, beta2 = hp["betas"]
@@ -114,13 +114,14 @@ class ShardedBuffer:
 
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
-        predicted = predict_bytes(self.layout.param_numel, self.comm.world_size, stage=self.config.stage,
+        predicted = predict_bytes(self.layout.param_numel, self.comm.shard_size, stage=self.config.stage,
                                   param_dtype=self.dtype, master_weights=self.master.name, moments=self.moments.name)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
-        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.rank, self.reducer.arrival or None,
+        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,
                                                  stage=self.config.stage, gloo=self.comm.backend != "nccl",
-                                                 psize=self.flat.data.element_size())
+                                                 psize=self.flat.data.element_size(),
+                                                 hybrid=self.comm.replicate_group is not None)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
         if self.reducer.shard_accumulated:  # several rounds between two steps (see _reducer)
@@ -131,4 +132,5 @@ class ShardedBuffer:
             buffers=self.reducer.staging_peak_bytes, grads_peak=self.reducer.grad_peak_bytes,
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
+            shard_size=self.comm.shard_size,
             stage=self.config.stage)

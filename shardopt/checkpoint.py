@@ -129,7 +129,7 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
     config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
     return {
         "format": FORMAT, "shardopt_version": shardopt.__version__, "torch_version": torch.__version__,
-        "world_size": opt._comm.world_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
+        "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
         "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
         "loss_scaler": _jsonable(opt._scaler.state_dict(), "loss scaler state"),
         "param_groups": groups,
@@ -180,7 +180,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
         error = e
     agree(comm, error)
     try:
-        write_blocks(tmp, _blocks_to_save(entries, comm.rank), comm.group)
+        write_blocks(tmp, _blocks_to_save(entries, comm), comm.group)
     except RuntimeError:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -222,17 +222,22 @@ def _pieces(b: Any, rank: int) -> dict[int, Any]:
     return {piece.param: piece for piece in b.layout.shard_pieces(rank)}
 
 
-def _blocks_to_save(entries: list[_Entry], rank: int) -> list[Block]:
+def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
+    """What this rank writes: its shard, once per shard (by the ranks of the first replica), and
+    on rank 0 the tensors every rank holds whole."""
     blocks: list[Block] = []
+    rank = comm.shard_rank
     pieces: dict[int, dict[int, Any]] = {}
     masters: dict[int, Tensor] = {}
     moments: dict[int, tuple[Tensor, Tensor]] = {}
     for e in entries:
         if e.where is None:
-            if rank == 0:  # replicated on every rank: one copy is enough
+            if comm.rank == 0:  # replicated on every rank: one copy is enough
                 blocks.append(whole(MODEL + e.key, e.tensor))
             continue
         b, i = e.where
+        if comm.replica != 0:  # the first replica's ranks write the shards
+            continue
         if id(b) not in pieces:
             pieces[id(b)], masters[id(b)] = _pieces(b, rank), b.master.fp32()
             moments[id(b)] = b.moments.fp32()  # stored as fp32 whatever the moments mode
@@ -311,7 +316,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         for b in opt._buffers if opt is not None else []:
             staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
             moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(2))
-        pieces = {id(b): _pieces(b, comm.rank) for b in (opt._buffers if opt is not None else [])}
+        pieces = {id(b): _pieces(b, comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
         for e in entries:
             s = manifest["tensors"][e.key]
             if math.prod(s["shape"]) == 0:

@@ -40,6 +40,7 @@ class MemoryReport:
     world_size: int = 1
     rank: int = 0
     stage: int = 2
+    shard_size: int = 0  # ranks the state is sharded over (hybrid sharding: fewer than world_size); 0: world_size
 
     @property
     def total(self) -> int:
@@ -73,13 +74,14 @@ class MemoryReport:
         return MemoryReport(**merged, predicted=pred, num_params=self.num_params + other.num_params,
                             grads_peak=max(self.grads, self.grads_peak) + max(other.grads, other.grads_peak),
                             held_peak=self.held_peak + other.held_peak if self.held_peak and other.held_peak else 0,
-                            world_size=self.world_size, rank=self.rank, stage=self.stage,
+                            world_size=self.world_size, rank=self.rank, stage=self.stage, shard_size=self.shard_size,
                             cuda_max_allocated=self.cuda_max_allocated)
 
     def __str__(self) -> str:
         per = max(self.num_params, 1)
         peak = self.peak
-        rows = [f"memory on rank {self.rank} of {self.world_size} (stage {self.stage}, "
+        hybrid = f", sharded over {self.shard_size}" if self.shard_size and self.shard_size != self.world_size else ""
+        rows = [f"memory on rank {self.rank} of {self.world_size} (stage {self.stage}{hybrid}, "
                 f"{self.num_params:,} parameters)",
                 f"| {'category':<10} | {'now':>14} | {'peak':>14} | {'predicted':>14} | {'B/param':>7} |",
                 f"|{'-' * 12}|{'-' * 16}|{'-' * 16}|{'-' * 16}|{'-' * 9}|"]

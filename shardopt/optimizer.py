@@ -55,6 +55,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         moments: str = "fp32",
         loss_scale: str | float | LossScaler | None = "auto",
         process_group: ProcessGroup = None,
+        device_mesh: Any = None,
         bucket_cap_mb: float = 25.0,
         accumulate_dtype: torch.dtype | None = torch.float32,
         reduce_dtype: torch.dtype | None = None,
@@ -69,7 +70,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self._comm = Comm(process_group)
+        self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
         trainable = self._check_params_on_all_ranks(loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
@@ -179,8 +180,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         found = self._checks.local()
         device = self._buffers[0].flat.device
         stats = torch.zeros(2, dtype=torch.float32, device=device)
+        counted = self._comm.replica == 0  # replicas hold the same shards (hybrid sharding): count each once
         for b in self._buffers:
             g = b.reducer.local_grad()
+            g = g if counted else g[:0]
             if norm_type is None:
                 stats[0] += (~torch.isfinite(g.sum(dtype=torch.float32))).float()
             elif math.isinf(norm_type):

@@ -40,6 +40,13 @@ as with DDP) and then all-gathers the weights: ``3 (N-1)/N P``. Stage 2 reduce-s
 all-gathers: ``2 (N-1)/N P``, the same as DDP's all-reduce. Dividing by the per-rank link
 bandwidth gives a floor on the step's communication time, ignoring latency and any overlap with
 backward. gloo's all-to-all reduction sends the same bytes as a ring reduce-scatter.
+
+With hybrid sharding (``shard_size`` S < N, R = N / S replicas) the padded buffer is cut S ways:
+state and buffers are those of S ranks, the reduce-scatter and the all-gathers run over the S
+ranks of the shard group (``(S-1)/S P`` per pass), and each rank's averaged piece of ``P / S``
+is all-reduced across the R replicas, ``2 (R-1)/R P/S`` (in fp32 on gloo, which sums there in
+fp32; in the gradient dtype on NCCL). With the shard group inside a node, only that last term
+crosses nodes: ``comm_cross``, against the whole ``comm_bytes`` of flat sharding.
 """
 from __future__ import annotations
 
@@ -72,6 +79,7 @@ class MemoryEstimate:
 
     num_params: int  # trainable parameter elements
     world_size: int
+    shard_size: int  # ranks the state is sharded over (world_size unless hybrid)
     stage: int
     master_weights: str
     param_dtype: torch.dtype
@@ -89,6 +97,8 @@ class MemoryEstimate:
     buffers_slack: int  # bytes one bucket adds to buffers: the margin for another gradient order, see [Note: buffers estimate]
     comm_reduce: int  # bytes sent per rank per step for the gradients (all-reduce or reduce-scatter)
     comm_gather: int  # bytes sent per rank per step for the all-gather of the weights
+    comm_cross: int  # hybrid: bytes sent per rank per step by the cross-replica all-reduce (0 when flat)
+    buckets: int  # gradient buckets, each one reduction (and one all-gather) per step
     ddp: dict[str, int]  # the same parameters under DDP + mixed-precision AdamW, by category
     ddp_comm: int  # bytes sent per rank per step by DDP's gradient all-reduce
 
@@ -104,7 +114,29 @@ class MemoryEstimate:
     @property
     def comm_bytes(self) -> int:
         """Bytes each rank sends per step."""
+        return self.comm_reduce + self.comm_gather + self.comm_cross
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shard_size
+
+    @property
+    def comm_inside(self) -> int:
+        """Bytes each rank sends per step inside its shard group (all of them when flat)."""
         return self.comm_reduce + self.comm_gather
+
+    def ring_hops(self, gpus_per_node: int) -> tuple[int, int]:
+        """(ring steps per step whose slowest hop is inside a node, those that cross nodes), with
+        nodes of ``gpus_per_node`` consecutive ranks: each ring collective over g ranks takes g - 1
+        steps per pass, and a step costs at least one link latency. Every bucket's reduction and
+        all-gather runs over the shard group (3 passes in stage 1: reduce-scatter, all-gather of
+        the gradient, of the weights; 2 in stage 2); hybrid adds a ring all-reduce (2 passes) over
+        the replicas. NCCL's tree and PAT algorithms need fewer steps; this is the ring bound."""
+        inside = self.buckets * (3 if self.stage == 1 else 2) * (self.shard_size - 1)
+        cross = self.buckets * 2 * (self.replicas - 1)
+        if self.shard_size > gpus_per_node:  # the shard group itself spans nodes
+            return 0, inside + cross
+        return inside, cross
 
     @property
     def ddp_total(self) -> int:
@@ -120,7 +152,8 @@ class MemoryEstimate:
 
     def __str__(self) -> str:
         per, gib = max(self.num_params, 1), 2.0**30
-        rows = [f"{self.num_params:,} parameters ({_dtype_name(self.param_dtype)}), {self.world_size} ranks, "
+        hybrid = f" ({self.replicas} replicas x {self.shard_size})" if self.shard_size != self.world_size else ""
+        rows = [f"{self.num_params:,} parameters ({_dtype_name(self.param_dtype)}), {self.world_size} ranks{hybrid}, "
                 f"stage {self.stage}, master_weights={self.master_weights}, moments={self.moments} "
                 "(bytes on one rank; GiB = 2^30 bytes)",
                 f"| {'category':<10} | {'GiB':>10} | {'B/param':>7} | {'DDP + AdamW GiB':>15} |",
@@ -133,8 +166,9 @@ class MemoryEstimate:
             rows.append(f"buffers: {self.backend} communication buffers of rank {self.rank}; a gradient order other "
                         f"than the one assumed can add up to {self.buffers_slack / 2**20:,.1f} MiB")
         kind = "all-reduce" if self.stage == 1 else "reduce-scatter"
+        cross = f" + cross-replica all-reduce {self.comm_cross / 1e9:.3f} GB" if self.comm_cross else ""
         rows.append(f"sent per rank per step: {kind} {self.comm_reduce / 1e9:.3f} GB + all-gather "
-                    f"{self.comm_gather / 1e9:.3f} GB = {self.comm_bytes / 1e9:.3f} GB "
+                    f"{self.comm_gather / 1e9:.3f} GB{cross} = {self.comm_bytes / 1e9:.3f} GB "
                     f"(DDP all-reduce {self.ddp_comm / 1e9:.3f} GB)")
         return "\n".join(rows)
 
@@ -183,6 +217,7 @@ def estimate_memory(
     rank: int | None = None,
     alignment: int = DEFAULT_ALIGNMENT,
     moments: str = "fp32",
+    shard_size: int | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -195,10 +230,17 @@ def estimate_memory(
     without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
     ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); ``moments`` as in
-    ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``). Needs no process
+    ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``); ``shard_size`` the ranks the state is
+    sharded over with hybrid sharding (a ``(world_size / shard_size, shard_size)`` device mesh;
+    default ``world_size``, flat), and ``rank`` then a rank of the shard group. Needs no process
     group; call it anywhere.
     """
     world_size = _as_count("world_size", world_size, 1)
+    shard = world_size if shard_size is None else _as_count("shard_size", shard_size, 1)
+    if world_size % shard:
+        raise ValueError(f"shard_size={shard} must divide world_size={world_size} (a mesh of "
+                         f"world_size / shard_size replicas of shard_size ranks)")
+    replicas = world_size // shard
     if stage not in (1, 2) or isinstance(stage, bool):
         raise ValueError(f"stage must be 1 or 2, got stage={stage!r}")
     if master_weights not in STRATEGIES:
@@ -211,8 +253,9 @@ def estimate_memory(
         raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {bucket_cap_mb=!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend=!r}")
-    if rank is not None and not (isinstance(rank, int) and 0 <= rank < world_size):
-        raise ValueError(f"rank must be in [0, world_size), got {rank=!r} {world_size=}")
+    if rank is not None and not (isinstance(rank, int) and 0 <= rank < shard):
+        raise ValueError(f"rank must be in [0, world_size), got {rank=!r} {world_size=}" if replicas == 1 else
+                         f"rank must be a rank of the shard group, in [0, shard_size), got {rank=!r} shard_size={shard}")
     psize = torch.empty((), dtype=dtype).element_size()
     cap_bytes = bucket_cap_mb * 2**20
     bucket_numel = None if math.isinf(cap_bytes) else max(1, int(cap_bytes / psize))
@@ -220,7 +263,7 @@ def estimate_memory(
 
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
-        layout = build_layout(list(param_shapes)[::-1], world_size, alignment=alignment, bucket_numel=bucket_numel)
+        layout = build_layout(list(param_shapes)[::-1], shard, alignment=alignment, bucket_numel=bucket_numel)
         if num_params is not None and _as_count("num_params", num_params, 1) != layout.param_numel:
             raise ValueError(f"num_params={num_params!r} disagrees with param_shapes, which hold "
                              f"{layout.param_numel} elements; pass one or make them agree")
@@ -230,33 +273,37 @@ def estimate_memory(
             raise ValueError(f"grad_order must be a permutation of the {last + 1} indices of param_shapes, "
                              f"got {list(grad_order)[:8]}{'...' if len(grad_order) > 8 else ''}")
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
-        ranks = [rank] if rank is not None else (range(world_size) if gloo else [0])
-        (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize), r)
-                                       for r in ranks)
+        ranks = [rank] if rank is not None else (range(shard) if gloo else [0])
+        (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize,
+                                                       hybrid=replicas > 1), r) for r in ranks)
     else:
         if num_params is None:
             raise ValueError("give num_params or param_shapes")
         num_params = _as_count("num_params", num_params, 1)
-        unit = world_size * alignment
+        unit = shard * alignment
         padded = -(-num_params // unit) * unit
         whole = padded * psize
         bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
         window = min(whole, (MAX_INFLIGHT + 1) * bucket)
         staging = window if stage == 2 else 0
-        # gloo: each collective in flight receives at most world_size x ceil(bucket / world_size) elements
+        # gloo: each collective in flight receives at most shard_size x ceil(bucket / shard_size) elements
         # (_layout.receive_chunks cuts a bucket that one rank owns most of)
-        per_collective = world_size * -(-(bucket // psize) // world_size) * psize
+        per_collective = shard * -(-(bucket // psize) // shard) * psize
         recv = min(whole, MAX_INFLIGHT * per_collective) if gloo else 0
+        if gloo and replicas > 1:  # the fp32 partial sums of the cross-replica all-reduces in flight
+            recv += min(whole, (MAX_INFLIGHT + 1) * per_collective // shard) * max(psize, 4) // psize
         buffers, slack = staging + recv, (bucket if stage == 2 else 0) + (min(whole, per_collective) if gloo else 0)
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
-    formula = predict_bytes(padded, world_size, stage=stage, param_dtype=dtype, master_weights=mode, moments=moments)
+    formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode, moments=moments)
     formula["buffers"] = buffers
     nbytes = padded * psize
+    buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
+    cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * (max(psize, 4) if gloo else psize) // psize
     return MemoryEstimate(
-        num_params=num_params, world_size=world_size, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
+        num_params=num_params, world_size=world_size, shard_size=shard, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
         padded_numel=padded, **formula, backend=backend, rank=chosen, buffers_slack=slack,
-        comm_reduce=_ring(world_size, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(world_size, nbytes, 1),
+        comm_reduce=_ring(shard, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(shard, nbytes, 1), comm_cross=cross, buckets=buckets,
         ddp=ddp_adamw_bytes(num_params, dtype), ddp_comm=_ring(world_size, num_params * psize, 2))
 

@@ -3,11 +3,14 @@
     python -m shardopt.estimate --params 7e9 --world-size 64
     python -m shardopt.estimate --params 7e9 --world-size 64 --stage 2 --master-weights remainder --detail
     python -m shardopt.estimate --params 1.5B 7B 70B --world-size 8 64 1024 --largest-param 262e6 --compact
+    python -m shardopt.estimate --params 7B --world-size 64 1024 --shard-size 8 --stage 2 --master-weights remainder
 
 Prints, for each parameter count and world size, the bytes one rank holds under DDP + AdamW and
 under each ShardedAdamW stage and master-weight mode, the bytes each rank sends per step, and
 the floor that puts on the step time at the given per-rank bandwidth. ``--compact`` prints one
-row per (parameters, world size) instead, for projection tables.
+row per (parameters, world size) instead, for projection tables. ``--shard-size S`` adds hybrid
+sharding (``world_size / S`` replicas of S ranks) beside flat sharding, with the bytes sent inside
+the shard group and across replicas, and the ring steps that cross nodes of ``--gpus-per-node``.
 """
 from __future__ import annotations
 
@@ -50,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bandwidth", type=float, default=50.0,
                    help="GB/s each rank can send (1e9 bytes/s); 50 = one 400 Gb/s NIC per GPU")
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB per device; marks what does not fit")
+    p.add_argument("--shard-size", type=int, default=None,
+                   help="hybrid sharding: shard over S ranks (typically one node), replicate across world_size / S")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for the ring steps that cross nodes")
     p.add_argument("--detail", action="store_true", help="also print every category of each estimate")
     p.add_argument("--compact", action="store_true", help="one row per (parameters, world size)")
     return p.parse_args(argv)
@@ -72,24 +78,38 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
               backend=args.backend, moments=args.moments)
-    ests = [estimate_memory(n, world, s, m, **kw) for s in args.stage for m in args.master_weights]
+    shards = [None] + ([args.shard_size] if args.shard_size and args.shard_size != world else [])
+    ests = [estimate_memory(n, world, s, m, shard_size=sh, **kw) for s in args.stage for m in args.master_weights
+            for sh in shards]
+    hybrid = len(shards) > 1
     head = ["scheme", "params", "grads", "master", "moments", "extra", "buffers", "total GiB", "B/param",
             "sent/step GB", f"floor @{args.bandwidth:g} GB/s"]
+    if hybrid:
+        head += ["in rings across nodes GB", f"inter-node ring steps ({args.gpus_per_node}/node)"]
     rows = [head]
     first = ests[0]
     d = first.ddp
     rows.append(["DDP + AdamW"] + [_fmt_gib(v, None) for v in (d["params"], d["grads"], d["master"],
                                                                 d["exp_avg"] + d["exp_avg_sq"], d["extra"], d["buffers"])]
                 + [_fmt_gib(first.ddp_total, args.gpu_memory), f"{first.ddp_total / n:.2f}",
-                   f"{first.ddp_comm / 1e9:,.2f}", f"{first.ddp_comm / (args.bandwidth * 1e9):.3f} s"])
+                   f"{first.ddp_comm / 1e9:,.2f}", f"{first.ddp_comm / (args.bandwidth * 1e9):.3f} s"]
+                + (["-", "-"] if hybrid else []))
     for e in ests:
-        rows.append([f"stage {e.stage}, {e.master_weights}" + (f", {e.moments} moments" if e.moments != "fp32" else "")]
+        layout = f", {e.replicas}x{e.shard_size} hybrid" if e.shard_size != e.world_size else (", flat" if hybrid else "")
+        rows.append([f"stage {e.stage}, {e.master_weights}" + (f", {e.moments} moments" if e.moments != "fp32" else "")
+                     + layout]
                     + [_fmt_gib(v, None) for v in (e.params, e.grads, e.master, e.exp_avg + e.exp_avg_sq,
                                                    e.extra, e.buffers)]
                     + [_fmt_gib(e.total, args.gpu_memory), f"{e.bytes_per_param:.2f}", f"{e.comm_bytes / 1e9:,.2f}",
-                       f"{e.comm_seconds(args.bandwidth):.3f} s"])
+                       f"{e.comm_seconds(args.bandwidth):.3f} s"]
+                    + ([f"{_across(e, args.gpus_per_node) / 1e9:,.2f}", f"{e.ring_hops(args.gpus_per_node)[1]:,}"]
+                       if hybrid else []))
     title = (f"{n:,} parameters ({args.param_dtype} weights), {world} ranks: GiB (2^30 bytes) on each rank; "
              f"sent/step = bytes each rank sends per step (ring algorithms)")
+    if hybrid:
+        title += (f"; in rings across nodes = bytes each rank sends in ring collectives whose ranks sit on "
+                  f"several nodes of {args.gpus_per_node} (flat: all of them; hybrid: the cross-replica all-reduce); "
+                  "inter-node ring steps = steps of such rings per training step, each at least one network latency")
     return title + "\n" + _markdown(rows), ests
 
 
@@ -99,6 +119,8 @@ def compact_table(args: argparse.Namespace) -> str:
               backend=args.backend, moments=args.moments)
     modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
     schemes = [(s, m) for s in args.stage for m in modes]
+    if args.shard_size:
+        return _compact_hybrid(args, kw, schemes)
     mom = "" if args.moments == "fp32" else f" ({args.moments} moments)"
     head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}{mom}" for s, m in schemes]
     head += [f"sent/step GB (DDP, {', '.join(f'S{s}' for s in args.stage)})",
@@ -117,12 +139,49 @@ def compact_table(args: argparse.Namespace) -> str:
     return _markdown(rows)
 
 
+def _across(e: MemoryEstimate, gpus_per_node: int) -> int:
+    """Bytes each rank sends per step in ring collectives that span nodes."""
+    inside = e.comm_inside if e.shard_size > gpus_per_node else 0
+    return inside + (e.comm_cross if e.replicas > 1 and e.world_size > gpus_per_node else 0)
+
+
+def _compact_hybrid(args: argparse.Namespace, kw: dict, schemes: list[tuple[int, str]]) -> str:
+    """One row per (parameters, world size): flat and hybrid side by side, per scheme."""
+    s_ = args.shard_size
+    head = ["params", "GPUs", "DDP + AdamW"]
+    for s, m in schemes:
+        head += [f"S{s} {m} flat", f"S{s} {m} hybrid x{s_}"]
+    head += ["in rings across nodes GB (flat, hybrid)", f"inter-node ring steps (flat, hybrid; {args.gpus_per_node}/node)"]
+    rows = [head]
+    for n in args.params:
+        for world in args.world_size:
+            if world % s_:
+                continue
+            cells, last = [], None
+            for s, m in schemes:
+                flat = estimate_memory(n, world, s, m.split("/")[0], **kw)
+                hyb = estimate_memory(n, world, s, m.split("/")[0], shard_size=s_, **kw)
+                cells += [_fmt_gib(flat.total, args.gpu_memory), _fmt_gib(hyb.total, args.gpu_memory)]
+                last = (flat, hyb)
+            flat, hyb = last
+            rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(flat.ddp_total, args.gpu_memory)] + cells
+                        + [f"{_across(flat, args.gpus_per_node) / 1e9:,.1f}, {_across(hyb, args.gpus_per_node) / 1e9:,.1f}",
+                           f"{flat.ring_hops(args.gpus_per_node)[1]:,}, {hyb.ring_hops(args.gpus_per_node)[1]:,}"])
+    return _markdown(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     bad = [w for w in args.world_size if w < 1]
     if bad:
         print(f"error: --world-size must be >= 1, got {bad}", file=sys.stderr)
         return 2
+    if args.shard_size is not None:
+        uneven = [w for w in args.world_size if args.shard_size < 1 or w % args.shard_size]
+        if uneven:
+            print(f"error: --shard-size {args.shard_size} must divide every --world-size (got {uneven}): a hybrid "
+                  "mesh is world_size / shard_size replicas of shard_size ranks", file=sys.stderr)
+            return 2
     note = (f"bf16/fp16 weights hold 2 bytes, fp32 4; buffers = {args.backend} communication buffers with "
             f"{args.bucket_cap_mb:g} MiB buckets" + (f"; * = more than {args.gpu_memory:g} GiB" if args.gpu_memory else ""))
     if args.compact:
