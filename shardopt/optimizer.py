@@ -37,6 +37,10 @@ class ShardedAdamW(torch.optim.Optimizer):
     weights into every rank's model. All methods except ``memory_report`` and ``no_sync`` must be
     called on every rank, in the same order.
 
+    ``device_mesh``: a 2-D ``DeviceMesh`` (replicate, shard) shards over each shard group and
+    replicates across the groups (hybrid sharding; see ``_collectives`` [Note: hybrid sharding]);
+    a 1-D mesh, like ``process_group``, shards over all its ranks. Pass one or the other.
+
     Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
     per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
     gradient for is left untouched, as AdamW leaves a parameter whose ``.grad`` is None.

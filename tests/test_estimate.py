@@ -178,6 +178,31 @@ def test_cli_prints_the_per_rank_table(capsys):
     assert compact.count("| 70B ") == 2 and "*" in compact  # 70B replicated weights never fit in 80 GiB
 
 
+def test_hybrid_is_a_flat_shard_group_plus_a_cross_replica_all_reduce(capsys):
+    flat8 = estimate_memory(BIG, 8, 2, "remainder", largest_param=131e6)
+    hyb = estimate_memory(BIG, 64, 2, "remainder", largest_param=131e6, shard_size=8)
+    assert (hyb.shard_size, hyb.replicas) == (8, 8)
+    assert hyb.by_category() == flat8.by_category()  # a hybrid rank holds what a rank of 8 holds
+    assert hyb.comm_inside == flat8.comm_bytes
+    nbytes = hyb.padded_numel * 2  # bf16
+    assert hyb.comm_cross == 2 * 7 * (nbytes // 8) // 8  # ring all-reduce of this rank's eighth over 8 replicas
+    assert estimate_memory(BIG, 64, 2, "remainder", largest_param=131e6).comm_cross == 0
+    flat64 = estimate_memory(BIG, 64, 2, "remainder", largest_param=131e6)
+    assert flat64.ring_hops(8) == (0, flat64.buckets * 2 * 63)  # every ring spans the nodes
+    assert hyb.ring_hops(8) == (hyb.buckets * 2 * 7, hyb.buckets * 2 * 7)
+    gloo = estimate_memory(BIG, 64, 2, "remainder", largest_param=131e6, shard_size=8, backend="gloo")
+    assert gloo.comm_cross == 2 * hyb.comm_cross  # gloo sums the partial sums in fp32
+    with pytest.raises(ValueError, match="shard_size=3 must divide world_size=64"):
+        estimate_memory(BIG, 64, shard_size=3)
+    assert cli_main(["--params", "7B", "--world-size", "64", "--shard-size", "8", "--stage", "2",
+                     "--master-weights", "remainder"]) == 0
+    out = capsys.readouterr().out
+    assert "| stage 2, remainder, 8x8 hybrid " in out and "| stage 2, remainder, flat " in out, out
+    assert cli_main(["--params", "7B", "--world-size", "8", "1024", "--shard-size", "8", "--compact"]) == 0
+    assert "hybrid x8" in capsys.readouterr().out
+    assert cli_main(["--params", "7B", "--world-size", "12", "--shard-size", "8"]) == 2
+
+
 def test_module_runs_as_a_command():
     proc = subprocess.run([sys.executable, "-m", "shardopt.estimate", "--params", "7e9", "--world-size", "64",
                            "--stage", "2", "--master-weights", "remainder", "--detail"],
