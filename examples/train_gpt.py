@@ -32,6 +32,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
@@ -65,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-cap-mb", type=float, default=0.25, help="MiB; small model, small buckets")
     p.add_argument("--overlap-param-gather", action="store_true",
                    help="let the weight all-gather of the next forward overlap its compute")
+    p.add_argument("--shard-size", type=int, default=0,
+                   help="hybrid sharding: shard over groups of this many ranks (e.g. the GPUs of a node), "
+                        "replicate across groups (0: shard over all ranks)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1337)
@@ -96,8 +100,15 @@ def main(argv: list[str] | None = None) -> None:
         loss_scale = shardopt.DynamicScaler(init_scale=args.init_loss_scale)
     else:
         loss_scale = args.loss_scale if args.loss_scale in ("auto", "none") else float(args.loss_scale)
+    mesh = None
+    if args.shard_size and args.shard_size != world:
+        if world % args.shard_size:
+            raise SystemExit(f"--shard-size {args.shard_size} must divide the {world} ranks")
+        # ranks 0..S-1 form the first shard group: with torchrun, the processes of one node
+        mesh = init_device_mesh(device.type, (world // args.shard_size, args.shard_size),
+                                mesh_dim_names=("replicate", "shard"))
     opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
-                                stage=args.stage, master_weights=args.master_weights,
+                                stage=args.stage, master_weights=args.master_weights, device_mesh=mesh,
                                 loss_scale=None if loss_scale == "none" else loss_scale,
                                 bucket_cap_mb=args.bucket_cap_mb, overlap_param_gather=args.overlap_param_gather)
 
@@ -137,7 +148,8 @@ def main(argv: list[str] | None = None) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     log(f"shardopt {shardopt.__version__} | torch {torch.__version__} | {world} ranks ({backend}) | "
         f"{n_params:,} parameters ({args.param_dtype} weights, {args.compute_dtype} compute) | "
-        f"stage {args.stage}, master_weights={args.master_weights} | corpus {len(data):,} bytes")
+        f"stage {args.stage}, master_weights={args.master_weights}"
+        + (f", {world // args.shard_size} replicas x {args.shard_size}" if mesh is not None else "") + f" | corpus {len(data):,} bytes")
     tokens_per_step = args.batch_size * args.block_size * world
     t0, losses = time.perf_counter(), []
     it = 0
@@ -208,7 +220,9 @@ def memory_table(reports: list, param_dtype: torch.dtype) -> str:
              for row in rows]
     lines[1] = "|" + "|".join("-" * (w + 2) for w in width) + "|"
     ratio = sum(ddp.values()) / max(reports[0].total, 1)
-    return (f"Memory per rank, {n:,} parameters, {len(reports)} ranks, stage {reports[0].stage} "
+    shard = reports[0].shard_size
+    hybrid = f" sharded over {shard} ({len(reports) // shard} replicas)" if shard and shard != len(reports) else ""
+    return (f"Memory per rank, {n:,} parameters, {len(reports)} ranks{hybrid}, stage {reports[0].stage} "
             f"(MiB = 2^20 bytes):\n" + "\n".join(lines) + f"\nDDP + AdamW needs {ratio:.2f}x the bytes of rank 0 here.")
 
 

@@ -1,5 +1,8 @@
 """Tier 3: the example launched as two "nodes" of two processes each, against one node of four.
 
+The two-node launch also runs with hybrid sharding (``--shard-size 2``: each node a shard group,
+replicated across the nodes), which must give the single-node flat run's losses.
+
 Both nodes run ``torchrun --nnodes=2`` with the c10d rendezvous, first on loopback, then, where
 the machine allows creating network namespaces, in two namespaces joined by a virtual Ethernet
 pair, each with its own address, so that nothing can pass through a shared loopback. Catches a
@@ -34,8 +37,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _torchrun(*launch: str, prefix: tuple[str, ...] = (), env: dict | None = None) -> subprocess.Popen:
-    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", *launch, EXAMPLE, *ARGS]
+def _torchrun(*launch: str, prefix: tuple[str, ...] = (), env: dict | None = None,
+              args: tuple[str, ...] = ()) -> subprocess.Popen:
+    cmd = [*prefix, sys.executable, "-m", "torch.distributed.run", *launch, EXAMPLE, *ARGS, *args]
     # A session of its own, so that a hung launch can be killed with all its workers.
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
                             env=env or ENV, start_new_session=True)
@@ -79,7 +83,8 @@ def _assert_same_curve(a: dict, b: dict) -> None:
     assert abs(a["val"] - b["val"]) <= 1e-4, (a, b)
 
 
-def _two_nodes(endpoint: str, *, prefixes=((), ()), addrs=(None, None), envs=(None, None)) -> list[subprocess.Popen]:
+def _two_nodes(endpoint: str, *, prefixes=((), ()), addrs=(None, None), envs=(None, None),
+               args: tuple[str, ...] = ()) -> list[subprocess.Popen]:
     run_id = f"shardopt-{uuid.uuid4().hex[:8]}"
     procs = []
     for node in (0, 1):
@@ -89,7 +94,7 @@ def _two_nodes(endpoint: str, *, prefixes=((), ()), addrs=(None, None), envs=(No
                   f"--rdzv_conf=is_host={int(node == 0)},join_timeout=60"]
         if addrs[node]:
             launch.append(f"--local-addr={addrs[node]}")
-        procs.append(_torchrun(*launch, prefix=prefixes[node], env=envs[node]))
+        procs.append(_torchrun(*launch, prefix=prefixes[node], env=envs[node], args=args))
     return procs
 
 
@@ -130,7 +135,9 @@ def launches() -> dict:
     made: list[str] = []
     try:
         running = {"one node": [_torchrun("--standalone", "--nproc_per_node=4")],
-                   "loopback": _two_nodes(f"127.0.0.1:{_free_port()}")}
+                   "loopback": _two_nodes(f"127.0.0.1:{_free_port()}"),
+                   # hybrid sharding: each node one shard group, the replicate dimension across the nodes
+                   "hybrid": _two_nodes(f"127.0.0.1:{_free_port()}", args=("--shard-size", "2"))}
         made_ns = _make_namespaces(f"so{os.getpid() % 100000}", made)
         if isinstance(made_ns, tuple):
             ns, veth = made_ns
@@ -156,6 +163,12 @@ def _curve_of(launches: dict, name: str) -> dict:
 
 def test_two_nodes_on_loopback_match_one_node(launches):
     _assert_same_curve(_curve_of(launches, "loopback"), _curve_of(launches, "one node"))
+
+
+def test_two_nodes_hybrid_sharded_match_one_node_flat(launches):
+    out, _ = launches["hybrid"]
+    assert "2 replicas x 2" in out, out[-2000:]
+    _assert_same_curve(_curve_of(launches, "hybrid"), _curve_of(launches, "one node"))
 
 
 def test_two_nodes_in_network_namespaces_match_one_node(launches):
