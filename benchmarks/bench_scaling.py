@@ -58,9 +58,15 @@ FIELDS = ["time", "world_size", "nodes", "backend", "size", "params", "dtype", "
 # ----------------------------------------------------------------------------------- one configuration
 def _live_bytes() -> int:
     sys.path.insert(0, HERE)
+    import gc
+    import warnings
+
     from live_tensors import live_bytes
 
-    return live_bytes(graph=False)
+    gc.collect()  # the previous configuration's objects, in cycles, must not count
+    with warnings.catch_warnings():  # walking every object touches deprecated ones
+        warnings.simplefilter("ignore")
+        return live_bytes(graph=False)
 
 
 def build(name: str, model, args, device, mesh_shape):
@@ -138,6 +144,9 @@ def run_config(name: str, args, device, mesh_shape) -> dict:
     sys.path.insert(0, HERE)
     from gpt_batches import gpt_and_batches
 
+    import gc
+
+    gc.collect()  # what the previous configuration left in reference cycles
     rank = dist.get_rank()
     model, batch = gpt_and_batches(rank, args.block_size, args.batch_size, **SIZES[args.size])
     params = sum(p.numel() for p in model.parameters())
