@@ -28,14 +28,14 @@ import argparse
 import json
 import os
 import resource
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _launch as launch  # noqa: E402
 CONFIGS = {
     "ddp": "DDP no_sync (fp32 weights, fused AdamW)",
     "nosync-fp32": "shardopt S2 no_sync, fp32 sum",
@@ -127,15 +127,11 @@ def run_config(config: str, args: argparse.Namespace) -> dict | str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker",
            "--config", config, "--result", out, "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--micro", str(args.micro), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size)]
-    proc = subprocess.Popen(cmd, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+    code, stdout, stderr = launch.run(cmd, args.timeout, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if code is None:  # killed with every process it started
         return f"timed out after {args.timeout} s"
-    if proc.returncode != 0 or not os.path.exists(out):
+    output = stdout + stderr
+    if code != 0 or not os.path.exists(out):
         return "failed: " + " / ".join(output.strip().splitlines()[-3:])[:300]
     with open(out) as f:
         res = json.load(f)

@@ -37,9 +37,7 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -48,6 +46,8 @@ import torch
 import torch.distributed as dist
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _launch as launch  # noqa: E402
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -499,15 +499,10 @@ def drive(args: argparse.Namespace) -> None:
             if args.device == "cpu":  # the update kernel changes no byte held; compiling it on every rank is slow
                 env.setdefault("SHARDOPT_KERNEL", "reference")
             t = time.perf_counter()
-            proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
-            try:
-                output, _ = proc.communicate(timeout=args.timeout)
-                failure = None if proc.returncode == 0 else f"exit {proc.returncode}: {output[-2000:]}"
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # torchrun and every rank it started
-                proc.communicate()
-                failure = f"timed out after {args.timeout} s"
+            code, stdout, stderr = launch.run(cmd, args.timeout, env=env)  # killed with its ranks on a timeout
+            output = stdout + stderr
+            failure = (f"timed out after {args.timeout} s" if code is None else
+                       None if code == 0 else f"exit {code}: {output[-2000:]}")
             done = set()
             for r in range(n):  # each rank rewrites its file after every configuration
                 path = os.path.join(tmp, f"rank{r}.json")

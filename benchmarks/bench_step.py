@@ -2,9 +2,11 @@
 
     python benchmarks/bench_step.py                       # both sizes, every configuration (~10 min on 2 cores)
     python benchmarks/bench_step.py --sizes 10M --steps 6
+    python benchmarks/bench_step.py --device cuda             # 2 GPUs (NCCL), or world size 1 on one GPU
 
 The driver launches `torchrun --standalone --nproc_per_node=2` once per configuration (so that peak
-RSS belongs to that configuration alone) on the example GPT with the same seeds and data, and merges
+memory belongs to that configuration alone; a configuration that fails or outlives --timeout is
+reported as such and the next one runs) on the example GPT with the same seeds and data, and merges
 the results. Each run warms up for --warmup steps, then times --steps steps. Compute is fp32 in every
 configuration (this CPU has no 16-bit matrix units); "bf16" means bf16 weights and gradients with an
 fp32 master. Reported per rank: median step time, tokens/s, optimizer-step time (the optimizer's
@@ -13,6 +15,11 @@ communication where the library reports it, peak RSS, and model-state bytes (wei
 optimizer state, from the tensors held; communication buffers such as DDP's gradient buckets and
 shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes benchmarks/results/step.md
 and step.png.
+
+With ``--device cuda`` the same configurations run on two GPUs over NCCL, or, with one GPU, at world
+size 1: DDP's all-reduce is then a no-op, so the step and the optimizer-step columns show each
+library's own cost. Peak memory there is ``torch.cuda.max_memory_allocated`` over the whole run
+(first step included). Results go to step_cuda.md.
 """
 from __future__ import annotations
 
@@ -28,7 +35,10 @@ import tempfile
 import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-SIZES = {"10M": dict(n_layer=6, n_embd=384, n_head=6), "50M": dict(n_layer=8, n_embd=704, n_head=8)}
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _launch as launch  # noqa: E402
+
+SIZES = {"tiny": dict(n_layer=2, n_embd=64, n_head=4), "10M": dict(n_layer=6, n_embd=384, n_head=6), "50M": dict(n_layer=8, n_embd=704, n_head=8)}
 CONFIGS = ["ddp", "zero", "fsdp2", "deepspeed1", "deepspeed2", "shardopt1-fp32", "shardopt2-fp32",
            "shardopt1-bf16", "shardopt2-bf16"]
 
@@ -57,17 +67,27 @@ def worker(args: argparse.Namespace) -> None:
     from gpt_batches import gpt_and_batches
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    cuda = args.device == "cuda"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model, batch = gpt_and_batches(rank, args.block_size, args.batch_size, **SIZES[args.size])
+    model, cpu_batch = gpt_and_batches(rank, args.block_size, args.batch_size, **SIZES[args.size])
     num_params = sum(p.numel() for p in model.parameters())  # before any wrapper shards them
+    model.to(device)
+
+    def batch():
+        return tuple(t.to(device, non_blocking=True) for t in cpu_batch())
+
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a step's time includes its kernels
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     name, comm_wait = args.config, None
     if name == "ddp" or name == "zero":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        net = DDP(model)
+        net = DDP(model, device_ids=[device.index] if cuda else None)
         if name == "ddp":
             opt = torch.optim.AdamW(model.parameters(), fused=True, **hp)
         else:
@@ -78,8 +98,10 @@ def worker(args: argparse.Namespace) -> None:
         def train_step():
             x, y = batch()
             net(x, y).backward()
+            sync()
             t = time.perf_counter()
             opt.step()
+            sync()
             t = time.perf_counter() - t
             opt.zero_grad(set_to_none=False)
             return t
@@ -100,8 +122,10 @@ def worker(args: argparse.Namespace) -> None:
         def train_step():
             x, y = batch()
             model(x, y).backward()
+            sync()
             t = time.perf_counter()
             opt.step()
+            sync()
             t = time.perf_counter() - t
             opt.zero_grad()
             return t
@@ -121,8 +145,10 @@ def worker(args: argparse.Namespace) -> None:
         def train_step():
             x, y = batch()
             engine.backward(engine(x, y))
+            sync()
             t = time.perf_counter()
             engine.step()
+            sync()
             return time.perf_counter() - t
 
         def state():
@@ -141,8 +167,10 @@ def worker(args: argparse.Namespace) -> None:
             nonlocal comm_wait
             x, y = batch()
             opt.backward(model(x, y))
+            sync()
             t = time.perf_counter()
             opt.step()
+            sync()
             t = time.perf_counter() - t
             opt.zero_grad()
             comm_wait = opt.last_step_comm.wait_seconds
@@ -157,8 +185,10 @@ def worker(args: argparse.Namespace) -> None:
     times, opt_times, waits = [], [], []
     for _ in range(args.steps):
         dist.barrier()
+        sync()
         t = time.perf_counter()
         opt_times.append(train_step())
+        sync()
         times.append(time.perf_counter() - t)
         if comm_wait is not None:
             waits.append(comm_wait)
@@ -167,7 +197,8 @@ def worker(args: argparse.Namespace) -> None:
         "config": name, "size": args.size, "params": num_params,
         "step_s": step, "tokens_per_s_rank": args.batch_size * args.block_size / step,
         "opt_s": statistics.median(opt_times), "comm_wait_s": statistics.median(waits) if waits else None,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "state_bytes": state(),
+        "peak_rss_mb": (torch.cuda.max_memory_allocated() / 2**20 if cuda
+                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "state_bytes": state(),
     }
     results = [None] * world
     dist.all_gather_object(results, result)
@@ -187,14 +218,17 @@ def run_config(config: str, size: str, args: argparse.Namespace) -> list[dict] |
         except Exception as e:  # noqa: BLE001
             return f"skipped: deepspeed not importable ({type(e).__name__}); pip install --no-build-isolation deepspeed"
     out = tempfile.mktemp(suffix=".json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, "--worker",
-           "--config", config, "--size", size, "--result", out, "--steps", str(args.steps), "--warmup",
-           str(args.warmup), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
+           "--worker", "--config", config, "--size", size, "--result", out, "--steps", str(args.steps), "--warmup",
+           str(args.warmup), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size),
+           "--device", args.device]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=args.timeout)
-    if proc.returncode != 0 or not os.path.exists(out):
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+    code, stdout, stderr = launch.run(cmd, args.timeout, env=env)  # a hung launch is killed with its workers
+    if code is None:
+        return f"timed out after {args.timeout} s"
+    if code != 0 or not os.path.exists(out):
+        tail = (stderr or stdout).strip().splitlines()[-3:]
         return "failed: " + " / ".join(tail)[:300]
     with open(out) as f:
         res = json.load(f)
@@ -215,7 +249,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--timeout", type=int, default=900, help="seconds for one configuration")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--nproc", type=int, default=0, help="ranks (default: 2; on cuda min(2, GPUs))")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = ap.parse_args()
     if args.worker:
@@ -223,12 +259,21 @@ def main() -> None:
     import torch
 
     os.environ.setdefault("SHARDOPT_KERNEL", "auto")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no GPU visible")
+        args.nproc = args.nproc or min(2, torch.cuda.device_count())
+        where = f"{args.nproc} x {torch.cuda.get_device_name()} (nccl)"
+    else:
+        args.nproc = args.nproc or 2
+        where = f"{args.nproc} ranks (gloo), 1 thread each"
     header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
-              f"2 ranks (gloo), 1 thread each | batch {args.batch_size} x {args.block_size} tokens per rank | "
+              f"{where} | batch {args.batch_size} x {args.block_size} tokens per rank | "
               f"{args.warmup} warm-up + {args.steps} timed steps")
     print(header, flush=True)
+    peak = "peak CUDA allocated MB (per rank)" if args.device == "cuda" else "peak RSS MB (per rank)"
     rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | comm wait ms | "
-            "peak RSS MB (r0/r1) | model state MB/rank | vs DDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            f"{peak} | model state MB/rank | vs DDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     plot: dict = {}
     for size in args.sizes.split(","):
         base = None
@@ -243,18 +288,22 @@ def main() -> None:
                 base = r0
             ratio = lambda a, b: f"{a / b:.2f}x" if b else ""  # noqa: E731
             wait = f"{r0['comm_wait_s'] * 1e3:.0f}" if r0["comm_wait_s"] is not None else "n/a"
+            peaks = "/".join(f"{r['peak_rss_mb']:.0f}" for r in res)
             rows.append(f"| {size} ({r0['params'] / 1e6:.1f}M) | {config} | {r0['step_s'] * 1e3:.0f} | "
                         f"{ratio(r0['step_s'], base['step_s']) if base else ''} | {r0['tokens_per_s_rank']:,.0f} | "
-                        f"{r0['opt_s'] * 1e3:.0f} | {wait} | {res[0]['peak_rss_mb']:.0f}/{res[1]['peak_rss_mb']:.0f} | "
+                        f"{r0['opt_s'] * 1e3:.0f} | {wait} | {peaks} | "
                         f"{r0['state_bytes'] / 2**20:.0f} | {ratio(r0['state_bytes'], base['state_bytes']) if base else ''} |")
             plot.setdefault(size, []).append((config, r0["step_s"], r0["state_bytes"]))
     table = "\n".join(rows)
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step.md"), "w") as f:
+    stem = "step_cuda" if args.device == "cuda" else "step"
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(f"# Training step, side by side\n\nCommand: `python benchmarks/bench_step.py --sizes {args.sizes} "
-                f"--steps {args.steps} --warmup {args.warmup}`\n\n{header}\n\n{table}\n")
+                f"--steps {args.steps} --warmup {args.warmup} --device {args.device}`\n\n{header}\n\n{table}\n")
     try:
+        if not plot:
+            raise ImportError("nothing to plot")
         import matplotlib
 
         matplotlib.use("Agg")
@@ -264,14 +313,14 @@ def main() -> None:
         for ax, (size, entries) in zip(axes[0], plot.items()):
             names = [e[0] for e in entries]
             ax.barh(names, [e[1] * 1e3 for e in entries], color=["#c44" if n.startswith("shardopt") else "#888" for n in names])
-            ax.set_xlabel("median step time, ms (2 ranks, CPU)")
+            ax.set_xlabel(f"median step time, ms ({where})")
             ax.set_title(f"GPT {size}")
             ax.invert_yaxis()
         fig.tight_layout()
-        fig.savefig(os.path.join(args.out, "step.png"), dpi=110)
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    print(f"written to {os.path.join(args.out, 'step.md')}")
+        fig.savefig(os.path.join(args.out, f"{stem}.png"), dpi=110)
+    except ImportError as e:
+        print(f"no plot ({e})")
+    print(f"written to {os.path.join(args.out, stem + '.md')}")
 
 
 if __name__ == "__main__":

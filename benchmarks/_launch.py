@@ -1,0 +1,58 @@
+"""Running one benchmark configuration under torchrun with a deadline, and killing all of it.
+
+torchrun's workers may sit in process groups of their own, so killing torchrun's group can leave
+them running (and holding the output pipe open, so that reading it never ends). ``run`` kills the
+whole tree of processes started from the launch instead, found through ``/proc``.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process started from it (Linux; elsewhere its process group)."""
+    victims = _descendants(pid) if os.path.isdir("/proc") else []
+    for p in [pid, *victims]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def run(cmd: list[str], timeout: float, **kw) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of ``cmd``; exit code None when it outlived ``timeout`` seconds
+    and was killed with everything it started."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kw)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, err = proc.communicate()
+        return None, out, err
