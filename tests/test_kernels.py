@@ -178,3 +178,24 @@ def test_small_updates_lost_without_master_kept_with_it():
     assert torch.equal(results["remainder"][1], results["fp32"][1])  # remainder rebuilds it bit for bit
     assert torch.equal(results["remainder"][0], results["fp32"][0])
     assert abs(float(results["stochastic"][0].mean()) - expected) < 2e-3  # unbiased on average
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_gradient_statistics_match_fp64(dtype):
+    """The step's inf/NaN test and the clipping norm, compiled, against the same sums in fp64."""
+    fused = select("fused")
+    gen = torch.Generator().manual_seed(5)
+    g = (torch.randn(300_001, generator=gen) * torch.logspace(-6, 2, 300_001)).to(dtype)
+    exact = g.double()
+    for p in (2.0, 1.5):
+        got = float(fused.grad_norm_power(g, p))
+        want = float(exact.abs().pow(p).sum())
+        assert got == pytest.approx(want, rel=1e-5), (p, got, want)
+    assert float(fused.grad_max(g)) == float(exact.abs().max())
+    assert float(fused.grad_nonfinite(g)) == 0.0
+    for bad in (float("inf"), -float("inf"), float("nan")):
+        h = g.clone()
+        h[123_457] = bad
+        assert float(fused.grad_nonfinite(h)) == 1.0, bad
+        assert not torch.isfinite(fused.grad_max(h)), bad
+    assert fused.name == "fused"  # compiled, not fallen back to the reference

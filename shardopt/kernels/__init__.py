@@ -17,12 +17,13 @@ from shardopt.kernels.reference import adamw_update_, make_scalars, round_to_dty
 
 __all__ = ["adamw_update_", "make_scalars", "round_to_dtype", "reference", "select", "Kernels"]
 
-STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none", "moment8_scan")
+STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none", "moment8_scan",
+              "grad_nonfinite", "grad_max", "grad_norm_power")
 
 
 class Kernels:
-    """The four step functions of one implementation; a fused one falls back to the reference
-    (with one warning) the first time compilation fails."""
+    """The step functions and gradient statistics of one implementation; a fused one falls back to
+    the reference (with one warning) the first time compilation fails."""
 
     def __init__(self, name: str) -> None:
         self.name = name

@@ -40,3 +40,15 @@ def step_none(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
 
 def moment8_scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
     return _compiled("moment8_scan")(*args, **kwargs)
+
+
+def grad_nonfinite(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    return _compiled("grad_nonfinite")(*args, **kwargs)
+
+
+def grad_max(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    return _compiled("grad_max")(*args, **kwargs)
+
+
+def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
+    return _compiled("grad_norm_power")(*args, **kwargs)

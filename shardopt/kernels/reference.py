@@ -399,3 +399,20 @@ def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
     s = make_scalars(lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, step=step,
                      grad_scale=grad_scale, device=master.device)
     step_fp32(master, grad, exp_avg, exp_avg_sq, s, param_out)
+
+
+# -- the gradient statistics of a step (inf/NaN test, clipping norm) ---------------------------
+def grad_nonfinite(g: Tensor) -> Tensor:
+    """1.0 if ``g`` (1-D, any dtype) holds an inf or a NaN, else 0.0: a 0-d fp32 tensor. The test
+    is on the fp32 sum, which is inf or NaN exactly then (barring finite values summing past fp32)."""
+    return (~torch.isfinite(g.sum(dtype=torch.float32))).float()
+
+
+def grad_max(g: Tensor) -> Tensor:
+    """max |g| in fp32 (0-d), for the inf-norm; inf or NaN when ``g`` holds one."""
+    return torch.linalg.vector_norm(g, float("inf"), dtype=torch.float32)
+
+
+def grad_norm_power(g: Tensor, p: float) -> Tensor:
+    """sum |g|^p in fp32 (0-d): this shard's share of the p-norm's p-th power."""
+    return torch.linalg.vector_norm(g, p, dtype=torch.float32) ** p
