@@ -267,3 +267,30 @@ def test_the_data_parallel_part_of_a_larger_mesh(pools):
         assert got["worst"] <= 2e-6, (r, got)
     # ranks 0, 2 (tp rank 0) and 1, 3 (tp rank 1) are each a data-parallel world of 2
     assert [g["comm"] for g in res] == [(2, 1, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 1)]
+
+
+def four_replicas_case() -> dict:
+    """A (4, 1) mesh: every rank holds all the state and the gradient average is one 4-way
+    all-reduce per bucket, large enough (1 MiB buckets) for gloo's multi-step algorithms."""
+    rank = dist.get_rank()
+    runs = []
+    for mesh in (None, _mesh((4, 1))):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Tanh(), torch.nn.Linear(512, 64))
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2, bucket_cap_mb=1.0, device_mesh=mesh)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            x = torch.randn(16, 512, generator=gen)
+            opt.backward(model(x).square().mean())
+            opt.step()
+            opt.zero_grad()
+        runs.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    every = [torch.empty_like(runs[1]) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, runs[1])
+    return {"same": all(torch.equal(e, every[0]) for e in every), "worst": (runs[0] - runs[1]).abs().max().item()}
+
+
+def test_four_replicas_stay_bit_identical(pools):
+    for r, got in enumerate(pools(4).run(four_replicas_case)):
+        assert got["same"], r
+        assert got["worst"] <= 1e-6, (r, got)
