@@ -179,6 +179,7 @@ class Comm:
         self.replicate_group = replicate_group
         self.replica: int = dist.get_rank(replicate_group) if replicate_group is not None else 0
         self.replicas: int = self.world_size // self.shard_size
+        self.hybrid = replicate_group is not None  # pieces are all-reduced across replicas too
         if self.replicas * self.shard_size != self.world_size or self.replica < 0 or self.shard_rank < 0:
             raise ValueError(f"device_mesh: a shard group of {self.shard_size} ranks does not tile the "
                              f"{self.world_size} data-parallel ranks")
@@ -260,14 +261,16 @@ class Comm:
         collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
         all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
         s, r = self.shard_size, self.replicas
-        passes = 2 if stage == 1 and self.replicate_group is None and self.backend == "nccl" else 1  # all-reduce
+        passes = 2 if stage == 1 and not self.hybrid and self.backend == "nccl" else 1  # all-reduce
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r
 
     def _cross(self, t: Tensor, avg: bool, then: Callable[[], None] | None = None) -> Pending:
         """All-reduce this rank's piece ``t`` across the replicate group (SUM, or AVG), in place;
         a follow-up its issuer may wait on later (see [Note: hybrid sharding]). An empty piece
-        (empty on every rank of the replicate group alike) issues nothing."""
+        (empty on every rank of the replicate group alike) issues nothing, but still returns a
+        follow-up, so that every rank's queue of collectives has the same shape (the stage-1
+        all-gather chained after it must be issued at the same point on every rank of a shard group)."""
         if not t.numel():
             if then is not None:
                 then()
@@ -286,12 +289,11 @@ class Comm:
         in the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. With hybrid
         sharding the average spans the replicas too (see [Note: hybrid sharding]). Every rank, same
         order."""
-        hybrid = self.replicate_group is not None
         if self.backend == "nccl":  # NCCL's own reduce-scatter: ring-efficient, no N-fold receive buffer
             src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
             work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
                                        group=self.shard_group, async_op=True)
-            cross = (lambda: self._cross(out, avg=True)) if hybrid else None
+            cross = (lambda: self._cross(out, avg=True)) if self.hybrid else None
             return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
                            then=cross, comm=self)
         n, mine = self.shard_size, pieces[self.shard_rank].size
@@ -303,13 +305,13 @@ class Comm:
 
         def finish() -> Pending | None:
             self.live_bytes -= recv.nbytes
-            if not mine:  # a follow-up all the same: every rank's queue of collectives has one shape
-                return Pending(stats=self.stats, comm=self, overlap=True) if hybrid else None
+            if not mine and not self.hybrid:
+                return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
             parts = recv.view(n, mine)
             acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
             for q in range(1, n):  # rank order: the result does not depend on the bucketing
                 acc.add_(parts[q])
-            if not hybrid:
+            if not self.hybrid:
                 out.copy_(acc.div_(n))
                 return None
             self.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
@@ -353,7 +355,7 @@ class Comm:
         called (in order, every rank): a reduce-scatter (summed in ``sum_dtype``, default the
         bucket's; see :meth:`reduce_scatter_parts`), then, once the last part is waited, an
         all-gather of the averaged pieces. NCCL without ``sum_dtype``, not hybrid: one native all-reduce."""
-        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype) and self.replicate_group is None:
+        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype) and not self.hybrid:
             def whole() -> Pending:
                 work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
                 return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats, comm=self)

@@ -121,7 +121,7 @@ class ShardedBuffer:
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,
                                                  stage=self.config.stage, gloo=self.comm.backend != "nccl",
                                                  psize=self.flat.data.element_size(),
-                                                 hybrid=self.comm.replicate_group is not None)
+                                                 hybrid=self.comm.hybrid)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
         if self.reducer.shard_accumulated:  # several rounds between two steps (see _reducer)
