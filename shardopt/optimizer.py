@@ -76,10 +76,10 @@ class ShardedAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
+        self._names = param_names(self.param_groups)  # how messages name each parameter
         trainable = self._check_params_on_all_ranks(loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
-        self._names = param_names(self.param_groups)
         self._buffers = self._build_buffers(trainable)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
@@ -118,7 +118,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         one small collective; any problem, local or a mismatch, raises on every rank (never a hang).
         Parameters are compared by (group, shape, dtype) and, when named parameters were given, by
         name; two same-shape parameters swapped on one rank without names cannot be told apart."""
-        names = param_names(self.param_groups)
+        names = self._names
         try:
             trainable, error = trainable_params(self.param_groups), None
             named = any(g.get("param_names") for g in self.param_groups)
