@@ -151,19 +151,20 @@ def _compact_hybrid(args: argparse.Namespace, kw: dict, schemes: list[tuple[int,
     head = ["params", "GPUs", "DDP + AdamW"]
     for s, m in schemes:
         head += [f"S{s} {m} flat", f"S{s} {m} hybrid x{s_}"]
-    head += ["in rings across nodes GB (flat, hybrid)", f"inter-node ring steps (flat, hybrid; {args.gpus_per_node}/node)"]
+    traffic = max(args.stage)  # the traffic columns: of this stage (stage 1 moves more inside the shard group)
+    head += [f"in rings across nodes GB (flat, hybrid; S{traffic})",
+             f"inter-node ring steps (flat, hybrid; S{traffic}, {args.gpus_per_node}/node)"]
     rows = [head]
     for n in args.params:
         for world in args.world_size:
             if world % s_:
                 continue
-            cells, last = [], None
+            cells = []
             for s, m in schemes:
-                flat = estimate_memory(n, world, s, m.split("/")[0], **kw)
-                hyb = estimate_memory(n, world, s, m.split("/")[0], shard_size=s_, **kw)
-                cells += [_fmt_gib(flat.total, args.gpu_memory), _fmt_gib(hyb.total, args.gpu_memory)]
-                last = (flat, hyb)
-            flat, hyb = last
+                for shard in (None, s_):
+                    cells.append(_fmt_gib(estimate_memory(n, world, s, m.split("/")[0], shard_size=shard, **kw).total,
+                                          args.gpu_memory))
+            flat, hyb = (estimate_memory(n, world, traffic, "fp32", shard_size=shard, **kw) for shard in (None, s_))
             rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(flat.ddp_total, args.gpu_memory)] + cells
                         + [f"{_across(flat, args.gpus_per_node) / 1e9:,.1f}, {_across(hyb, args.gpus_per_node) / 1e9:,.1f}",
                            f"{flat.ring_hops(args.gpus_per_node)[1]:,}, {hyb.ring_hops(args.gpus_per_node)[1]:,}"])
