@@ -70,7 +70,7 @@ def _live_bytes() -> int:
 
 
 def build(name: str, model, args, device, mesh_shape):
-    """(step function returning the optimizer's step seconds, shardopt optimizer or None)."""
+    """(backward(x, y), step(): the optimizer step and zeroing, the ShardedAdamW or None) for ``name``."""
     import torch
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
@@ -188,7 +188,6 @@ def run_config(name: str, args, device, mesh_shape) -> dict:
         row.update(sent_inside_mb=f"{statistics.median(inside) / 2**20:.2f}",
                    sent_cross_mb=f"{statistics.median(cross) / 2**20:.2f}",
                    comm_wait_ms=f"{statistics.median(waits) * 1e3:.1f}", shard_size=str(sharded._comm.shard_size))
-    if sharded is not None:
         sharded.close()
     return row
 

@@ -33,20 +33,24 @@ def _mesh(shape):
 
 def _train(shape, *, stage: int, dtype: torch.dtype, steps: int = STEPS, clip: float | None = None,
            master: str = "fp32", moments: str = "fp32", bucket_cap_mb: float = 1e-4):
-    rank = dist.get_rank()
     model = make_model(seed=3, dtype=dtype)
     opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=stage,
                                 bucket_cap_mb=bucket_cap_mb, device_mesh=_mesh(shape), master_weights=master,
                                 moments=moments)
+    return model, opt, _steps(model, opt, range(steps), clip)
+
+
+def _steps(model, opt, steps, clip: float | None = None) -> list[float]:
+    """Train on this rank's batches of ``steps``; returns the clip norms (when clipping)."""
     norms = []
-    for step in range(steps):
+    for step in steps:
         opt.zero_grad()
-        opt.backward(model(batch(rank, step)).float())
+        opt.backward(model(batch(dist.get_rank(), step)).float())
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(clip)))
         opt.step()
         assert not opt.step_was_skipped
-    return model, opt, norms
+    return norms
 
 
 def hybrid_equals_flat_case(stage: int, dtype: torch.dtype, clip: float | None) -> dict:
@@ -136,19 +140,13 @@ def checkpoint_case(path: str, save_shape, load_shape, stage: int) -> dict:
     model, opt, _ = _train(save_shape, stage=stage, dtype=torch.bfloat16, steps=3, master="remainder")
     shardopt.save_checkpoint(path, model, opt)
     saved_state = opt.full_state_dict()
-    for step in (3, 4):
-        opt.zero_grad()
-        opt.backward(model(batch(rank, step)))
-        opt.step()
+    _steps(model, opt, (3, 4))
     other = make_model(seed=9, dtype=torch.bfloat16)
     opt2 = shardopt.ShardedAdamW(param_groups(other), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, stage=3 - stage,
                                  bucket_cap_mb=1e-3, device_mesh=_mesh(load_shape), master_weights="remainder")
     shardopt.load_checkpoint(path, other, opt2)
     loaded_state = opt2.full_state_dict()
-    for step in (3, 4):
-        opt2.zero_grad()
-        opt2.backward(other(batch(rank, step)))
-        opt2.step()
+    _steps(other, opt2, (3, 4))
     worst = max((p.detach().float() - q.detach().float()).abs().max().item()
                 for p, q in zip(model.parameters(), other.parameters()))
     same = True
@@ -191,7 +189,6 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank(pools):
 
 
 def rank_state_case() -> dict:
-    rank = dist.get_rank()
     model, opt, _ = _train((2, 2), stage=2, dtype=torch.float32, steps=2)
     sd = opt.state_dict()
     model2 = make_model(seed=3)
@@ -200,9 +197,7 @@ def rank_state_case() -> dict:
                                  bucket_cap_mb=1e-4, device_mesh=_mesh((2, 2)))
     opt2.load_state_dict(sd)
     for m, o in ((model, opt), (model2, opt2)):
-        o.zero_grad()
-        o.backward(m(batch(rank, 5)))
-        o.step()
+        _steps(m, o, (5,))
     exact = all(torch.equal(p, q) for p, q in zip(model.parameters(), model2.parameters()))
     flat = shardopt.ShardedAdamW(param_groups(make_model(seed=3)), lr=1e-2, stage=2)
     try:
