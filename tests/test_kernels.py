@@ -158,6 +158,69 @@ def test_stochastic_rounding_is_unbiased(dtype):
         assert abs(float(r.double().mean()) - value) <= 6 * 0.5 * spacing / n**0.5, (value, dtype)
 
 
+STOCHASTIC_EXACT = {  # values whose discarded bits the 16 random bits cover exactly
+    torch.bfloat16: (1.0 + 2.0**-10, -3.0 - 2.0**-12, 0.1, 3.0e38, -2.5e-37, 1.7e-38, -3.1e-39, 1e-42, 2.0**-120 * 1.3),
+    torch.float16: (1.0 + 2.0**-20, -3.0 - 2.0**-12, 0.1, 1000.3, -60000.7, 6.2e-5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_stochastic_rounding_averages_to_the_value_over_every_bit_pattern(dtype):
+    """Over all 2**16 random words the rounded values average to x exactly (fp64 sums of 16-bit
+    values are exact), from fp32's subnormals to its largest values: unbiasedness by counting, with
+    no sampling error. Catches an ulp computed wrongly in any exponent range."""
+    bits = torch.arange(1 << 16, dtype=torch.int32)
+    for value in STOCHASTIC_EXACT[dtype]:
+        x = torch.full((1 << 16,), value)
+        r = reference.stochastic_round(x, dtype, bits)
+        assert torch.isfinite(r).all(), (value, dtype)
+        assert float(r.double().sum()) / (1 << 16) == float(x[0].double()), (value, dtype)
+
+
+def test_compiled_codecs_are_bit_identical_to_eager():
+    """The bitcast-heavy codecs compiled as the fused kernels compile them (see
+    shardopt.kernels._cpu_codegen) give the eager bits on every class of fp32 input."""
+    from shardopt.kernels import _cpu_codegen
+
+    _cpu_codegen.install()
+    x = _interesting_fp32(1 << 16)
+    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), float("nan")]),
+                   torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)])  # NaNs with all mantissa bits
+    bits = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
+
+    def codecs(x, bits):  # the remainder as int32: a conversion to int16 would make the loop scalar
+        hi, lo = reference._encode_bf16_bits(x)
+        return (hi, lo, reference.stochastic_round(x, torch.bfloat16, bits),
+                reference.stochastic_round(x, torch.float16, bits), reference.stochastic_round_bf16(x, bits))
+
+    options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
+    compiled = torch.compile(codecs, fullgraph=True, options=options)
+    for name, a, b in zip(("bf16 hi", "remainder", "stochastic bf16", "stochastic fp16", "bf16 moments"),
+                          codecs(x, bits), compiled(x, bits)):
+        ints = torch.int16 if a.element_size() == 2 else torch.int32
+        same = (a.view(ints) == b.view(ints)) | (a.float().isnan() & b.float().isnan())
+        assert bool(same.all()), (name, x[~same][:4])
+    nan_in = x.isnan()
+    assert bool(codecs(x, bits)[2][nan_in].isnan().all())  # stochastic rounding keeps a NaN a NaN
+
+
+def test_fused_bitcasts_are_vectorised():
+    """A bitcast in a fused CPU kernel is a register reinterpretation, not a per-lane scalar loop
+    (which made the remainder step 3x slower)."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.utils import run_and_get_code
+
+    from shardopt.kernels import _cpu_codegen
+
+    if not pick_vec_isa():
+        pytest.skip("inductor finds no vector ISA on this CPU: its kernels are scalar")
+    assert _cpu_codegen.install()
+    options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
+    fn = torch.compile(lambda x: reference.encode_bf16(x)[0], options=options)
+    _, (code,) = run_and_get_code(fn, torch.randn(4096))
+    assert "at::vec::cast<int32_t>" in code and "c10::bit_cast" not in code
+
+
 def test_small_updates_lost_without_master_kept_with_it():
     """Weights near 1 in bf16: an Adam step of 1e-3 is under half an ulp (2**-9), so rounding back each
     step freezes the weights, while fp32 and remainder masters accumulate the updates, and stochastic

@@ -3,6 +3,7 @@
 On CPU inductor emits vectorised C++ (OpenMP), on GPU Triton. ``dynamic=None`` lets the first
 call compile for its exact shape and a second shape switch to a shape-generic kernel, so the
 segments of a shard (one per param group) cost at most two compiles per mode and dtype.
+On CPU the codecs' bitcasts are vectorised by :mod:`shardopt.kernels._cpu_codegen`.
 Compilation is lazy; if it fails, :func:`shardopt.kernels.select` falls back to the reference.
 """
 from __future__ import annotations
@@ -11,15 +12,16 @@ import functools
 
 import torch
 
-from shardopt.kernels import reference
+from shardopt.kernels import _cpu_codegen, reference
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
+    _cpu_codegen.install()  # see [Note: vector bitcast]
     # emulate_precision_casts: the fp16 remainder needs x - float(fp16(x)) computed as written, not
     # simplified to x - x by keeping the rounded value in fp32.
-    return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None,
-                         options={"emulate_precision_casts": True})
+    options = {"emulate_precision_casts": True, **_cpu_codegen.compile_options()}
+    return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=options)
 
 
 def step_fp32(*args, **kwargs) -> None:  # noqa: ANN002, ANN003

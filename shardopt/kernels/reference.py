@@ -222,13 +222,29 @@ def uniform16(bits: Tensor) -> Tensor:
 
 
 def stochastic_round(x: Tensor, dtype: torch.dtype, bits: Tensor) -> Tensor:
-    """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, using 16 random bits (int32)."""
-    mant, emin = (7, -126) if dtype == torch.bfloat16 else (10, -14)
-    discarded = 23 - mant  # random bits needed: exactly what the rounding throws away (16 or 13)
-    e = ((x.view(torch.int32) >> 23) & 0xFF) - 127
-    ulp = ((torch.clamp(e, min=emin) - mant + 127) << 23).view(torch.float32)
+    """Round fp32 ``x`` to ``dtype`` up or down at random, unbiased, using 16 random bits (int32):
+    down to the 16-bit grid below ``x`` unless ``x / ulp`` plus a uniform in [0, 1) reaches the
+    next grid point (the floor rounding of [Note: stochastic rounding])."""
+    if dtype == torch.bfloat16:
+        return _stochastic_round_bf16_floor(x, bits)
+    mant, emin = 10, -14
+    discarded = 23 - mant  # random bits needed: exactly what the rounding throws away
+    e = torch.clamp(((x.view(torch.int32) >> 23) & 0xFF) - 127, min=emin)
+    ulp = ((e - mant + 127) << 23).view(torch.float32)
+    inv_ulp = ((mant - e + 127) << 23).view(torch.float32)  # x * inv_ulp == x / ulp: powers of two, in range
     u = (bits >> (16 - discarded)).float() * (2.0 ** -discarded)
-    return (torch.floor(x / ulp + u) * ulp).to(dtype)
+    return (torch.floor(x * inv_ulp + u) * ulp).to(dtype)
+
+
+def _stochastic_round_bf16_floor(x: Tensor, bits: Tensor) -> Tensor:
+    """:func:`stochastic_round` to bf16 with integer operations. bf16 keeps the top 16 bits, so
+    floor(x / ulp + bits / 2**16) is the bit pattern plus ``bits`` (carrying into the kept bits)
+    for x >= 0, and plus ``0xFFFF - bits`` for x < 0 (sign and magnitude: flooring a negative
+    value rounds its magnitude up exactly when ``bits`` is below the discarded ones). The same
+    result as the floor for every x, in the subnormal range too, and a NaN stays a NaN."""
+    b = x.view(torch.int32)
+    up = (b + torch.where(b < 0, bits ^ 0xFFFF, bits)) & -65536
+    return torch.where((b & 0x7FFFFFFF) > 0x7F800000, b, up).view(torch.float32).to(torch.bfloat16)
 
 
 def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
