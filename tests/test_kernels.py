@@ -6,6 +6,8 @@ biased or depends on how the buffer is split, and a reference that drifts from t
 """
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -204,21 +206,36 @@ def test_compiled_codecs_are_bit_identical_to_eager():
     assert bool(codecs(x, bits)[2][nan_in].isnan().all())  # stochastic rounding keeps a NaN a NaN
 
 
-def test_fused_bitcasts_are_vectorised():
+def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
     """A bitcast in a fused CPU kernel is a register reinterpretation, not a per-lane scalar loop
-    (which made the remainder step 3x slower)."""
+    (which made the remainder step 3x slower); a loop that hashes random bits runs two vectors per
+    iteration inside shardopt's fused kernels only (see [Note: wide tiling])."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.utils import run_and_get_code
 
     from shardopt.kernels import _cpu_codegen
 
-    if not pick_vec_isa():
+    isa = pick_vec_isa()
+    if not isa:
         pytest.skip("inductor finds no vector ISA on this CPU: its kernels are scalar")
     assert _cpu_codegen.install()
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
     fn = torch.compile(lambda x: reference.encode_bf16(x)[0], options=options)
     _, (code,) = run_and_get_code(fn, torch.randn(4096))
     assert "at::vec::cast<int32_t>" in code and "c10::bit_cast" not in code
+
+    def hashed(x, key):  # fp32 only, so inductor's own choice is one fp32 vector per iteration
+        return x * reference.uniform16(reference.random_bits16(key, x.numel()))
+
+    lanes = isa.nelements(dtype=torch.float)
+    x, key = torch.randn(4096), reference.make_key(0, 1, 0)
+    for wide in (False, True):
+        torch._dynamo.reset()
+        fn = torch.compile(hashed, options=options)
+        with _cpu_codegen.fused_kernels() if wide else contextlib.nullcontext():
+            out, (code,) = run_and_get_code(fn, x, key)
+        assert f"+=static_cast<int64_t>({lanes * (2 if wide else 1)}L)" in code, wide
+        assert torch.equal(out, hashed(x, key))
 
 
 def test_small_updates_lost_without_master_kept_with_it():

@@ -3,7 +3,8 @@
 On CPU inductor emits vectorised C++ (OpenMP), on GPU Triton. ``dynamic=None`` lets the first
 call compile for its exact shape and a second shape switch to a shape-generic kernel, so the
 segments of a shard (one per param group) cost at most two compiles per mode and dtype.
-On CPU the codecs' bitcasts are vectorised by :mod:`shardopt.kernels._cpu_codegen`.
+On CPU the codecs' bitcasts are vectorised, and the loops that hash random bits widened, by
+:mod:`shardopt.kernels._cpu_codegen`.
 Compilation is lazy; if it fails, :func:`shardopt.kernels.select` falls back to the reference.
 """
 from __future__ import annotations
@@ -24,33 +25,38 @@ def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
     return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=options)
 
 
+def _call(name: str, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
+    with _cpu_codegen.fused_kernels():  # see [Note: wide tiling]
+        return _compiled(name)(*args, **kwargs)
+
+
 def step_fp32(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-    _compiled("step_fp32")(*args, **kwargs)
+    _call("step_fp32", args, kwargs)
 
 
 def step_remainder(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-    _compiled("step_remainder")(*args, **kwargs)
+    _call("step_remainder", args, kwargs)
 
 
 def step_stochastic(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-    _compiled("step_stochastic")(*args, **kwargs)
+    _call("step_stochastic", args, kwargs)
 
 
 def step_none(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-    _compiled("step_none")(*args, **kwargs)
+    _call("step_none", args, kwargs)
 
 
 def moment8_scan(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-    return _compiled("moment8_scan")(*args, **kwargs)
+    return _call("moment8_scan", args, kwargs)
 
 
 def grad_nonfinite(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-    return _compiled("grad_nonfinite")(*args, **kwargs)
+    return _call("grad_nonfinite", args, kwargs)
 
 
 def grad_max(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-    return _compiled("grad_max")(*args, **kwargs)
+    return _call("grad_max", args, kwargs)
 
 
 def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
-    return _compiled("grad_norm_power")(*args, **kwargs)
+    return _call("grad_norm_power", args, kwargs)

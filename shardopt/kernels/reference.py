@@ -158,10 +158,17 @@ def encode_fp16(x: Tensor) -> tuple[Tensor, Tensor]:
     return p, q.to(torch.int16)
 
 
+def _fp16_residual_inverse_scale(p: Tensor) -> Tensor:
+    """1 / :func:`_fp16_residual_scale`, exactly: 2**(40 - max(e, 1)), between 2**9 and 2**39."""
+    exp32 = p.float().view(torch.int32) & 0x7F800000
+    return ((254 << 23) - (torch.clamp(exp32, min=113 << 23) - (25 << 23))).view(torch.float32)
+
+
 def _encode_fp16_residual(x: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`encode_fp16` with the residual as int32."""
+    """:func:`encode_fp16` with the residual as int32 (a product by the inverse scale: the scale
+    is a power of two, so it equals the quotient, and a multiply is cheaper)."""
     p = x.to(torch.float16)
-    q = torch.round((x - p.float()) / _fp16_residual_scale(p))
+    q = torch.round((x - p.float()) * _fp16_residual_inverse_scale(p))
     return p, q.to(torch.int32)
 
 
