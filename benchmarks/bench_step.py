@@ -11,7 +11,8 @@ the results. Each run warms up for --warmup steps, then times --steps steps. Com
 configuration (this CPU has no 16-bit matrix units); "bf16" means bf16 weights and gradients with an
 fp32 master. Reported per rank: median step time, tokens/s, optimizer-step time (the optimizer's
 step() call, which for sharded optimizers includes the weight all-gather), time blocked on
-communication where the library reports it, peak RSS, and model-state bytes (weights + gradients +
+communication where the library reports it (for a ``-overlap`` configuration, run only when
+named in --configs, the gathers are waited for in the next forward, so step() returns before them), peak RSS, and model-state bytes (weights + gradients +
 optimizer state, from the tensors held; communication buffers such as DDP's gradient buckets and
 shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes benchmarks/results/step.md
 and step.png.
@@ -41,6 +42,9 @@ import _launch as launch  # noqa: E402
 SIZES = {"tiny": dict(n_layer=2, n_embd=64, n_head=4), "10M": dict(n_layer=6, n_embd=384, n_head=6), "50M": dict(n_layer=8, n_embd=704, n_head=8)}
 CONFIGS = ["ddp", "zero", "fsdp2", "deepspeed1", "deepspeed2", "shardopt1-fp32", "shardopt2-fp32",
            "shardopt1-bf16", "shardopt2-bf16"]
+# Not in the default list (each configuration is a launch): the same with overlap_param_gather=True,
+# the weight all-gather of step() waited for bucket by bucket in the next forward.
+EXTRA_CONFIGS = ["shardopt2-fp32-overlap", "shardopt2-bf16-overlap", "shardopt1-fp32-overlap", "shardopt1-bf16-overlap"]
 
 
 # ----------------------------------------------------------------------------------- worker
@@ -161,7 +165,8 @@ def worker(args: argparse.Namespace) -> None:
         stage, dtype = int(name[8]), name.split("-")[1]
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
-        opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=hp["lr"], betas=hp["betas"], stage=stage)
+        opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=hp["lr"], betas=hp["betas"], stage=stage,
+                                    overlap_param_gather=name.endswith("-overlap"))
 
         def train_step():
             nonlocal comm_wait
