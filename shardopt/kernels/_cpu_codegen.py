@@ -24,10 +24,9 @@ conversions measured slower wide (the remainder step 25 -> 52 ms).
 
 The bitcast is semantics-preserving for any program (a bitcast is a bitcast), so it is
 installed process-wide, once, before the first fused kernel compiles; the wide tiling applies
-only while a fused kernel of shardopt compiles. On a torch whose code
-generator is laid out differently it is not installed and the kernels stay correct, only
-slower; :func:`installed` tells which. The fused kernels are tested bit for bit against the
-reference either way.
+only while a fused kernel of shardopt compiles. On a torch whose code generator is laid out
+differently neither is installed and the kernels stay correct, only slower; :func:`installed`
+tells which. The fused kernels are tested bit for bit against the reference either way.
 """
 from __future__ import annotations
 

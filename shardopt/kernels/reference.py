@@ -32,7 +32,8 @@ global element offset): the same element gets the same bits whatever the number 
 resumed run repeats exactly. Each element gets 16 bits per stream; streams 0 (weights) and 2
 (``exp_avg_sq``) are the halves of one 32-bit word, so a kernel rounding both hashes once. Only
 as many random bits are used as the rounding discards (16 for bf16, 13 for fp16), so the floor
-below is exact and the rounding unbiased (for normal numbers).
+below is exact and the rounding unbiased: for every finite value to bf16 (an integer add on the
+bit pattern, exact down to the subnormals), in fp16's normal range to fp16.
 
 [Note: 16-bit moments]
 With ``moments="bf16"`` both moments are stored in bf16 (8 significant bits). ``exp_avg`` is
