@@ -145,24 +145,28 @@ def decode_bf16(hi: Tensor, lo: Tensor) -> Tensor:
     return (hi.float().view(torch.int32) + lo.to(torch.int32)).view(torch.float32)
 
 
-def _fp16_residual_scale(p: Tensor) -> Tensor:
-    """2**(max(e, 1) - 40) for fp16 ``p`` with biased exponent field e, as fp32 (see [Note: fp16 remainder]).
-
-    Read off the fp32 exponent of float(p): e - 15 + 127, at least 113 for fp16 zeros and subnormals."""
+def _fp16_residual_scale_bits(p: Tensor) -> Tensor:
+    """The int32 pattern of 2**(max(e, 1) - 40), for fp16 ``p`` with biased exponent field e (see
+    [Note: fp16 remainder]). Read off the fp32 exponent of float(p): e - 15 + 127, at least 113
+    for fp16 zeros and subnormals."""
     exp32 = p.float().view(torch.int32) & 0x7F800000
-    return (torch.clamp(exp32, min=113 << 23) - (25 << 23)).view(torch.float32)
+    return torch.clamp(exp32, min=113 << 23) - (25 << 23)
+
+
+def _fp16_residual_scale(p: Tensor) -> Tensor:
+    """2**(max(e, 1) - 40) as fp32."""
+    return _fp16_residual_scale_bits(p).view(torch.float32)
+
+
+def _fp16_residual_inverse_scale(p: Tensor) -> Tensor:
+    """1 / :func:`_fp16_residual_scale`, exactly (negated exponent): between 2**9 and 2**39."""
+    return ((254 << 23) - _fp16_residual_scale_bits(p)).view(torch.float32)
 
 
 def encode_fp16(x: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 -> (fp16 weight rounded to nearest even, int16 residual q)."""
     p, q = _encode_fp16_residual(x)
     return p, q.to(torch.int16)
-
-
-def _fp16_residual_inverse_scale(p: Tensor) -> Tensor:
-    """1 / :func:`_fp16_residual_scale`, exactly: 2**(40 - max(e, 1)), between 2**9 and 2**39."""
-    exp32 = p.float().view(torch.int32) & 0x7F800000
-    return ((254 << 23) - (torch.clamp(exp32, min=113 << 23) - (25 << 23))).view(torch.float32)
 
 
 def _encode_fp16_residual(x: Tensor) -> tuple[Tensor, Tensor]:
