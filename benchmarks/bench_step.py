@@ -11,11 +11,11 @@ the results. Each run warms up for --warmup steps, then times --steps steps. Com
 configuration (this CPU has no 16-bit matrix units); "bf16" means bf16 weights and gradients with an
 fp32 master. Reported per rank: median step time, tokens/s, optimizer-step time (the optimizer's
 step() call, which for sharded optimizers includes the weight all-gather), time blocked on
-communication where the library reports it (for a ``-overlap`` configuration, run only when
-named in --configs, the gathers are waited for in the next forward, so step() returns before them), peak RSS, and model-state bytes (weights + gradients +
+communication where the library reports it, peak RSS, and model-state bytes (weights + gradients +
 optimizer state, from the tensors held; communication buffers such as DDP's gradient buckets and
 shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes benchmarks/results/step.md
-and step.png.
+and step.png. The ``-overlap`` configurations (``overlap_param_gather=True``: the gathers are
+waited for in the next forward, so step() returns before them) run only when named in --configs.
 
 With ``--device cuda`` the same configurations run on two GPUs over NCCL, or, with one GPU, at world
 size 1: DDP's all-reduce is then a no-op, so the step and the optimizer-step columns show each
@@ -249,7 +249,8 @@ def main() -> None:
     ap.add_argument("--size", default="10M")
     ap.add_argument("--result", default="")
     ap.add_argument("--sizes", default="10M,50M")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated, any of {','.join(CONFIGS + EXTRA_CONFIGS)}")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch-size", type=int, default=8)
