@@ -227,14 +227,19 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
     def hashed(x, key):  # fp32 only, so inductor's own choice is one fp32 vector per iteration
         return x * reference.uniform16(reference.random_bits16(key, x.numel()))
 
+    def outside(x, key):  # two frames, so that each compiles its own code
+        return hashed(x, key)
+
+    def inside(x, key):
+        return hashed(x, key)
+
     lanes = isa.nelements(dtype=torch.float)
     x, key = torch.randn(4096), reference.make_key(0, 1, 0)
-    for wide in (False, True):
-        torch._dynamo.reset()
-        fn = torch.compile(hashed, options=options)
-        with _cpu_codegen.fused_kernels() if wide else contextlib.nullcontext():
-            out, (code,) = run_and_get_code(fn, x, key)
-        assert f"+=static_cast<int64_t>({lanes * (2 if wide else 1)}L)" in code, wide
+    for fn, context, step in ((outside, contextlib.nullcontext(), lanes),
+                              (inside, _cpu_codegen.fused_kernels(), 2 * lanes)):
+        with context:
+            out, (code,) = run_and_get_code(torch.compile(fn, options=options), x, key)
+        assert f"+=static_cast<int64_t>({step}L)" in code, fn.__name__
         assert torch.equal(out, hashed(x, key))
 
 
