@@ -243,6 +243,61 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
         assert torch.equal(out, hashed(x, key))
 
 
+def _byte_conversions(r: torch.Tensor, i8: torch.Tensor, u8: torch.Tensor, f: torch.Tensor) -> tuple:
+    """Every conversion that [Note: wide bytes] emits its own code for, and 8-bit loads and stores."""
+    return (r.to(torch.int8), r.to(torch.uint8), ((r << 24) >> 24).to(torch.int8), (r >> 8).to(torch.int8),
+            i8.to(torch.int32) + r, u8.to(torch.int32) - r, f.to(torch.int32), r.float() * 0.5,
+            (i8.to(torch.int32) ^ u8.to(torch.int32)).to(torch.uint8))
+
+
+def check_wide_byte_code() -> str:
+    """Compile :func:`_byte_conversions` as a fused kernel on this process's vector ISA and compare
+    it with eager bit for bit, on full-range int32 values (a C cast wraps them) and every int8 and
+    uint8 value, over a length with a tail; returns the ISA's name ("" when the ISA has no such code)."""
+    from torch._inductor.utils import run_and_get_code
+
+    from shardopt.kernels import _cpu_codegen
+
+    assert _cpu_codegen.install()
+    gen = torch.Generator().manual_seed(11)
+    n = 4099
+    r = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
+    r[:3] = torch.tensor([-(2**31), 2**31 - 1, 0], dtype=torch.int32)
+    i8 = (torch.arange(n) % 256 - 128).to(torch.int8)
+    u8 = (torch.arange(n) * 7 % 256).to(torch.uint8)
+    f = (torch.rand(n, generator=gen, dtype=torch.float64) * 2**32 - 2**31).float().clamp(-(2**31), 2**31 - 256)
+    options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
+    with _cpu_codegen.fused_kernels():
+        got, (code,) = run_and_get_code(torch.compile(_byte_conversions, options=options), r, i8, u8, f)
+    for k, (a, b) in enumerate(zip(_byte_conversions(r, i8, u8, f), got)):
+        assert a.dtype == b.dtype and torch.equal(a, b), (k, a[a != b][:4], b[a != b][:4])
+    isa = _cpu_codegen._state["bytes"]
+    if isa:  # the loop was widened and none of ATen's slow forms is left
+        assert f"+=static_cast<int64_t>({2 * _cpu_codegen._fp32_lanes()}L)" in code
+        assert "convert<int32_t,2,int8_t,1>" not in code and "convert<int32_t,2,float,2>" not in code
+        assert "convert<float,2,int32_t,2>" not in code and "convert<int8_t,1,int32_t,2>" not in code
+    return isa
+
+
+def test_wide_byte_code_is_bit_identical_to_eager():
+    """8-bit loads and stores and the conversions around them, in loops of two fp32 vectors (see
+    [Note: wide bytes]), give the eager bits; on an AVX-512 machine the AVX2 code is checked too,
+    in a process whose inductor generates AVX2."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    isa = check_wide_byte_code()
+    if isa == "avx512":
+        env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+        script = ("import runpy, sys; t = runpy.run_path(sys.argv[1]); "
+                  "assert t['check_wide_byte_code']() == 'avx2', 'inductor did not generate AVX2 code'")
+        done = subprocess.run([sys.executable, "-c", script, str(Path(__file__))], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_small_updates_lost_without_master_kept_with_it():
     """Weights near 1 in bf16: an Adam step of 1e-3 is under half an ulp (2**-9), so rounding back each
     step freezes the weights, while fp32 and remainder masters accumulate the updates, and stochastic

@@ -19,8 +19,20 @@ two dependent 32-bit multiplies per vector; with one vector per iteration that c
 set the time (16M elements on one core: the stochastic step 38 ms, fp32 master with bf16 moments
 40 ms), with two independent vectors per iteration 23 and 24 ms, at the speed of the kernels
 without a hash. So, inside :func:`fused_kernels` only, a loop of one fp32 vector is widened to
-two unless it touches 8-bit integers (the remainder planes and the 8-bit moments), whose
-conversions measured slower wide (the remainder step 25 -> 52 ms).
+two. A loop that touches 8-bit integers (the remainder planes, the 8-bit moments) is widened
+too where :data:`_BYTE_OPS` knows the ISA (AVX-512, AVX2), with the code of [Note: wide bytes].
+
+[Note: wide bytes] Widened, a loop holds half an 8-bit vector per iteration (32 of AVX-512's 64
+lanes), and ATen serves three things there slowly: the load and the store of half a vector (an
+AVX-512 masked move, which on this CPU stalls the next access to the same cache line; on AVX2 a
+copy through a stack buffer), the conversion between one 8-bit and two int32 vectors, and the
+conversion between two float and two int32 vectors (both ATen's generic ``VecConvert``, a scalar
+loop over the lanes). Inside :func:`fused_kernels` they are emitted as a plain 256-bit (AVX2:
+128-bit) move, a sign or zero extension of each quarter (AVX2: eighth) and a truncating
+narrowing (a C cast's wrap-around, as eager ``.to(torch.int8)``), and one ``convert`` per
+vector. Per 16M elements on one AVX-512 core (``benchmarks/bench_kernels.py``): the bf16
+remainder step 19.3 -> 9.5 ms, the fp16 remainder 27.5 -> ... ms; before this, widening the
+remainder made it slower (25 -> 52 ms), so 8-bit loops were left one vector wide.
 
 The bitcast is semantics-preserving for any program (a bitcast is a bitcast), so it is
 installed process-wide, once, before the first fused kernel compiles; the wide tiling applies
@@ -37,8 +49,8 @@ from collections.abc import Iterator
 import torch
 
 _wide = contextvars.ContextVar("shardopt_wide_tiling", default=False)
-_state = {"tried": False, "installed": False, "wide": False}
-_VERSION = 2  # bump when the generated code changes
+_state = {"tried": False, "installed": False, "wide": False, "bytes": ""}
+_VERSION = 3  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
@@ -86,16 +98,117 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     except (AttributeError, KeyError, TypeError):
         return
 
+    byte_ops = _BYTE_OPS.get(_isa_name(isa)) if fp32_lanes else None
+    if byte_ops is not None and not _install_wide_bytes(cpp, byte_ops, 2 * fp32_lanes):
+        byte_ops = None
+
     def select_tiling(self, fn_list, var_sizes_list):  # noqa: ANN001, ANN202 - inductor's signature
         factors, indices, stats = original(self, fn_list, var_sizes_list)
         if _wide.get() and fp32_lanes and factors == [fp32_lanes]:
-            if not loop_dtypes(loop_bodies(fn_list)) & {torch.int8, torch.uint8}:
+            if byte_ops is not None or not loop_dtypes(loop_bodies(fn_list)) & set(_BYTES):
                 factors = [2 * fp32_lanes]
         return factors, indices, stats
 
     select_tiling.__wrapped__ = original  # type: ignore[attr-defined]
     tiling.select_tiling = select_tiling
     _state["wide"] = True
+    _state["bytes"] = _isa_name(isa) if byte_ops is not None else ""
+
+
+def _isa_name(isa) -> str:  # noqa: ANN001 - inductor's VecISA
+    """"avx512", "avx2" or "" (another ISA, or none), for :data:`_BYTE_OPS`."""
+    from torch._inductor import cpu_vec_isa
+
+    if isinstance(isa, getattr(cpu_vec_isa, "VecAVX512", ())):
+        return "avx512"
+    if isinstance(isa, getattr(cpu_vec_isa, "VecAVX2", ())):
+        return "avx2"
+    return ""
+
+
+_BYTES = {torch.int8: "int8_t", torch.uint8: "uint8_t"}
+
+# [Note: wide bytes], per ISA: {T} the 8-bit C++ type, {P} a pointer, {V} / {X} a vector
+# expression, {E} "epi8" or "epu8" (sign or zero extension).
+_BYTE_OPS = {
+    "avx512": {
+        "load": "at::vec::Vectorized<{T}>(_mm512_castsi256_si512(_mm256_loadu_si256("
+                "reinterpret_cast<const __m256i*>({P}))))",
+        "store": "_mm256_storeu_si256(reinterpret_cast<__m256i*>({P}), _mm512_castsi512_si256({V}));",
+        "widen": "at::vec::VectorizedN<int32_t,2>("
+                 "at::vec::Vectorized<int32_t>(_mm512_cvt{E}_epi32(_mm512_castsi512_si128({X}))), "
+                 "at::vec::Vectorized<int32_t>(_mm512_cvt{E}_epi32(_mm512_extracti32x4_epi32({X}, 1))))",
+        "narrow": "at::vec::Vectorized<{T}>(_mm512_inserti32x4(_mm512_castsi128_si512("
+                  "_mm512_cvtepi32_epi8({X}[0])), _mm512_cvtepi32_epi8({X}[1]), 1))",
+    },
+    "avx2": {
+        "load": "at::vec::Vectorized<{T}>(_mm256_castsi128_si256(_mm_loadu_si128("
+                "reinterpret_cast<const __m128i*>({P}))))",
+        "store": "_mm_storeu_si128(reinterpret_cast<__m128i*>({P}), _mm256_castsi256_si128({V}));",
+        "widen": "at::vec::VectorizedN<int32_t,2>("
+                 "at::vec::Vectorized<int32_t>(_mm256_cvt{E}_epi32(_mm256_castsi256_si128({X}))), "
+                 "at::vec::Vectorized<int32_t>(_mm256_cvt{E}_epi32(_mm_srli_si128(_mm256_castsi256_si128({X}), 8))))",
+        # the low byte of each int32 (a C cast): mask, pack to 16 then 8 bits (no saturation
+        # left to happen), and undo the packs' interleaving of the two 128-bit halves
+        "narrow": "at::vec::Vectorized<{T}>(_mm256_castsi128_si256([&]() {{ "
+                  "const __m256i b_ = _mm256_set1_epi32(255); "
+                  "const __m256i w_ = _mm256_permute4x64_epi64(_mm256_packus_epi32("
+                  "_mm256_and_si256({X}[0], b_), _mm256_and_si256({X}[1], b_)), 0xD8); "
+                  "return _mm_packus_epi16(_mm256_castsi256_si128(w_), _mm256_extracti128_si256(w_, 1)); }}()))",
+    },
+}
+
+
+def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - inductor's cpp codegen module
+    """The code of [Note: wide bytes] for loops of ``wide`` elements (two fp32 vectors), inside
+    :func:`fused_kernels` only; False (nothing installed) on a torch laid out otherwise."""
+    try:
+        kernel_type = cpp.CppVecKernel
+        load_line = kernel_type.__dict__["_get_vec_load_line"]
+        store_line = kernel_type.__dict__["_get_store_line"]
+        dtype_expr = kernel_type.__dict__["get_to_dtype_expr"]
+        cexpr_index, indented = cpp.cexpr_index, cpp.IndentedBuffer
+    except (AttributeError, KeyError):
+        return False
+
+    def widened(kernel) -> bool:  # noqa: ANN001 - a CppVecKernel of a loop widened by [Note: wide tiling]
+        return _wide.get() and type(kernel) is kernel_type and kernel.tiling_factor == wide
+
+    def whole(kernel) -> bool:  # noqa: ANN001 - its body, where every vector is full (not the tail)
+        return widened(kernel) and kernel.tail_size is None
+
+    def get_vec_load_line(self, var, index, dtype, load_mask=None):  # noqa: ANN001, ANN202
+        if dtype in _BYTES and load_mask is None and whole(self):
+            ptr = f"{var} + {cexpr_index(index)}" if index != 0 else var
+            return ops["load"].format(T=_BYTES[dtype], P=ptr)
+        return load_line(self, var, index, dtype, load_mask)
+
+    def get_store_line(self, value, var, index, dtype, accu_store=False):  # noqa: ANN001, ANN202
+        if dtype in _BYTES and not accu_store and whole(self) and \
+                self._try_get_const_stride(index, self.itervars[self.tiling_idx]) == 1:
+            code = indented()
+            code.writeline(ops["store"].format(P=f"{var} + {cexpr_index(index)}", V=value))
+            return code
+        return store_line(self, value, var, index, dtype, accu_store)
+
+    def get_to_dtype_expr(self, src, dtype, src_dtype, rounding=False):  # noqa: ANN001, ANN202
+        if getattr(src, "is_vec", False) and not rounding and widened(self):
+            if src_dtype in _BYTES and dtype == torch.int32:
+                return ops["widen"].format(X=src, E="epi8" if src_dtype == torch.int8 else "epu8")
+            if dtype in _BYTES and src_dtype == torch.int32:
+                return ops["narrow"].format(X=src, T=_BYTES[dtype])
+            if {src_dtype, dtype} == {torch.int32, torch.float32}:
+                dst = "int32_t" if dtype == torch.int32 else "float"
+                return (f"at::vec::VectorizedN<{dst},2>(at::vec::convert<{dst}>({src}[0]), "
+                        f"at::vec::convert<{dst}>({src}[1]))")
+        return dtype_expr(self, src, dtype, src_dtype, rounding)
+
+    for name, fn, original in (("_get_vec_load_line", get_vec_load_line, load_line),
+                               ("_get_store_line", get_store_line, store_line),
+                               ("get_to_dtype_expr", get_to_dtype_expr, dtype_expr)):
+        fn.__wrapped__ = original  # type: ignore[attr-defined]
+        setattr(kernel_type, name, fn)
+    return True
 
 
 @contextlib.contextmanager
@@ -107,6 +220,14 @@ def fused_kernels() -> Iterator[None]:
         yield
     finally:
         _wide.reset(token)
+
+
+def _fp32_lanes() -> int:
+    """fp32 lanes of one vector of the ISA inductor generates code for (0: none)."""
+    from torch._inductor import cpu_vec_isa
+
+    isa = cpu_vec_isa.pick_vec_isa()
+    return isa.nelements(dtype=torch.float) if isa else 0
 
 
 def installed() -> bool:
@@ -129,6 +250,7 @@ def compile_options() -> dict:
             return None
 
         def uuid(self) -> str:
-            return f"shardopt-vector-bitcast-{int(installed())}-wide-{int(_state['wide'])}-{_VERSION}"
+            return (f"shardopt-vector-bitcast-{int(installed())}-wide-{int(_state['wide'])}"
+                    f"-bytes-{_state['bytes'] or 'no'}-{_VERSION}")
 
     return {"post_grad_custom_post_pass": _CodegenTag()}
