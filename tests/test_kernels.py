@@ -333,9 +333,13 @@ def test_fused_gradient_statistics_match_fp64(dtype):
         assert got == pytest.approx(want, rel=1e-5), (p, got, want)
     assert float(fused.grad_max(g)) == float(exact.abs().max())
     assert float(fused.grad_nonfinite(g)) == 0.0
-    for bad in (float("inf"), -float("inf"), float("nan")):
+    for bad in (float("inf"), -float("inf"), float("nan"), -float("nan")):
         h = g.clone()
         h[123_457] = bad
         assert float(fused.grad_nonfinite(h)) == 1.0, bad
+        assert float(reference.grad_nonfinite(h)) == 1.0, bad
         assert not torch.isfinite(fused.grad_max(h)), bad
+    huge = g.clone()  # finite everywhere, but its fp32 sum is not: not an overflow of the gradient
+    huge[:4] = torch.tensor([3.0e38, 3.0e38, -0.0, 1e-40]).to(dtype)
+    assert float(fused.grad_nonfinite(huge)) == 0.0 and float(reference.grad_nonfinite(huge)) == 0.0
     assert fused.name == "fused"  # compiled, not fallen back to the reference

@@ -431,9 +431,12 @@ def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Ten
 
 # -- the gradient statistics of a step (inf/NaN test, clipping norm) ---------------------------
 def grad_nonfinite(g: Tensor) -> Tensor:
-    """1.0 if ``g`` (1-D, any dtype) holds an inf or a NaN, else 0.0: a 0-d fp32 tensor. The test
-    is on the fp32 sum, which is inf or NaN exactly then (barring finite values summing past fp32)."""
-    return (~torch.isfinite(g.sum(dtype=torch.float32))).float()
+    """1.0 if ``g`` (1-D, not empty, any float dtype) holds an inf or a NaN, else 0.0: a 0-d fp32
+    tensor. Read off the bit patterns: the largest fp32 magnitude pattern reaches the all-ones
+    exponent exactly then. An integer maximum is exact in any order, and compiled it reads a 16M
+    bf16 gradient in 0.9 ms where an fp32 sum took 2.2 ms (and flagged finite values summing past
+    fp32)."""
+    return ((g.float().view(torch.int32) & 0x7FFFFFFF).amax() >= 0x7F800000).float()
 
 
 def grad_max(g: Tensor) -> Tensor:
