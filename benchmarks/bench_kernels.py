@@ -5,9 +5,10 @@
 
 Every path is first checked against the eager reference on the same inputs, then timed (median of
 --repeats after a warm-up). Melem/s counts elements of the shard updated per second; "% of bound"
-compares with the memory bound measured on the spot: the bandwidth of this machine (bytes read +
-written per second by a large copy, a triad or a compiled streaming kernel, whichever is fastest) divided by the bytes the path must
-read + write per element.
+compares with the memory bound measured beside each row (see ``Bound``): the bandwidth of this
+machine (bytes read + written per second by a large copy, a triad or a compiled streaming kernel,
+whichever is fastest), probed right after the row, divided by the bytes the path must read + write
+per element.
 The torch rows are what a careful mixed-precision trainer writes: a persistent fp32 gradient
 buffer the 16-bit gradient is copied into, torch.optim.AdamW(fused=True) (or foreach) on the fp32
 master, and a copy_ back into the 16-bit weight. ``--moments`` adds a table of every master-weight
@@ -53,21 +54,36 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth(numel: int, repeats: int) -> float:
-    """Bytes read + written per second: the best of a large fp32 copy, a triad c = a + s * b, and a
-    compiled streaming kernel that reads three arrays and writes two (the code generator of the
-    fused update, doing the least possible arithmetic)."""
-    a, b, c = (torch.randn(numel, device=DEVICE), torch.randn(numel, device=DEVICE), torch.empty(numel, device=DEVICE))
-    copy = 2 * 4 * numel / timed(lambda: c.copy_(a), repeats)
-    triad = 3 * 4 * numel / timed(lambda: torch.add(a, b, alpha=0.5, out=c), repeats)
+class Bound:
+    """The memory bound, measured again beside every row: bytes read + written per second, the
+    best of a large fp32 copy, a triad c = a + s * b, and a compiled streaming kernel that reads
+    three arrays and writes two (the code generator of the fused update, doing the least possible
+    arithmetic). This machine's bandwidth drifts by 2x within minutes (a shared host), so one probe
+    at the start made rows run later read above 100%; each row is compared with the probe taken
+    right after it, and ``seen`` keeps every probe for the header."""
 
-    def stream(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> None:
-        x.copy_(x * 0.5 + y)
-        z.copy_(z * 0.5 + y)
+    def __init__(self, numel: int, repeats: int) -> None:
+        self.n, self.repeats, self.seen = numel, max(3, repeats), []
+        self.a, self.b, self.c = (torch.randn(numel, device=DEVICE) for _ in range(3))
 
-    compiled = torch.compile(stream, fullgraph=True)
-    streamed = 5 * 4 * numel / timed(lambda: compiled(a, b, c), repeats)
-    return max(copy, triad, streamed)
+        def stream(x: torch.Tensor, y: torch.Tensor, z: torch.Tensor) -> None:
+            x.copy_(x * 0.5 + y)
+            z.copy_(z * 0.5 + y)
+
+        self.stream = torch.compile(stream, fullgraph=True)
+
+    def measure(self) -> float:
+        a, b, c, n = self.a, self.b, self.c, self.n
+        copy = 2 * 4 * n / timed(lambda: c.copy_(a), self.repeats)
+        triad = 3 * 4 * n / timed(lambda: torch.add(a, b, alpha=0.5, out=c), self.repeats)
+        streamed = 5 * 4 * n / timed(lambda: self.stream(a, b, c), self.repeats)
+        self.seen.append(max(copy, triad, streamed))
+        return self.seen[-1]
+
+    def header(self) -> str:
+        lo, hi = min(self.seen) / 1e9, max(self.seen) / 1e9
+        return (f"memory bandwidth {lo:.1f}-{hi:.1f} GB/s over {len(self.seen)} probes (read+write, best of copy, "
+                "triad and a compiled stream, measured after each row)")
 
 
 def make_state(n: int, dtype: torch.dtype) -> dict:
@@ -160,9 +176,10 @@ def validate(dtype: torch.dtype) -> list[str]:
     return notes
 
 
-def moments_table(n: int, bw: float, repeats: int, kinds: list[str]) -> str:
+def moments_table(n: int, bound: Bound, repeats: int, kinds: list[str]) -> str:
     """Every master mode with each moments mode, bf16 weights, fused; each checked first."""
-    rows = ["| moments | master | ms/step | Melem/s | bytes/elem | % of bound |", "|---|---|---:|---:|---:|---:|"]
+    rows = ["| moments | master | ms/step | Melem/s | bytes/elem | GB/s probed beside | % of bound |",
+            "|---|---|---:|---:|---:|---:|---:|"]
     dtype, n = torch.bfloat16, n - n % 64  # whole 8-bit blocks
     for moments in kinds:
         for mode in ("fp32", "remainder", "stochastic", "none"):
@@ -172,9 +189,11 @@ def moments_table(n: int, bw: float, repeats: int, kinds: list[str]) -> str:
             worst = int((a["param"].view(torch.int16).int() - b["param"].view(torch.int16).int()).abs().max())
             assert worst <= 1, f"{mode}/{moments}: fused weights differ from the reference by {worst} ulps"
             t = timed(shardopt_path(select("fused"), mode, make_state(n, dtype), dtype, moments), repeats)
+            bw = bound.measure()
             by = bytes_per_elem(mode, dtype, moments)
             rate = n / t
-            rows.append(f"| {moments} | {mode} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {100 * rate * by / bw:.0f}% |")
+            rows.append(f"| {moments} | {mode} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {bw / 1e9:.1f} | "
+                        f"{100 * rate * by / bw:.0f}% |")
             print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -193,14 +212,14 @@ def main() -> None:
     DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     n = int(args.numel)
-    bw = copy_bandwidth(n, args.repeats)
+    bound = Bound(n, args.repeats)
+    bound.measure()
     where = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s)"
-    header = (f"machine: {where} | "
-              f"torch {torch.__version__} | shard {n:,} elements | memory bandwidth {bw / 1e9:.1f} GB/s (read+write, best of copy, triad and a compiled stream)")
-    print(header, flush=True)
-    rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | % of bound | vs torch fused+cast |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    machine = f"machine: {where} | torch {torch.__version__} | shard {n:,} elements"
+    print(f"{machine} | first bandwidth probe {bound.seen[0] / 1e9:.1f} GB/s", flush=True)
+    rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | GB/s probed beside | % of bound | vs torch fused+cast |",
+            "|---|---|---:|---:|---:|---:|---:|---:|"]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         validate(dtype)
         results = {}
@@ -213,27 +232,28 @@ def main() -> None:
         paths += [(f"torch AdamW fused{cast}", torch_path("fused", make_state(n, dtype), dtype), "torch"),
                   (f"torch AdamW foreach{cast}", torch_path("foreach", make_state(n, dtype), dtype), "torch")]
         for name, fn, kind in paths:
-            results[name] = (timed(fn, args.repeats), kind)
-            print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][0] * 1e3:8.1f} ms", flush=True)
+            results[name] = (timed(fn, args.repeats), kind, bound.measure())
+            print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][0] * 1e3:8.1f} ms "
+                  f"(bound probed beside: {results[name][2] / 1e9:.1f} GB/s)", flush=True)
         base = results[f"torch AdamW fused{cast}"][0]
-        for name, (t, kind) in results.items():
+        for name, (t, kind, bw) in results.items():
             b = bytes_per_elem(kind, dtype)
             rate = n / t
-            bound = bw / b
-            rows.append(f"| {str(dtype)[6:]} | {name} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {b} | "
-                        f"{100 * rate / bound:.0f}% | {base / t:.2f}x |")
+            rows.append(f"| {str(dtype)[6:]} | {name} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {b} | {bw / 1e9:.1f} | "
+                        f"{100 * rate * b / bw:.0f}% | {base / t:.2f}x |")
     table = "\n".join(rows)
     print("\n" + table)
     if args.moments:
         print("\nmoments modes (bf16 weights, fused):", flush=True)
-        table += ("\n\n## Moments modes, bf16 weights (fused)\n\n" + moments_table(n, bw, args.repeats, args.moments))
+        table += ("\n\n## Moments modes, bf16 weights (fused)\n\n" + moments_table(n, bound, args.repeats, args.moments))
+    header = f"{machine} | {bound.header()}"
     args.out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                         "kernels_cuda.md" if DEVICE.type == "cuda" else "kernels.md")
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         f.write(f"# Update kernels\n\nCommand: `python benchmarks/bench_kernels.py --numel {args.numel:g} --threads "
-                f"{args.threads} --device {args.device} --moments {' '.join(args.moments)}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (copy bandwidth / "
-                "bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
+                f"{args.threads} --device {args.device} --moments {' '.join(args.moments)}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (the bandwidth probed right "
+                "after the row / the bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
     print(f"\nwritten to {args.out}")
 
 

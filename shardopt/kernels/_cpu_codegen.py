@@ -1,5 +1,5 @@
-"""Two additions to inductor's CPU code generator: a vectorised 32-bit bitcast, and wider loops
-for the fused kernels that hash random bits.
+"""Three additions to inductor's CPU code generator: a vectorised 32-bit bitcast, wider loops for
+shardopt's fused kernels, and fast 8-bit moves and conversions in those loops.
 
 [Note: vector bitcast] Inductor's vectorised C++ has no vector form of ``to_dtype_bitcast``
 (``Tensor.view(torch.int32)`` on fp32 values inside a compiled graph, and back): it stores the
@@ -18,8 +18,10 @@ hashes its random bits (stochastic rounding of the weights or of bf16 moments) r
 two dependent 32-bit multiplies per vector; with one vector per iteration that chain, not memory,
 set the time (16M elements on one core: the stochastic step 38 ms, fp32 master with bf16 moments
 40 ms), with two independent vectors per iteration 23 and 24 ms, at the speed of the kernels
-without a hash. So, inside :func:`fused_kernels` only, a loop of one fp32 vector is widened to
-two. A loop that touches 8-bit integers (the remainder planes, the 8-bit moments) is widened
+without a hash. Widening pays without a hash too: at one fp32 vector per iteration the 16-bit
+loads and stores are half vectors, AVX-512 masked moves (see [Note: wide bytes]), and the
+``none`` step took 16.5 ms per 16M elements one vector wide against 6.8 ms two wide. So, inside
+:func:`fused_kernels` only, a loop of one fp32 vector is widened to two. A loop that touches 8-bit integers (the remainder planes, the 8-bit moments) is widened
 too where :data:`_BYTE_OPS` knows the ISA (AVX-512, AVX2), with the code of [Note: wide bytes].
 
 [Note: wide bytes] Widened, a loop holds half an 8-bit vector per iteration (32 of AVX-512's 64
@@ -31,7 +33,9 @@ loop over the lanes). Inside :func:`fused_kernels` they are emitted as a plain 2
 128-bit) move, a sign or zero extension of each quarter (AVX2: eighth) and a truncating
 narrowing (a C cast's wrap-around, as eager ``.to(torch.int8)``), and one ``convert`` per
 vector. Per 16M elements on one AVX-512 core (``benchmarks/bench_kernels.py``): the bf16
-remainder step 19.3 -> 9.5 ms, the fp16 remainder 27.5 -> ... ms; before this, widening the
+remainder step 19.3 -> 9.5 ms, the fp16 remainder 27.5 -> 11.5 ms, the fp16 stochastic step
+(its float <-> int32 pairs) 12.0 -> 8.5 ms, the 8-bit steps 39-58 -> 27-35 ms; on AVX2 code
+(``ATEN_CPU_CAPABILITY=avx2``) the bf16 remainder 21.2 -> 13.2 ms. Before, widening the
 remainder made it slower (25 -> 52 ms), so 8-bit loops were left one vector wide.
 
 The bitcast is semantics-preserving for any program (a bitcast is a bitcast), so it is
