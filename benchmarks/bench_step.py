@@ -17,6 +17,11 @@ shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes
 and step.png. The ``-overlap`` configurations (``overlap_param_gather=True``: the gathers are
 waited for in the next forward, so step() returns before them) run only when named in --configs.
 
+``--rounds R`` runs the whole list R times, in alternating order (as given, reversed, ...), so that a
+machine's drift falls on every configuration alike; a row then gives the median over the rounds, and
+its ratio to DDP is the median of the per-round ratios (each to DDP's launch of the same round),
+with their range: the run-to-run noise next to every number.
+
 With ``--device cuda`` the same configurations run on two GPUs over NCCL, or, with one GPU, at world
 size 1: DDP's all-reduce is then a no-op, so the step and the optimizer-step columns show each
 library's own cost. Peak memory there is ``torch.cuda.max_memory_allocated`` over the whole run
@@ -256,6 +261,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--timeout", type=int, default=900, help="seconds for one configuration")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the list this many times in alternating order; rows give medians and ranges")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: 2; on cuda min(2, GPUs))")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
@@ -275,30 +282,47 @@ def main() -> None:
         where = f"{args.nproc} ranks (gloo), 1 thread each"
     header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
               f"{where} | batch {args.batch_size} x {args.block_size} tokens per rank | "
-              f"{args.warmup} warm-up + {args.steps} timed steps")
+              f"{args.warmup} warm-up + {args.steps} timed steps"
+              + (f" | {args.rounds} rounds, alternating order" if args.rounds > 1 else ""))
     print(header, flush=True)
     peak = "peak CUDA allocated MB (per rank)" if args.device == "cuda" else "peak RSS MB (per rank)"
     rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | comm wait ms | "
             f"{peak} | model state MB/rank | vs DDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     plot: dict = {}
+    configs = args.configs.split(",")
     for size in args.sizes.split(","):
-        base = None
-        for config in args.configs.split(","):
-            res = run_config(config, size, args)
-            if isinstance(res, str):
-                rows.append(f"| {size} | {config} | {res} | | | | | | | |")
-                print(f"  {size:>4} {config:<16} {res}", flush=True)
+        rounds: list[dict] = []  # per round: config -> the ranks' results
+        failed: dict = {}
+        for k in range(args.rounds):
+            rounds.append({})
+            for config in (configs if k % 2 == 0 else configs[::-1]):
+                res = run_config(config, size, args)
+                if isinstance(res, str):
+                    failed[config] = res if args.rounds == 1 else f"round {k + 1}: {res}"
+                    print(f"  {size:>4} {config:<16} {res}", flush=True)
+                else:
+                    rounds[-1][config] = res
+        for config in configs:
+            runs = [r[config] for r in rounds if config in r]
+            if not runs:
+                rows.append(f"| {size} | {config} | {failed[config]} | | | | | | | |")
                 continue
+            res = sorted(runs, key=lambda rr: rr[0]["step_s"])[(len(runs) - 1) // 2]  # the median launch
             r0 = res[0]
-            if config == "ddp":
-                base = r0
-            ratio = lambda a, b: f"{a / b:.2f}x" if b else ""  # noqa: E731
+            ratios = sorted(r[config][0]["step_s"] / r["ddp"][0]["step_s"] for r in rounds if config in r and "ddp" in r)
+            vs_ddp = ""
+            if ratios:
+                vs_ddp = f"{statistics.median(ratios):.2f}x"
+                vs_ddp += f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
+            base = next((r["ddp"][0] for r in rounds if "ddp" in r), None)
             wait = f"{r0['comm_wait_s'] * 1e3:.0f}" if r0["comm_wait_s"] is not None else "n/a"
             peaks = "/".join(f"{r['peak_rss_mb']:.0f}" for r in res)
-            rows.append(f"| {size} ({r0['params'] / 1e6:.1f}M) | {config} | {r0['step_s'] * 1e3:.0f} | "
-                        f"{ratio(r0['step_s'], base['step_s']) if base else ''} | {r0['tokens_per_s_rank']:,.0f} | "
-                        f"{r0['opt_s'] * 1e3:.0f} | {wait} | {peaks} | "
-                        f"{r0['state_bytes'] / 2**20:.0f} | {ratio(r0['state_bytes'], base['state_bytes']) if base else ''} |")
+            state = f"{r0['state_bytes'] / base['state_bytes']:.2f}x" if base else ""
+            rows.append(f"| {size} ({r0['params'] / 1e6:.1f}M) | {config} | {r0['step_s'] * 1e3:.0f} | {vs_ddp} | "
+                        f"{r0['tokens_per_s_rank']:,.0f} | {r0['opt_s'] * 1e3:.0f} | {wait} | {peaks} | "
+                        f"{r0['state_bytes'] / 2**20:.0f} | {state} |")
+            if config in failed:
+                rows[-1] += f" {failed[config]}"
             plot.setdefault(size, []).append((config, r0["step_s"], r0["state_bytes"]))
     table = "\n".join(rows)
     print("\n" + table)
@@ -306,7 +330,8 @@ def main() -> None:
     stem = "step_cuda" if args.device == "cuda" else "step"
     with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(f"# Training step, side by side\n\nCommand: `python benchmarks/bench_step.py --sizes {args.sizes} "
-                f"--steps {args.steps} --warmup {args.warmup} --device {args.device}`\n\n{header}\n\n{table}\n")
+                f"--configs {args.configs} --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds} "
+                f"--device {args.device}`\n\n{header}\n\n{table}\n")
     try:
         if not plot:
             raise ImportError("nothing to plot")
