@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from collections.abc import Iterator
 
 import torch
@@ -172,11 +173,17 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
         store_line = kernel_type.__dict__["_get_store_line"]
         dtype_expr = kernel_type.__dict__["get_to_dtype_expr"]
         cexpr_index, indented = cpp.cexpr_index, cpp.IndentedBuffer
-    except (AttributeError, KeyError):
+        signatures = [list(inspect.signature(f).parameters) for f in (load_line, store_line, dtype_expr)]
+    except (AttributeError, KeyError, TypeError, ValueError):
         return False
+    if signatures != [["self", "var", "index", "dtype", "load_mask"],
+                      ["self", "value", "var", "index", "dtype", "accu_store"],
+                      ["self", "src", "dtype", "src_dtype", "rounding"]]:
+        return False  # a code generator laid out otherwise: 8-bit loops stay one vector wide
 
     def widened(kernel) -> bool:  # noqa: ANN001 - a CppVecKernel of a loop widened by [Note: wide tiling]
-        return _wide.get() and type(kernel) is kernel_type and kernel.tiling_factor == wide
+        return (_wide.get() and type(kernel) is kernel_type
+                and getattr(kernel, "tiling_factor", None) == wide and hasattr(kernel, "tail_size"))
 
     def whole(kernel) -> bool:  # noqa: ANN001 - its body, where every vector is full (not the tail)
         return widened(kernel) and kernel.tail_size is None
