@@ -21,8 +21,9 @@ set the time (16M elements on one core: the stochastic step 38 ms, fp32 master w
 without a hash. Widening pays without a hash too: at one fp32 vector per iteration the 16-bit
 loads and stores are half vectors, AVX-512 masked moves (see [Note: wide bytes]), and the
 ``none`` step took 16.5 ms per 16M elements one vector wide against 6.8 ms two wide. So, inside
-:func:`fused_kernels` only, a loop of one fp32 vector is widened to two. A loop that touches 8-bit integers (the remainder planes, the 8-bit moments) is widened
-too where :data:`_BYTE_OPS` knows the ISA (AVX-512, AVX2), with the code of [Note: wide bytes].
+:func:`fused_kernels` only, a loop of one fp32 vector is widened to two. A loop that touches
+8-bit integers (the remainder planes, the 8-bit moments) is widened too where :data:`_BYTE_OPS`
+knows the ISA (AVX-512, AVX2), with the code of [Note: wide bytes].
 
 [Note: wide bytes] Widened, a loop holds half an 8-bit vector per iteration (32 of AVX-512's 64
 lanes), and ATen serves three things there slowly: the load and the store of half a vector (an
