@@ -273,7 +273,9 @@ def check_wide_byte_code() -> str:
         assert a.dtype == b.dtype and torch.equal(a, b), (k, a[a != b][:4], b[a != b][:4])
     isa = _cpu_codegen._state["bytes"]
     if isa:  # the loop was widened and none of ATen's slow forms is left
-        assert f"+=static_cast<int64_t>({2 * _cpu_codegen._fp32_lanes()}L)" in code
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        assert f"+=static_cast<int64_t>({2 * pick_vec_isa().nelements(dtype=torch.float)}L)" in code
         assert "convert<int32_t,2,int8_t,1>" not in code and "convert<int32_t,2,float,2>" not in code
         assert "convert<float,2,int32_t,2>" not in code and "convert<int8_t,1,int32_t,2>" not in code
     return isa

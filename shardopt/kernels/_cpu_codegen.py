@@ -56,7 +56,7 @@ import torch
 
 _wide = contextvars.ContextVar("shardopt_wide_tiling", default=False)
 _state = {"tried": False, "installed": False, "wide": False, "bytes": ""}
-_VERSION = 3  # bump when the generated code changes
+_VERSION = 4  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
@@ -81,9 +81,8 @@ def install() -> bool:
             dst = DTYPE_TO_CPP[dtype]
             if n_vec == 1:
                 return f"at::vec::cast<{dst}>({x})"
-            if n_vec == 2:  # VectorizedN's widest constructor from vectors
-                parts = ", ".join(f"at::vec::cast<{dst}>({x}[{i}])" for i in range(n_vec))
-                return f"at::vec::VectorizedN<{dst}, {n_vec}>({parts})"
+            if n_vec == 2:
+                return _per_vector("cast", dst, x)
         return original(x, dtype, src_dtype)
 
     to_dtype_bitcast.__wrapped__ = original  # type: ignore[attr-defined]
@@ -104,7 +103,8 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     except (AttributeError, KeyError, TypeError):
         return
 
-    byte_ops = _BYTE_OPS.get(_isa_name(isa)) if fp32_lanes else None
+    isa_name = _isa_name(isa) if fp32_lanes else ""
+    byte_ops = _BYTE_OPS.get(isa_name)
     if byte_ops is not None and not _install_wide_bytes(cpp, byte_ops, 2 * fp32_lanes):
         byte_ops = None
 
@@ -118,7 +118,12 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     select_tiling.__wrapped__ = original  # type: ignore[attr-defined]
     tiling.select_tiling = select_tiling
     _state["wide"] = True
-    _state["bytes"] = _isa_name(isa) if byte_ops is not None else ""
+    _state["bytes"] = isa_name if byte_ops is not None else ""
+
+
+def _per_vector(op: str, dst: str, x: object) -> str:
+    """``at::vec::<op><dst>`` applied to each vector of the two-vector value ``x``."""
+    return f"at::vec::VectorizedN<{dst},2>(at::vec::{op}<{dst}>({x}[0]), at::vec::{op}<{dst}>({x}[1]))"
 
 
 def _isa_name(isa) -> str:  # noqa: ANN001 - inductor's VecISA
@@ -210,9 +215,7 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
             if dtype in _BYTES and src_dtype == torch.int32:
                 return ops["narrow"].format(X=src, T=_BYTES[dtype])
             if {src_dtype, dtype} == {torch.int32, torch.float32}:
-                dst = "int32_t" if dtype == torch.int32 else "float"
-                return (f"at::vec::VectorizedN<{dst},2>(at::vec::convert<{dst}>({src}[0]), "
-                        f"at::vec::convert<{dst}>({src}[1]))")
+                return _per_vector("convert", "int32_t" if dtype == torch.int32 else "float", src)
         return dtype_expr(self, src, dtype, src_dtype, rounding)
 
     for name, fn, original in (("_get_vec_load_line", get_vec_load_line, load_line),
@@ -232,14 +235,6 @@ def fused_kernels() -> Iterator[None]:
         yield
     finally:
         _wide.reset(token)
-
-
-def _fp32_lanes() -> int:
-    """fp32 lanes of one vector of the ISA inductor generates code for (0: none)."""
-    from torch._inductor import cpu_vec_isa
-
-    isa = cpu_vec_isa.pick_vec_isa()
-    return isa.nelements(dtype=torch.float) if isa else 0
 
 
 def installed() -> bool:

@@ -3,8 +3,8 @@
 On CPU inductor emits vectorised C++ (OpenMP), on GPU Triton. ``dynamic=None`` lets the first
 call compile for its exact shape and a second shape switch to a shape-generic kernel, so the
 segments of a shard (one per param group) cost at most two compiles per mode and dtype.
-On CPU the codecs' bitcasts are vectorised, and the loops that hash random bits widened, by
-:mod:`shardopt.kernels._cpu_codegen`.
+On CPU, :mod:`shardopt.kernels._cpu_codegen` vectorises the codecs' bitcasts and, for these
+kernels only, runs two vectors per loop iteration with fast 8-bit moves and conversions.
 Compilation is lazy; if it fails, :func:`shardopt.kernels.select` falls back to the reference.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
 
 
 def _call(name: str, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
-    with _cpu_codegen.fused_kernels():  # see [Note: wide tiling]
+    with _cpu_codegen.fused_kernels():  # see [Note: wide tiling], [Note: wide bytes]
         return _compiled(name)(*args, **kwargs)
 
 
