@@ -209,7 +209,8 @@ def test_compiled_codecs_are_bit_identical_to_eager():
 def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
     """A bitcast in a fused CPU kernel is a register reinterpretation, not a per-lane scalar loop
     (which made the remainder step 3x slower); a loop that hashes random bits runs two vectors per
-    iteration inside shardopt's fused kernels only (see [Note: wide tiling])."""
+    iteration inside shardopt's fused kernels only (see [Note: wide tiling]), where its element
+    counter is a broadcast plus constant lanes (see [Note: counter vector]), with the eager bits."""
     from torch._inductor.cpu_vec_isa import pick_vec_isa
     from torch._inductor.utils import run_and_get_code
 
@@ -234,12 +235,13 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
         return hashed(x, key)
 
     lanes = isa.nelements(dtype=torch.float)
-    x, key = torch.randn(4096), reference.make_key(0, 1, 0)
-    for fn, context, step in ((outside, contextlib.nullcontext(), lanes),
-                              (inside, _cpu_codegen.fused_kernels(), 2 * lanes)):
+    x, key = torch.randn(4099), reference.make_key(0, 1, 2**31 - 1000)  # a tail; counters wrap past 2**31
+    for fn, context, step, counter in ((outside, contextlib.nullcontext(), lanes, False),
+                                       (inside, _cpu_codegen.fused_kernels(), 2 * lanes, True)):
         with context:
             out, (code,) = run_and_get_code(torch.compile(fn, options=options), x, key)
         assert f"+=static_cast<int64_t>({step}L)" in code, fn.__name__
+        assert ("::arange(0, 1)" in code) == counter, fn.__name__  # [Note: counter vector]
         assert torch.equal(out, hashed(x, key))
 
 
