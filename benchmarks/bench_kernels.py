@@ -8,7 +8,11 @@ Every path is first checked against the eager reference on the same inputs, then
 compares with the memory bound measured beside each row (see ``Bound``): the bandwidth of this
 machine (bytes read + written per second by a large copy, a triad or a compiled streaming kernel,
 whichever is fastest), the higher of the probes just before and just after the row, divided by the
-bytes the path must read + write per element.
+bytes the path must read + write per element. "in-cache ms" times the same path on shards small
+enough to stay in this core's L2 cache (the slope between 8K and 32K elements, so the fixed cost of
+a call drops out), scaled to the row's elements: its arithmetic with the memory traffic taken out.
+Where it is above the bound's time ("bound ms"), the row is compute-bound on this core and no
+scheduling of memory can bring it to the bound; "limit" says which of the two is higher (CPU only).
 The torch rows are what a careful mixed-precision trainer writes: a persistent fp32 gradient
 buffer the 16-bit gradient is copied into, torch.optim.AdamW(fused=True) (or foreach) on the fp32
 master, and a copy_ back into the 16-bit weight. ``--moments`` adds a table of every master-weight
@@ -85,6 +89,37 @@ class Bound:
         lo, hi = min(self.seen) / 1e9, max(self.seen) / 1e9
         return (f"memory bandwidth {lo:.1f}-{hi:.1f} GB/s over {len(self.seen)} probes (read+write, best of copy, "
                 "triad and a compiled stream, probed between rows)")
+
+
+IN_CACHE = (8192, 32768)  # elements: both sizes' state (at most 28 bytes per element) fits a 1 MB L2
+
+
+def in_cache(make, calls: int = 100, repeats: int = 9) -> float:
+    """Seconds per element of the path ``make(n)`` builds, with its state resident in cache: for
+    each size of ``IN_CACHE`` the best of ``repeats`` batches of ``calls`` calls (the two sizes'
+    batches interleaved, so a drift of the host's speed hits both), then the difference over the
+    difference in elements (a call's fixed cost cancels). CPU only."""
+    fns = [make(n) for n in IN_CACHE]
+    for fn in fns:
+        for _ in range(3):  # compile (a new shape) and warm up
+            fn()
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t) / calls)
+    return max(best[1] - best[0], 0.0) / (IN_CACHE[1] - IN_CACHE[0])
+
+
+def limits(n: int, bw: float, by: float, per_elem: float | None) -> str:
+    """The "in-cache ms | bound ms | limit" cells of a row of ``n`` elements: ``bw`` bytes/s, ``by`` bytes per element, ``per_elem`` from :func:`in_cache` (None: not measured)."""
+    bound = n * by / bw
+    if per_elem is None:
+        return f"n/a | {bound * 1e3:.1f} | n/a"
+    arith = per_elem * n
+    return f"{arith * 1e3:.1f} | {bound * 1e3:.1f} | {'compute' if arith > bound else 'memory'}"
 
 
 def make_state(n: int, dtype: torch.dtype) -> dict:
@@ -179,8 +214,9 @@ def validate(dtype: torch.dtype) -> list[str]:
 
 def moments_table(n: int, bound: Bound, repeats: int, kinds: list[str]) -> str:
     """Every master mode with each moments mode, bf16 weights, fused; each checked first."""
-    rows = ["| moments | master | ms/step | Melem/s | bytes/elem | bound GB/s (probes beside) | % of bound |",
-            "|---|---|---:|---:|---:|---:|---:|"]
+    rows = ["| moments | master | ms/step | Melem/s | bytes/elem | bound GB/s (probes beside) | % of bound | "
+            "in-cache ms | bound ms | limit |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     dtype, n = torch.bfloat16, n - n % 64  # whole 8-bit blocks
     for moments in kinds:
         for mode in ("fp32", "remainder", "stochastic", "none"):
@@ -189,12 +225,16 @@ def moments_table(n: int, bound: Bound, repeats: int, kinds: list[str]) -> str:
             shardopt_path(select("fused"), mode, b, dtype, moments)()
             worst = int((a["param"].view(torch.int16).int() - b["param"].view(torch.int16).int()).abs().max())
             assert worst <= 1, f"{mode}/{moments}: fused weights differ from the reference by {worst} ulps"
-            t = timed(shardopt_path(select("fused"), mode, make_state(n, dtype), dtype, moments), repeats)
+            def make(k: int, mode: str = mode, moments: str = moments):
+                return shardopt_path(select("fused"), mode, make_state(k, dtype), dtype, moments)
+
+            t = timed(make(n), repeats)
             bw = bound.measure()
+            arith = in_cache(make) if DEVICE.type == "cpu" else None
             by = bytes_per_elem(mode, dtype, moments)
             rate = n / t
             rows.append(f"| {moments} | {mode} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {bw / 1e9:.1f} | "
-                        f"{100 * rate * by / bw:.0f}% |")
+                        f"{100 * rate * by / bw:.0f}% | {limits(n, bw, by, arith)} |")
             print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -219,29 +259,33 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s)"
     machine = f"machine: {where} | torch {torch.__version__} | shard {n:,} elements"
     print(f"{machine} | first bandwidth probe {bound.seen[0] / 1e9:.1f} GB/s", flush=True)
-    rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | bound GB/s (probes beside) | % of bound | vs torch fused+cast |",
-            "|---|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | bound GB/s (probes beside) | % of bound | "
+            "vs torch fused+cast | in-cache ms | bound ms | limit |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         validate(dtype)
         results = {}
         modes = ["fp32"] if dtype == torch.float32 else ["fp32", "remainder", "stochastic", "none"]
-        paths = [(f"shardopt {m} (fused)", shardopt_path(select("fused"), m, make_state(n, dtype), dtype), m)
-                 for m in modes]
+        def fused_path(mode: str):
+            return lambda k: shardopt_path(select("fused"), mode, make_state(k, dtype), dtype)
+
+        paths = [(f"shardopt {m} (fused)", fused_path(m), m) for m in modes]
         paths.append(("shardopt fp32 (eager reference)",
-                      shardopt_path(select("reference"), "fp32", make_state(n, dtype), dtype), "reference"))
+                      lambda k: shardopt_path(select("reference"), "fp32", make_state(k, dtype), dtype), "reference"))
         cast = "" if dtype == torch.float32 else " + cast"
-        paths += [(f"torch AdamW fused{cast}", torch_path("fused", make_state(n, dtype), dtype), "torch"),
-                  (f"torch AdamW foreach{cast}", torch_path("foreach", make_state(n, dtype), dtype), "torch")]
-        for name, fn, kind in paths:
-            results[name] = (timed(fn, args.repeats), kind, bound.measure())
+        paths += [(f"torch AdamW fused{cast}", lambda k: torch_path("fused", make_state(k, dtype), dtype), "torch"),
+                  (f"torch AdamW foreach{cast}", lambda k: torch_path("foreach", make_state(k, dtype), dtype), "torch")]
+        for name, make, kind in paths:
+            arith = in_cache(make) if DEVICE.type == "cpu" and kind != "reference" else None
+            results[name] = (timed(make(n), args.repeats), kind, bound.measure(), arith)
             print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][0] * 1e3:8.1f} ms "
                   f"(bound probed beside: {results[name][2] / 1e9:.1f} GB/s)", flush=True)
         base = results[f"torch AdamW fused{cast}"][0]
-        for name, (t, kind, bw) in results.items():
+        for name, (t, kind, bw, arith) in results.items():
             b = bytes_per_elem(kind, dtype)
             rate = n / t
             rows.append(f"| {str(dtype)[6:]} | {name} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {b} | {bw / 1e9:.1f} | "
-                        f"{100 * rate * b / bw:.0f}% | {base / t:.2f}x |")
+                        f"{100 * rate * b / bw:.0f}% | {base / t:.2f}x | {limits(n, bw, b, arith)} |")
     table = "\n".join(rows)
     print("\n" + table)
     if args.moments:
@@ -254,7 +298,11 @@ def main() -> None:
     with open(args.out, "w") as f:
         f.write(f"# Update kernels\n\nCommand: `python benchmarks/bench_kernels.py --numel {args.numel:g} --threads "
                 f"{args.threads} --device {args.device} --moments {' '.join(args.moments)}`\n\n{header}\n\n{table}\n\n% of bound: elements per second divided by (the higher bandwidth of the "
-                "probes just before and just after the row / the bytes the path moves per element). Every fused path was checked against the eager reference first.\n")
+                "probes just before and just after the row / the bytes the path moves per element). in-cache ms: the path's "
+                "time per element with its state in L2 (the slope between "
+                f"{IN_CACHE[0]:,} and {IN_CACHE[1]:,} elements), times the row's elements; bound ms: the row's bytes "
+                "at the probed bandwidth; limit: the higher of the two. Every fused path was checked against the "
+                "eager reference first.\n")
     print(f"\nwritten to {args.out}")
 
 
