@@ -75,9 +75,8 @@ from collections.abc import Iterator
 import torch
 
 _wide = contextvars.ContextVar("shardopt_wide_tiling", default=False)
-_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "int16": False,
-          "register": ""}
-_VERSION = 7  # bump when the generated code changes
+_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "int16": False}
+_VERSION = 6  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
@@ -104,10 +103,6 @@ def install() -> bool:
                 return f"at::vec::cast<{dst}>({x})"
             if n_vec == 2:
                 return _per_vector("cast", dst, x)
-        if (src_dtype, dtype) == (torch.int16, torch.bfloat16) and _state["int16"] and getattr(x, "is_vec", False):
-            # int16 is vectorised only in wide loops, where one int16 and one bf16 vector have the
-            # same lanes: reinterpret the register (see reference [Note: bf16 of a rounded pattern])
-            return f"at::vec::Vectorized<at::BFloat16>(static_cast<{_state['register']}>({x}))"
         return original(x, dtype, src_dtype)
 
     to_dtype_bitcast.__wrapped__ = original  # type: ignore[attr-defined]
@@ -159,7 +154,6 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     _install_counter(cpp)
     _state["wide"] = True
     _state["int16"] = bool(int16)
-    _state["register"] = byte_ops["register"] if int16 else ""
     _state["bytes"] = isa_name if byte_ops is not None else ""
 
 
@@ -240,7 +234,6 @@ _BYTES = {torch.int8: "int8_t", torch.uint8: "uint8_t"}
 # expression, {E} "epi8" or "epu8" (sign or zero extension).
 _BYTE_OPS = {
     "avx512": {
-        "register": "__m512i",
         "load": "at::vec::Vectorized<{T}>(_mm512_castsi256_si512(_mm256_loadu_si256("
                 "reinterpret_cast<const __m256i*>({P}))))",
         "store": "_mm256_storeu_si256(reinterpret_cast<__m256i*>({P}), _mm512_castsi512_si256({V}));",
@@ -256,7 +249,6 @@ _BYTE_OPS = {
                     "_mm512_cvtepi32_epi16({X}[0])), _mm512_cvtepi32_epi16({X}[1]), 1))",
     },
     "avx2": {
-        "register": "__m256i",
         "load": "at::vec::Vectorized<{T}>(_mm256_castsi128_si256(_mm_loadu_si128("
                 "reinterpret_cast<const __m128i*>({P}))))",
         "store": "_mm_storeu_si128(reinterpret_cast<__m128i*>({P}), _mm256_castsi256_si128({V}));",
@@ -344,16 +336,11 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
 @contextlib.contextmanager
 def fused_kernels() -> Iterator[None]:
     """Around a call of a fused kernel: code generated inside (its first call, a recompile) gets
-    the wide tiling of [Note: wide tiling], and bf16 casts of rounded patterns through int16 where
-    int16 is vectorised (reference [Note: bf16 of a rounded pattern])."""
-    from shardopt.kernels import reference
-
-    token, high_half = _wide.set(True), reference._HIGH_HALF_AS_INT16
-    reference._HIGH_HALF_AS_INT16 = _state["int16"]  # see reference [Note: bf16 of a rounded pattern]
+    the wide tiling of [Note: wide tiling]."""
+    token = _wide.set(True)
     try:
         yield
     finally:
-        reference._HIGH_HALF_AS_INT16 = high_half
         _wide.reset(token)
 
 

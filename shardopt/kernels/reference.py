@@ -127,8 +127,8 @@ def round_to_dtype(x: Tensor, dtype: torch.dtype) -> Tensor:
 def encode_bf16(x: Tensor) -> tuple[Tensor, Tensor]:
     """fp32 -> (bf16 weight rounded half away from zero, int16 remainder); exact inverse of decode_bf16.
 
-    Written with 32-bit integer ops and an exact move of the masked pattern into bf16
-    (:func:`bf16_of_high_half`) because that form stays vectorised when compiled."""
+    Written with 32-bit integer ops and a final exact fp32 -> bf16 conversion (the masked value is
+    already a bf16 value) because that form stays vectorised when compiled."""
     hi, r = _encode_bf16_bits(x)
     return hi, r.to(torch.int16)
 
@@ -137,26 +137,7 @@ def _encode_bf16_bits(x: Tensor) -> tuple[Tensor, Tensor]:
     """:func:`encode_bf16` with the remainder as int32."""
     bits = x.view(torch.int32)
     hi_bits = (bits + 0x8000) & -65536  # the top 16 bits, rounded half away from zero
-    return bf16_of_high_half(hi_bits), bits - hi_bits
-
-
-# [Note: bf16 of a rounded pattern] Every bf16 cast here rounds in the integer domain first, so the
-# fp32 value is already a bf16 value and only its top 16 bits need moving. Converting it with
-# ``.to(torch.bfloat16)`` runs ATen's round-to-nearest sequence anyway (eight vector operations and
-# a NaN blend per vector); shifting the pattern down and narrowing it to int16 is two, and where
-# shardopt's fused CPU kernels vectorise int16 (``_cpu_codegen`` [Note: int16 in wide loops]) they
-# compile this function that way: ``_cpu_codegen.fused_kernels`` sets the flag below while a fused
-# kernel runs. Eager code and every other device keep the conversion. The two forms agree bit for
-# bit on every pattern whose low 16 bits are zero that is not a NaN, and both keep such a NaN a NaN.
-_HIGH_HALF_AS_INT16 = False
-
-
-def bf16_of_high_half(bits: Tensor) -> Tensor:
-    """The bf16 value whose pattern is the top half of int32 ``bits``, whose low 16 bits must be
-    zero (see [Note: bf16 of a rounded pattern])."""
-    if _HIGH_HALF_AS_INT16 and bits.device.type == "cpu":
-        return (bits >> 16).to(torch.int16).view(torch.bfloat16)
-    return bits.view(torch.float32).to(torch.bfloat16)
+    return hi_bits.view(torch.float32).to(torch.bfloat16), bits - hi_bits
 
 
 def decode_bf16(hi: Tensor, lo: Tensor) -> Tensor:
@@ -272,10 +253,10 @@ def _stochastic_round_bf16_floor(x: Tensor, bits: Tensor) -> Tensor:
     floor(x / ulp + bits / 2**16) is the bit pattern plus ``bits`` (carrying into the kept bits)
     for x >= 0, and plus ``0xFFFF - bits`` for x < 0 (sign and magnitude: flooring a negative
     value rounds its magnitude up exactly when ``bits`` is below the discarded ones). The same
-    result as the floor for every x, in the subnormal range too, and a NaN stays a NaN (quieted)."""
+    result as the floor for every x, in the subnormal range too, and a NaN stays a NaN."""
     b = x.view(torch.int32)
     up = (b + torch.where(b < 0, bits ^ 0xFFFF, bits)) & -65536
-    return bf16_of_high_half(torch.where((b & 0x7FFFFFFF) > 0x7F800000, (b | 0x400000) & -65536, up))
+    return torch.where((b & 0x7FFFFFFF) > 0x7F800000, b, up).view(torch.float32).to(torch.bfloat16)
 
 
 def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
@@ -283,7 +264,7 @@ def stochastic_round_bf16(x: Tensor, bits: Tensor) -> Tensor:
     (int32 in [0, 2**16)) added below the kept ones carry into them with probability equal to the
     discarded fraction. Integer operations only (no division), for the moments' hot loop."""
     b = x.view(torch.int32)
-    return bf16_of_high_half((b + bits) & -65536)
+    return ((b + bits) & -65536).view(torch.float32).to(torch.bfloat16)
 
 
 # -- moments: fp32, bf16 or 8-bit (see shardopt.moments) -----------------------------------
