@@ -133,13 +133,10 @@ def make_state(n: int, dtype: torch.dtype) -> dict:
 
 def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype, moments: str = "fp32"):
     s = make_scalars(**HP, step=10, grad_scale=1.0, device=DEVICE)
-    if mode == "remainder":  # as RemainderMaster keeps it: int16, or two int8 planes (see Kernels.remainder_planes)
+    if mode == "remainder":  # as RemainderMaster keeps it: two int8 planes (see reference.split_remainder_)
         st["param"], rem = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
-        if kernels.remainder_planes(DEVICE):
-            st["rem"] = (torch.empty_like(rem, dtype=torch.int8), torch.empty_like(rem, dtype=torch.int8))
-            reference.split_remainder_(st["rem"], rem.to(torch.int32))
-        else:
-            st["rem"] = rem
+        st["rem"] = (torch.empty_like(rem, dtype=torch.int8), torch.empty_like(rem, dtype=torch.int8))
+        reference.split_remainder_(st["rem"], rem.to(torch.int32))
     rkey = reference.make_key(0, 10, 0, DEVICE)
     out = st["param"] if dtype != torch.float32 else None
     held, key = None, None

@@ -118,22 +118,16 @@ class RemainderMaster(MasterWeights):
 
     def __init__(self, param_shard: Tensor, **kw: object) -> None:
         super().__init__(param_shard, **kw)  # type: ignore[arg-type]
-        # The 16-bit remainder of each element, 1D, this rank's shard: one int16 tensor, or two int8
-        # planes (low and high byte) where the fused kernels would not vectorise int16 (see
-        # kernels.reference [Note: remainder planes], Kernels.remainder_planes).
-        self.rem: Tensor | tuple[Tensor, Tensor] = (
-            (torch.zeros_like(param_shard, dtype=torch.int8), torch.zeros_like(param_shard, dtype=torch.int8))
-            if self.kernels.remainder_planes(param_shard.device) else torch.zeros_like(param_shard, dtype=torch.int16))
+        # The 16-bit remainder of each element as two int8 planes, low and high byte (see
+        # kernels.reference [Note: remainder planes]); 1D, this rank's shard.
+        self.rem_lo: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
+        self.rem_hi: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
         self.load_state_tensors({"master": param_shard.float()})
 
     @property
     def remainder(self) -> Tensor:
         """The remainders as one int16 tensor (a copy)."""
-        return reference.join_remainder(self.rem).to(torch.int16)
-
-    def _rem(self, sl: slice) -> Tensor | tuple[Tensor, Tensor]:
-        """The remainder storage of elements ``sl`` (views)."""
-        return (self.rem[0][sl], self.rem[1][sl]) if isinstance(self.rem, tuple) else self.rem[sl]
+        return reference.join_remainder((self.rem_lo, self.rem_hi)).to(torch.int16)
 
     def _codec(self) -> tuple:
         if self.param_shard.dtype == torch.bfloat16:
@@ -142,11 +136,12 @@ class RemainderMaster(MasterWeights):
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         sl = r.as_slice()
-        self.kernels.step_remainder(self.param_shard[sl], self._rem(sl), grad, exp_avg, exp_avg_sq, s,
+        planes = (self.rem_lo[sl], self.rem_hi[sl])
+        self.kernels.step_remainder(self.param_shard[sl], planes, grad, exp_avg, exp_avg_sq, s,
                                     self._moment_key(r, step, exp_avg))
 
     def fp32(self) -> Tensor:
-        return self._codec()[1](self.param_shard, reference.join_remainder(self.rem))
+        return self._codec()[1](self.param_shard, reference.join_remainder((self.rem_lo, self.rem_hi)))
 
     def refresh_(self, r: Range) -> None:
         # [Note: remainder under a written weight] The old weight is gone, so keep a remainder only
@@ -155,22 +150,21 @@ class RemainderMaster(MasterWeights):
         # exact master; other written weights get a master that rounds to them, within half a ulp.
         sl = r.as_slice()
         encode, decode = self._codec()
-        w, rem = self.param_shard[sl], self._rem(sl)
-        lo = reference.join_remainder(rem)
+        w, planes = self.param_shard[sl], (self.rem_lo[sl], self.rem_hi[sl])
+        lo = reference.join_remainder(planes)
         m = decode(w, lo)
         hi, lo2 = encode(m)
-        reference.split_remainder_(rem, torch.where(torch.isfinite(m) & (hi == w) & (lo2.to(torch.int32) == lo), lo,
-                                                    torch.zeros_like(lo)))
+        reference.split_remainder_(planes, torch.where(torch.isfinite(m) & (hi == w) & (lo2.to(torch.int32) == lo), lo,
+                                                       torch.zeros_like(lo)))
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         hi, lo = self._codec()[0](tensors["master"].float().contiguous())
         self.param_shard.copy_(hi)
-        reference.split_remainder_(self.rem, lo.to(torch.int32))
+        reference.split_remainder_((self.rem_lo, self.rem_hi), lo.to(torch.int32))
 
     @property
     def extra_bytes(self) -> int:
-        parts = self.rem if isinstance(self.rem, tuple) else (self.rem,)
-        return sum(t.numel() * t.element_size() for t in parts)
+        return self.rem_lo.numel() + self.rem_hi.numel()
 
 
 class StochasticMaster(MasterWeights):

@@ -83,33 +83,6 @@ def test_fused_matches_reference(mode, dtype):
             assert torch.allclose(a, b, rtol=1e-6, atol=2.5e-7), (mode, dtype, n)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_fused_remainder_agrees_in_either_layout(dtype):
-    """The fused remainder step on one int16 tensor (where the code generator vectorises int16) and
-    on two int8 planes (elsewhere: GPUs, other CPUs; see reference [Note: remainder planes]) agrees
-    with the reference, within test_fused_matches_reference's tolerance, over a length with a tail."""
-    n, fused = 4099, select("fused")
-    w0 = torch.randn(n, generator=torch.Generator().manual_seed(2)) * 0.5
-    encode, decode = ((reference.encode_bf16, reference.decode_bf16) if dtype == torch.bfloat16
-                      else (reference.encode_fp16, reference.decode_fp16))
-    out = {}
-    for layout in ("reference", "int16", "planes"):
-        param, r = encode(w0)
-        rem = r
-        if layout == "planes":
-            rem = (torch.empty(n, dtype=torch.int8), torch.empty(n, dtype=torch.int8))
-            reference.split_remainder_(rem, r.to(torch.int32))
-        m, v = torch.zeros(n), torch.zeros(n)
-        for step in (1, 2, 3):
-            g = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
-            s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.05, step=step, grad_scale=0.25)
-            (reference if layout == "reference" else fused).step_remainder(param, rem, g, m, v, s)
-        out[layout] = (param, decode(param, reference.join_remainder(rem)))
-    for layout in ("int16", "planes"):
-        assert _ulps(out["reference"][0], out[layout][0]) <= 1, layout
-        assert torch.allclose(out["reference"][1], out[layout][1], rtol=1e-6, atol=2.5e-7), layout
-
-
 def _interesting_fp32(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
@@ -272,13 +245,11 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
         assert torch.equal(out, hashed(x, key))
 
 
-def _byte_conversions(r: torch.Tensor, i8: torch.Tensor, u8: torch.Tensor, f: torch.Tensor, i16: torch.Tensor) -> tuple:
-    """Every conversion that [Note: wide bytes] and [Note: int16 in wide loops] emit their own code
-    for, and 8- and 16-bit loads and stores."""
+def _byte_conversions(r: torch.Tensor, i8: torch.Tensor, u8: torch.Tensor, f: torch.Tensor) -> tuple:
+    """Every conversion that [Note: wide bytes] emits its own code for, and 8-bit loads and stores."""
     return (r.to(torch.int8), r.to(torch.uint8), ((r << 24) >> 24).to(torch.int8), (r >> 8).to(torch.int8),
             i8.to(torch.int32) + r, u8.to(torch.int32) - r, f.to(torch.int32), r.float() * 0.5,
-            (i8.to(torch.int32) ^ u8.to(torch.int32)).to(torch.uint8), r.to(torch.int16),
-            i16.to(torch.int32) - r, (i16.to(torch.int32) * 3).to(torch.int16))
+            (i8.to(torch.int32) ^ u8.to(torch.int32)).to(torch.uint8))
 
 
 def check_wide_byte_code() -> str:
@@ -295,14 +266,12 @@ def check_wide_byte_code() -> str:
     r = torch.randint(-(2**31), 2**31 - 1, (n,), generator=gen, dtype=torch.int64).to(torch.int32)
     r[:3] = torch.tensor([-(2**31), 2**31 - 1, 0], dtype=torch.int32)
     i8 = (torch.arange(n) % 256 - 128).to(torch.int8)
-    i16 = (torch.arange(n) * 16 % 65536 - 32768).to(torch.int16)
-    i16[:2] = torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16)
     u8 = (torch.arange(n) * 7 % 256).to(torch.uint8)
     f = (torch.rand(n, generator=gen, dtype=torch.float64) * 2**32 - 2**31).float().clamp(-(2**31), 2**31 - 256)
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
     with _cpu_codegen.fused_kernels():
-        got, (code,) = run_and_get_code(torch.compile(_byte_conversions, options=options), r, i8, u8, f, i16)
-    for k, (a, b) in enumerate(zip(_byte_conversions(r, i8, u8, f, i16), got)):
+        got, (code,) = run_and_get_code(torch.compile(_byte_conversions, options=options), r, i8, u8, f)
+    for k, (a, b) in enumerate(zip(_byte_conversions(r, i8, u8, f), got)):
         assert a.dtype == b.dtype and torch.equal(a, b), (k, a[a != b][:4], b[a != b][:4])
     isa = _cpu_codegen._state["bytes"]
     if isa:  # the loop was widened and none of ATen's slow forms is left
@@ -311,7 +280,6 @@ def check_wide_byte_code() -> str:
         assert f"+=static_cast<int64_t>({2 * pick_vec_isa().nelements(dtype=torch.float)}L)" in code
         assert "convert<int32_t,2,int8_t,1>" not in code and "convert<int32_t,2,float,2>" not in code
         assert "convert<float,2,int32_t,2>" not in code and "convert<int8_t,1,int32_t,2>" not in code
-        assert _cpu_codegen.int16_ready() and "_epi16(" in code  # int16 vectorised, not a scalar loop
     return isa
 
 

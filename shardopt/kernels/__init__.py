@@ -58,19 +58,6 @@ class Kernels:
         self.__dict__[step_name] = fn  # later lookups find it without building a wrapper per call
         return fn
 
-    def remainder_planes(self, device: torch.device) -> bool:
-        """Whether a 16-bit remainder on ``device`` is best kept as two int8 planes rather than one
-        int16 tensor (see reference [Note: remainder planes]): for the fused kernels, unless they
-        vectorise int16 on this CPU (``_cpu_codegen`` [Note: int16 in wide loops]). Either layout
-        gives the same values; only speed differs."""
-        if self.name != "fused":
-            return False
-        if device.type != "cpu":
-            return True
-        from shardopt.kernels import _cpu_codegen
-
-        return not _cpu_codegen.int16_ready()
-
 
 def select(choice: str | None = None) -> Kernels:
     """``choice`` or ``$SHARDOPT_KERNEL``: "fused", "reference" or "auto" (fused with fallback)."""

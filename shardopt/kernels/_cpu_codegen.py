@@ -1,6 +1,5 @@
-"""Additions to inductor's CPU code generator: a vectorised 32-bit bitcast, wider loops for
-shardopt's fused kernels, fast 8- and 16-bit integer moves and conversions in those loops, and a
-cheap counter.
+"""Four additions to inductor's CPU code generator: a vectorised 32-bit bitcast, wider loops for
+shardopt's fused kernels, fast 8-bit moves and conversions in those loops, and a cheap counter.
 
 [Note: vector bitcast] Inductor's vectorised C++ has no vector form of ``to_dtype_bitcast``
 (``Tensor.view(torch.int32)`` on fp32 values inside a compiled graph, and back): it stores the
@@ -40,17 +39,6 @@ remainder step 19.3 -> 9.5 ms, the fp16 remainder 27.5 -> 11.5 ms, the fp16 stoc
 (``ATEN_CPU_CAPABILITY=avx2``) the bf16 remainder 21.2 -> 13.2 ms. Before, widening the
 remainder made it slower (25 -> 52 ms), so 8-bit loops were left one vector wide.
 
-[Note: int16 in wide loops] Inductor's CPU code has no vector int16 (its list of vectorisable
-dtypes leaves it out, and its ``to_dtype`` refuses it), so a kernel that reads or writes an int16
-tensor runs scalar from end to end; the remainder master therefore kept its 16 bits as two int8
-planes (``reference`` [Note: remainder planes]). Widened, a loop holds exactly one int16 vector (32
-lanes on AVX-512, 16 on AVX2), so inside :func:`fused_kernels`, where :data:`_BYTE_OPS` knows the
-ISA, int16 is let into the tiling and converted to and from two int32 vectors with one sign
-extension per half and a truncating narrowing (the wrap-around of a C cast, as eager). The
-remainder is then one int16 tensor (``Kernels.remainder_planes``): one stream instead of two and
-no byte shuffling, bf16 remainder step 9.5-10.2 -> 8.3-8.8 ms per 16M elements. The loop's tail
-(``tail_size``) keeps ATen's generic conversions, slow but only for the last elements.
-
 [Note: counter vector] The random bits hash each element's global index, which inductor
 builds per vector as ``Vectorized<int32_t>::arange(x0, 1)``: ATen's ``arange`` passes sixteen
 scalars to a constructor, and the compiler assembles them lane by lane (``vpinsrd`` chains) on
@@ -75,8 +63,8 @@ from collections.abc import Iterator
 import torch
 
 _wide = contextvars.ContextVar("shardopt_wide_tiling", default=False)
-_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "int16": False}
-_VERSION = 6  # bump when the generated code changes
+_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False}
+_VERSION = 5  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
@@ -127,66 +115,19 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     byte_ops = _BYTE_OPS.get(isa_name)
     if byte_ops is not None and not _install_wide_bytes(cpp, byte_ops, 2 * fp32_lanes):
         byte_ops = None
-    vectorisable = getattr(cpp, "VECTORIZABLE_DTYPES", None)
-    int16 = (byte_ops is not None and isinstance(vectorisable, list) and torch.int16 not in vectorisable
-             and _install_int16_cast(cpp, 2 * fp32_lanes))
 
     def select_tiling(self, fn_list, var_sizes_list):  # noqa: ANN001, ANN202 - inductor's signature
-        if not (_wide.get() and fp32_lanes):
-            return original(self, fn_list, var_sizes_list)
-        dtypes = loop_dtypes(loop_bodies(fn_list))
-        with_int16 = int16 and torch.int16 in dtypes  # [Note: int16 in wide loops]
-        if with_int16:
-            vectorisable.append(torch.int16)
-        try:
-            factors, indices, stats = original(self, fn_list, var_sizes_list)
-        finally:
-            if with_int16:
-                vectorisable.remove(torch.int16)
-        if factors == [fp32_lanes] and (byte_ops is not None or not dtypes & set(_BYTES)):
-            factors = [2 * fp32_lanes]
-        if with_int16 and factors and factors != [2 * fp32_lanes]:  # int16 only where a loop holds one whole vector
-            factors, indices, stats = original(self, fn_list, var_sizes_list)
+        factors, indices, stats = original(self, fn_list, var_sizes_list)
+        if _wide.get() and fp32_lanes and factors == [fp32_lanes]:
+            if byte_ops is not None or not loop_dtypes(loop_bodies(fn_list)) & set(_BYTES):
+                factors = [2 * fp32_lanes]
         return factors, indices, stats
 
     select_tiling.__wrapped__ = original  # type: ignore[attr-defined]
     tiling.select_tiling = select_tiling
     _install_counter(cpp)
     _state["wide"] = True
-    _state["int16"] = bool(int16)
     _state["bytes"] = isa_name if byte_ops is not None else ""
-
-
-def _install_int16_cast(cpp, wide: int) -> bool:  # noqa: ANN001 - inductor's cpp codegen module
-    """Let ``to_dtype`` emit int16 in loops of ``wide`` elements inside :func:`fused_kernels` (see
-    [Note: int16 in wide loops]; the conversions themselves are in ``get_to_dtype_expr`` of
-    [Note: wide bytes]); False (nothing installed) on a torch laid out otherwise."""
-    try:
-        overrides, kernel_type, virtualized = cpp.CppVecOverrides, cpp.CppVecKernel, cpp.V
-        original = overrides.__dict__["to_dtype"].__func__
-        if list(inspect.signature(original).parameters) != ["x", "dtype", "src_dtype", "use_compute_types"]:
-            return False
-    except (AttributeError, KeyError, TypeError, ValueError):
-        return False
-
-    def to_dtype(x, dtype, src_dtype=None, use_compute_types=True):  # noqa: ANN001, ANN202 - inductor's signature
-        kernel = virtualized.kernel
-        if dtype == torch.int16 and _wide.get() and type(kernel) is kernel_type \
-                and getattr(kernel, "tiling_factor", None) == wide:
-            var = kernel.cse.generate(kernel.compute, kernel.get_to_dtype_expr(x, dtype, x.dtype))
-            var.update_on_args("to_dtype", (x, dtype), {"src_dtype": x.dtype})
-            return var
-        return original(x, dtype, src_dtype, use_compute_types)
-
-    to_dtype.__wrapped__ = original  # type: ignore[attr-defined]
-    overrides.to_dtype = staticmethod(to_dtype)
-    return True
-
-
-def int16_ready() -> bool:
-    """Whether fused kernels vectorise int16 tensors on this CPU (see [Note: int16 in wide loops])."""
-    install()
-    return _state["int16"]
 
 
 def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen module
@@ -242,11 +183,6 @@ _BYTE_OPS = {
                  "at::vec::Vectorized<int32_t>(_mm512_cvt{E}_epi32(_mm512_extracti32x4_epi32({X}, 1))))",
         "narrow": "at::vec::Vectorized<{T}>(_mm512_inserti32x4(_mm512_castsi128_si512("
                   "_mm512_cvtepi32_epi8({X}[0])), _mm512_cvtepi32_epi8({X}[1]), 1))",
-        "widen16": "at::vec::VectorizedN<int32_t,2>("
-                   "at::vec::Vectorized<int32_t>(_mm512_cvtepi16_epi32(_mm512_castsi512_si256({X}))), "
-                   "at::vec::Vectorized<int32_t>(_mm512_cvtepi16_epi32(_mm512_extracti64x4_epi64({X}, 1))))",
-        "narrow16": "at::vec::Vectorized<int16_t>(_mm512_inserti64x4(_mm512_castsi256_si512("
-                    "_mm512_cvtepi32_epi16({X}[0])), _mm512_cvtepi32_epi16({X}[1]), 1))",
     },
     "avx2": {
         "load": "at::vec::Vectorized<{T}>(_mm256_castsi128_si256(_mm_loadu_si128("
@@ -262,13 +198,6 @@ _BYTE_OPS = {
                   "const __m256i w_ = _mm256_permute4x64_epi64(_mm256_packus_epi32("
                   "_mm256_and_si256({X}[0], b_), _mm256_and_si256({X}[1], b_)), 0xD8); "
                   "return _mm_packus_epi16(_mm256_castsi256_si128(w_), _mm256_extracti128_si256(w_, 1)); }}()))",
-        "widen16": "at::vec::VectorizedN<int32_t,2>("
-                   "at::vec::Vectorized<int32_t>(_mm256_cvtepi16_epi32(_mm256_castsi256_si128({X}))), "
-                   "at::vec::Vectorized<int32_t>(_mm256_cvtepi16_epi32(_mm256_extracti128_si256({X}, 1))))",
-        # the low 16 bits of each int32: mask, pack (no saturation left), undo the interleaving
-        "narrow16": "at::vec::Vectorized<int16_t>(_mm256_permute4x64_epi64(_mm256_packus_epi32("
-                    "_mm256_and_si256({X}[0], _mm256_set1_epi32(65535)), "
-                    "_mm256_and_si256({X}[1], _mm256_set1_epi32(65535))), 0xD8))",
     },
 }
 
@@ -315,10 +244,6 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
         if getattr(src, "is_vec", False) and not rounding and widened(self):
             if src_dtype in _BYTES and dtype == torch.int32:
                 return ops["widen"].format(X=src, E="epi8" if src_dtype == torch.int8 else "epu8")
-            if src_dtype == torch.int16 and dtype == torch.int32 and whole(self):
-                return ops["widen16"].format(X=src)
-            if src_dtype == torch.int32 and dtype == torch.int16 and whole(self):
-                return ops["narrow16"].format(X=src)
             if dtype in _BYTES and src_dtype == torch.int32:
                 return ops["narrow"].format(X=src, T=_BYTES[dtype])
             if {src_dtype, dtype} == {torch.int32, torch.float32}:
@@ -365,7 +290,6 @@ def compile_options() -> dict:
 
         def uuid(self) -> str:
             return (f"shardopt-vector-bitcast-{int(installed())}-wide-{int(_state['wide'])}"
-                    f"-bytes-{_state['bytes'] or 'no'}-counter-{int(_state['counter'])}-int16-{int(_state['int16'])}"
-                    f"-{_VERSION}")
+                    f"-bytes-{_state['bytes'] or 'no'}-counter-{int(_state['counter'])}-{_VERSION}")
 
     return {"post_grad_custom_post_pass": _CodegenTag()}

@@ -377,11 +377,9 @@ def join_remainder(rem: Tensor | tuple) -> Tensor:
 
 def split_remainder_(rem: Tensor | tuple, r: Tensor) -> None:
     """Store int32 ``r`` (in [-2**15, 2**15)) as :func:`join_remainder` reads it. [Note: remainder
-    planes] Inductor's CPU code does not vectorise int16 by itself: one int16 operand made the whole
-    fused loop scalar (3.7x slower), while int8 vectorises. So the master keeps one int16 tensor
-    where shardopt's code generator vectorises int16 (``_cpu_codegen`` [Note: int16 in wide
-    loops]), and two int8 planes elsewhere (``Kernels.remainder_planes``). Same 2 bytes per
-    element, same values."""
+    planes] The master keeps two int8 planes rather than one int16 tensor: inductor's CPU code does
+    not vectorise a conversion to int16, and one such conversion made the whole fused loop scalar
+    (3.7x slower); conversions to int8 vectorise. Same 2 bytes per element, same values."""
     if isinstance(rem, tuple):
         rem[0].copy_(((r << 24) >> 24).to(torch.int8))
         rem[1].copy_((r >> 8).to(torch.int8))
