@@ -130,15 +130,32 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
     _state["bytes"] = isa_name if byte_ops is not None else ""
 
 
+def _methods(owner: type, expected: dict[str, list[str]]) -> dict | None:
+    """The methods ``owner`` defines itself under ``expected``'s names, if each takes exactly the
+    listed parameters (the code generator these additions were written against); else None."""
+    try:
+        found = {name: owner.__dict__[name] for name in expected}
+        if all(list(inspect.signature(found[name]).parameters) == params for name, params in expected.items()):
+            return found
+    except (KeyError, TypeError, ValueError):
+        pass
+    return None
+
+
+def _replace(owner: type, wrappers: dict, originals: dict) -> None:
+    """Install each wrapper over the method of its name, keeping the original as ``__wrapped__``."""
+    for name, fn in wrappers.items():
+        fn.__wrapped__ = originals[name]
+        setattr(owner, name, fn)
+
+
 def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen module
     """See [Note: counter vector]; left out on a torch laid out otherwise."""
-    try:
-        kernel_type = cpp.CppVecKernel
-        original = kernel_type.__dict__["arange"]
-        if list(inspect.signature(original).parameters) != ["self", "index", "stride"]:
-            return
-    except (AttributeError, KeyError, TypeError, ValueError):
+    kernel_type = getattr(cpp, "CppVecKernel", None)
+    originals = _methods(kernel_type, {"arange": ["self", "index", "stride"]}) if kernel_type else None
+    if originals is None:
         return
+    original = originals["arange"]
 
     def arange(self, index, stride):  # noqa: ANN001, ANN202 - inductor's signature
         if not (_wide.get() and type(self) is kernel_type and index.dtype in (torch.int32, torch.int64)):
@@ -148,8 +165,7 @@ def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen modu
         var.dtype, var.is_vec = index.dtype, True
         return var
 
-    arange.__wrapped__ = original  # type: ignore[attr-defined]
-    kernel_type.arange = arange
+    _replace(kernel_type, {"arange": arange}, originals)
     _state["counter"] = True
 
 
@@ -206,18 +222,15 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
     """The code of [Note: wide bytes] for loops of ``wide`` elements (two fp32 vectors), inside
     :func:`fused_kernels` only; False (nothing installed) on a torch laid out otherwise."""
     try:
-        kernel_type = cpp.CppVecKernel
-        load_line = kernel_type.__dict__["_get_vec_load_line"]
-        store_line = kernel_type.__dict__["_get_store_line"]
-        dtype_expr = kernel_type.__dict__["get_to_dtype_expr"]
-        cexpr_index, indented = cpp.cexpr_index, cpp.IndentedBuffer
-        signatures = [list(inspect.signature(f).parameters) for f in (load_line, store_line, dtype_expr)]
-    except (AttributeError, KeyError, TypeError, ValueError):
+        kernel_type, cexpr_index, indented = cpp.CppVecKernel, cpp.cexpr_index, cpp.IndentedBuffer
+    except AttributeError:
         return False
-    if signatures != [["self", "var", "index", "dtype", "load_mask"],
-                      ["self", "value", "var", "index", "dtype", "accu_store"],
-                      ["self", "src", "dtype", "src_dtype", "rounding"]]:
+    originals = _methods(kernel_type, {"_get_vec_load_line": ["self", "var", "index", "dtype", "load_mask"],
+                                       "_get_store_line": ["self", "value", "var", "index", "dtype", "accu_store"],
+                                       "get_to_dtype_expr": ["self", "src", "dtype", "src_dtype", "rounding"]})
+    if originals is None:
         return False  # a code generator laid out otherwise: 8-bit loops stay one vector wide
+    load_line, store_line, dtype_expr = originals.values()
 
     def widened(kernel) -> bool:  # noqa: ANN001 - a CppVecKernel of a loop widened by [Note: wide tiling]
         return (_wide.get() and type(kernel) is kernel_type
@@ -250,11 +263,8 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
                 return _per_vector("convert", "int32_t" if dtype == torch.int32 else "float", src)
         return dtype_expr(self, src, dtype, src_dtype, rounding)
 
-    for name, fn, original in (("_get_vec_load_line", get_vec_load_line, load_line),
-                               ("_get_store_line", get_store_line, store_line),
-                               ("get_to_dtype_expr", get_to_dtype_expr, dtype_expr)):
-        fn.__wrapped__ = original  # type: ignore[attr-defined]
-        setattr(kernel_type, name, fn)
+    _replace(kernel_type, {"_get_vec_load_line": get_vec_load_line, "_get_store_line": get_store_line,
+                           "get_to_dtype_expr": get_to_dtype_expr}, originals)
     return True
 
 
