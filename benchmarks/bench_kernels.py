@@ -113,8 +113,23 @@ def in_cache(make, calls: int = 100, repeats: int = 9) -> float:
     return max(best[1] - best[0], 0.0) / (IN_CACHE[1] - IN_CACHE[0])
 
 
+def measure(make, n: int, repeats: int, bound: Bound, arith: bool = True) -> tuple[float, float, float | None]:
+    """The path ``make(n)`` builds, timed: (seconds per call, the bandwidth probed beside it in
+    bytes/s, its :func:`in_cache` seconds per element, or None off the CPU or without ``arith``)."""
+    t = timed(make(n), repeats)
+    return t, bound.measure(), in_cache(make) if arith and DEVICE.type == "cpu" else None
+
+
+def speed(n: int, t: float, by: float, bw: float) -> str:
+    """The "ms/step | Melem/s | bytes/elem | bound GB/s | % of bound" cells of a row: ``n`` elements
+    in ``t`` seconds, ``by`` bytes per element, ``bw`` bytes/s."""
+    rate = n / t
+    return f"{t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {bw / 1e9:.1f} | {100 * rate * by / bw:.0f}%"
+
+
 def limits(n: int, bw: float, by: float, per_elem: float | None) -> str:
-    """The "in-cache ms | bound ms | limit" cells of a row of ``n`` elements: ``bw`` bytes/s, ``by`` bytes per element, ``per_elem`` from :func:`in_cache` (None: not measured)."""
+    """The "in-cache ms | bound ms | limit" cells of a row of ``n`` elements: ``bw`` bytes/s, ``by``
+    bytes per element, ``per_elem`` from :func:`in_cache` (None: not measured)."""
     bound = n * by / bw
     if per_elem is None:
         return f"n/a | {bound * 1e3:.1f} | n/a"
@@ -228,13 +243,9 @@ def moments_table(n: int, bound: Bound, repeats: int, kinds: list[str]) -> str:
             def make(k: int, mode: str = mode, moments: str = moments):
                 return shardopt_path(select("fused"), mode, make_state(k, dtype), dtype, moments)
 
-            t = timed(make(n), repeats)
-            bw = bound.measure()
-            arith = in_cache(make) if DEVICE.type == "cpu" else None
+            t, bw, arith = measure(make, n, repeats, bound)
             by = bytes_per_elem(mode, dtype, moments)
-            rate = n / t
-            rows.append(f"| {moments} | {mode} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {by:g} | {bw / 1e9:.1f} | "
-                        f"{100 * rate * by / bw:.0f}% | {limits(n, bw, by, arith)} |")
+            rows.append(f"| {moments} | {mode} | {speed(n, t, by, bw)} | {limits(n, bw, by, arith)} |")
             print(rows[-1], flush=True)
     return "\n".join(rows)
 
@@ -276,16 +287,14 @@ def main() -> None:
         paths += [(f"torch AdamW fused{cast}", lambda k: torch_path("fused", make_state(k, dtype), dtype), "torch"),
                   (f"torch AdamW foreach{cast}", lambda k: torch_path("foreach", make_state(k, dtype), dtype), "torch")]
         for name, make, kind in paths:
-            arith = in_cache(make) if DEVICE.type == "cpu" and kind != "reference" else None
-            results[name] = (timed(make(n), args.repeats), kind, bound.measure(), arith)
-            print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][0] * 1e3:8.1f} ms "
+            results[name] = (kind, *measure(make, n, args.repeats, bound, arith=kind != "reference"))
+            print(f"  {str(dtype)[6:]:>8} {name:<34} {results[name][1] * 1e3:8.1f} ms "
                   f"(bound probed beside: {results[name][2] / 1e9:.1f} GB/s)", flush=True)
-        base = results[f"torch AdamW fused{cast}"][0]
-        for name, (t, kind, bw, arith) in results.items():
+        base = results[f"torch AdamW fused{cast}"][1]
+        for name, (kind, t, bw, arith) in results.items():
             b = bytes_per_elem(kind, dtype)
-            rate = n / t
-            rows.append(f"| {str(dtype)[6:]} | {name} | {t * 1e3:.1f} | {rate / 1e6:,.0f} | {b} | {bw / 1e9:.1f} | "
-                        f"{100 * rate * b / bw:.0f}% | {base / t:.2f}x | {limits(n, bw, b, arith)} |")
+            rows.append(f"| {str(dtype)[6:]} | {name} | {speed(n, t, b, bw)} | {base / t:.2f}x | "
+                        f"{limits(n, bw, b, arith)} |")
     table = "\n".join(rows)
     print("\n" + table)
     if args.moments:
