@@ -302,6 +302,7 @@ def main() -> None:
                     print(f"  {size:>4} {config:<16} {res}", flush=True)
                 else:
                     rounds[-1][config] = res
+        base = next((r["ddp"][0] for r in rounds if "ddp" in r), None)  # DDP's model state, for the last column
         for config in configs:
             runs = [r[config] for r in rounds if config in r]
             if not runs:
@@ -314,7 +315,6 @@ def main() -> None:
             if ratios:
                 vs_ddp = f"{statistics.median(ratios):.2f}x"
                 vs_ddp += f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
-            base = next((r["ddp"][0] for r in rounds if "ddp" in r), None)
             wait = f"{r0['comm_wait_s'] * 1e3:.0f}" if r0["comm_wait_s"] is not None else "n/a"
             peaks = "/".join(f"{r['peak_rss_mb']:.0f}" for r in res)
             state = f"{r0['state_bytes'] / base['state_bytes']:.2f}x" if base else ""
