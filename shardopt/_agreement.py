@@ -6,6 +6,7 @@ names it with rank 0's and the other rank's values, raised on every rank alike.
 """
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import torch
@@ -77,6 +78,7 @@ def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str
     return {"stage": c.stage, "master_weights": c.master_weights, "moments": c.moments, "bucket_cap_mb": c.bucket_cap_mb,
             "accumulate_dtype": str(c.accumulate_dtype), "reduce_dtype": str(c.reduce_dtype),
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
+            "max_consecutive_skips": c.max_consecutive_skips,
             "mesh (replicas, shard size)": (opt._comm.replicas, opt._comm.shard_size),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
@@ -114,3 +116,52 @@ def raise_first_difference(every: list[list], rank: int) -> None:
                 raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {kind} parameters, "
                                  f"rank {r} has {len(theirs)}; build the same model on every rank")
     raise AssertionError("unreachable: descriptions differ but no difference found")
+
+
+# [Note: hyperparameters that differ across ranks]
+# A hyperparameter changed on one rank only (``ReduceLROnPlateau.step(local_val_loss)``, a
+# schedule driven by a rank-local count) trains each shard with its own value: the replicas stay
+# equal, so nothing downstream can see it. The step's all-reduce therefore also carries a 32-bit
+# digest of every group's lr, betas, eps and weight_decay, cut into 4-bit chunks d (values 0..15),
+# each sent as (d, d*d) when summed and (d, -d) when maxed. A chunk is equal on every rank exactly
+# when sum(d) == n*d and sum(d*d) == n*d*d on this rank (the sum of (d_r - d)^2 over ranks is
+# then 0), so every rank sees a difference alike; the sums stay below 2**24, exact in fp32, up to
+# 74,000 ranks. The ranks then exchange their values (only on that error path) to name the group,
+# the key and both values.
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+HYPER_CHUNKS = 8  # 4-bit chunks of the 32-bit digest
+HYPER_LEN = 2 * HYPER_CHUNKS  # elements of the step's all-reduce that carry them
+
+
+def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
+    """(group index, key, value as plain floats) of every hyperparameter the update reads. Local."""
+    def plain(v: Any) -> Any:
+        return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else float(v)
+    return [(gi, k, plain(g[k])) for gi, g in enumerate(param_groups) for k in HYPER_KEYS]
+
+
+def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
+    """This rank's HYPER_LEN elements (see [Note: hyperparameters that differ across ranks])."""
+    digest = zlib.crc32(repr(values).encode())
+    chunks = [float((digest >> (4 * j)) & 15) for j in range(HYPER_CHUNKS)]
+    return chunks + [-d if maxed else d * d for d in chunks]
+
+
+def check_hyperparameters_agree(reduced: list[float], values: list[tuple[int, str, Any]], comm: Any,
+                                maxed: bool) -> None:
+    """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
+    or maxed) shows a hyperparameter that differs across ranks, naming the first one. Every rank."""
+    mine = hyper_code(values, maxed)
+    n = 1 if maxed else comm.world_size
+    if all(r == n * m for r, m in zip(reduced, mine)):
+        return
+    every = comm.all_gather_objects(values)
+    for r, theirs in enumerate(every):
+        for (gi, key, ours), (_, _, other) in zip(every[0], theirs):
+            if ours != other:
+                raise ValueError(
+                    f"hyperparameters differ across ranks at this step: param group {gi} {key} is {ours!r} on rank 0 "
+                    f"but {other!r} on rank {r}, so each rank would update its shard with its own value. Change "
+                    "hyperparameters alike on every rank (e.g. give ReduceLROnPlateau.step a metric averaged over "
+                    "ranks with torch.distributed.all_reduce)")
+    raise ValueError("hyperparameters differ across ranks at this step (the param groups differ in number)")

@@ -21,11 +21,24 @@ master weights are the authority on its value. Ordinary PyTorch code can break e
 """
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
 
 from shardopt._flat import FlatParams
+
+
+def warn_layout_change(names: Sequence[str], when: str) -> None:
+    """Warn that the parameters ``names`` (non-contiguous: channels_last, transposed) are made
+    contiguous views of a flat buffer. Local; each rank warns for its own parameters."""
+    if names:
+        warnings.warn(
+            f"ShardedAdamW lays each parameter out contiguously in its flat buffer, so these parameters, which had "
+            f"another memory format (e.g. channels_last) {when}, are now contiguous: {', '.join(names)}. The values "
+            "and the training are unchanged, but kernels that prefer that format (channels_last convolutions on GPUs) "
+            "convert the weight on every call; convert the activations, not the weights, to channels_last",
+            UserWarning, stacklevel=5)
 
 
 class ParamBinding:
@@ -58,6 +71,7 @@ class ParamBinding:
         if (not self._rebound and [p.data_ptr() for p in flat.params] == self._ptr
                 and [p._version for p in flat.params] == self._version and all(p.dtype is dtype for p in flat.params)):
             return written, problems  # the usual step: nothing changed
+        relaid = []
         for i, p in enumerate(flat.params):
             if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
                 if p._version != self._version[i] or i in self._rebound:
@@ -68,6 +82,8 @@ class ParamBinding:
                 view = flat.param_view(flat.data, i)
                 with torch.no_grad():
                     view.copy_(p.detach())
+                if not p.is_contiguous():
+                    relaid.append(self.names[i])
                 p.data = view
                 self._rebound.add(i)
                 written.append(i)
@@ -79,4 +95,5 @@ class ParamBinding:
                 ".half(), .float(), .to(device) or p.data = t after building the optimizer gave it new storage that "
                 "the optimizer's flat buffers, master weights and moments cannot follow. Convert or move the model "
                 "first, then build ShardedAdamW (to continue a run, save_checkpoint before and load_checkpoint after)")
+        warn_layout_change(relaid, "after a model.to(memory_format=...) or p.data = t")
         return written, problems

@@ -25,6 +25,7 @@ class ShardConfig:
     reduce_dtype: object = None  # torch.dtype gradients are averaged in; None: the gradient dtype
     overlap_param_gather: bool = False
     timeout: float | None = None  # seconds a collective may take before every waiting rank raises
+    max_consecutive_skips: int | None = 3  # inf/NaN steps in a row, with no dynamic loss scale, that raise
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -47,6 +48,11 @@ class ShardConfig:
         if self.timeout is not None and not (isinstance(self.timeout, (int, float)) and self.timeout > 0):
             raise ValueError(f"timeout must be None (the process group's own) or a positive number of seconds, "
                              f"got {self.timeout!r}")
+        if self.max_consecutive_skips is not None and not (
+                isinstance(self.max_consecutive_skips, int) and not isinstance(self.max_consecutive_skips, bool)
+                and self.max_consecutive_skips >= 1):
+            raise ValueError(f"max_consecutive_skips must be None (never raise) or an int >= 1 (steps), got "
+                             f"{self.max_consecutive_skips!r}")
         if not (isinstance(self.alignment, int) and self.alignment >= 1):
             raise ValueError(f"alignment must be a positive int (elements), got {self.alignment!r}")
 
@@ -79,6 +85,8 @@ def check_param_group(param_group: object, index: int, defaults: dict[str, Any])
     elif params is not None:
         params = list(params)
     group["params"] = params
+    if params is not None and len({id(_tensor(p)) for p in params}) != len(params):
+        _drop_duplicates(group, index)
     for key, supported in _UNSUPPORTED_GROUP_OPTIONS.items():
         if key in group and bool(group[key]) != supported:
             raise ValueError(f"param group {index} sets {key}={group[key]!r}, which ShardedAdamW does not "
@@ -94,6 +102,34 @@ def check_param_group(param_group: object, index: int, defaults: dict[str, Any])
             raise ValueError(f"a non-leaf tensor of shape {tuple(p.shape)} (grad_fn={type(p.grad_fn).__name__}) "
                              "was passed as a parameter; pass the model's nn.Parameters, not results of ops on them")
     return group
+
+
+def _drop_duplicates(group: dict[str, Any], index: int) -> None:
+    """Keep the first occurrence of each parameter listed more than once in ``group`` (a tied
+    weight collected twice), with torch's warning; torch.optim.AdamW would update it once per
+    occurrence, a behaviour torch has deprecated."""
+    keep, seen = [], set()
+    for j, p in enumerate(group["params"]):
+        if id(_tensor(p)) not in seen:
+            seen.add(id(_tensor(p)))
+            keep.append(j)
+    names = group.get("param_names")
+    params = group["params"]
+    dropped = [repr(params[j][0]) if isinstance(params[j], tuple) else repr(names[j]) if names else f"#{j}"
+               for j in range(len(params)) if j not in set(keep)]
+    warnings.warn(f"optimizer contains a parameter group with duplicate parameters (param group {index}: "
+                  f"repeated entries {', '.join(dropped)}); ShardedAdamW keeps the first occurrence and updates "
+                  "each parameter once per step (torch.optim.AdamW would update it once per occurrence, which torch "
+                  "has deprecated); pass each parameter once, e.g. list(dict.fromkeys(params))", UserWarning,
+                  stacklevel=5)
+    group["params"] = [group["params"][j] for j in keep]
+    if names:
+        group["param_names"] = [names[j] for j in keep]
+
+
+def _tensor(p: object) -> object:
+    """The tensor of a ``params`` entry: a tensor, or a (name, tensor) pair of named_parameters()."""
+    return p[1] if isinstance(p, tuple) and len(p) == 2 else p
 
 
 def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:

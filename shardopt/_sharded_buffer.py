@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from shardopt._binding import ParamBinding
+from shardopt._binding import ParamBinding, warn_layout_change
 from shardopt._collectives import Comm, Pending
 from shardopt._config import ShardConfig
 from shardopt._flat import FlatParams
@@ -35,6 +35,7 @@ class ShardedBuffer:
         self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                    bucket_numel=config.bucket_numel(element_size))
         self.group_of = list(group_of)  # param-group index of each parameter, in buffer order
+        warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
         self.flat = FlatParams(params, self.layout)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard_range = self.layout.shard_range(comm.shard_rank)
@@ -83,6 +84,15 @@ class ShardedBuffer:
             self.master.update_(r, g, *self.moments.prepare(r, g, scalars, self.master.kernels), scalars, step - lag)
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
+
+    def nonfinite_params(self) -> Tensor:
+        """1D fp32, one flag per parameter in buffer order: 1 where this rank's part of its averaged
+        gradient holds an inf/NaN. Local."""
+        grad = self.reducer.local_grad()
+        flags = torch.zeros(len(self.flat.params), dtype=torch.float32, device=self.flat.device)
+        for i, r in self._local_piece.items():
+            flags[i] = (~torch.isfinite(grad[r.as_slice()])).any().float()
+        return flags
 
     def take_model_weights(self, indices: Sequence[int]) -> None:
         """Make rank 0's current weights of parameters ``indices`` the master weights on every rank

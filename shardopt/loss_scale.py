@@ -15,6 +15,7 @@ class LossScaler:
     """No scaling: ``scale`` is 1 and never changes."""
 
     kind = "none"
+    recovers = False  # whether update(True, ...) can make the next step's gradients finite
 
     def __init__(self) -> None:
         self.scale = 1.0
@@ -50,6 +51,7 @@ class DynamicScaler(LossScaler):
     non-finite steps, so training resumes as soon as the gradients become finite again."""
 
     kind = "dynamic"
+    recovers = True
 
     def __init__(self, init_scale: float = 2.0**16, *, growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,

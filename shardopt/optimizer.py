@@ -12,7 +12,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from shardopt._agreement import HEADER_AT, HEADER_LEN, call_header, check_calls, raise_first_difference, settings
+from shardopt._agreement import (HEADER_AT, HEADER_LEN, HYPER_LEN, call_header, check_calls,
+                                 check_hyperparameters_agree, hyper_code, hyperparameters, raise_first_difference,
+                                 settings)
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names, trainable_params
 from shardopt._gather_wait import watch_gathers
@@ -20,11 +22,22 @@ from shardopt._ownership import take_over
 from shardopt._rounds import Rounds
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 from shardopt._sharded_buffer import ShardedBuffer
+from shardopt._skips import SkipWatch
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
+
+# The step's all-reduce: [any inf/NaN, norm, call header, usage-check flags, hyperparameter digest].
+FLAGS_AT = HEADER_AT + HEADER_LEN
+HYPER_AT = FLAGS_AT + UsageChecks.NUM_FLAGS
+STATS_NUMEL = HYPER_AT + HYPER_LEN
+
+_NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
+            "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
+            "a new ShardedAdamW over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
+            "the optimizer use opt.state_dict() or shardopt.save_checkpoint")
 
 
 class ShardedAdamW(torch.optim.Optimizer):
@@ -66,11 +79,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         overlap_param_gather: bool = False,
         seed: int = 0,
         timeout: float | None = None,
+        max_consecutive_skips: int | None = 3,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
-                                  overlap_param_gather=overlap_param_gather, timeout=timeout)
+                                  overlap_param_gather=overlap_param_gather, timeout=timeout,
+                                  max_consecutive_skips=max_consecutive_skips)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
@@ -89,7 +104,7 @@ class ShardedAdamW(torch.optim.Optimizer):
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm,
-                              stats_numel=HEADER_AT + HEADER_LEN + UsageChecks.NUM_FLAGS)
+                              stats_numel=STATS_NUMEL)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
@@ -97,6 +112,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._clip: tuple[bool, float, int] | None = None
         self.step_was_skipped = False
         self.skipped_steps = 0
+        self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
         # Parameter all-gathers still in flight, by (buffer index, bucket): see _gather_wait [Note: overlapped gather].
         self._gathers: dict[tuple[int, int], Pending] = {}
@@ -200,9 +216,11 @@ class ShardedAdamW(torch.optim.Optimizer):
                 stats[0] += (~torch.isfinite(s)).float()
                 stats[1] += s
         lost = self._rounds.lost_round
-        stats = torch.cat([stats, torch.tensor(call_header(caller, lost), dtype=torch.float32, device=device),
-                           self._checks.flags(found, device)])
         maxed = norm_type is not None and math.isinf(norm_type)
+        hyper = hyperparameters(self.param_groups)
+        stats = torch.cat([stats, torch.tensor(call_header(caller, lost), dtype=torch.float32, device=device),
+                           self._checks.flags(found, device),
+                           torch.tensor(hyper_code(hyper, maxed), dtype=torch.float32, device=device)])
         if maxed:
             self._comm.all_reduce_max(stats).wait()
         else:
@@ -212,7 +230,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         except RuntimeError as e:
             self._rounds.broken = str(e)
             raise
-        self._checks.apply(found, stats[HEADER_AT + HEADER_LEN:], self._scaler.scale)
+        check_hyperparameters_agree(stats[HYPER_AT:].tolist(), hyper, self._comm, maxed)
+        self._checks.apply(found, stats[FLAGS_AT:HYPER_AT], self._scaler.scale)
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):
             return found_inf, float(stats[1])
@@ -268,7 +287,9 @@ class ShardedAdamW(torch.optim.Optimizer):
             self._scaler.update(True, attempt)
             log.info("shardopt: step %d skipped: inf/NaN gradients on some rank; loss scale now %g (%d skipped so far)",
                      attempt, self._scaler.scale, self.skipped_steps)
+            self._skips.skipped(attempt, self._scaler, self._nonfinite_params)
             return loss
+        self._skips.taken()
         self._step += 1
         grad_scale = coef / self._checks.grad_scale
         for b, used in zip(self._buffers, self._checks.used):
@@ -282,6 +303,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         self.last_step_comm = dataclasses.replace(self._comm.stats)
         self._comm.stats.reset()
         return loss
+
+    def _nonfinite_params(self) -> list[str]:
+        """Names of the parameters whose averaged gradient has an inf/NaN on some rank. Every rank."""
+        flags = torch.cat([b.nonfinite_params() for b in self._buffers])
+        self._comm.all_reduce_max(flags).wait()
+        names = [n for b in self._buffers for n in b.binding.names]
+        return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
 
     def _gathered(self, buffer: int, bucket: int) -> None:
         b = self._buffers[buffer]
@@ -310,6 +338,12 @@ class ShardedAdamW(torch.optim.Optimizer):
             if hook is not None:
                 hook.remove()
                 self.__dict__[name] = None
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(_NO_COPY.format(how="copy.deepcopy"))
+
+    def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
+        raise TypeError(_NO_COPY.format(how="copying or pickling"))
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -422,9 +456,13 @@ class ShardedAdamW(torch.optim.Optimizer):
         loadable by ``load_state_dict`` on the same rank at the same world size and layout; on the
         rank that ``consolidate_state_dict`` gathered onto, the whole state instead (until the next
         ``step``). Local: frameworks call it on one rank only."""
-        if self._consolidated is not None:
-            return self._consolidated
-        return rank_state_dict(self)
+        for hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            hook(self)
+        sd = dict(self._consolidated) if self._consolidated is not None else rank_state_dict(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            out = hook(self, sd)
+            sd = sd if out is None else out
+        return sd
 
     def full_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
@@ -445,9 +483,17 @@ class ShardedAdamW(torch.optim.Optimizer):
         state in ``torch.optim.AdamW``'s format (a plain AdamW's, ``full_state_dict``'s or
         ``consolidate_state_dict``'s) at any world size, where rank 0's copy is used; write the
         restored master weights into the model. Every rank, all with the same kind of dict."""
+        sd = state_dict.copy() if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            out = hook(self, sd)
+            sd = sd if out is None else out
+        self._load_state_dict(sd)
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
+
+    def _load_state_dict(self, sd: Any) -> None:
         from shardopt._checkpoint_files import agree
 
-        sd = state_dict
         kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
                 "adamw" if isinstance(sd, dict) and ("state" in sd and "param_groups" in sd
                                                     or not sd and self._comm.rank != 0) else "other")

@@ -1,0 +1,284 @@
+"""Tier 2: torch.optim's contracts that frameworks and everyday code lean on, on real gloo ranks.
+
+Each case is one thing users do with ``torch.optim.AdamW`` that must either behave as torch does
+or raise a clear error on every rank: state-dict hooks, ``copy.deepcopy``, a parameter listed
+twice, channels_last weights, NaN gradients with a finite loss and no loss scale to lower, a
+hyperparameter changed on one rank only. The reference is a plain ``torch.optim.AdamW`` on the
+gradient averaged over ranks (``_ddp_average``), or torch's own hook calls.
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardopt
+from models import batch, make_model
+from test_torch_usage import HP, _ddp_average, _error, _ref_step, _worst
+
+
+def _train(model: nn.Module, opt: shardopt.ShardedAdamW, steps: range) -> None:
+    for step in steps:
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+
+
+# -- 1: state-dict hooks -------------------------------------------------------------------------
+def _hooked(opt: torch.optim.Optimizer, calls: dict) -> None:
+    def count(name):
+        calls.setdefault(name, 0)
+        calls[name] += 1
+
+    opt.register_state_dict_pre_hook(lambda o: count("save_pre"))
+
+    def save_post(o, sd):
+        count("save_post")
+        sd["framework_key"] = 7
+        return sd
+
+    opt.register_state_dict_post_hook(save_post)
+
+    def load_pre(o, sd):
+        count("load_pre")
+        calls["loaded_key"] = sd.pop("framework_key", None)
+        return sd
+
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: count("load_post"))
+
+
+def state_dict_hooks_case() -> dict:
+    model, ref = make_model(seed=3), make_model(seed=3)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ours, theirs = {}, {}
+    _hooked(opt, ours)
+    _hooked(ref_opt, theirs)
+    _train(model, opt, range(2))
+    _ref_step(ref, ref_opt, 0)
+    out = {}
+    for name, o, calls in (("ours", opt, ours), ("torch", ref_opt, theirs)):
+        sd = o.state_dict()
+        out[name + "_key"] = sd.get("framework_key")
+        o.load_state_dict(sd)
+        out[name] = dict(calls)
+    opt.consolidate_state_dict(to=0)  # the whole state on rank 0, as frameworks save it
+    if dist.get_rank() == 0:
+        out["consolidated_key"] = opt.state_dict().get("framework_key")
+    _train(model, opt, range(2, 3))  # still trains after the hooked round trip
+    return out
+
+
+def test_state_dict_hooks_run_as_torch_runs_them(pools):
+    for rank, out in enumerate(pools(2).run(state_dict_hooks_case)):
+        assert out["torch"] == {"save_pre": 1, "save_post": 1, "load_pre": 1, "loaded_key": 7, "load_post": 1}, out
+        assert out["ours"] == out["torch"], out
+        assert out["ours_key"] == out["torch_key"] == 7, out
+        if rank == 0:
+            assert out["consolidated_key"] == 7, out
+
+
+# -- 2: copy.deepcopy --------------------------------------------------------------------------------
+def deepcopy_case() -> tuple[tuple[str, str] | None, tuple[str, str] | None, float]:
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    _train(model, opt, range(2))
+    copied = _error(lambda: copy.deepcopy(opt))
+    pickled = _error(lambda: copy.copy(opt))
+    # What the message says to do instead: copy the model, build a new optimizer, load the state.
+    twin = copy.deepcopy(model)
+    twin_opt = shardopt.ShardedAdamW(twin.parameters(), **HP, stage=2)
+    twin_opt.load_state_dict(opt.state_dict())
+    _train(model, opt, range(2, 4))
+    _train(twin, twin_opt, range(2, 4))
+    return copied, pickled, _worst(model, twin)
+
+
+def test_deepcopy_raises_a_clear_error_and_its_advice_works(pools):
+    for copied, pickled, worst in pools(2).run(deepcopy_case):
+        assert copied is not None and copied[0] == "TypeError" and "copy.deepcopy" in copied[1], copied
+        assert "load_state_dict(opt.state_dict())" in copied[1], copied
+        assert pickled is not None and pickled[0] == "TypeError", pickled
+        assert worst == 0.0, worst
+
+
+# -- 3: a parameter listed twice ---------------------------------------------------------------------
+def duplicate_case(named: bool) -> tuple[list[str], float]:
+    model, ref = make_model(seed=5), make_model(seed=5)
+    if named:
+        params = list(model.named_parameters()) + [("fc1.weight.again", model.fc1.weight)]
+    else:
+        params = list(model.parameters()) + [model.fc1.weight]  # a tied weight collected twice
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = shardopt.ShardedAdamW(params, **HP, stage=2)
+    ref_opt = torch.optim.AdamW(list(ref.parameters()), **HP)  # each parameter once
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    return [str(w.message) for w in caught if "duplicate" in str(w.message)], _worst(model, ref)
+
+
+def test_a_parameter_listed_twice_warns_as_torch_does_and_trains_once(pools):
+    pool = pools(2)
+    for named in (False, True):
+        for messages, worst in pool.run(duplicate_case, named):
+            assert len(messages) == 1, messages
+            assert ("'fc1.weight.again'" if named else "#10") in messages[0], messages
+            assert worst < 1e-6, (named, worst)
+
+
+# -- 4: channels_last and other non-contiguous weights ------------------------------------------------
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.conv(x).mean(dim=(2, 3))).square().mean()
+
+
+def _conv_batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return torch.randn(2, 3, 6, 6, generator=g).contiguous(memory_format=torch.channels_last)
+
+
+def channels_last_case() -> dict:
+    torch.manual_seed(0)
+    model = ConvNet().to(memory_format=torch.channels_last)
+    ref = copy.deepcopy(model)
+    out = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = shardopt.ShardedAdamW(model.named_parameters(), **HP, stage=2)
+    out["built"] = [str(w.message) for w in caught if "memory format" in str(w.message)]
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(4):
+        if step == 2:  # converted again after construction: the next step re-binds it
+            model.to(memory_format=torch.channels_last)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.zero_grad()
+            opt.backward(model(_conv_batch(step)))
+            opt.step()
+        out[f"step{step}"] = [str(w.message) for w in caught if "memory format" in str(w.message)]
+        ref_opt.zero_grad()
+        ref(_conv_batch(step)).backward()
+        _ddp_average(ref)
+        ref_opt.step()
+    out["worst"] = _worst(model, ref)
+    return out
+
+
+def test_channels_last_weights_are_said_to_change_layout(pools):
+    for out in pools(2).run(channels_last_case):
+        assert len(out["built"]) == 1 and "'conv.weight'" in out["built"][0], out
+        assert "'head.weight'" not in out["built"][0], out  # contiguous parameters are not named
+        assert out["step0"] == out["step1"] == out["step3"] == [], out
+        assert len(out["step2"]) == 1 and "'conv.weight'" in out["step2"][0], out
+        assert out["worst"] < 1e-6, out
+
+
+# -- 8: NaN gradients with a finite loss -------------------------------------------------------------
+def nan_gradient_case(dtype_name: str, limit: int | None) -> dict:
+    dtype = getattr(torch, dtype_name)
+    model = make_model(seed=6, dtype=dtype)
+    kw = {} if limit == 3 else {"max_consecutive_skips": limit}
+    opt = shardopt.ShardedAdamW(model.named_parameters(), **HP, stage=2, **kw)
+    start = copy.deepcopy(model)
+    out = {"warnings": [], "error": None, "losses": [], "skipped": 0}
+    for step in range(5):
+        opt.zero_grad()
+        loss = model(batch(dist.get_rank(), step))
+        # d/dw sqrt(sum(0 * w)) = inf * 0 = NaN: a NaN gradient while the loss stays finite
+        loss = loss + torch.sqrt((model.fc1.weight * 0).sum())
+        out["losses"].append(float(loss))
+        opt.backward(loss)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+            except RuntimeError as e:
+                out["error"] = (step, str(e))
+                break
+        out["warnings"] += [(step, str(w.message)) for w in caught if "skipped" in str(w.message)]
+    out["skipped"] = opt.skipped_steps
+    out["unchanged"] = _worst(model, start) == 0.0
+    return out
+
+
+def test_nan_gradients_with_a_finite_loss_warn_then_raise_on_every_rank(pools):
+    pool = pools(2)
+    for dtype_name in ("float32", "bfloat16"):
+        for out in pool.run(nan_gradient_case, dtype_name, 3):
+            assert all(torch.isfinite(torch.tensor(out["losses"]))), out
+            assert [s for s, _ in out["warnings"]] == [0], out  # warned at the first skip only
+            assert "'fc1.weight'" in out["warnings"][0][1] and "'fc2.weight'" not in out["warnings"][0][1], out
+            assert out["error"] is not None and out["error"][0] == 2, out  # the third skip in a row raises
+            assert "'fc1.weight'" in out["error"][1] and "max_consecutive_skips" in out["error"][1], out
+            assert out["skipped"] == 3 and out["unchanged"], out
+    for out in pool.run(nan_gradient_case, "bfloat16", None):  # told to keep skipping
+        assert out["error"] is None and out["skipped"] == 5 and [s for s, _ in out["warnings"]] == [0], out
+
+
+# -- 9: a hyperparameter changed on one rank only ----------------------------------------------------
+def per_rank_hyperparameter_case(key: str, norm_type: float | None) -> tuple[str, str] | None:
+    rank = dist.get_rank()
+    model = make_model(seed=8)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    _train(model, opt, range(1))
+    group = opt.param_groups[0]
+    if key == "lr":
+        group["lr"] = 0.01 * (rank + 1)  # three values: rank 1's lies between the others
+    elif key == "betas":
+        group["betas"] = (0.9, 0.95) if rank != 1 else (0.9, 0.99)
+    elif key == "plateau":  # ReduceLROnPlateau stepped with a rank-local validation loss
+        sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.5)
+        sched.step(1.0)
+        sched.step(0.5 if rank == 0 else 2.0)  # worse on ranks 1 and 2 only: they halve lr
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 1)))
+    if norm_type is not None:
+        return _error(lambda: opt.clip_grad_norm_(1.0, norm_type=norm_type))
+    return _error(opt.step)
+
+
+def test_a_hyperparameter_set_on_one_rank_raises_on_every_rank(pools):
+    pool = pools(3)
+    cases = {("lr", None): ("param group 0 lr is 0.01 on rank 0 but 0.02 on rank 1",),
+             ("lr", 2.0): ("param group 0 lr is 0.01 on rank 0 but 0.02 on rank 1",),
+             ("lr", float("inf")): ("param group 0 lr is 0.01 on rank 0 but 0.02 on rank 1",),
+             ("betas", None): ("param group 0 betas is (0.9, 0.95) on rank 0 but (0.9, 0.99) on rank 1",),
+             ("plateau", None): ("param group 0 lr is 0.01 on rank 0 but 0.005 on rank 1",)}
+    for (key, norm_type), (want,) in cases.items():
+        for rank, err in enumerate(pool.run(per_rank_hyperparameter_case, key, norm_type)):
+            assert err is not None and err[0] == "ValueError", (key, norm_type, rank, err)
+            assert want in err[1], (key, norm_type, rank, err)
+
+
+def same_hyperparameters_case() -> float:
+    model, ref = make_model(seed=8), make_model(seed=8)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for o in (opt, ref_opt):
+        o.param_groups[0]["lr"] = torch.tensor(0.02)  # changed alike everywhere, as a tensor: no error
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.clip_grad_norm_(1e9)
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    return _worst(model, ref)
+
+
+def test_hyperparameters_changed_alike_on_every_rank_train(pools):
+    for worst in pools(3).run(same_hyperparameters_case):
+        assert worst < 1e-6, worst
+
