@@ -128,7 +128,9 @@ class GradReducer:
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._make_hook(i)) for i, p in enumerate(flat.params)
+            # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
+            p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(i)))
+            for i, p in enumerate(flat.params)
         ]
 
     def release(self) -> None:

@@ -85,6 +85,10 @@ class ShardedBuffer:
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
 
+    def bucket_params(self, bucket: int) -> list[torch.nn.Parameter]:
+        """The parameters of bucket ``bucket``."""
+        return [self.flat.params[i] for i in self.layout.buckets[bucket].params]
+
     def nonfinite_params(self) -> Tensor:
         """1D fp32, one flag per parameter in buffer order: 1 where this rank's part of its averaged
         gradient holds an inf/NaN. Local."""

@@ -216,6 +216,8 @@ def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.Removab
     handle: list = []
 
     def hook(module: torch.nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():
+            return  # torch.compile's wrapper was looked at eagerly (see _gather_wait [Note: compiled models])
         if not any(id(p) in param_ids for p in module.parameters()):
             return  # another model: keep watching
         handle[0].remove()

@@ -17,7 +17,7 @@ from shardopt._agreement import (HEADER_AT, HEADER_LEN, HYPER_LEN, call_header, 
                                  settings)
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names, trainable_params
-from shardopt._gather_wait import watch_gathers
+from shardopt._gather_wait import in_flight, landed, watch_gathers
 from shardopt._ownership import take_over
 from shardopt._rounds import Rounds
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
@@ -168,6 +168,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         return buffers
 
     # -- training loop -------------------------------------------------------------------
+    @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
     def backward(self, loss: Tensor, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
         self._check_open()
@@ -237,6 +238,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             return found_inf, float(stats[1])
         return found_inf, float(stats[1]) ** (1.0 / norm_type)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the averaged gradient to ``max_norm`` (over all ranks and shards); returns the total
@@ -253,6 +255,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._clip = (found_inf, coef, self._rounds.total_rounds)
         return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
@@ -297,6 +300,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         for i, b in enumerate(self._buffers):
             for bucket, pending in b.gather_buckets():
                 self._gathers[(i, bucket)] = pending
+                if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
+                    in_flight(self, (i, bucket), b.bucket_params(bucket))
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
         self._scaler.update(False, self._step + self.skipped_steps)
@@ -313,6 +318,7 @@ class ShardedAdamW(torch.optim.Optimizer):
 
     def _gathered(self, buffer: int, bucket: int) -> None:
         b = self._buffers[buffer]
+        landed(b.bucket_params(bucket))
         self._checks.note_gathered(b, b.layout.buckets[bucket].params)
 
     def close(self) -> None:
@@ -374,6 +380,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         """(buffer, bucket) holding ``param``, or None for parameters this optimizer does not train."""
         return self._bucket_of.get(id(param))
 
+    @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget the gradients of all parameters (also those accumulated under ``no_sync``). Local.
 

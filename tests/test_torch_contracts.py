@@ -282,3 +282,110 @@ def test_hyperparameters_changed_alike_on_every_rank_train(pools):
     for worst in pools(3).run(same_hyperparameters_case):
         assert worst < 1e-6, worst
 
+
+
+# -- 5, 6: torch.compile ----------------------------------------------------------------------------
+def compiled_model_case(how: str) -> float:
+    """A compiled model trained with overlap_param_gather=True: the gathers must land before the
+    compiled forward reads the weights."""
+    model, ref = make_model(seed=9), make_model(seed=9)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2, overlap_param_gather=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    if how == "wrapper":
+        forward = torch.compile(model, backend="aot_eager")
+    else:  # compiled in place: the global hooks are traced into the compiled call
+        model.compile(backend="aot_eager")
+        forward = model
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(forward(batch(dist.get_rank(), step)))
+        opt.step()
+        _ref_step(ref, ref_opt, step)
+    opt.finish_param_gather()
+    return _worst(model, ref)
+
+
+def test_a_compiled_model_trains_with_overlapped_gathers(pools):
+    pool = pools(2)
+    for how in ("wrapper", "in_place"):
+        for worst in pool.run(compiled_model_case, how):
+            assert worst < 1e-6, (how, worst)
+
+
+def compiled_train_step_case(stage: int) -> tuple[float, int, int]:
+    """A whole train step compiled: shardopt's calls run eagerly (graph breaks), the rest compiles
+    once; no recompiles after warm-up."""
+    model, ref = make_model(seed=10), make_model(seed=10)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=counting)
+    def train_step(x):
+        loss = model(x)
+        opt.backward(loss)
+        norm = opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss, norm
+
+    after_warmup = 0
+    for step in range(5):
+        train_step(batch(dist.get_rank(), step))
+        if step == 1:
+            after_warmup = len(graphs)
+        ref_opt.zero_grad()
+        ref(batch(dist.get_rank(), step)).backward()
+        _ddp_average(ref)
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_opt.step()
+    return _worst(model, ref), after_warmup, len(graphs)
+
+
+def test_a_compiled_train_step_runs_shardopt_eagerly(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for worst, warm, total in pool.run(compiled_train_step_case, stage):
+            assert worst < 1e-5, (stage, worst)
+            assert warm >= 1 and total == warm, (stage, warm, total)  # nothing compiled after warm-up
+
+
+# -- 7: EMA / SWA right after an overlapped step ----------------------------------------------------
+def ema_case(read: str) -> tuple[float, list[float]]:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model, ref = make_model(seed=11), make_model(seed=11)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2, overlap_param_gather=True)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    ref_ema = AveragedModel(ref, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    sums = []
+    for step in range(4):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        model.zero_grad()  # what frameworks do between step and the next forward: no weight read
+        if read == "ema":
+            ema.update_parameters(model)  # reads every weight while its gather may still be in flight
+        else:  # a parent reading a child's weight outside the child's forward
+            sums.append(float(model.fc2.weight.sum()))
+        _ref_step(ref, ref_opt, step)
+        ref_ema.update_parameters(ref)
+        if read != "ema":
+            sums[-1] -= float(ref.fc2.weight.sum())
+    opt.finish_param_gather()
+    worst = _worst(ema, ref_ema) if read == "ema" else max(abs(s) for s in sums)
+    return worst, [float(p.detach().sum()) for p in ema.parameters()]
+
+
+def test_weights_read_right_after_an_overlapped_step_are_the_gathered_ones(pools):
+    pool = pools(2)
+    for read in ("ema", "child_weight"):
+        results = pool.run(ema_case, read)
+        for worst, _ in results:
+            assert worst < 1e-5, (read, worst)
+        assert results[0][1] == results[1][1], read  # the averaged model is the same on every rank
