@@ -34,9 +34,12 @@ _aten = torch.ops.aten
 _ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
 
 MESSAGE = ("this parameter is trained by ShardedAdamW(stage=2), which keeps only this rank's shard of the averaged "
-           "gradient, so p.grad holds no values (it was read by {op}). Clip with opt.clip_grad_norm_(max_norm) (the "
-           "global norm over all ranks and shards) instead of torch.nn.utils.clip_grad_norm_, or use stage=1 to keep "
-           "the full averaged gradient in p.grad; p.grad = None and p.grad.zero_() work as usual")
+           "gradient, so p.grad holds no values (it was read by {op}). To clip by norm, call "
+           "opt.clip_grad_norm_(max_norm) (the global norm over all ranks and shards) instead of "
+           "torch.nn.utils.clip_grad_norm_. Clipping by value (torch.nn.utils.clip_grad_value_), a plain torch.optim "
+           "optimizer over this parameter and torch.amp.GradScaler.unscale_ need every element of p.grad: use stage=1, "
+           "which keeps the full averaged gradient in p.grad (for fp16, ShardedAdamW scales the loss itself through "
+           "opt.backward(loss): no GradScaler is needed). p.grad = None and p.grad.zero_() work as usual")
 ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by ShardedAdamW under opt.no_sync(), so "
                 "p.grad holds no values until the backward of the last micro-batch, outside no_sync (it was read by "
                 "{op}); read gradients after that backward, or pass accumulate_dtype=None to sum them in p.grad in "

@@ -98,9 +98,10 @@ class UsageChecks:
         from outside before it did lost that write to it. Noted for the next check. Local."""
         for i in b.binding.raced(params):
             self.late_problems.append(
-                f"parameter {b.binding.names[i]} was written (e.g. by model.load_state_dict) while ShardedAdamW("
-                "overlap_param_gather=True) was still gathering the weights of the last step into the model, which "
-                "overwrote the write: call opt.finish_param_gather() before writing weights into the model")
+                f"parameter {b.binding.names[i]} was written through a tensor sharing its storage (a view or .data "
+                "taken before step()) while ShardedAdamW(overlap_param_gather=True) was still gathering the weights of "
+                "the last step into the model, which overwrote the write: call opt.finish_param_gather() before writing "
+                "weights into the model that way (writes through the parameters themselves wait by themselves)")
 
     def take_outside_writes(self) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint

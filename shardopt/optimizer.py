@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -218,10 +219,12 @@ class ShardedAdamW(torch.optim.Optimizer):
                 stats[1] += s
         lost = self._rounds.lost_round
         maxed = norm_type is not None and math.isinf(norm_type)
+        start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
         hyper = hyperparameters(self.param_groups)
+        code = hyper_code(hyper, maxed)
+        self._checks.seconds += time.perf_counter() - start
         stats = torch.cat([stats, torch.tensor(call_header(caller, lost), dtype=torch.float32, device=device),
-                           self._checks.flags(found, device),
-                           torch.tensor(hyper_code(hyper, maxed), dtype=torch.float32, device=device)])
+                           self._checks.flags(found, device), torch.tensor(code, dtype=torch.float32, device=device)])
         if maxed:
             self._comm.all_reduce_max(stats).wait()
         else:
@@ -231,7 +234,9 @@ class ShardedAdamW(torch.optim.Optimizer):
         except RuntimeError as e:
             self._rounds.broken = str(e)
             raise
+        start = time.perf_counter()
         check_hyperparameters_agree(stats[HYPER_AT:].tolist(), hyper, self._comm, maxed)
+        self._checks.seconds += time.perf_counter() - start
         self._checks.apply(found, stats[FLAGS_AT:HYPER_AT], self._scaler.scale)
         found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
         if norm_type is None or math.isinf(norm_type):

@@ -206,14 +206,29 @@ def test_gradient_replaced_after_backward(pools):
         assert got is not None and got[0] == "RuntimeError" and "was replaced by a tensor after backward" in got[1]
 
 
-def write_during_overlapped_gather_case() -> tuple[tuple[str, str] | None, float]:
+def write_during_overlapped_gather_case(how: str) -> tuple[tuple[str, str] | None, float]:
+    """Weights written right after an overlapped step. Through the parameters (``load_state_dict``)
+    the write waits for the gathers and is kept; through a view taken before ``step()`` (which
+    cannot wait) the gather may overwrite it, and the next step says so on every rank."""
     rank = dist.get_rank()
     model = make_model(seed=2)
     opt = shardopt.ShardedAdamW(model.parameters(), **HP, overlap_param_gather=True)
+    views = [p.view(-1) for p in model.parameters()]  # plain tensors sharing the parameters' storage
     opt.backward(model(batch(rank, 0)))
     opt.step()
-    model.load_state_dict(make_model(seed=5).state_dict())  # the gathers may still be landing
+    written = make_model(seed=5)
+    if how == "load_state_dict":
+        model.load_state_dict(written.state_dict())  # the gathers may still be landing
+        for g in opt.param_groups:
+            g["lr"] = 0.0  # the next step keeps the written weights as they are
+    else:
+        with torch.no_grad():
+            for v, q in zip(views, written.parameters()):
+                v.copy_(q.view(-1))
     got = _error(lambda: (opt.zero_grad(), opt.backward(model(batch(rank, 1))), opt.step()))
+    if how == "load_state_dict":
+        opt.finish_param_gather()
+        return got, _worst(model, written)
     # The documented way: wait for the gathers first; the written weights then become the master.
     opt.backward(model(batch(rank, 2)))
     opt.step()
@@ -230,9 +245,13 @@ def write_during_overlapped_gather_case() -> tuple[tuple[str, str] | None, float
 
 
 def test_weights_written_during_an_overlapped_gather(pools):
-    for got, worst in pools(2).run(write_during_overlapped_gather_case):
+    pool = pools(2)
+    for got, worst in pool.run(write_during_overlapped_gather_case, "view"):
         assert got is not None and "call opt.finish_param_gather() before writing" in got[1], got
         assert worst <= 2e-3  # lr=0 leaves only weight decay of 0: the loaded weights, decayed by 1 - 0
+    for got, worst in pool.run(write_during_overlapped_gather_case, "load_state_dict"):
+        assert got is None, got  # the write waited for the gathers
+        assert worst <= 2e-3
 
 
 def rebound_late_case(stage: int, when: str) -> float:
