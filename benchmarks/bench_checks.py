@@ -9,10 +9,15 @@ cost three things on top of a step; each is measured here, in the same run, on r
 
 * their Python work at step(), at the start of each backward and, in stage 2, pointing every
   ``p.grad`` at its placeholder after each reduction: ``opt.last_step_check_seconds``;
-* the 5 numbers they add to the step's one all-reduce: an all-reduce of 7 numbers against one of
-  the 2 (overflow flag, squared norm) it carried before (both latency-bound: the difference is
+  (this includes the digest of every group's lr/betas/eps/weight_decay that finds a hyperparameter
+  changed on one rank only);
+* the numbers they add to the step's one all-reduce (the call header, the usage flags and that
+  digest): an all-reduce of ``shardopt.optimizer.STATS_NUMEL`` numbers against one of the 2
+  (overflow flag, squared norm) it would carry without them (both latency-bound: the difference is
   mostly noise). A second all-reduce, of two bitmaps with one number per parameter, runs only in
-  steps where some rank lacks a gradient for some parameter or a weight was written from outside.
+  steps where some rank lacks a gradient for some parameter or a weight was written from outside;
+  a third, of one flag per parameter, only in skipped steps that no loss scale can fix (to name
+  the parameters whose gradients were not finite), so neither is in these numbers.
 """
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
+from shardopt.optimizer import STATS_NUMEL  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:
@@ -75,7 +81,7 @@ def main() -> None:
     step = statistics.median(step_times)
     checks = statistics.median(check_times)
 
-    small, large = torch.zeros(2), torch.zeros(2 + 5)
+    small, large = torch.zeros(2), torch.zeros(STATS_NUMEL)
     small_t: list[float] = []
     large_t: list[float] = []
     for i in range(200):  # interleaved, in alternating order, so that neither gets the warmer cache
