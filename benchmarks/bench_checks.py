@@ -17,7 +17,11 @@ cost three things on top of a step; each is measured here, in the same run, on r
   mostly noise). A second all-reduce, of two bitmaps with one number per parameter, runs only in
   steps where some rank lacks a gradient for some parameter or a weight was written from outside;
   a third, of one flag per parameter, only in skipped steps that no loss scale can fix (to name
-  the parameters whose gradients were not finite), so neither is in these numbers.
+  the parameters whose gradients were not finite), so neither is in these numbers;
+* with clipping, the step's own all-reduce after ``clip_grad_norm_``'s: code between the two calls
+  (``model.zero_grad()`` on one rank, a weight write) may change something on one rank only, which
+  only a collective can tell the others. Without the checks, a clipped step needs no all-reduce
+  of its own.
 """
 from __future__ import annotations
 
@@ -93,7 +97,7 @@ def main() -> None:
     t_small, t_large = statistics.median(small_t), statistics.median(large_t)
     payload = max(t_large - t_small, 0.0)
 
-    total = checks + payload
+    total = checks + payload + t_large  # the train step clips: the step's all-reduce is there for the checks
     if rank == 0:
         print(f"example GPT, {sum(q.numel() for q in model.parameters()):,} parameters in {n_params} tensors, bf16 "
               f"weights, stage {args.stage}, {world} gloo ranks, torch {torch.__version__}")
@@ -103,6 +107,7 @@ def main() -> None:
         for name, t in (("checks' Python work (opt.last_step_check_seconds)", checks),
                         (f"all-reduce of {large.numel()} numbers ({1e3 * t_large:.3f} ms) instead of 2 "
                          f"({1e3 * t_small:.3f} ms)", payload),
+                        ("step()'s own all-reduce after clip_grad_norm_'s", t_large),
                         ("**all checks**", total)):
             print(f"| {name} | {1e3 * t:.3f} | {100 * t / step:.2f}% |")
     dist.barrier()

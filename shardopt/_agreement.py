@@ -65,8 +65,9 @@ def check_calls(header: list[float], call: str, lost_round: bool, world_size: in
                 "clip_grad_norm_ everywhere and log its result there)")
     else:
         hint = ("a rank skipped step() or ran more backward passes than the others, e.g. it caught an exception "
-                "from its backward pass and went on to the next batch; call backward, clip_grad_norm_ and step "
-                "alike on every rank")
+                "from its backward pass and went on to the next batch, or it alone called opt.zero_grad() between "
+                "backward and step, which drops the averaged gradients there; call backward, clip_grad_norm_, "
+                "zero_grad and step alike on every rank")
     raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[int(c)]}, another rank "
                        f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 

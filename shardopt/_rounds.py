@@ -173,6 +173,9 @@ class Rounds:
         self.settle()
         if self.rounds == 0:
             self._open(queue=False)
+            # A rank alone here (it dropped averaged gradients with opt.zero_grad()) meets the others'
+            # step with this tag: raise before issuing bucket collectives that no rank would match.
+            self._wait_tag()
             self.finish_round()
 
     def zero_grad(self) -> None:

@@ -32,6 +32,7 @@ class Findings:
     scaled: int = 0  # backward passes since the last step that ran inside opt.backward
     unscaled: int = 0  # ... and that did not
     used: list[list[bool]] = field(default_factory=list)  # per buffer: got a gradient on this rank
+    regraded: bool = False  # averaged gradients were zeroed or replaced on this rank since their round
 
 
 class UsageChecks:
@@ -46,16 +47,17 @@ class UsageChecks:
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
         self.late_problems: list[str] = []  # found outside a check (a write racing a gather), reported at the next
         self._warned_unscaled = False
+        self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
 
     def local(self) -> Findings:
         """Re-bind, notice writes and zeroing, collect problems. Local; no communication."""
         start = time.perf_counter()
-        found = Findings(written=[], problems=self.late_problems)
-        self.late_problems = []
+        found = Findings(written=[], problems=self.late_problems, regraded=self.zeroed_after_round)
+        self.late_problems, self.zeroed_after_round = [], False
         for b in self.buffers:
             found.problems += b.reducer.problems
             b.reducer.problems = []
-            b.reducer.observe_zeroing(at_step=True)
+            found.regraded |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
             for i in b.reducer.replaced:
                 found.problems.append(
                     f"p.grad of parameter {b.binding.names[i]} was replaced by a tensor after backward. With "
@@ -78,20 +80,6 @@ class UsageChecks:
                     "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
         self.seconds += time.perf_counter() - start
         return found
-
-    def changed_since_check(self) -> bool:
-        """Whether gradients were zeroed or replaced, or weights written, since the last check
-        (e.g. between ``clip_grad_norm_`` and ``step``). Applies the zeroing; local. The local part of
-        ``local()`` again, without its collective: user code may run between the two calls, and only
-        when it changed something does the step need a second all-reduce."""
-        start = time.perf_counter()
-        changed = bool(self.late_problems)
-        for b in self.buffers:
-            changed |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
-            written, problems = b.binding.check()
-            changed |= bool(written or problems)
-        self.seconds += time.perf_counter() - start
-        return changed
 
     def note_gathered(self, b: ShardedBuffer, params: Sequence[int]) -> None:
         """An overlapped all-gather of ``params`` of buffer ``b`` just landed: a parameter written
@@ -128,6 +116,20 @@ class UsageChecks:
             rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
             raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
 
+    # [Note: gradients changed on some ranks only]
+    # Once a round has averaged the gradients, every rank holds its shard of the same average.
+    # Zeroing or replacing them (``model.zero_grad()``, ``p.grad = None``, stage 1's ``p.grad = t``)
+    # on every rank alike is torch's behaviour and followed. On some ranks only, the shards would
+    # stop being parts of one gradient and the replicas would be trained with different ones
+    # (DDP's replicas would diverge), so every rank raises, naming the ranks that changed them.
+    def _raise_regraded(self, found: Findings) -> None:
+        ranks = [r for r, did in enumerate(self.comm.all_gather_objects(found.regraded)) if did]
+        raise RuntimeError(
+            f"gradients were zeroed on some ranks only (rank {', '.join(map(str, ranks))}: model.zero_grad(), "
+            "opt.zero_grad(), p.grad = None, p.grad.zero_() or p.grad replaced) after backward had averaged them "
+            "over the ranks, e.g. between clip_grad_norm_ and step: the ranks would update their shards with "
+            "different gradients. Zero gradients on every rank alike (or before backward)")
+
     def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[int]]]:
         """Per buffer: which parameters have a gradient on some rank, and the indices of those
         written from outside on some rank: one all-reduce (MAX) of two bitmaps. Every rank."""
@@ -156,22 +158,27 @@ class UsageChecks:
                 raise RuntimeError(problems[0])
             b.refresh_master(written)
 
-    NUM_FLAGS = 5  # elements of flags()
+    NUM_FLAGS = 7  # elements of flags()
 
     @staticmethod
     def flags(found: Findings, device: torch.device) -> torch.Tensor:
-        """1D fp32, 5 numbers: problems, scaled and unscaled backward passes, parameters without a
-        gradient on this rank, parameters written from outside. The bitmaps behind the last two
-        are exchanged only when some rank has one (see ``apply``)."""
+        """1D fp32, 7 numbers: problems, scaled and unscaled backward passes, parameters without a
+        gradient on this rank, parameters written from outside, and whether averaged gradients
+        were zeroed or replaced here, as (yes, no): summed or maxed, both are positive exactly when
+        some ranks did and some did not (see [Note: gradients changed on some ranks only]). The
+        bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
         not_used = sum(len(u) - sum(u) for u in found.used)
         return torch.tensor([len(found.problems), found.scaled, found.unscaled, not_used,
-                             sum(map(len, found.written))], dtype=torch.float32, device=device)
+                             sum(map(len, found.written)), float(found.regraded), float(not found.regraded)],
+                            dtype=torch.float32, device=device)
 
     def apply(self, found: Findings, summed: torch.Tensor, loss_scale: float) -> None:
         """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
         start = time.perf_counter()
-        n_problems, scaled, unscaled, not_used, n_written = summed.tolist()
+        n_problems, scaled, unscaled, not_used, n_written, regraded, kept = summed.tolist()
         self._raise_if(n_problems, found)
+        if regraded > 0 and kept > 0:
+            self._raise_regraded(found)
         if not_used > 0 or n_written > 0:  # some parameter lacks a gradient on some rank, or was written
             self.used, written = self._exchange_bitmaps(found)
         else:  # the usual step: every parameter has a gradient everywhere, nothing was written

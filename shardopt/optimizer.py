@@ -111,6 +111,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         self._step = 0
         # (found_inf, clip coefficient, rounds completed then) from clip_grad_norm_
         self._clip: tuple[bool, float, int] | None = None
+        self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
         self.step_was_skipped = False
         self.skipped_steps = 0
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
@@ -279,12 +280,14 @@ class ShardedAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf, coef, rounds = self._clip if self._clip is not None else (self._grad_stats(None)[0], 1.0, None)
-        # Gradients changed after clipping (model.zero_grad(), or another backward pass, whose
-        # gradient may not be finite): look at them again. Every rank sees the same rounds.
-        if self._clip is not None and (self._checks.changed_since_check() or rounds != self._rounds.total_rounds):
-            found_inf = self._grad_stats(None)[0]
+        # Always the step's own all-reduce, also after clip_grad_norm_: user code between the two
+        # (model.zero_grad(), a weight write, another backward) may have changed something on one
+        # rank only, and a rank-local test deciding whether to look again would let one rank issue
+        # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
+        coef = self._clip[1] if self._clip is not None else 1.0
+        found_inf = self._grad_stats(None)[0]
         self._clip = None
+        self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf
         self._rounds.stepped()
         self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.stepped() for b in self._buffers)
@@ -392,6 +395,8 @@ class ShardedAdamW(torch.optim.Optimizer):
         As with torch, ``set_to_none=True`` leaves parameters without a gradient (the next step
         skips those that get none) and ``set_to_none=False`` with a zero one. Stage 1 keeps ``p.grad``
         a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place."""
+        # Averaged gradients dropped before their step: must happen on every rank alike (checked at the step).
+        self._checks.zeroed_after_round |= self._rounds.total_rounds != self._rounds_at_step
         self._rounds.zero_grad()
         for b in self._buffers:
             b.reducer.zero_grad(set_to_none)

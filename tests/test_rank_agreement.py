@@ -106,6 +106,42 @@ def test_clipping_on_one_rank_only_is_refused_on_every_rank(pools):
         assert seconds < 10
 
 
+def changed_on_one_rank_after_clip_case(what: str, stage: int) -> tuple:
+    """Between clip_grad_norm_ and step, rank 0 alone zeroes the gradients or writes a weight. The
+    step must not issue a collective on rank 0 only (it would meet rank 1's weight all-gather)."""
+    model, opt = _after_one_backward(stage=stage)
+    opt.clip_grad_norm_(1.0)
+    if dist.get_rank() == 0:
+        if what == "zero_grad":
+            model.zero_grad()
+        elif what == "opt.zero_grad":
+            opt.zero_grad()
+        else:
+            with torch.no_grad():
+                model.fc1.weight.fill_(0.5)
+    error, seconds = _timed(opt.step, RuntimeError)
+    return error, seconds, model.fc1.weight.detach().clone()
+
+
+def test_a_change_on_one_rank_between_clipping_and_step_is_seen_by_every_rank(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for rank, (error, seconds, _) in enumerate(pool.run(changed_on_one_rank_after_clip_case, "zero_grad", stage)):
+            assert error and "zeroed on some ranks only" in error and "rank 0" in error, (stage, rank, error)
+            assert seconds < 10, (stage, seconds)
+        # opt.zero_grad() on one rank makes it gather its (now absent) gradients again: another call.
+        for rank, (error, seconds, _) in enumerate(pool.run(changed_on_one_rank_after_clip_case, "opt.zero_grad", stage)):
+            assert error and "it alone called opt.zero_grad()" in error, (stage, rank, error)
+            assert seconds < 10, (stage, seconds)
+        # A weight written on one rank is followed as any write is: rank 0's value, on every rank.
+        results = pool.run(changed_on_one_rank_after_clip_case, "write", stage)
+        for rank, (error, seconds, weight) in enumerate(results):
+            assert error is None, (stage, rank, error)
+            assert torch.equal(weight, results[0][2]), (stage, rank)
+            assert (weight - 0.5).abs().max() <= 2e-3, (stage, rank)  # one step of lr 1e-3 from the written value
+            assert seconds < 10, (stage, seconds)
+
+
 # -- checkpoints: a path per rank, an extra that cannot be read back ------------------------------
 def per_rank_path_case(root: str) -> tuple:
     model = make_model(seed=3)
