@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from shardopt._step_message import HYPER_LEN
 from shardopt.loss_scale import make_scaler
 
 # [Note: ranks in different calls]
@@ -24,7 +25,6 @@ from shardopt.loss_scale import make_scaler
 # max(c) == c and max(-c) == -c); so every rank sees a difference, and raises.
 CALL_CODES = {"clip_grad_norm_": 1.0, "step": 2.0, "backward": 3.0}
 _CALL_NAMES = {1: "clip_grad_norm_()", 2: "step()", 3: "a backward pass"}
-HEADER_AT, HEADER_LEN = 2, 5  # where the header sits in that all-reduce, and its elements
 
 
 def call_header(call: str, lost_round: bool) -> list[float]:
@@ -130,8 +130,7 @@ def raise_first_difference(every: list[list], rank: int) -> None:
 # 74,000 ranks. The ranks then exchange their values (only on that error path) to name the group,
 # the key and both values.
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
-HYPER_CHUNKS = 8  # 4-bit chunks of the 32-bit digest
-HYPER_LEN = 2 * HYPER_CHUNKS  # elements of the step's all-reduce that carry them
+HYPER_CHUNKS = HYPER_LEN // 2  # 4-bit chunks of the 32-bit digest
 
 
 def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
@@ -142,7 +141,7 @@ def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, 
 
 
 def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
-    """This rank's HYPER_LEN elements (see [Note: hyperparameters that differ across ranks])."""
+    """This rank's ``StepMessage.hyper`` (see [Note: hyperparameters that differ across ranks])."""
     digest = zlib.crc32(repr(values).encode())
     chunks = [float((digest >> (4 * j)) & 15) for j in range(HYPER_CHUNKS)]
     return chunks + [-d if maxed else d * d for d in chunks]

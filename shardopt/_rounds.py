@@ -64,8 +64,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from shardopt._agreement import HEADER_AT, HEADER_LEN, call_header, check_calls
+from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
+from shardopt._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
 
@@ -91,12 +92,11 @@ class _EndOfBackward:
 class Rounds:
     """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
 
-    ``stats_numel``: elements of the all-reduce that clip_grad_norm_ and step start with; each
-    round's tag has that shape (see _agreement [Note: ranks in different calls])."""
+    Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
+    that clip_grad_norm_ and step start with (see _agreement [Note: ranks in different calls])."""
 
-    def __init__(self, reducers: Sequence, comm: Comm, stats_numel: int) -> None:
+    def __init__(self, reducers: Sequence, comm: Comm) -> None:
         self.reducers, self.comm = list(reducers), comm
-        self._stats_numel = stats_numel
         self._device = self.reducers[0].flat.device
         self.buckets = [(k, b) for k, r in enumerate(self.reducers) for b in range(r.num_buckets)]
         self._index = {kb: i for i, kb in enumerate(self.buckets)}
@@ -204,10 +204,8 @@ class Rounds:
             self.callback = end.state
             torch.autograd.Variable._execution_engine.queue_callback(end)
         if self.comm.world_size > 1:
-            tag = torch.zeros(self._stats_numel, dtype=torch.float32)
             self._tag_lost = self.lost_round  # what this tag says, for its check
-            tag[HEADER_AT:HEADER_AT + HEADER_LEN] = torch.tensor(call_header("backward", self._tag_lost))
-            self._tag_sum = tag.to(self._device)
+            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(self._device)
             self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
             if self.order is None and self.comm.rank != 0:
                 self._listen()
@@ -378,8 +376,7 @@ class Rounds:
         pending, self._tag_pending = self._tag_pending, None
         pending.wait()
         try:
-            header = self._tag_sum[HEADER_AT:HEADER_AT + HEADER_LEN].tolist()
-            check_calls(header, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+            check_calls(StepMessage.reduced(self._tag_sum).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
         except RuntimeError as e:
             self.broken = str(e)
             raise

@@ -158,24 +158,21 @@ class UsageChecks:
                 raise RuntimeError(problems[0])
             b.refresh_master(written)
 
-    NUM_FLAGS = 7  # elements of flags()
-
     @staticmethod
-    def flags(found: Findings, device: torch.device) -> torch.Tensor:
-        """1D fp32, 7 numbers: problems, scaled and unscaled backward passes, parameters without a
+    def flags(found: Findings) -> list[float]:
+        """``StepMessage.checks``, 7 numbers: problems, scaled and unscaled backward passes, parameters without a
         gradient on this rank, parameters written from outside, and whether averaged gradients
         were zeroed or replaced here, as (yes, no): summed or maxed, both are positive exactly when
         some ranks did and some did not (see [Note: gradients changed on some ranks only]). The
         bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
         not_used = sum(len(u) - sum(u) for u in found.used)
-        return torch.tensor([len(found.problems), found.scaled, found.unscaled, not_used,
-                             sum(map(len, found.written)), float(found.regraded), float(not found.regraded)],
-                            dtype=torch.float32, device=device)
+        return [len(found.problems), found.scaled, found.unscaled, not_used, sum(map(len, found.written)),
+                float(found.regraded), float(not found.regraded)]
 
-    def apply(self, found: Findings, summed: torch.Tensor, loss_scale: float) -> None:
+    def apply(self, found: Findings, summed: Sequence[float], loss_scale: float) -> None:
         """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
         start = time.perf_counter()
-        n_problems, scaled, unscaled, not_used, n_written, regraded, kept = summed.tolist()
+        n_problems, scaled, unscaled, not_used, n_written, regraded, kept = summed
         self._raise_if(n_problems, found)
         if regraded > 0 and kept > 0:
             self._raise_regraded(found)

@@ -13,9 +13,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from shardopt._agreement import (HEADER_AT, HEADER_LEN, HYPER_LEN, call_header, check_calls,
-                                 check_hyperparameters_agree, hyper_code, hyperparameters, raise_first_difference,
-                                 settings)
+from shardopt._agreement import (call_header, check_calls, check_hyperparameters_agree, hyper_code, hyperparameters,
+                                 raise_first_difference, settings)
 from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names, trainable_params
 from shardopt._gather_wait import in_flight, landed, watch_gathers
@@ -24,16 +23,14 @@ from shardopt._rounds import Rounds
 from shardopt._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 from shardopt._sharded_buffer import ShardedBuffer
 from shardopt._skips import SkipWatch
+from shardopt._step_message import StepMessage
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
 
-# The step's all-reduce: [any inf/NaN, norm, call header, usage-check flags, hyperparameter digest].
-FLAGS_AT = HEADER_AT + HEADER_LEN
-HYPER_AT = FLAGS_AT + UsageChecks.NUM_FLAGS
-STATS_NUMEL = HYPER_AT + HYPER_LEN
+STATS_NUMEL = StepMessage.NUMEL  # elements of the step's all-reduce (see _step_message)
 
 _NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
             "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
@@ -104,8 +101,7 @@ class ShardedAdamW(torch.optim.Optimizer):
             if p.device == self._buffers[0].flat.device:
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
-        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm,
-                              stats_numel=STATS_NUMEL)
+        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
@@ -194,55 +190,61 @@ class ShardedAdamW(torch.optim.Optimizer):
         finally:
             self._rounds.require_sync = previous
 
-    def _grad_stats(self, norm_type: float | None, caller: str = "step") -> tuple[bool, float]:
-        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): one collective,
-        which also carries which call each rank is in (``caller``; see _agreement [Note: ranks in
-        different calls]) and the usage checks (see ``_usage_checks``)."""
+    def _agree_on_gradients(self, norm_type: float | None, caller: str = "step") -> tuple[bool, float]:
+        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): the step's one
+        all-reduce (a ``StepMessage``), which also carries which call each rank is in (``caller``;
+        see _agreement [Note: ranks in different calls]), the usage checks and the hyperparameters'
+        digest; then what every rank does with the reduced message, alike (raise, take written
+        weights, skip parameters without gradients). Every rank."""
         self.finish_param_gather()
         self._rounds.before_step()
         found = self._checks.local()
-        device = self._buffers[0].flat.device
-        stats = torch.zeros(2, dtype=torch.float32, device=device)
-        counted = self._comm.replica == 0  # replicas hold the same shards (hybrid sharding): count each once
-        for b in self._buffers:
-            g = b.reducer.local_grad()
-            g = g if counted else g[:0]
-            k = b.master.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
-            if norm_type is None:
-                stats[0] += k.grad_nonfinite(g) if g.numel() else 0.0
-            elif math.isinf(norm_type):
-                m = k.grad_max(g) if g.numel() else stats[1] * 0
-                stats[0] += (~torch.isfinite(m)).float()
-                stats[1] = torch.maximum(stats[1], m)
-            else:
-                s = k.grad_norm_power(g, norm_type) if g.numel() else stats[1] * 0
-                stats[0] += (~torch.isfinite(s)).float()
-                stats[1] += s
-        lost = self._rounds.lost_round
         maxed = norm_type is not None and math.isinf(norm_type)
         start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
         hyper = hyperparameters(self.param_groups)
-        code = hyper_code(hyper, maxed)
+        lost = self._rounds.lost_round
+        mine = StepMessage(*self._local_grad_stats(norm_type), call=call_header(caller, lost),
+                           checks=self._checks.flags(found), hyper=hyper_code(hyper, maxed))
         self._checks.seconds += time.perf_counter() - start
-        stats = torch.cat([stats, torch.tensor(call_header(caller, lost), dtype=torch.float32, device=device),
-                           self._checks.flags(found, device), torch.tensor(code, dtype=torch.float32, device=device)])
-        if maxed:
-            self._comm.all_reduce_max(stats).wait()
-        else:
-            self._comm.all_reduce_sum(stats).wait()
+        packed = mine.pack(self._buffers[0].flat.device)
+        (self._comm.all_reduce_max if maxed else self._comm.all_reduce_sum)(packed).wait()
+        got = StepMessage.reduced(packed)
         try:
-            check_calls(stats[HEADER_AT:HEADER_AT + HEADER_LEN].tolist(), caller, lost, self._comm.world_size, maxed)
+            check_calls(got.call, caller, lost, self._comm.world_size, maxed)
         except RuntimeError as e:
             self._rounds.broken = str(e)
             raise
         start = time.perf_counter()
-        check_hyperparameters_agree(stats[HYPER_AT:].tolist(), hyper, self._comm, maxed)
+        check_hyperparameters_agree(got.hyper, hyper, self._comm, maxed)
         self._checks.seconds += time.perf_counter() - start
-        self._checks.apply(found, stats[FLAGS_AT:HYPER_AT], self._scaler.scale)
-        found_inf = bool(stats[0] > 0) or not math.isfinite(float(stats[1]))
-        if norm_type is None or math.isinf(norm_type):
-            return found_inf, float(stats[1])
-        return found_inf, float(stats[1]) ** (1.0 / norm_type)
+        self._checks.apply(found, got.checks, self._scaler.scale)
+        found_inf = got.nonfinite > 0 or not math.isfinite(got.norm)
+        if norm_type is None or maxed:
+            return found_inf, got.norm
+        return found_inf, got.norm ** (1.0 / norm_type)
+
+    def _local_grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
+        """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
+        gradient shards, 0-d fp32 on the device (no sync). ``None``: the count only. Local; a query."""
+        nonfinite, norm = (torch.zeros((), dtype=torch.float32, device=self._buffers[0].flat.device) for _ in range(2))
+        if self._comm.replica != 0:  # replicas hold the same shards (hybrid sharding): count each once
+            return nonfinite, norm
+        for b in self._buffers:
+            g = b.reducer.local_grad()
+            if not g.numel():
+                continue
+            k = b.master.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
+            if norm_type is None:
+                nonfinite += k.grad_nonfinite(g)
+            elif math.isinf(norm_type):
+                m = k.grad_max(g)
+                nonfinite += (~torch.isfinite(m)).float()
+                norm = torch.maximum(norm, m)
+            else:
+                s = k.grad_norm_power(g, norm_type)
+                nonfinite += (~torch.isfinite(s)).float()
+                norm += s
+        return nonfinite, norm
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -255,7 +257,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
         with self._comm.during("clip_grad_norm_()"):
-            found_inf, norm = self._grad_stats(norm_type, "clip_grad_norm_")
+            found_inf, norm = self._agree_on_gradients(norm_type, "clip_grad_norm_")
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip = (found_inf, coef, self._rounds.total_rounds)
@@ -285,7 +287,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         # rank only, and a rank-local test deciding whether to look again would let one rank issue
         # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
         coef = self._clip[1] if self._clip is not None else 1.0
-        found_inf = self._grad_stats(None)[0]
+        found_inf = self._agree_on_gradients(None)[0]
         self._clip = None
         self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf

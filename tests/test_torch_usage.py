@@ -427,7 +427,7 @@ def load_in_resume_order_case(mode: str) -> float:
     for first, second in ((model2.load_state_dict, opt2.load_state_dict), (opt2.load_state_dict, model2.load_state_dict)):
         first(saved["model"] if first == model2.load_state_dict else saved["opt"])
         second(saved["opt"] if second == opt2.load_state_dict else saved["model"])
-        opt2._grad_stats(None)  # what clip_grad_norm_ and step check first
+        opt2._agree_on_gradients(None)  # what clip_grad_norm_ and step check first
         got = torch.cat([b.master.fp32() for b in opt2._buffers])
         assert torch.equal(got, master), (got - master).abs().max()
     return 0.0
