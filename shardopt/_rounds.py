@@ -59,6 +59,7 @@ gets a second gradient in one round (used inside and outside such a checkpoint) 
 """
 from __future__ import annotations
 
+import enum
 import weakref
 from typing import Callable, Sequence
 
@@ -71,22 +72,46 @@ from shardopt._step_message import StepMessage
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
 
 
+class RoundState(enum.Enum):
+    """Where this rank's round of bucket reductions is. ``Rounds._to`` makes every transition."""
+
+    IDLE = "idle"  # no round open: between backward passes, or inside one under no_sync
+    OPEN = "open"  # a backward pass is reducing; its end-of-backward callback is queued on the engine
+    LOST = "lost"  # that backward pass raised: the engine dropped the callback without running it
+    FLUSHING = "flushing"  # launching the buckets left and waiting for every reduction of the round
+    BROKEN = "broken"  # the ranks fell apart: every later call raises ``Rounds.why_broken``
+
+
+_NEXT = {  # the transitions a round may make, each with its reason at the place that makes it
+    RoundState.IDLE: {RoundState.OPEN},
+    RoundState.OPEN: {RoundState.FLUSHING, RoundState.LOST},
+    RoundState.LOST: {RoundState.FLUSHING},
+    RoundState.FLUSHING: {RoundState.IDLE},
+    RoundState.BROKEN: set(),
+}
+
+
 class _EndOfBackward:
     """Queued on the autograd engine when a round opens; runs when that backward pass ends.
 
-    Only the engine holds it: once the engine drops it (after running it, or because the
-    backward pass raised), its finalizer marks ``state["alive"]`` False."""
+    Only the engine holds it: when the engine drops it without running it (the backward pass
+    raised), its finalizer marks the round it opened LOST."""
 
-    def __init__(self, rounds: "Rounds") -> None:
-        self._rounds = weakref.ref(rounds)
-        self.state = {"alive": True, "ran": False}
-        weakref.finalize(self, self.state.__setitem__, "alive", False)
+    def __init__(self, rounds: "Rounds", opened: int) -> None:
+        self._rounds, self._opened, self._ran = weakref.ref(rounds), opened, [False]
+        weakref.finalize(self, _dropped, self._rounds, opened, self._ran)
 
     def __call__(self) -> None:
-        self.state["ran"] = True
+        self._ran[0] = True
         rounds = self._rounds()
-        if rounds is not None and rounds.callback is self.state:
-            rounds.finish_round()
+        if rounds is not None and rounds.opened == self._opened and rounds.state is RoundState.OPEN:
+            rounds.finish_round()  # OPEN -> FLUSHING -> IDLE: the backward pass ended
+
+
+def _dropped(ref: "weakref.ref[Rounds]", opened: int, ran: list[bool]) -> None:
+    rounds = ref()
+    if rounds is not None and not ran[0] and rounds.opened == opened and rounds.state is RoundState.OPEN:
+        rounds._to(RoundState.LOST)  # OPEN -> LOST: the backward pass raised; settle() finishes the round
 
 
 class Rounds:
@@ -106,9 +131,10 @@ class Rounds:
         self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), learned in round 1
         self.require_sync = True  # False under no_sync
         self.sync_backward = True  # require_sync when the backward seen last started
-        self.callback: dict | None = None  # state of the open round's _EndOfBackward; None: no round open
-        self.lost_round = False  # a round of this rank's stopped before its end since the last step
-        self.broken: str | None = None  # why the ranks can no longer train together
+        self.state = RoundState.IDLE
+        self.opened = 0  # rounds opened since construction (tells a stale end-of-backward callback apart)
+        self.lost_round = False  # a round of this rank was LOST since the last step: what the next tags say
+        self.why_broken = ""  # once BROKEN: why the ranks can no longer train together
         self.rounds = 0  # rounds completed since zero_grad
         self.total_rounds = 0  # rounds completed since construction
         self._task: int | None = None  # autograd graph task of the backward pass seen last
@@ -144,7 +170,7 @@ class Rounds:
         task = torch._C._current_graph_task_id()
         if task != self._task:
             self._task = task
-            if not (self.callback is not None and self.callback["alive"]):  # not nested in the open round
+            if self.state is not RoundState.OPEN:  # not nested in the open round
                 self.settle()
                 self._round_task = task
                 for r in self.reducers:
@@ -160,12 +186,23 @@ class Rounds:
         """Before anything that must follow a complete round: raise if the ranks fell apart, and
         finish a round whose backward pass raised (see [Note: a round that did not end]). Every
         rank that has such a round must call it; it issues nothing otherwise."""
-        if self.broken is not None:
-            raise RuntimeError(self.broken)
-        cb = self.callback
-        if cb is not None and not cb["alive"] and not cb["ran"]:
+        if self.state is RoundState.BROKEN:
+            raise RuntimeError(self.why_broken)
+        if self.state is RoundState.LOST:
             self.lost_round = True
             self.finish_round()
+
+    def _to(self, state: RoundState) -> None:
+        """The one place a round changes state; BROKEN is reached from anywhere (``fail``)."""
+        assert state is RoundState.BROKEN or state in _NEXT[self.state], (self.state, state)
+        self.state = state
+
+    def fail(self, why: str) -> None:
+        """The ranks can no longer train together (a check of the tags or a collective failed):
+        every later call raises ``why``. The first reason is kept. Local."""
+        if self.state is not RoundState.BROKEN:
+            self.why_broken = why
+            self._to(RoundState.BROKEN)  # any -> BROKEN
 
     def before_step(self) -> None:
         """At clip_grad_norm_ and step: settle, then run a round if none ran since zero_grad
@@ -198,11 +235,12 @@ class Rounds:
 
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True) -> None:
-        self.callback = None
+        """IDLE -> OPEN: the first hook of a backward pass (``queue``: its end runs finish_round), or
+        clip_grad_norm_/step with gradients assigned by hand (finished at once)."""
+        self._to(RoundState.OPEN)
+        self.opened += 1
         if queue:
-            end = _EndOfBackward(self)
-            self.callback = end.state
-            torch.autograd.Variable._execution_engine.queue_callback(end)
+            torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(self, self.opened))
         if self.comm.world_size > 1:
             self._tag_lost = self.lost_round  # what this tag says, for its check
             self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(self._device)
@@ -378,7 +416,7 @@ class Rounds:
         try:
             check_calls(StepMessage.reduced(self._tag_sum).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
         except RuntimeError as e:
-            self.broken = str(e)
+            self.fail(str(e))
             raise
 
     def _complete_oldest(self) -> None:
@@ -403,6 +441,7 @@ class Rounds:
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
         at the end of each backward pass. Every rank."""
+        self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
         try:
             if self.order is None:
                 self._finish_learning()
@@ -413,9 +452,9 @@ class Rounds:
                 self._complete_oldest()
             self._wait_tag()
         except BaseException as e:
-            self.broken = self.broken or f"a round of gradient reductions failed on this rank: {e}"
+            self.fail(f"a round of gradient reductions failed on this rank: {e}")
             raise
-        self.callback = None
+        self._to(RoundState.IDLE)  # FLUSHING -> IDLE: every bucket of the round landed
         self.rounds += 1
         self.total_rounds += 1
         self._reset()

@@ -212,7 +212,7 @@ class ShardedAdamW(torch.optim.Optimizer):
         try:
             check_calls(got.call, caller, lost, self._comm.world_size, maxed)
         except RuntimeError as e:
-            self._rounds.broken = str(e)
+            self._rounds.fail(str(e))
             raise
         start = time.perf_counter()
         check_hyperparameters_agree(got.hyper, hyper, self._comm, maxed)
