@@ -42,12 +42,12 @@ class LateGradients:
         self._grads: dict[int, Tensor] = {}  # the gradients that came for them, until make_up
         self._buffers: dict[int, Tensor] = {}  # stage 2: make_up buffers in flight, by bucket
 
-    def count_unshown(self, b: int) -> bool:
+    def count_unshown(self, b: int, nested: bool) -> bool:
         """A bucket announced by rank 0 that lacks gradients here: whether this backward pass
         shows none of its missing parameters; if so they count as reduced without a gradient.
         Local."""
         r = self._r
-        if r.rounds.nested:  # the engine would answer for the nested pass, not the outer one
+        if nested:  # the engine would answer for the nested pass, not the outer one
             return False
         missing = [i for i in r.flat.layout.buckets[b].params if not r._seen[i]]
         will_run = torch._C._will_engine_execute_node

@@ -118,8 +118,8 @@ class GradReducer:
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self._seen = [False] * n  # gradient taken into the buffer being reduced in this round
-        self.rounds = None  # the optimizer's _rounds.Rounds, set by attach
-        self._k = 0  # this reducer's index there
+        self.on_held: Callable[[], None] = lambda: None  # told when the bytes held may have grown
+        self._launched: set[int] = set()  # buckets launched in the open round
         with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
@@ -127,22 +127,8 @@ class GradReducer:
         self.late = LateGradients(self)  # the first backward's gradients after their bucket (see _late_grads)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
-        self._hooks = [
-            # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-            p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(i)))
-            for i, p in enumerate(flat.params)
-        ]
-
-    def release(self) -> None:
-        """Stop taking gradients: remove the hooks from the parameters. Local."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
 
     # -- what _rounds asks of a reducer ----------------------------------------------------
-    def attach(self, rounds, k: int) -> None:
-        self.rounds, self._k = rounds, k
-
     @property
     def num_buckets(self) -> int:
         return len(self._bucket_size)
@@ -252,48 +238,48 @@ class GradReducer:
                     self.accum_shard[r.as_slice()].zero_()
         return True
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            sync = self.rounds.on_hook()
-            if self.rounds.nested:
-                self._nested[index] = True
-            if self._absent[index] or index in self.late.unshown:
-                self._absent[index] = False
-                self._nested[index] = True  # never counted ahead again
-                if param.dtype != self.flat.dtype or param.device != self.flat.device:
-                    return  # converted after construction (a new accumulator): reported at step() on every rank
-                if index in self.late.unshown:  # learning round: reduced once more when it ends
-                    self.late.keep(index, param)
-                    return
-                self._refuse(index, param,
-                             f"parameter {self.names[index]} got its gradient in a backward "
-                             "pass nested in another (torch.utils.checkpoint with use_reentrant=True) that the outer pass "
-                             "did not show, after its bucket was reduced without it; use use_reentrant=False, or turn "
-                             "checkpointing on before the first backward pass")
-                return
-            self.used[index] = True
-            self._note_grad(index, param.grad, keep=not sync and self.accumulate_dtype is None)
-            if not sync:
-                if self.accumulate_dtype is not None:
-                    self._accumulate(index)
-                return
-            if self.rounds.order is None and not self._arrived[index]:
-                self._arrived[index] = True
-                self.arrival.append(index)
-            if self._seen[index]:  # a second gradient in one round: used inside and outside a reentrant checkpoint
-                self._late(index, param)
-                return
-            self._take(index)
-            self.rounds.bucket_filled(self._k, self._bucket_of[index])
-
-        return hook
+    def arrive(self, index: int, param: Tensor, *, sync: bool, nested: bool, learning: bool) -> bool:
+        """Parameter ``index``'s gradient was accumulated into ``param.grad`` (from the scheduler's
+        hook): take it into its bucket, or hold it (``no_sync``), or fold or refuse a second one.
+        ``nested``: in a backward pass nested in the round's; ``learning``: in the first round. True
+        when its bucket has one more parameter in for this round. Local."""
+        if nested:
+            self._nested[index] = True
+        if self._absent[index] or index in self.late.unshown:
+            self._absent[index] = False
+            self._nested[index] = True  # never counted ahead again
+            if param.dtype != self.flat.dtype or param.device != self.flat.device:
+                return False  # converted after construction (a new accumulator): reported at step() on every rank
+            if index in self.late.unshown:  # learning round: reduced once more when it ends
+                self.late.keep(index, param)
+                return False
+            self._refuse(index, param,
+                         f"parameter {self.names[index]} got its gradient in a backward "
+                         "pass nested in another (torch.utils.checkpoint with use_reentrant=True) that the outer pass "
+                         "did not show, after its bucket was reduced without it; use use_reentrant=False, or turn "
+                         "checkpointing on before the first backward pass")
+            return False
+        self.used[index] = True
+        self._note_grad(index, param.grad, keep=not sync and self.accumulate_dtype is None)
+        if not sync:
+            if self.accumulate_dtype is not None:
+                self._accumulate(index)
+            return False
+        if learning and not self._arrived[index]:
+            self._arrived[index] = True
+            self.arrival.append(index)
+        if self._seen[index]:  # a second gradient in one round: used inside and outside a reentrant checkpoint
+            self._late(index, param)
+            return False
+        self._take(index)
+        return True
 
     def _late(self, index: int, param: Tensor) -> None:
         """Parameter ``index`` got a second gradient in this round (autograd accumulated it twice, in
         an outer and a nested backward pass). Folded into its bucket if that is not reduced yet;
         otherwise it cannot be reduced any more: raise rather than drop it. Local."""
         b = self._bucket_of[index]
-        if not self.rounds.launched(self._k, b):
+        if b not in self._launched:
             grad = param.grad
             if type(grad) is GradPlaceholder:
                 grad, param.grad.pending = grad.pending, None
@@ -326,8 +312,7 @@ class GradReducer:
         loose += self.late.grad_bytes
         self._pending = 0 if index in self._loose else nbytes
         self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
-        if self.rounds is not None:
-            self.rounds.note_held()
+        self.on_held()
 
     def reset_peaks(self) -> None:
         """Restart the high-water marks from what is held now. Local."""
@@ -418,8 +403,7 @@ class GradReducer:
     def note_buffers(self) -> None:
         """Track the high-water mark of communication buffers (see ``_buffer_bytes``)."""
         self.staging_peak_bytes = max(self.staging_peak_bytes, self._buffer_bytes())
-        if self.rounds is not None:
-            self.rounds.note_held()
+        self.on_held()
 
     def held_bytes(self, comm: bool = True) -> int:
         """Gradient bytes (storage, ``.grad`` tensors autograd holds until taken) plus communication
@@ -433,6 +417,7 @@ class GradReducer:
     def launch(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
         called in order on every rank; what to run once the last landed)."""
+        self._launched.add(b)
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
             if self.stage == 1 and i in self.late.unshown:
@@ -472,6 +457,7 @@ class GradReducer:
     def end_round(self) -> None:
         """Every bucket of this round was reduced: reset for the next. Local."""
         assert not self._staging, "staging left behind after a round"
+        self._launched = set()
         self.late.end_round()
         self.accum = None
         self._fresh = False

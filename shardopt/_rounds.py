@@ -126,8 +126,12 @@ class Rounds:
         self.buckets = [(k, b) for k, r in enumerate(self.reducers) for b in range(r.num_buckets)]
         self._index = {kb: i for i, kb in enumerate(self.buckets)}
         self._size = [self.reducers[k].bucket_size(b) for k, b in self.buckets]
+        self._hooks = []
         for k, r in enumerate(self.reducers):
-            r.attach(self, k)
+            r.on_held = self.note_held
+            # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
+            self._hooks += [p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(k, i)))
+                            for i, p in enumerate(r.flat.params)]
         self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), learned in round 1
         self.require_sync = True  # False under no_sync
         self.sync_backward = True  # require_sync when the backward seen last started
@@ -158,12 +162,27 @@ class Rounds:
         self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
         self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
-        self._launched: set[int] = set()  # buckets reduced (or being reduced) in this round
         self._tag_pending: Pending | None = None
         self._tag_lost = False
         self._tag_sum: torch.Tensor | None = None
 
     # -- entry points ---------------------------------------------------------------------
+    def _make_hook(self, k: int, index: int) -> Callable[[torch.Tensor], None]:
+        reducer, at = self.reducers[k], self._index
+
+        def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
+            sync = self.on_hook()
+            if reducer.arrive(index, param, sync=sync, nested=self.nested, learning=self.order is None):
+                self._count(at[(k, reducer.bucket_of(index))])
+
+        return hook
+
+    def release(self) -> None:
+        """Stop taking gradients: remove the hooks from the parameters. Local."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
     def on_hook(self) -> bool:
         """From every gradient hook, before the reducer looks at the gradient: opens a round at the
         first hook of a backward pass. True when this backward pass reduces (not under no_sync)."""
@@ -267,10 +286,6 @@ class Rounds:
                 self._held.add(i)
             self._follow(block=False)
 
-    def bucket_filled(self, k: int, b: int) -> None:
-        """One more parameter of bucket ``b`` of reducer ``k`` got its gradient in this round."""
-        self._count(self._index[(k, b)])
-
     # -- the learning round -----------------------------------------------------------------
     def _announce(self, i: int, absent: bool = False) -> None:
         """Rank 0: bucket ``i`` is next (``absent``: it never completed here); tell the others, then
@@ -323,7 +338,7 @@ class Rounds:
         complete) when this backward pass shows none of the missing parameters; a gradient that a
         nested pass still gives one of them is reduced once more when the round ends."""
         k, b = self.buckets[i]
-        if not self.reducers[k].late.count_unshown(b):
+        if not self.reducers[k].late.count_unshown(b, self.nested):
             return False
         self._ready[i] = self._size[i]
         return True
@@ -387,12 +402,7 @@ class Rounds:
             self._launch(order[self._pos])
             self._pos += 1
 
-    def launched(self, k: int, b: int) -> bool:
-        """Bucket ``b`` of reducer ``k`` was launched in this round."""
-        return self._index[(k, b)] in self._launched
-
     def _launch(self, i: int) -> None:
-        self._launched.add(i)
         k, b = self.buckets[i]
         self._issue(k, *self.reducers[k].launch(b), i)
 

@@ -347,8 +347,9 @@ class ShardedAdamW(torch.optim.Optimizer):
     def _remove_hooks(self) -> None:
         # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
         # must not remove the hooks of the optimizer it wraps when it is collected.
-        for b in self.__dict__.get("_buffers", []):
-            b.reducer.release()
+        rounds = self.__dict__.get("_rounds")
+        if rounds is not None:
+            rounds.release()
         for name in ("_gather_hook", "_ddp_watch"):
             hook = self.__dict__.get(name)
             if hook is not None:
