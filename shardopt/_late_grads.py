@@ -1,9 +1,9 @@
 """The first backward's gradients that come after their bucket was reduced without them.
 
-Owned by one ``GradReducer``: which parameters were counted as reduced without a gradient, the
-gradients that came for them anyway, and the one extra reduction of their buckets. ``_rounds``
-decides when (``count_unshown`` while following rank 0's announcements, ``make_up`` at the end of
-the learning round, for the buckets one all-reduce names).
+Owned by one ``GradReducer``: the gradients that came anyway for parameters counted as reduced
+without one (``ParamState.UNSHOWN``), and the one extra reduction of their buckets. ``_rounds``
+decides when (``GradReducer.count_unshown`` while following rank 0's announcements, ``make_up``
+at the end of the learning round, for the buckets one all-reduce names).
 
 [Note: a gradient after its bucket]
 In the learning round a rank may reduce a bucket without parameters that the backward pass does
@@ -21,52 +21,27 @@ nested pass, and a gradient after its bucket is an error (``GradReducer._refuse`
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from shardopt._collectives import Pending
-from shardopt._layout import Range
-
-if TYPE_CHECKING:
-    from shardopt._reducer import GradReducer
 
 
 class LateGradients:
     """The late gradients of one reducer's flat buffer in the learning round."""
 
-    def __init__(self, reducer: "GradReducer") -> None:
-        self._r = reducer
-        self.unshown: set[int] = set()  # counted as reduced without a gradient; a nested pass may still reach them
+    def __init__(self, reducer: Any) -> None:
+        self._r = reducer  # the GradReducer it belongs to (only its public attributes are read)
         self._grads: dict[int, Tensor] = {}  # the gradients that came for them, until make_up
         self._buffers: dict[int, Tensor] = {}  # stage 2: make_up buffers in flight, by bucket
 
-    def count_unshown(self, b: int, nested: bool) -> bool:
-        """A bucket announced by rank 0 that lacks gradients here: whether this backward pass
-        shows none of its missing parameters; if so they count as reduced without a gradient.
-        Local."""
-        r = self._r
-        if nested:  # the engine would answer for the nested pass, not the outer one
-            return False
-        missing = [i for i in r.flat.layout.buckets[b].params if not r._seen[i]]
-        will_run = torch._C._will_engine_execute_node
-        if any(r._nested[i] or will_run(r._accumulators[i]) for i in missing):
-            return False
-        for i in missing:
-            r._absent[i] = True
-            self.unshown.add(i)
-        return True
-
-    def keep(self, index: int, param: Tensor) -> None:
-        """Parameter ``index`` got its gradient after its bucket was reduced without it. Local."""
-        grad = param.grad
+    def keep(self, index: int, grad: Tensor | None) -> None:
+        """Parameter ``index`` got ``grad`` after its bucket was reduced without it. Local."""
         if grad is not None:
-            self._r.used[index] = True
             prev = self._grads.get(index)
             self._grads[index] = grad if prev is None else prev + grad
-        param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
-        self._r._note_grad(index, None, keep=False)
 
     def buckets(self) -> list[int]:
         """Buckets holding a kept gradient. Local."""
@@ -90,32 +65,30 @@ class LateGradients:
         if r.stage == 1:
             for i, g in late:
                 r.flat.param_view(r.flat_grad, i).add_(g)
-            return r.comm.all_reduce_parts(r.flat_grad[bucket.global_range.as_slice()], r._pieces[b],
+            return r.comm.all_reduce_parts(r.flat_grad[bucket.global_range.as_slice()], r.pieces[b],
                                            r.reduce_dtype), None
         buf = torch.zeros(bucket.global_range.size, dtype=r.flat.dtype, device=r.flat.device)
         for i, g in late:
             buf[r.in_bucket(i)].copy_(g.reshape(-1))
         self._buffers[b] = buf
         r.note_buffers()
-        local = r._local[b].relative_to(r.shard.start) if r._local[b].size else Range(0, 0)
-        dest = r.grad_shard[local.as_slice()]
+        dest = r.shard_part(b)
         out = torch.empty_like(dest, dtype=r.reduce_dtype or dest.dtype)
-        parts = r.comm.reduce_scatter_parts(out, buf, r._pieces[b])
+        parts = r.comm.reduce_scatter_parts(out, buf, r.pieces[b])
 
         def after() -> None:
             dest.add_(out)
             self._buffers.pop(b, None)
         return parts, after
 
-    def end_round(self) -> None:
-        """The round ended: stage 1 points ``.grad`` of parameters without a late gradient back at
-        their view (it holds the reduced value); forget the round. Local."""
+    def end_round(self, unshown: list[int]) -> None:
+        """The round ended: stage 1 points ``.grad`` of the ``unshown`` parameters (counted without
+        a gradient) back at their view, which holds the reduced value. Local."""
         assert not self._grads, "late gradients left behind after a round"
         r = self._r
         if r.stage == 1:
-            for i in self.unshown:
+            for i in unshown:
                 try:
                     r.flat.params[i].grad = r.flat.param_view(r.flat_grad, i)
                 except RuntimeError:
                     pass  # converted after construction: reported by the binding check
-        self.unshown.clear()

@@ -26,6 +26,7 @@ A gradient that comes after its bucket was reduced in the first backward: see ``
 """
 from __future__ import annotations
 
+import enum
 import operator
 import time
 from typing import Callable
@@ -38,6 +39,15 @@ from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._late_grads import LateGradients
 from shardopt._layout import Range
+
+class ParamState(enum.Enum):
+    """Where one parameter's gradient is in the open round; ``end_round`` sets every one WAITING."""
+
+    WAITING = "waiting"  # nothing taken in this round yet
+    TAKEN = "taken"  # its gradient (or zero) is in its bucket; another one in this round is a second gradient
+    ABSENT = "absent"  # this backward pass will not reach it: counted in at once; a gradient for it is refused
+    UNSHOWN = "unshown"  # learning round, the same; a gradient a nested pass gives it is kept (see _late_grads)
+
 
 class GradReducer:
     """Reduces the gradients of one :class:`FlatParams` buffer over ``comm``'s ranks."""
@@ -77,15 +87,14 @@ class GradReducer:
             for i in b.params:
                 self._bucket_of[i] = b.index
         self._bucket_size = [len(b.params) for b in layout.buckets]
-        # Per bucket: each rank's piece relative to the bucket start, and this rank's piece
-        # relative to the shard start.
-        self._pieces = [
+        # Per bucket: each rank's piece relative to the bucket start (what its collectives cut), and
+        # this rank's piece relative to the shard start.
+        self.pieces = [
             [r.relative_to(b.global_range.start) if r.size else Range(0, 0) for r in layout.bucket_shard_ranges(b.index)]
             for b in layout.buckets
         ]
-        self._local = [
-            layout.bucket_shard_ranges(b.index)[comm.shard_rank] for b in layout.buckets
-        ]
+        local = [layout.bucket_shard_ranges(b.index)[comm.shard_rank] for b in layout.buckets]
+        self._in_shard = [r.relative_to(self.shard.start) if r.size else Range(0, 0) for r in local]
         self.flat_grad = self.grad_shard = None
         n = len(flat.params)
         # Per parameter: got a gradient on this rank since last zeroed (see [Note: what the reducer knows ...]).
@@ -111,19 +120,18 @@ class GradReducer:
         self.grad_peak_bytes = 0  # high-water mark of gradient bytes: storage plus .grad tensors held by autograd
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self.arrival: list[int] = []  # parameters in the order their gradients arrived in the first round
-        self._arrived = [False] * len(flat.params)
+        self._arrived: set[int] = set()  # those of ``arrival``
         self._loose: dict[int, int] = {}  # .grad tensors kept across no_sync backward passes: bytes by parameter
         self._staging: dict[int, Tensor] = {}
         self._pending = 0  # bytes of the .grad autograd just produced, until taken
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
-        self._seen = [False] * n  # gradient taken into the buffer being reduced in this round
+        self.state = [ParamState.WAITING] * n  # per parameter, in the open round
         self.on_held: Callable[[], None] = lambda: None  # told when the bytes held may have grown
         self._launched: set[int] = set()  # buckets launched in the open round
         with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
-        self._absent = [False] * n  # counted as reduced without a gradient in the open round
         self.late = LateGradients(self)  # the first backward's gradients after their bucket (see _late_grads)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
@@ -144,9 +152,23 @@ class GradReducer:
         will_run = torch._C._will_engine_execute_node
         for i, acc in enumerate(self._accumulators):
             if not self._nested[i] and not will_run(acc):
-                self._absent[i] = True
+                self.state[i] = ParamState.ABSENT  # WAITING -> ABSENT: the round opened, the pass will not reach it
                 out.append(self._bucket_of[i])
         return out
+
+    def count_unshown(self, b: int, nested: bool) -> bool:
+        """Learning round, a bucket announced by rank 0 that lacks gradients here: whether this
+        backward pass shows none of its missing parameters; if so they are counted as reduced
+        without a gradient (see _late_grads [Note: a gradient after its bucket]). Local."""
+        if nested:  # the engine would answer for the nested pass, not the outer one
+            return False
+        missing = [i for i in self.flat.layout.buckets[b].params if self.state[i] is ParamState.WAITING]
+        will_run = torch._C._will_engine_execute_node
+        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
+            return False
+        for i in missing:
+            self.state[i] = ParamState.UNSHOWN  # WAITING -> UNSHOWN: rank 0 reduces the bucket without it
+        return True
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -245,13 +267,19 @@ class GradReducer:
         when its bucket has one more parameter in for this round. Local."""
         if nested:
             self._nested[index] = True
-        if self._absent[index] or index in self.late.unshown:
-            self._absent[index] = False
+        state = self.state[index]
+        if state is ParamState.ABSENT or state is ParamState.UNSHOWN:
             self._nested[index] = True  # never counted ahead again
+            if state is ParamState.ABSENT:  # ABSENT -> TAKEN or WAITING: refused below, as if never counted
+                launched = self._bucket_of[index] in self._launched
+                self.state[index] = ParamState.TAKEN if launched else ParamState.WAITING
             if param.dtype != self.flat.dtype or param.device != self.flat.device:
                 return False  # converted after construction (a new accumulator): reported at step() on every rank
-            if index in self.late.unshown:  # learning round: reduced once more when it ends
-                self.late.keep(index, param)
+            if state is ParamState.UNSHOWN:  # learning round: reduced once more when it ends
+                self.used[index] |= param.grad is not None
+                self.late.keep(index, param.grad)
+                param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
+                self._note_grad(index, None, keep=False)
                 return False
             self._refuse(index, param,
                          f"parameter {self.names[index]} got its gradient in a backward "
@@ -265,10 +293,10 @@ class GradReducer:
             if self.accumulate_dtype is not None:
                 self._accumulate(index)
             return False
-        if learning and not self._arrived[index]:
-            self._arrived[index] = True
+        if learning and index not in self._arrived:
+            self._arrived.add(index)
             self.arrival.append(index)
-        if self._seen[index]:  # a second gradient in one round: used inside and outside a reentrant checkpoint
+        if state is ParamState.TAKEN:  # a second gradient in one round: used inside and outside a reentrant checkpoint
             self._late(index, param)
             return False
         self._take(index)
@@ -347,9 +375,11 @@ class GradReducer:
 
     def _take(self, index: int) -> None:
         """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
-        if self._seen[index]:
+        state = self.state[index]
+        if state is ParamState.TAKEN:
             return
-        self._seen[index] = True
+        if state is ParamState.WAITING:
+            self.state[index] = ParamState.TAKEN  # WAITING -> TAKEN: its gradient (or zero) goes into the bucket
         self._loose.pop(index, None)
         p = self.flat.params[index]
         if p.grad is not None and p.grad.is_sparse:
@@ -379,6 +409,10 @@ class GradReducer:
     def _staged(self, index: int) -> Tensor:
         """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
         return self._staging_for(self._bucket_of[index])[self.in_bucket(index)]
+
+    def shard_part(self, b: int) -> Tensor:
+        """Stage 2: bucket ``b``'s part of this rank's gradient shard (a view; may be empty)."""
+        return self.grad_shard[self._in_shard[b].as_slice()]
 
     def in_bucket(self, index: int) -> slice:
         """Where parameter ``index`` sits in a bucket-sized buffer of its bucket."""
@@ -420,18 +454,17 @@ class GradReducer:
         self._launched.add(b)
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
-            if self.stage == 1 and i in self.late.unshown:
+            if self.stage == 1 and self.state[i] is ParamState.UNSHOWN:
                 self.flat.params[i].grad = None  # a gradient that still comes arrives on its own
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             view = self.flat_grad[bucket.as_slice()]
-            return self.comm.all_reduce_parts(view, self._pieces[b], self.reduce_dtype), None
+            return self.comm.all_reduce_parts(view, self.pieces[b], self.reduce_dtype), None
         return self._launch_reduce_scatter(b)
 
     def _launch_reduce_scatter(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         staging = self._staging_for(b)
-        local = self._local[b].relative_to(self.shard.start) if self._local[b].size else Range(0, 0)
-        dest = self.grad_shard[local.as_slice()]
+        dest = self.shard_part(b)
         if self._fresh and self.reduce_dtype is None:
             out, after = dest, None
         elif not self._fresh and self.accumulate_dtype is not None:  # see [Note: accumulating in the shard]
@@ -439,7 +472,7 @@ class GradReducer:
                 self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
                 self.shard_accumulated = True
                 self.note_buffers()
-            total = self.accum_shard[local.as_slice()]
+            total = self.accum_shard[self._in_shard[b].as_slice()]
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
 
             def after() -> None:
@@ -448,7 +481,7 @@ class GradReducer:
         else:
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
             after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
-        return self.comm.reduce_scatter_parts(out, staging, self._pieces[b]), after
+        return self.comm.reduce_scatter_parts(out, staging, self.pieces[b]), after
 
     def landed(self, b: int) -> None:
         """Bucket ``b``'s reduction arrived: its staging goes."""
@@ -458,11 +491,10 @@ class GradReducer:
         """Every bucket of this round was reduced: reset for the next. Local."""
         assert not self._staging, "staging left behind after a round"
         self._launched = set()
-        self.late.end_round()
+        self.late.end_round([i for i, s in enumerate(self.state) if s is ParamState.UNSHOWN])
         self.accum = None
         self._fresh = False
-        self._seen = [False] * len(self.flat.params)
-        self._absent = [False] * len(self.flat.params)
+        self.state = [ParamState.WAITING] * len(self.flat.params)  # any -> WAITING: the next round
         if self.stage == 2:
             start = time.perf_counter()
             placed = self._placed

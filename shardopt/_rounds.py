@@ -338,7 +338,7 @@ class Rounds:
         complete) when this backward pass shows none of the missing parameters; a gradient that a
         nested pass still gives one of them is reduced once more when the round ends."""
         k, b = self.buckets[i]
-        if not self.reducers[k].late.count_unshown(b, self.nested):
+        if not self.reducers[k].count_unshown(b, self.nested):
             return False
         self._ready[i] = self._size[i]
         return True
