@@ -22,7 +22,6 @@ in stage 1 ``p.grad`` is a view of the flat gradient, in stage 2 a placeholder (
 parameter's gradient (stage 2: its part of the shard) restarts from zero. Every rank sets
 ``p.grad`` of *every* parameter after a round, so a zeroing is seen alike on every rank.
 
-A gradient that comes after its bucket was reduced in the first backward: see ``_late_grads``.
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ from torch import Tensor
 from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
-from shardopt._late_grads import LateGradients
 from shardopt._layout import Range
 
 class ParamState(enum.Enum):
@@ -46,7 +44,6 @@ class ParamState(enum.Enum):
     WAITING = "waiting"  # nothing taken in this round yet
     TAKEN = "taken"  # its gradient (or zero) is in its bucket; another one in this round is a second gradient
     ABSENT = "absent"  # this backward pass will not reach it: counted in at once; a gradient for it is refused
-    UNSHOWN = "unshown"  # learning round, the same; a gradient a nested pass gives it is kept (see _late_grads)
 
 
 class GradReducer:
@@ -132,7 +129,7 @@ class GradReducer:
         with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
-        self.late = LateGradients(self)  # the first backward's gradients after their bucket (see _late_grads)
+        self._gradless = [False] * n  # used only in forwards without gradients (see note_forward_use)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.names = [f"#{i}" for i in range(n)]  # how messages call each parameter (set by the optimizer)
 
@@ -156,19 +153,17 @@ class GradReducer:
                 out.append(self._bucket_of[i])
         return out
 
-    def count_unshown(self, b: int, nested: bool) -> bool:
-        """Learning round, a bucket announced by rank 0 that lacks gradients here: whether this
-        backward pass shows none of its missing parameters; if so they are counted as reduced
-        without a gradient (see _late_grads [Note: a gradient after its bucket]). Local."""
-        if nested:  # the engine would answer for the nested pass, not the outer one
-            return False
-        missing = [i for i in self.flat.layout.buckets[b].params if self.state[i] is ParamState.WAITING]
-        will_run = torch._C._will_engine_execute_node
-        if any(self._nested[i] or will_run(self._accumulators[i]) for i in missing):
-            return False
-        for i in missing:
-            self.state[i] = ParamState.UNSHOWN  # WAITING -> UNSHOWN: rank 0 reduces the bucket without it
-        return True
+    def may_nest(self, b: int) -> bool:
+        """Some parameter of bucket ``b`` was used only inside reentrant checkpoints: its gradients
+        may come from several nested backward passes, so the bucket waits for the end of the outer
+        one. Local."""
+        return any(self._gradless[i] for i in self.flat.layout.buckets[b].params)
+
+    def note_forward_use(self, gradless: list[bool]) -> None:
+        """Before the first round: the parameters used only in forwards without gradients (see
+        _rounds [Note: launch order]); they are never counted ahead either. Local."""
+        self._gradless = list(gradless)
+        self._nested = [n or g for n, g in zip(self._nested, gradless)]
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and what was zeroed since the last. Local."""
@@ -260,27 +255,19 @@ class GradReducer:
                     self.accum_shard[r.as_slice()].zero_()
         return True
 
-    def arrive(self, index: int, param: Tensor, *, sync: bool, nested: bool, learning: bool) -> bool:
+    def arrive(self, index: int, param: Tensor, *, sync: bool, nested: bool, first: bool) -> bool:
         """Parameter ``index``'s gradient was accumulated into ``param.grad`` (from the scheduler's
         hook): take it into its bucket, or hold it (``no_sync``), or fold or refuse a second one.
-        ``nested``: in a backward pass nested in the round's; ``learning``: in the first round. True
+        ``nested``: in a backward pass nested in the round's; ``first``: in the first round. True
         when its bucket has one more parameter in for this round. Local."""
         if nested:
             self._nested[index] = True
         state = self.state[index]
-        if state is ParamState.ABSENT or state is ParamState.UNSHOWN:
+        if state is ParamState.ABSENT:  # ABSENT -> TAKEN or WAITING: refused below, as if never counted
             self._nested[index] = True  # never counted ahead again
-            if state is ParamState.ABSENT:  # ABSENT -> TAKEN or WAITING: refused below, as if never counted
-                launched = self._bucket_of[index] in self._launched
-                self.state[index] = ParamState.TAKEN if launched else ParamState.WAITING
+            self.state[index] = ParamState.TAKEN if self._bucket_of[index] in self._launched else ParamState.WAITING
             if param.dtype != self.flat.dtype or param.device != self.flat.device:
                 return False  # converted after construction (a new accumulator): reported at step() on every rank
-            if state is ParamState.UNSHOWN:  # learning round: reduced once more when it ends
-                self.used[index] |= param.grad is not None
-                self.late.keep(index, param.grad)
-                param.grad = None  # another nested pass may add more; stage 1's view comes back at the round's end
-                self._note_grad(index, None, keep=False)
-                return False
             self._refuse(index, param,
                          f"parameter {self.names[index]} got its gradient in a backward "
                          "pass nested in another (torch.utils.checkpoint with use_reentrant=True) that the outer pass "
@@ -293,7 +280,7 @@ class GradReducer:
             if self.accumulate_dtype is not None:
                 self._accumulate(index)
             return False
-        if learning and index not in self._arrived:
+        if first and index not in self._arrived:
             self._arrived.add(index)
             self.arrival.append(index)
         if state is ParamState.TAKEN:  # a second gradient in one round: used inside and outside a reentrant checkpoint
@@ -337,7 +324,6 @@ class GradReducer:
         if keep and nbytes:
             self._loose[index] = nbytes
         loose = sum(self._loose.values()) if self._loose else 0
-        loose += self.late.grad_bytes
         self._pending = 0 if index in self._loose else nbytes
         self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
         self.on_held()
@@ -430,7 +416,6 @@ class GradReducer:
     def _buffer_bytes(self) -> int:
         """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
         held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
-        held += self.late.buffer_bytes
         held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
@@ -444,7 +429,6 @@ class GradReducer:
         buffers held now; without ``comm``, leaving out the receive buffers of the Comm, which the
         reducers of one optimizer share. Local."""
         loose = sum(self._loose.values()) if self._loose else 0
-        loose += self.late.grad_bytes
         buffers = self._buffer_bytes() - (0 if comm else self.comm.live_bytes)
         return self.grad_bytes + loose + self._pending + buffers
 
@@ -454,8 +438,6 @@ class GradReducer:
         self._launched.add(b)
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
-            if self.stage == 1 and self.state[i] is ParamState.UNSHOWN:
-                self.flat.params[i].grad = None  # a gradient that still comes arrives on its own
         bucket = self.flat.layout.buckets[b].global_range
         if self.stage == 1:
             view = self.flat_grad[bucket.as_slice()]
@@ -491,7 +473,6 @@ class GradReducer:
         """Every bucket of this round was reduced: reset for the next. Local."""
         assert not self._staging, "staging left behind after a round"
         self._launched = set()
-        self.late.end_round([i for i, s in enumerate(self.state) if s is ParamState.UNSHOWN])
         self.accum = None
         self._fresh = False
         self.state = [ParamState.WAITING] * len(self.flat.params)  # any -> WAITING: the next round

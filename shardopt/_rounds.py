@@ -8,30 +8,28 @@ when asked; this module decides when.
 [Note: launch order]
 Collectives must be issued in the same order on every rank, and buckets should be reduced in the
 order their gradients become ready, which the layout cannot know (param groups interleave layers).
-The first backward pass is a *learning round*: rank 0 announces each bucket as it completes there
-(a one-element broadcast, then that bucket's reduction) and every rank reduces the buckets in the
-announced order, each as soon as it is announced and complete on that rank (a rank polls the
-announcement from its hooks without blocking). The first backward thus holds no more gradient than
-later ones while the ranks run at a similar pace, and its announcements are the order every later
-round follows, without any announcement: from then on a bucket is launched from the hook that
-completes it, as soon as every bucket before it in that order has been launched. From the second
-round on, a parameter that this backward pass will not reach on this rank
-(``torch._C._will_engine_execute_node`` of its gradient accumulator, asked when the round opens)
-counts as ready at once, so a parameter unused on one rank (a branch, an expert) holds back
-nothing there. In the learning round the same question is asked only on a rank other than 0 whose
-graph visibly differs from rank 0's: the announced bucket lacks gradients there while a later
-one is complete. A parameter the outer pass does not show may still get its gradient from a pass
-nested in it (a reentrant checkpoint); such a gradient is kept and its bucket reduced once more
-at the end of the round (see ``_late_grads`` [Note: a gradient after its bucket]). A parameter
-unused on rank 0 alone holds its own bucket on the other ranks until the learning round ends.
-A bucket that rank 0 never completed in the learning round is placed, for later
-rounds, where the other ranks completed it, unless some rank saw a nested pass (then rank 0
-could not count it ready, and it stays last). Not once a backward pass ran nested in another (``torch.utils.checkpoint`` with
-``use_reentrant=True``): the outer pass does not show the parameters of the inner one. A bucket still missing a gradient is launched when backward ends, by a callback
-queued on the autograd engine, which then waits for every reduction of that backward (in the
-learning round, rank 0 announces such buckets then, in index order). Each backward pass is thus one *round*
-in which every bucket is reduced exactly once, in the agreed order, on every rank. Several rounds
-between two steps accumulate correctly (see ``_reducer``).
+The order is fixed before the first backward pass: until the first round opens, a global forward
+pre-hook notes where each parameter is first used (``ForwardOrder``), and gradients become ready
+roughly in the reverse of that order, so a bucket is expected complete when its earliest-used
+parameter gets its gradient. When the first round opens, every rank takes rank 0's guess (one
+small broadcast, after the round's tag). A wrong guess costs memory (a complete bucket waits for
+the ones before it in the order), never correctness: every round launches the buckets in the
+agreed order, each from the hook that completes it once every bucket before it was launched, and
+the rest when backward ends, by a callback queued on the autograd engine, which then waits for
+every reduction of that backward. Each backward pass is thus one *round* in which every bucket is
+reduced exactly once, in the agreed order, on every rank. Several rounds between two steps
+accumulate correctly (see ``_reducer``).
+
+A parameter that this backward pass will not reach on this rank (``torch._C._will_engine_execute_
+node`` of its gradient accumulator, asked when the round opens) counts as ready at once, so a
+parameter unused on one rank (a branch, an expert) holds back nothing there. Not a parameter that
+may get its gradient from a backward pass nested in this one (``torch.utils.checkpoint`` with
+``use_reentrant=True``, whose outer pass does not show the inner one's parameters): one whose
+module ran its forward with gradients disabled before the first backward (a reentrant checkpoint
+runs its forward so), or that once got a gradient in a nested pass, and none at all once some
+pass ran nested in another. Those wait for their gradient or for the end of the outer pass, the
+plain slow path. A parameter counted ready that gets a gradient anyway is refused at the step on
+every rank (``GradReducer._refuse``).
 
 The order spans every flat buffer (one per dtype): with two buffers and rank-dependent routing
 (an expert or a branch used on one rank only), per-buffer orders would interleave differently
@@ -67,6 +65,7 @@ import torch
 
 from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
+from shardopt._forward_order import ForwardOrder
 from shardopt._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
@@ -132,7 +131,9 @@ class Rounds:
             # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
             self._hooks += [p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(k, i)))
                             for i, p in enumerate(r.flat.params)]
-        self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), learned in round 1
+        self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), from rank 0 in round 1
+        self._forward = ForwardOrder([r.flat.params for r in self.reducers])  # until then, the guess
+        self._gradless = False  # some parameter was used only in forwards without gradients
         self.require_sync = True  # False under no_sync
         self.sync_backward = True  # require_sync when the backward seen last started
         self.state = RoundState.IDLE
@@ -151,15 +152,6 @@ class Rounds:
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
         self._pos = 0  # next position in self.order to launch
-        # Learning round: buckets announced so far (rank 0's completion order), the announcement
-        # in flight (ranks but 0), buckets complete on rank 0 and not yet announced.
-        self._announced: list[int] = []
-        self._absent_on_0: set[int] = set()  # announced at the end: never complete on rank 0
-        self._done_at: dict[int, int] = {}  # bucket -> how many buckets were complete here before it
-        self._announcing: list[tuple[Pending, torch.Tensor]] = []  # rank 0's broadcasts in flight
-        self._listening: tuple[Pending, torch.Tensor] | None = None  # ranks but 0: the next announcement
-        self._next: int | None = None  # ranks but 0: announced, not yet complete here
-        self._held: set[int] = set()  # ranks but 0: complete here, not yet announced
         self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
         self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
         self._tag_pending: Pending | None = None
@@ -172,13 +164,14 @@ class Rounds:
 
         def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
             sync = self.on_hook()
-            if reducer.arrive(index, param, sync=sync, nested=self.nested, learning=self.order is None):
+            if reducer.arrive(index, param, sync=sync, nested=self.nested, first=self.total_rounds == 0):
                 self._count(at[(k, reducer.bucket_of(index))])
 
         return hook
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
+        self._forward.stop()
         for h in self._hooks:
             h.remove()
         self._hooks = []
@@ -264,141 +257,44 @@ class Rounds:
             self._tag_lost = self.lost_round  # what this tag says, for its check
             self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(self._device)
             self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
-            if self.order is None and self.comm.rank != 0:
-                self._listen()
-        if queue and self.order is not None and not self.nesting_seen:
+        if self.order is None:
+            self._agree_order()
+        if queue and not self.nesting_seen and (self.total_rounds or not self._gradless):
             # Inside a backward pass: parameters it will not reach hold nothing back.
             for k, r in enumerate(self.reducers):
                 for b in r.unreached():
                     self._count(self._index[(k, b)])
 
-    def _count(self, i: int) -> None:
-        """One more parameter of bucket ``i`` is in; launch (or announce) what is ready."""
-        self._ready[i] += 1
-        if self.order is None and self._ready[i] == self._size[i]:
-            self._done_at[i] = len(self._done_at)
-        if self.order is not None:
-            self._launch_ready()
-        elif self._ready[i] == self._size[i] and self.comm.rank == 0:
-            self._announce(i)
-        elif self.comm.rank != 0:
-            if self._ready[i] == self._size[i]:
-                self._held.add(i)
-            self._follow(block=False)
-
-    # -- the learning round -----------------------------------------------------------------
-    def _announce(self, i: int, absent: bool = False) -> None:
-        """Rank 0: bucket ``i`` is next (``absent``: it never completed here); tell the others, then
-        reduce it."""
-        self._announced.append(i)
-        if absent:
-            self._absent_on_0.add(i)
+    def _agree_order(self) -> None:
+        """The first round: every rank takes rank 0's guess of the launch order (see [Note: launch
+        order]); the tag is checked first, so that a rank in another call raises before the
+        broadcast. Every rank."""
+        self._wait_tag()
+        guess = self._forward.bucket_order([[b.params for b in r.flat.layout.buckets] for r in self.reducers])
+        self._forward.stop()
+        gradless = self._forward.gradless
+        self._gradless = any(map(any, gradless))  # then the first round counts nothing ahead
+        for k, r in enumerate(self.reducers):
+            r.note_forward_use(gradless[k])
+        order = torch.tensor([self._index[kb] for kb in guess], dtype=torch.int64)
         if self.comm.world_size > 1:
-            t = torch.tensor([i + len(self.buckets) * absent], dtype=torch.int64).to(self._device)
-            self._announcing.append((self.comm.broadcast(t, src=0), t))
-        self._launch(i)
-
-    def _listen(self) -> None:
-        """Ranks but 0: post the receive of the next announcement, unless all were made."""
-        self._listening = None
-        if len(self._announced) < len(self.buckets):
-            t = torch.zeros(1, dtype=torch.int64, device=self._device)
-            self._listening = (self.comm.broadcast(t, src=0), t)
-
-    def _follow(self, block: bool) -> None:
-        """Ranks but 0: reduce the announced buckets that are complete here, in the announced
-        order; with ``block`` (backward has ended) every bucket, waiting for each announcement.
-        A rank ahead of rank 0 waits for the next announcement rather than hold a complete bucket
-        (the same bound as later rounds, where it waits for the reductions in flight)."""
-        while True:
-            if self._next is None:
-                if self._listening is None:
-                    return  # every bucket was announced
-                pending, t = self._listening
-                if not block and not self._held and not pending.arrived():
-                    return
-                pending.wait()
-                value = int(t.item())
-                self._next = value % len(self.buckets)
-                if value >= len(self.buckets):
-                    self._absent_on_0.add(self._next)
-                self._announced.append(self._next)
-            i = self._next
-            if not block and self._ready[i] < self._size[i]:
-                if not (self._held and self._unshown(i)):
-                    return
-            self._next = None
-            self._held.discard(i)
-            self._launch(i)
-            self._listen()
-
-    def _unshown(self, i: int) -> bool:
-        """Ranks but 0, learning round: bucket ``i`` is announced and lacks gradients here while a
-        later one is complete, so this rank's graph differs from rank 0's. True (and ``i`` counted
-        complete) when this backward pass shows none of the missing parameters; a gradient that a
-        nested pass still gives one of them is reduced once more when the round ends."""
-        k, b = self.buckets[i]
-        if not self.reducers[k].count_unshown(b, self.nested):
-            return False
-        self._ready[i] = self._size[i]
-        return True
-
-    def _finish_learning(self) -> None:
-        if self.comm.rank == 0:
-            done = set(self._announced)
-            for i in range(len(self.buckets)):
-                if i not in done:
-                    self._announce(i, absent=True)  # a parameter without a gradient on rank 0
-        else:
-            self._follow(block=True)
-        for pending, _ in self._announcing:
-            pending.wait()
-        self.order, late = self._learned_order()
-        for i in late:  # every rank, in index order: the gradients that came after their bucket
-            k, b = self.buckets[i]
-            self._issue(k, *self.reducers[k].late.make_up(b), None)
+            order = order.to(self._device)
+            self.comm.broadcast(order, src=0).wait()
+        self.order = order.cpu().tolist()
         for k, r in enumerate(self.reducers):
             r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
 
-    def _learned_order(self) -> tuple[list[int], list[int]]:
-        """(The launch order of later rounds, the buckets some rank got a gradient for after it had
-        reduced them without it), from one small all-reduce at the end of the learning round.
-
-        The order is the announced one, except that a bucket rank 0 never completed (announced at
-        the end) goes where it completed on the other ranks. Placed at the end, it would hold its
-        gradients on those ranks until backward ends, in every round."""
-        if self.comm.world_size == 1:
-            return list(self._announced), []
-        n = len(self.buckets)
-        at = torch.full((2 * n + 1,), float(n + 1), dtype=torch.float64)
-        at[n] = 0.0 if self.nesting_seen else 1.0  # MIN: 0 when any rank saw a nested backward pass
-        for i in self._late_buckets():
-            at[n + 1 + i] = 0.0  # MIN: 0 when any rank has a late gradient in bucket i
-        if self.comm.rank == 0:
-            for pos, i in enumerate(b for b in self._announced if b not in self._absent_on_0):
-                at[i] = pos  # its place in rank 0's order
-        else:  # between the buckets of rank 0's order that completed before and after it here
-            done = sorted(self._done_at, key=self._done_at.__getitem__)
-            before = 0
-            for seq, i in enumerate(done):
-                if i in self._absent_on_0:
-                    at[i] = before - 1 + (seq + 1) / (n + 1)
-                else:
-                    before += 1
-        at = at.to(self._device)
-        self.comm.all_reduce_min(at).wait()
-        place = at.cpu().tolist()
-        late = [i for i in range(n) if place[n + 1 + i] == 0.0]
-        if place[n] == 0.0 or not self._absent_on_0:  # later rounds cannot count it ready on rank 0
-            return list(self._announced), late  # (see [Note: launch order])
-        return sorted(self._announced, key=lambda i: (place[i], i)), late
-
-    def _late_buckets(self) -> list[int]:
-        return [self._index[(k, b)] for k, r in enumerate(self.reducers) for b in r.late.buckets()]
+    def _count(self, i: int) -> None:
+        """One more parameter of bucket ``i`` is in; launch what is ready, in order."""
+        self._ready[i] += 1
+        self._launch_ready()
 
     def _launch_ready(self) -> None:
         order, ready, size = self.order, self._ready, self._size
         while self._pos < len(order) and ready[order[self._pos]] >= size[order[self._pos]]:
+            k, b = self.buckets[order[self._pos]]
+            if self.nesting_seen and self.reducers[k].may_nest(b):
+                return  # the plain slow path: reduced when the outer backward pass ends (see [Note: launch order])
             self._launch(order[self._pos])
             self._pos += 1
 
@@ -453,11 +349,8 @@ class Rounds:
         at the end of each backward pass. Every rank."""
         self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
         try:
-            if self.order is None:
-                self._finish_learning()
-            else:
-                for i in self.order[self._pos:]:
-                    self._launch(i)
+            for i in self.order[self._pos:]:
+                self._launch(i)
             while self._inflight:
                 self._complete_oldest()
             self._wait_tag()
