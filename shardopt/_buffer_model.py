@@ -83,8 +83,8 @@ def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], follows: S
             members: Sequence[Sequence[int]], arrival: Sequence[int] | None, **kw: int) -> tuple[int, int]:
     """Peak bytes of communication buffers on one rank over a backward pass whose gradients arrive
     in ``arrival`` order (buffer indices; None: buffer order), each bucket launched once it is
-    complete and every bucket that completed before it has been launched (the first pass follows
-    rank 0's completions, later passes the order they learned), and the most one bucket holds."""
+    complete and every bucket that completed before it has been launched (the agreed order is a
+    guess of this arrival order), and the most one bucket holds."""
     buf = _Buffers(numels, receives, follows, **kw)
     bucket_of = {i: b for b, m in enumerate(members) for i in m}
     waiting = [len(m) for m in members]

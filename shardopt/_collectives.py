@@ -35,7 +35,7 @@ the average is rounded to the gradient dtype once, after it (so 16-bit gradients
 fp32 over all ranks, as in the flat case). The cross-replica all-reduce of a bucket is issued
 when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
 of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
-announcements) still spans every rank of the mesh, so every decision is the same everywhere.
+the bucket order) still spans every rank of the mesh, so every decision is the same everywhere.
 """
 from __future__ import annotations
 

@@ -1,0 +1,126 @@
+"""Tier 1, one process: the gradient scheduler's states, driven by real backward passes.
+
+A world of one gloo rank inside the test process (spawned ranks cost seconds; these run in
+milliseconds). Catches a round that does not return to IDLE after its backward, a backward that
+raised but is not found LOST (and so not finished before the next call), a broken round that does
+not refuse later calls, a bucket order that is not the reverse of the first forward's uses, and
+parameter states left behind after a round. The multi-rank behaviour of the same code is in
+tests/test_rank_agreement.py, tests/test_torch_usage.py and tests/test_peak_memory.py.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import shardopt
+from shardopt._reducer import ParamState
+from shardopt._rounds import RoundState
+
+ONE_PARAM_MB = 1e-5  # buckets of one small parameter each
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank():
+    if dist.is_initialized():  # another module's group: use it
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()
+
+
+def _chain(n: int = 4) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(3, 3, bias=False) for _ in range(n)))
+
+
+def test_a_backward_pass_is_one_round_from_idle_to_idle():
+    model = _chain()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
+    rounds = opt._rounds
+    seen = []
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(rounds.state))
+    assert rounds.state is RoundState.IDLE
+    opt.backward(model(torch.ones(2, 3)).sum())
+    assert seen == [RoundState.OPEN]  # inside the backward pass
+    assert rounds.state is RoundState.IDLE and rounds.total_rounds == 1
+    reducer = opt._buffers[0].reducer
+    assert all(s is ParamState.WAITING for s in reducer.state)  # every parameter's round state was reset
+    opt.step()
+    opt.close()
+
+
+def test_a_backward_pass_that_raises_is_lost_then_finished_by_the_next_call():
+    model = _chain()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
+
+    def fail(grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("boom")
+
+    x = torch.ones(2, 3, requires_grad=True)
+    h = model[0](x)
+    h.register_hook(fail)  # raises after the later layers' gradients have opened the round
+    with pytest.raises(ValueError, match="boom"):
+        opt.backward(model[3](model[2](model[1](h))).sum())
+    assert opt._rounds.state is RoundState.LOST
+    opt.zero_grad()  # meets the lost round: issues the rest of it
+    assert opt._rounds.state is RoundState.IDLE and opt._rounds.lost_round
+    opt.close()
+
+
+def test_a_broken_round_refuses_every_later_call_with_its_reason():
+    model = _chain()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1)
+    opt._rounds.fail("the ranks fell apart here")
+    assert opt._rounds.state is RoundState.BROKEN
+    opt._rounds.fail("a later reason")  # the first one is kept
+    with pytest.raises(RuntimeError, match="the ranks fell apart here"):
+        opt.backward(model(torch.ones(2, 3)).sum())
+    opt.close()
+
+
+def test_the_bucket_order_is_the_reverse_of_the_first_forward():
+    model = _chain(5)
+    order_of_use = [4, 0, 3, 1, 2]  # layers applied in this order, not their registration order
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
+    x = torch.ones(2, 3)
+    for i in order_of_use:
+        x = model[i](x)
+    opt.backward(x.sum())
+    layout = opt._buffers[0].layout
+    params = opt._buffers[0].flat.params
+    layer_of = {id(m.weight): i for i, m in enumerate(model)}
+    launched = [layer_of[id(params[layout.buckets[b].params[0]])] for b in opt._buffers[0].reducer.order]
+    assert launched == order_of_use[::-1]
+    opt.close()
+
+
+def test_layers_used_only_inside_reentrant_checkpoints_wait_for_the_end_of_backward():
+    from torch.utils.checkpoint import checkpoint
+
+    model = _chain(3)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
+    x = torch.ones(2, 3, requires_grad=True)
+    y = model[2](checkpoint(model[1], checkpoint(model[1], model[0](x), use_reentrant=True), use_reentrant=True))
+    opt.backward(y.sum())  # model[1] gets two gradients, from two nested passes
+    reducer = opt._buffers[0].reducer
+    layout = opt._buffers[0].layout
+    params = opt._buffers[0].flat.params
+    i1 = next(i for i, p in enumerate(params) if p is model[1].weight)
+    b1 = next(b.index for b in layout.buckets if i1 in b.params)
+    assert reducer.may_nest(b1) and not any(reducer.may_nest(b.index) for b in layout.buckets if b.index != b1)
+    assert reducer.order[-1] == b1  # guessed last: it waits for the end of the outer pass anyway
+    ref = _chain(3)
+    yr = ref[2](ref[1](ref[1](ref[0](torch.ones(2, 3, requires_grad=True)))))
+    yr.sum().backward()
+    got = reducer.local_grad()[layout.params[i1].global_range.as_slice()]
+    torch.testing.assert_close(got, ref[1].weight.grad.reshape(-1))  # both nested gradients, reduced once
+    opt.close()
