@@ -71,7 +71,7 @@ def check_calls(header: list[float], call: str, lost_round: bool, world_size: in
     raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[int(c)]}, another rank "
                        f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
-def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
+def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
     """What must be equal on every rank besides the parameters: the sharding settings, every
     group's hyperparameters and the loss scaler (each shapes the collectives or the math). Local."""
     c = opt.config
@@ -80,7 +80,7 @@ def settings(opt: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str
             "accumulate_dtype": str(c.accumulate_dtype), "reduce_dtype": str(c.reduce_dtype),
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
             "max_consecutive_skips": c.max_consecutive_skips,
-            "mesh (replicas, shard size)": (opt._comm.replicas, opt._comm.shard_size),
+            "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
                for k, v in sorted(g.items()) if k not in ("params", "param_names")}}

@@ -138,7 +138,7 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
             named = any(g.get("param_names") for g in self.param_groups)
             desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ())
                           for p, gi in trainable]
-            desc.insert(0, ("settings", sorted(settings(self, loss_scale, {p.dtype for p, _ in trainable}).items())))
+            desc.insert(0, ("settings", sorted(settings(self, self._comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
             tracked = {id(p) for p, _ in trainable}
             frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(self.param_groups)
                       for p in g["params"] if id(p) not in tracked]
