@@ -10,12 +10,17 @@ reported as such and the next one runs) on the example GPT with the same seeds a
 the results. Each run warms up for --warmup steps, then times --steps steps. Compute is fp32 in every
 configuration (this CPU has no 16-bit matrix units); "bf16" means bf16 weights and gradients with an
 fp32 master. Reported per rank: median step time, tokens/s, optimizer-step time (the optimizer's
-step() call, which for sharded optimizers includes the weight all-gather), time blocked on
-communication where the library reports it, peak RSS, and model-state bytes (weights + gradients +
+step() call, which for sharded optimizers includes the weight all-gather), for shardopt its split
+(the update, with each bucket's all-gather started as soon as that bucket is updated, then the time
+blocked on the gathers still running after it), time blocked on communication where the library
+reports it, peak RSS, and model-state bytes (weights + gradients +
 optimizer state, from the tensors held; communication buffers such as DDP's gradient buckets and
 shardopt's staging are left out for everyone). Ratios are to DDP + AdamW. Writes benchmarks/results/step.md
 and step.png. The ``-overlap`` configurations (``overlap_param_gather=True``: the gathers are
 waited for in the next forward, so step() returns before them) run only when named in --configs.
+
+``--baseline DIR`` (a checkout of an earlier shardopt) adds configurations named ``NAME@base``: the
+same configuration run with that checkout's package, in the same rounds, for before/after tables.
 
 ``--rounds R`` runs the whole list R times, in alternating order (as given, reversed, ...), so that a
 machine's drift falls on every configuration alike; a row then gives the median over the rounds, and
@@ -72,6 +77,8 @@ def worker(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, ROOT)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    if args.config.endswith("@base"):  # the same configuration with an earlier checkout's shardopt
+        sys.path.insert(0, os.path.abspath(args.baseline))
     import shardopt
     from gpt_batches import gpt_and_batches
 
@@ -92,7 +99,7 @@ def worker(args: argparse.Namespace) -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)  # a step's time includes its kernels
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
-    name, comm_wait = args.config, None
+    name, comm_wait, split = args.config.split("@")[0], None, None
     if name == "ddp" or name == "zero":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -174,7 +181,7 @@ def worker(args: argparse.Namespace) -> None:
                                     overlap_param_gather=name.endswith("-overlap"))
 
         def train_step():
-            nonlocal comm_wait
+            nonlocal comm_wait, split
             x, y = batch()
             opt.backward(model(x, y))
             sync()
@@ -184,6 +191,8 @@ def worker(args: argparse.Namespace) -> None:
             t = time.perf_counter() - t
             opt.zero_grad()
             comm_wait = opt.last_step_comm.wait_seconds
+            if hasattr(opt, "last_step_update_seconds"):  # an earlier version may not report it
+                split = (opt.last_step_update_seconds, opt.last_step_gather_wait_seconds)
             return t
 
         def state():
@@ -192,7 +201,7 @@ def worker(args: argparse.Namespace) -> None:
 
     for _ in range(args.warmup):
         train_step()
-    times, opt_times, waits = [], [], []
+    times, opt_times, waits, splits = [], [], [], []
     for _ in range(args.steps):
         dist.barrier()
         sync()
@@ -202,11 +211,15 @@ def worker(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t)
         if comm_wait is not None:
             waits.append(comm_wait)
+        if split is not None:
+            splits.append(split)
     step = statistics.median(times)
     result = {
         "config": name, "size": args.size, "params": num_params,
         "step_s": step, "tokens_per_s_rank": args.batch_size * args.block_size / step,
         "opt_s": statistics.median(opt_times), "comm_wait_s": statistics.median(waits) if waits else None,
+        "split_s": [statistics.median(s) for s in zip(*splits)] if splits else None,
+        "shardopt": os.path.dirname(os.path.dirname(os.path.abspath(shardopt.__file__))),
         "peak_rss_mb": (torch.cuda.max_memory_allocated() / 2**20 if cuda
                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024), "state_bytes": state(),
     }
@@ -231,7 +244,7 @@ def run_config(config: str, size: str, args: argparse.Namespace) -> list[dict] |
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}", __file__,
            "--worker", "--config", config, "--size", size, "--result", out, "--steps", str(args.steps), "--warmup",
            str(args.warmup), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size),
-           "--device", args.device]
+           "--device", args.device, "--baseline", args.baseline]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t = time.perf_counter()
     code, stdout, stderr = launch.run(cmd, args.timeout, env=env)  # a hung launch is killed with its workers
@@ -266,6 +279,9 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: 2; on cuda min(2, GPUs))")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--baseline", default="",
+                    help="a checkout of an earlier shardopt: a configuration named NAME@base runs NAME with it, "
+                         "in the same rounds as the others")
     args = ap.parse_args()
     if args.worker:
         return worker(args)
@@ -286,8 +302,15 @@ def main() -> None:
               + (f" | {args.rounds} rounds, alternating order" if args.rounds > 1 else ""))
     print(header, flush=True)
     peak = "peak CUDA allocated MB (per rank)" if args.device == "cuda" else "peak RSS MB (per rank)"
-    rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | comm wait ms | "
-            f"{peak} | model state MB/rank | vs DDP |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    if any(c.endswith("@base") for c in args.configs.split(",")):
+        if not args.baseline or not os.path.isdir(os.path.join(args.baseline, "shardopt")):
+            raise SystemExit("a NAME@base configuration needs --baseline DIR, a checkout holding shardopt/")
+        rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        header += f" | @base: shardopt of {rev or args.baseline}"
+    rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | update / gather wait ms "
+            f"| comm wait ms | {peak} | model state MB/rank | vs DDP |",
+            "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     plot: dict = {}
     configs = args.configs.split(",")
     for size in args.sizes.split(","):
@@ -306,7 +329,7 @@ def main() -> None:
         for config in configs:
             runs = [r[config] for r in rounds if config in r]
             if not runs:
-                rows.append(f"| {size} | {config} | {failed[config]} | | | | | | | |")
+                rows.append(f"| {size} | {config} | {failed[config]} | | | | | | | | |")
                 continue
             res = sorted(runs, key=lambda rr: rr[0]["step_s"])[(len(runs) - 1) // 2]  # the median launch
             r0 = res[0]
@@ -316,10 +339,11 @@ def main() -> None:
                 vs_ddp = f"{statistics.median(ratios):.2f}x"
                 vs_ddp += f" ({ratios[0]:.2f}-{ratios[-1]:.2f})" if len(ratios) > 1 else ""
             wait = f"{r0['comm_wait_s'] * 1e3:.0f}" if r0["comm_wait_s"] is not None else "n/a"
+            split = "n/a" if not r0.get("split_s") else " / ".join(f"{s * 1e3:.0f}" for s in r0["split_s"])
             peaks = "/".join(f"{r['peak_rss_mb']:.0f}" for r in res)
             state = f"{r0['state_bytes'] / base['state_bytes']:.2f}x" if base else ""
             rows.append(f"| {size} ({r0['params'] / 1e6:.1f}M) | {config} | {r0['step_s'] * 1e3:.0f} | {vs_ddp} | "
-                        f"{r0['tokens_per_s_rank']:,.0f} | {r0['opt_s'] * 1e3:.0f} | {wait} | {peaks} | "
+                        f"{r0['tokens_per_s_rank']:,.0f} | {r0['opt_s'] * 1e3:.0f} | {split} | {wait} | {peaks} | "
                         f"{r0['state_bytes'] / 2**20:.0f} | {state} |")
             if config in failed:
                 rows[-1] += f" {failed[config]}"

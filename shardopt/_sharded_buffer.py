@@ -51,6 +51,8 @@ class ShardedBuffer:
         self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
+        # Per bucket, this rank's piece of it relative to the shard start (the buckets tile the shard).
+        self._in_shard = [p[comm.shard_rank].relative_to(self.shard_range.start) for p in self._gather_pieces]
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
         self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
         self.reducer.names = self.binding.names
@@ -60,10 +62,15 @@ class ShardedBuffer:
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
-    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict], used: Sequence[bool]) -> None:
-        """AdamW on this rank's shard, one call per run of parameters with the same param group and
-        step count. ``used[i]``: some rank has a gradient for parameter ``i``; the others are left
-        untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is None. Local."""
+    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict],
+               used: Sequence[bool]) -> list[tuple[int, Pending]]:
+        """AdamW on this rank's shard, then the all-gather of the new weights, bucket by bucket in
+        the order the forward pass uses them: a bucket's gather is started as soon as its part of
+        the shard is updated, so it runs while the next bucket is updated. Returns the gathers in
+        flight, by bucket. One kernel call per run of parameters with the same param group and
+        step count within a bucket. ``used[i]``: some rank has a gradient for parameter ``i``; the
+        others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
+        None. Every rank."""
         grad = self.reducer.local_grad()
         all_used = all(used)
         keys = self._all_used_keys if all_used and not any(self.lag) else tuple(
@@ -73,17 +80,26 @@ class ShardedBuffer:
             if len(self._segments) > 8:
                 self._segments.clear()
             segments = self._segments[keys] = self.layout.segments(self.comm.shard_rank, keys)
-        for (g, lag), r in segments:
-            hp = param_groups[g]
-            beta1, beta2 = hp["betas"]
-            s = r.as_slice()
-            scalars = make_scalars(lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
-                                   weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
-                                   device=self.flat.device)
-            g = grad[s]
-            self.master.update_(r, g, *self.moments.prepare(r, g, scalars, self.master.kernels), scalars, step - lag)
+        scalars = {}
+        for (g, lag), _ in segments:
+            if (g, lag) not in scalars:
+                hp = param_groups[g]
+                beta1, beta2 = hp["betas"]
+                scalars[g, lag] = make_scalars(
+                    lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
+                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
+                    device=self.flat.device)
+        gathers = []
+        for b in self.reducer.forward_order:
+            for key, whole in segments:
+                r = whole.intersect(self._in_shard[b])
+                if r.size:
+                    s, gr = scalars[key], grad[r.as_slice()]
+                    self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels), s, step - key[1])
+            gathers.append((b, self._gather(b)))
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
+        return gathers
 
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
         """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
@@ -130,8 +146,10 @@ class ShardedBuffer:
     def gather_buckets(self) -> list[tuple[int, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's
         weights), one bucket at a time in the order the forward pass uses them. Every rank."""
-        return [(b, self.comm.all_gather_inplace(self.flat.data, self._gather_pieces[b]))
-                for b in self.reducer.forward_order]
+        return [(b, self._gather(b)) for b in self.reducer.forward_order]
+
+    def _gather(self, bucket: int) -> Pending:
+        return self.comm.all_gather_inplace(self.flat.data, self._gather_pieces[bucket])
 
     def gather_params(self) -> Pending:
         """All buckets' all-gathers as one handle. Every rank."""

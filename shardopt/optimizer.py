@@ -103,6 +103,9 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
+        # The last step's update with the gathers started bucket by bucket, then the time blocked on
+        # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
+        self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
         # (found_inf, clip coefficient, rounds completed then) from clip_grad_norm_
@@ -294,15 +297,18 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         self._skips.taken()
         self._step += 1
         grad_scale = coef / self._checks.grad_scale
-        for b, used in zip(self._buffers, self._checks.used):
-            b.update(self._step, grad_scale, self.param_groups, used)
-        for i, b in enumerate(self._buffers):
-            for bucket, pending in b.gather_buckets():
+        # See ShardedBuffer.update: each bucket's all-gather runs while the next bucket is updated.
+        start = time.perf_counter()
+        for i, (b, used) in enumerate(zip(self._buffers, self._checks.used)):
+            for bucket, pending in b.update(self._step, grad_scale, self.param_groups, used):
                 self._gathers[(i, bucket)] = pending
                 if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
                     in_flight(self, (i, bucket), b.bucket_params(bucket))
+        waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
+        self.last_step_update_seconds = waited - start
+        self.last_step_gather_wait_seconds = time.perf_counter() - waited
         self._scaler.update(False, self._step + self.skipped_steps)
         self.last_step_comm = dataclasses.replace(self._comm.stats)
         self._comm.stats.reset()

@@ -124,3 +124,36 @@ def test_layers_used_only_inside_reentrant_checkpoints_wait_for_the_end_of_backw
     got = reducer.local_grad()[layout.params[i1].global_range.as_slice()]
     torch.testing.assert_close(got, ref[1].weight.grad.reshape(-1))  # both nested gradients, reduced once
     opt.close()
+
+
+def test_each_bucket_is_gathered_as_soon_as_its_part_of_the_shard_is_updated():
+    model, ref = _chain(4), _chain(4)
+    groups = lambda m: [{"params": [m[0].weight, m[3].weight]}, {"params": [m[1].weight, m[2].weight], "lr": 0.03}]  # noqa: E731
+    opt = shardopt.ShardedAdamW(groups(model), lr=0.1, bucket_cap_mb=2 * ONE_PARAM_MB)
+    torch_opt = torch.optim.AdamW(groups(ref), lr=0.1)
+    buf = opt._buffers[0]
+    assert len(buf.layout.buckets) > 1
+    events = []
+    update, gather = buf.master.update_, opt._comm.all_gather_inplace
+    buf.master.update_ = lambda r, *a: (events.append(("update", r.start, r.end)), update(r, *a))[1]
+    opt._comm.all_gather_inplace = lambda flat, pieces: (events.append(("gather", pieces[0].start, pieces[-1].end)),
+                                                         gather(flat, pieces))[1]
+    for _ in range(2):
+        for m, o in ((model, opt), (ref, torch_opt)):
+            o.zero_grad()
+            m(torch.ones(2, 3)).square().sum().backward()
+            o.step()
+    # Updates of a bucket's elements, then its gather, bucket by bucket in the forward pass's order.
+    step_events = events[len(events) // 2:]
+    spans = [(b.global_range.start, b.global_range.end) for b in (buf.layout.buckets[i] for i in buf.reducer.forward_order)]
+    expect, covered = [], []
+    for start, end in spans:
+        updates = [e for e in step_events[len(expect):] if e[0] == "update" and start <= e[1] and e[2] <= end]
+        expect += updates + [("gather", start, end)]
+        covered += [(s, e) for _, s, e in updates]
+    assert step_events == expect
+    assert sum(e - s for s, e in covered) == buf.layout.numel  # every element updated once
+    assert opt.pending_param_buckets() == []  # every gather landed when step() returned
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
+    opt.close()
