@@ -36,6 +36,7 @@ from torch import Tensor
 from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
+from shardopt._held_bytes import HeldBytes
 from shardopt._layout import Range
 
 class ParamState(enum.Enum):
@@ -113,18 +114,14 @@ class GradReducer:
         else:
             self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
             self._piece_of = layout.local_ranges(comm.shard_rank)  # this rank's part of each parameter in grad_shard
-        self.staging_peak_bytes = 0  # high-water mark of staging, receive buffers and the no_sync fp32 sum, bytes
-        self.grad_peak_bytes = 0  # high-water mark of gradient bytes: storage plus .grad tensors held by autograd
+        self.held = HeldBytes(self.grad_bytes, self._buffer_bytes)  # see _held_bytes
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self.arrival: list[int] = []  # parameters in the order their gradients arrived in the first round
         self._arrived: set[int] = set()  # those of ``arrival``
-        self._loose: dict[int, int] = {}  # .grad tensors kept across no_sync backward passes: bytes by parameter
         self._staging: dict[int, Tensor] = {}
-        self._pending = 0  # bytes of the .grad autograd just produced, until taken
         self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self.state = [ParamState.WAITING] * n  # per parameter, in the open round
-        self.on_held: Callable[[], None] = lambda: None  # told when the bytes held may have grown
         self._launched: set[int] = set()  # buckets launched in the open round
         with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
             self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
@@ -275,7 +272,10 @@ class GradReducer:
                          "checkpointing on before the first backward pass")
             return False
         self.used[index] = True
-        self._note_grad(index, param.grad, keep=not sync and self.accumulate_dtype is None)
+        grad = param.grad.pending if type(param.grad) is GradPlaceholder else param.grad
+        own = grad is None or (self.stage == 1 and grad.data_ptr() == self._view_ptr[index])  # no new tensor
+        self.held.produced(index, 0 if own else grad.numel() * grad.element_size(),
+                           keep=not sync and self.accumulate_dtype is None)
         if not sync:
             if self.accumulate_dtype is not None:
                 self._accumulate(index)
@@ -314,29 +314,14 @@ class GradReducer:
         if self.stage == 2 or type(param.grad) is GradPlaceholder:
             param.grad = None
 
-    def _note_grad(self, index: int, grad: Tensor | None, keep: bool) -> None:
-        """The high-water mark of gradient bytes, with the ``.grad`` autograd just produced for
-        parameter ``index`` (held until taken, or across no_sync passes when ``keep``)."""
-        if type(grad) is GradPlaceholder:
-            grad = grad.pending
-        own = grad is None or (self.stage == 1 and grad.data_ptr() == self._view_ptr[index])
-        nbytes = 0 if own else grad.numel() * grad.element_size()
-        if keep and nbytes:
-            self._loose[index] = nbytes
-        loose = sum(self._loose.values()) if self._loose else 0
-        self._pending = 0 if index in self._loose else nbytes
-        self.grad_peak_bytes = max(self.grad_peak_bytes, self.grad_bytes + loose + self._pending)
-        self.on_held()
-
     def reset_peaks(self) -> None:
         """Restart the high-water marks from what is held now. Local."""
-        self.staging_peak_bytes = self._buffer_bytes()
-        self.grad_peak_bytes = self.grad_bytes + sum(self._loose.values())
+        self.held.reset()
         self.accumulated = self.accum is not None
         self.shard_accumulated = self.accum_shard is not None
 
     def _accumulate(self, index: int) -> None:
-        self._pending = 0
+        self.held.taken()
         p = self.flat.params[index]
         grad = p.grad
         if type(grad) is GradPlaceholder:  # autograd added to a gradient held in the shard: keep it there
@@ -346,7 +331,7 @@ class GradReducer:
         if self.accum is None:
             self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
             self.accumulated = True
-            self.note_buffers()
+            self.held.buffers_grew()
         self.flat.param_view(self.accum, index).add_(grad)
         if self.stage == 1 and grad.data_ptr() == self._view_ptr[index]:
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
@@ -366,7 +351,7 @@ class GradReducer:
             return
         if state is ParamState.WAITING:
             self.state[index] = ParamState.TAKEN  # WAITING -> TAKEN: its gradient (or zero) goes into the bucket
-        self._loose.pop(index, None)
+        self.held.unkeep(index)
         p = self.flat.params[index]
         if p.grad is not None and p.grad.is_sparse:
             raise TypeError(f"parameter #{index} of shape {tuple(p.shape)} got a sparse gradient; ShardedAdamW "
@@ -390,7 +375,7 @@ class GradReducer:
                 pass  # converted after construction: reported at step() on every rank (see _into_view)
             if p.grad is grad:
                 p.grad = None
-        self._pending = 0  # the .grad is gone (it was counted while the staging buffer was allocated)
+        self.held.taken()  # the .grad is gone (it was counted while the staging buffer was allocated)
 
     def _staged(self, index: int) -> Tensor:
         """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
@@ -410,27 +395,15 @@ class GradReducer:
         if b not in self._staging:
             size = self.flat.layout.buckets[b].global_range.size
             self._staging[b] = torch.zeros(size, dtype=self.flat.dtype, device=self.flat.device)
-            self.note_buffers()
+            self.held.buffers_grew()
         return self._staging[b]
 
-    def _buffer_bytes(self) -> int:
-        """Staging, receive buffers of reductions in flight and the no_sync fp32 sum held now, bytes."""
-        held = sum(t.numel() * t.element_size() for t in self._staging.values()) + self.comm.live_bytes
+    def _buffer_bytes(self, comm: bool) -> int:
+        """Staging, the fp32 sums and (``comm``) the Comm's receive buffers held now, bytes."""
+        held = sum(t.numel() * t.element_size() for t in self._staging.values())
+        held += self.comm.live_bytes if comm else 0
         held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
-
-    def note_buffers(self) -> None:
-        """Track the high-water mark of communication buffers (see ``_buffer_bytes``)."""
-        self.staging_peak_bytes = max(self.staging_peak_bytes, self._buffer_bytes())
-        self.on_held()
-
-    def held_bytes(self, comm: bool = True) -> int:
-        """Gradient bytes (storage, ``.grad`` tensors autograd holds until taken) plus communication
-        buffers held now; without ``comm``, leaving out the receive buffers of the Comm, which the
-        reducers of one optimizer share. Local."""
-        loose = sum(self._loose.values()) if self._loose else 0
-        buffers = self._buffer_bytes() - (0 if comm else self.comm.live_bytes)
-        return self.grad_bytes + loose + self._pending + buffers
 
     def launch(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
@@ -453,7 +426,7 @@ class GradReducer:
             if self.accum_shard is None:
                 self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
                 self.shard_accumulated = True
-                self.note_buffers()
+                self.held.buffers_grew()
             total = self.accum_shard[self._in_shard[b].as_slice()]
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
 
@@ -514,7 +487,7 @@ class GradReducer:
         parameters then have no gradient (a step leaves them alone), else a zero one (a step still
         applies weight decay and momentum to those that had one), as with torch. Local."""
         self._placed = [False] * len(self._placed)
-        self._loose.clear()
+        self.held.forget()
         self.replaced = []
         if not set_to_none:
             for p in self.flat.params:  # a real .grad (16-bit accumulation aside) is zeroed in place

@@ -66,6 +66,7 @@ import torch
 from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
 from shardopt._forward_order import ForwardOrder
+from shardopt._held_bytes import HeldTotal
 from shardopt._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
@@ -127,7 +128,6 @@ class Rounds:
         self._size = [self.reducers[k].bucket_size(b) for k, b in self.buckets]
         self._hooks = []
         for k, r in enumerate(self.reducers):
-            r.on_held = self.note_held
             # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
             self._hooks += [p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(k, i)))
                             for i, p in enumerate(r.flat.params)]
@@ -146,7 +146,7 @@ class Rounds:
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
         self.nested = False  # the hook running now is in a backward pass nested in that one
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
-        self.held_peak = 0  # high-water mark of the reducers' held_bytes() at one moment, summed, bytes
+        self.held = HeldTotal([r.held for r in self.reducers], lambda: comm.live_bytes)  # see _held_bytes
         self._reset()
 
     def _reset(self) -> None:
@@ -235,16 +235,6 @@ class Rounds:
     def stepped(self) -> None:
         self.lost_round = False
 
-    def _held_now(self) -> int:
-        return sum(r.held_bytes(comm=False) for r in self.reducers) + self.comm.live_bytes  # one Comm for all
-
-    def note_held(self) -> None:
-        """Track the most gradient and buffer bytes held at one moment over every flat buffer."""
-        self.held_peak = max(self.held_peak, self._held_now())
-
-    def reset_held(self) -> None:
-        self.held_peak = self._held_now()
-
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True) -> None:
         """IDLE -> OPEN: the first hook of a backward pass (``queue``: its end runs finish_round), or
@@ -309,7 +299,7 @@ class Rounds:
         for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
             last = j == len(parts) - 1
             self._inflight.append((issue(), after if last else None, i if last else None))
-            self.reducers[k].note_buffers()
+            self.reducers[k].held.buffers_grew()
             # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
             while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
                 self._complete_oldest()

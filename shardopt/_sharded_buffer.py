@@ -174,7 +174,7 @@ class ShardedBuffer:
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
             exp_avg=self.moments.exp_avg_bytes, exp_avg_sq=self.moments.exp_avg_sq_bytes, extra=self.master.extra_bytes,
-            buffers=self.reducer.staging_peak_bytes, grads_peak=self.reducer.grad_peak_bytes,
+            buffers=self.reducer.held.buffer_peak, grads_peak=self.reducer.held.grad_peak,
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             shard_size=self.comm.shard_size,

@@ -437,7 +437,7 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured and predicted. Local; no communication."""
         total = sum((b.memory_report() for b in self._buffers[1:]), self._buffers[0].memory_report())
-        total = dataclasses.replace(total, held_peak=max(self._rounds.held_peak, total.grads + total.buffers))
+        total = dataclasses.replace(total, held_peak=max(self._rounds.held.peak, total.grads + total.buffers))
         if total.stage and self._buffers[0].flat.device.type == "cuda":
             total = dataclasses.replace(total, cuda_max_allocated=torch.cuda.max_memory_allocated(
                 self._buffers[0].flat.device))
@@ -448,6 +448,6 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         held now; also ``torch.cuda.reset_peak_memory_stats()`` on CUDA. Local."""
         for b in self._buffers:
             b.reducer.reset_peaks()
-        self._rounds.reset_held()
+        self._rounds.held.reset()
         if self._buffers[0].flat.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)
