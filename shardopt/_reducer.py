@@ -1,12 +1,10 @@
-"""Gradient storage and its reduction over ranks, bucket by bucket, while backward runs.
+"""What each parameter's gradient is in the open round, and what goes into a bucket.
 
-Owns: where gradients live (stage 1: a full flat gradient buffer whose slices are the
-parameters' ``.grad``; stage 2: only this rank's shard plus short-lived bucket staging), the
-post-accumulate-grad hooks that fill buckets, and the order in which bucket collectives are
-launched. It knows the layout and calls :mod:`shardopt._collectives`; it does no optimizer math.
-
-When buckets are reduced, and in which order, is decided by ``_rounds`` (see ``_rounds``
-[Note: launch order]); this module stages a bucket and issues its collective when asked. Several
+Told by the scheduler (``_rounds``, which owns the hooks and decides when buckets are reduced,
+see its [Note: launch order]) that a gradient arrived, it takes the gradient into its bucket,
+holds it (``no_sync``), folds or refuses a second one, and stages a bucket when asked. Where the
+gradients live and which collective reduces a bucket is the stage's store (``_grad_store``:
+stage 1 the whole flat gradient, stage 2 this rank's shard). It knows nothing of rounds. Several
 rounds between two steps accumulate correctly: stage 1 averages the accumulated buffer again (the
 part averaged before is equal on every rank, so averaging it again is exact), stage 2 adds each
 round's averaged shard into the gradient shard.
@@ -28,14 +26,14 @@ from __future__ import annotations
 import enum
 import operator
 import time
-from typing import Callable
 
 import torch
 from torch import Tensor
 
-from shardopt._collectives import Comm, Pending
+from shardopt._collectives import Comm
 from shardopt._flat import FlatParams
 from shardopt._grad_placeholder import GradPlaceholder
+from shardopt._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt._held_bytes import HeldBytes
 from shardopt._layout import Range
 
@@ -54,7 +52,6 @@ class GradReducer:
     grad_shard: Tensor | None  # stage 2: 1D, grad dtype, this rank's shard of the averaged gradient
 
     accum: Tensor | None  # 1D fp32, whole buffer: gradients accumulated under no_sync (16-bit params only)
-    accum_shard: Tensor | None  # stage 2, 1D fp32, this rank's shard: the sum of several rounds since zero_grad
 
     def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
@@ -69,31 +66,17 @@ class GradReducer:
         # rounded to the gradient dtype once, when the last micro-batch is reduced.
         self.accumulate_dtype = accumulate_dtype if accumulate_dtype not in (None, flat.dtype) else None
         self.accum = None
-        # [Note: accumulating in the shard] Several backward passes between two steps without
-        # no_sync reduce every micro-batch. In stage 2 the averaged micro-batch gradients are then
-        # summed in an fp32 shard (accumulate_dtype, allocated at the second round: 4/N B/param)
-        # (each average arrives in the gradient dtype; the sum is kept in fp32) and rounded to the
-        # gradient dtype once, when the step reads them: no unsharded copy of
-        # the gradient exists at any time, for one reduction per micro-batch instead of one.
-        self.accum_shard = None
-        self._accum_dirty = False  # accum_shard holds a sum not yet rounded into grad_shard
-        self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         layout = flat.layout
-        self.shard = layout.shard_range(comm.shard_rank)
         self._bucket_of = [0] * len(layout.params)
         for b in layout.buckets:
             for i in b.params:
                 self._bucket_of[i] = b.index
         self._bucket_size = [len(b.params) for b in layout.buckets]
-        # Per bucket: each rank's piece relative to the bucket start (what its collectives cut), and
-        # this rank's piece relative to the shard start.
+        # Per bucket: each rank's piece relative to the bucket start (what its collectives cut).
         self.pieces = [
             [r.relative_to(b.global_range.start) if r.size else Range(0, 0) for r in layout.bucket_shard_ranges(b.index)]
             for b in layout.buckets
         ]
-        local = [layout.bucket_shard_ranges(b.index)[comm.shard_rank] for b in layout.buckets]
-        self._in_shard = [r.relative_to(self.shard.start) if r.size else Range(0, 0) for r in local]
-        self.flat_grad = self.grad_shard = None
         n = len(flat.params)
         # Per parameter: got a gradient on this rank since last zeroed (see [Note: what the reducer knows ...]).
         self.used = [False] * n
@@ -106,20 +89,16 @@ class GradReducer:
         self._placeholders = [GradPlaceholder(p) for p in flat.params]
         self._placed = [False] * n
         self.replaced: list[int] = []  # stage 2: p.grad replaced by a tensor after backward (see observe_zeroing)
-        if stage == 1:
-            self.flat_grad = torch.zeros_like(flat.data)
-            for i, p in enumerate(flat.params):
-                p.grad = flat.param_view(self.flat_grad, i)
-            self._view_ptr = [p.grad.data_ptr() for p in flat.params]
-        else:
-            self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)
-            self._piece_of = layout.local_ranges(comm.shard_rank)  # this rank's part of each parameter in grad_shard
-        self.held = HeldBytes(self.grad_bytes, self._buffer_bytes)  # see _held_bytes
+        self.store = (FlatGrads(flat, comm, self.pieces, self.reduce_dtype) if stage == 1 else
+                      ShardGrads(flat, comm, self.pieces, self.reduce_dtype, self.accumulate_dtype))  # see _grad_store
+        self.flat_grad = getattr(self.store, "flat_grad", None)
+        self.grad_shard = getattr(self.store, "grad_shard", None)
+        self.held = HeldBytes(self.store.nbytes, self._buffer_bytes)  # see _held_bytes
+        if not self.store.keeps_views:
+            self.store.on_alloc = self.held.buffers_grew
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self.arrival: list[int] = []  # parameters in the order their gradients arrived in the first round
         self._arrived: set[int] = set()  # those of ``arrival``
-        self._staging: dict[int, Tensor] = {}
-        self._fresh = True  # stage 2: no reduction landed in grad_shard since zero_grad
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self.state = [ParamState.WAITING] * n  # per parameter, in the open round
         self._launched: set[int] = set()  # buckets launched in the open round
@@ -172,37 +151,11 @@ class GradReducer:
         self.observe_zeroing()
         self.check_seconds += time.perf_counter() - start
 
-    def _observe_views(self) -> bool:
-        """Stage 1, before a step: ``p.grad`` set to None makes that gradient zero (and absent);
-        ``p.grad`` replaced by another tensor makes that tensor the gradient. True if any. Local."""
-        changed = False
-        placed, ptrs = self._placed, self._view_ptr
-        for i, p in enumerate(self.flat.params):
-            g = p.grad
-            if not (placed[i] or (g is not None and g.data_ptr() == ptrs[i])):
-                self._into_view(i, g)
-                changed = True
-        return changed
-
-    def _into_view(self, index: int, grad: Tensor | None) -> None:
-        """Stage 1: make parameter ``index``'s view of the flat gradient hold ``grad`` (None: no
-        gradient) and point ``p.grad`` back at it. A parameter converted or replaced after the
-        optimizer was built (see _binding) must not stop a backward on one rank only: its gradient
-        is dropped here and step() reports the parameter on every rank."""
-        view = self.flat.param_view(self.flat_grad, index)
-        if grad is None:
-            view.zero_()
-            self.used[index] = False  # zeroed by p.grad = None and no gradient since
-        elif grad.data_ptr() != self._view_ptr[index]:
-            try:
-                view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
-                self.used[index] = True
-            except RuntimeError:
-                view.zero_()
-        try:
-            self.flat.params[index].grad = view
-        except RuntimeError:
-            pass
+    def _put(self, index: int, grad: Tensor | None) -> None:
+        """Hand ``grad`` (parameter ``index``'s whole gradient, or None) to the store."""
+        used = self.store.put(index, grad)
+        if used is not None:
+            self.used[index] = used
 
     def observe_zeroing(self, *, at_step: bool = False) -> bool:
         """Restart from zero the gradient of every parameter whose placeholder was removed
@@ -210,7 +163,12 @@ class GradReducer:
         follow stage 1's ``p.grad`` set to None or replaced. True if anything changed. In stage 2 a
         placeholder replaced by a tensor at a step cannot be reduced any more: its index goes to
         ``self.replaced`` for the step to report. Local."""
-        changed = self._observe_views() if self.stage == 1 and at_step else False
+        changed = False
+        if at_step:  # stage 1: p.grad set to None or replaced by another tensor than its view
+            for i, used in self.store.changed_views(self._placed).items():
+                changed = True
+                if used is not None:
+                    self.used[i] = used
         placed, used, phs = self._placed, self.used, self._placeholders
         if not any(placed) or (all(placed) and all(map(operator.is_, [p.grad for p in self.flat.params], phs))
                                and not any(ph.zeroed for ph in phs)):
@@ -227,7 +185,7 @@ class GradReducer:
             else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
                 placed[i] = False
                 used[i] = g is not None
-                if g is not None and at_step and self.stage == 2:
+                if g is not None and at_step and not self.store.keeps_views:
                     self.replaced.append(i)
             cleared.append(i)
         if not cleared:
@@ -235,21 +193,7 @@ class GradReducer:
         if self.accum is not None:  # micro-batch gradients summed so far go too
             for i in cleared:
                 self.flat.param_view(self.accum, i).zero_()
-        if self.stage == 1:  # placed only while accumulating: the views were emptied into accum
-            return True
-        if len(cleared) == len(self.flat.params):
-            self.accum_shard, self._accum_dirty = None, False
-            if at_step:
-                self.grad_shard.zero_()
-            else:
-                self._fresh = True  # the next reduction overwrites the whole shard
-            return True
-        for i in cleared:
-            r = self._piece_of.get(i)
-            if r is not None:
-                self.grad_shard[r.as_slice()].zero_()
-                if self.accum_shard is not None:
-                    self.accum_shard[r.as_slice()].zero_()
+        self.store.clear(cleared, at_step)
         return True
 
     def arrive(self, index: int, param: Tensor, *, sync: bool, nested: bool, first: bool) -> bool:
@@ -273,7 +217,7 @@ class GradReducer:
             return False
         self.used[index] = True
         grad = param.grad.pending if type(param.grad) is GradPlaceholder else param.grad
-        own = grad is None or (self.stage == 1 and grad.data_ptr() == self._view_ptr[index])  # no new tensor
+        own = grad is None or self.store.is_storage(index, grad)  # no new tensor
         self.held.produced(index, 0 if own else grad.numel() * grad.element_size(),
                            keep=not sync and self.accumulate_dtype is None)
         if not sync:
@@ -298,10 +242,9 @@ class GradReducer:
             grad = param.grad
             if type(grad) is GradPlaceholder:
                 grad, param.grad.pending = grad.pending, None
-            if self.stage == 2 and grad is not None:
-                self._staged(index).add_(grad.reshape(-1))
-                param.grad = None
-            return  # stage 1: autograd added it to the parameter's view of the flat gradient in place
+            if grad is not None:
+                self.store.add_late(index, grad)
+            return
         self._refuse(index, param,
                      f"parameter {self.names[index]} got a second gradient in one backward "
                      "pass (it is used both inside and outside a torch.utils.checkpoint with use_reentrant=True, or in "
@@ -311,14 +254,14 @@ class GradReducer:
         """A gradient that can no longer be reduced: drop it and report ``message`` at the next step
         on every rank (raising here, in one rank's hook, would leave the others waiting)."""
         self.problems.append(message + "; the step was not taken")
-        if self.stage == 2 or type(param.grad) is GradPlaceholder:
+        if not self.store.keeps_views or type(param.grad) is GradPlaceholder:
             param.grad = None
 
     def reset_peaks(self) -> None:
         """Restart the high-water marks from what is held now. Local."""
         self.held.reset()
         self.accumulated = self.accum is not None
-        self.shard_accumulated = self.accum_shard is not None
+        self.store.shard_accumulated = self.store.accum_shard is not None
 
     def _accumulate(self, index: int) -> None:
         self.held.taken()
@@ -333,7 +276,7 @@ class GradReducer:
             self.accumulated = True
             self.held.buffers_grew()
         self.flat.param_view(self.accum, index).add_(grad)
-        if self.stage == 1 and grad.data_ptr() == self._view_ptr[index]:
+        if self.store.is_storage(index, grad):
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
         # The placeholder keeps model.zero_grad() and p.grad.zero_() visible while the sum sits in accum.
         ph = self._placeholders[index]
@@ -366,90 +309,33 @@ class GradReducer:
         grad = p.grad
         if type(grad) is GradPlaceholder:  # autograd added to it: the new part is pending, the rest in the shard
             grad, p.grad.pending = grad.pending, None
-        if self.stage == 1:
-            self._into_view(index, grad)
-        elif grad is not None:
-            try:
-                self._staged(index).copy_(grad.reshape(-1))
-            except RuntimeError:
-                pass  # converted after construction: reported at step() on every rank (see _into_view)
-            if p.grad is grad:
-                p.grad = None
+        self._put(index, grad)
         self.held.taken()  # the .grad is gone (it was counted while the staging buffer was allocated)
 
-    def _staged(self, index: int) -> Tensor:
-        """Stage 2: parameter ``index``'s part of its bucket's staging buffer."""
-        return self._staging_for(self._bucket_of[index])[self.in_bucket(index)]
-
-    def shard_part(self, b: int) -> Tensor:
-        """Stage 2: bucket ``b``'s part of this rank's gradient shard (a view; may be empty)."""
-        return self.grad_shard[self._in_shard[b].as_slice()]
-
-    def in_bucket(self, index: int) -> slice:
-        """Where parameter ``index`` sits in a bucket-sized buffer of its bucket."""
-        span = self.flat.layout.params[index].global_range
-        start = span.start - self.flat.layout.buckets[self._bucket_of[index]].global_range.start
-        return slice(start, start + span.size)
-
-    def _staging_for(self, b: int) -> Tensor:
-        if b not in self._staging:
-            size = self.flat.layout.buckets[b].global_range.size
-            self._staging[b] = torch.zeros(size, dtype=self.flat.dtype, device=self.flat.device)
-            self.held.buffers_grew()
-        return self._staging[b]
-
     def _buffer_bytes(self, comm: bool) -> int:
-        """Staging, the fp32 sums and (``comm``) the Comm's receive buffers held now, bytes."""
-        held = sum(t.numel() * t.element_size() for t in self._staging.values())
-        held += self.comm.live_bytes if comm else 0
-        held += self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
+        """The store's buffers, the no_sync fp32 sum and (``comm``) the Comm's receive buffers held now, bytes."""
+        held = self.store.buffer_bytes() + (self.comm.live_bytes if comm else 0)
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
-    def launch(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
+    def launch(self, b: int) -> Launch:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
         called in order on every rank; what to run once the last landed)."""
         self._launched.add(b)
         for i in self.flat.layout.buckets[b].params:
             self._take(i)  # parameters without a gradient this round count as zero
-        bucket = self.flat.layout.buckets[b].global_range
-        if self.stage == 1:
-            view = self.flat_grad[bucket.as_slice()]
-            return self.comm.all_reduce_parts(view, self.pieces[b], self.reduce_dtype), None
-        return self._launch_reduce_scatter(b)
-
-    def _launch_reduce_scatter(self, b: int) -> tuple[list[Callable[[], Pending]], Callable[[], None] | None]:
-        staging = self._staging_for(b)
-        dest = self.shard_part(b)
-        if self._fresh and self.reduce_dtype is None:
-            out, after = dest, None
-        elif not self._fresh and self.accumulate_dtype is not None:  # see [Note: accumulating in the shard]
-            if self.accum_shard is None:
-                self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
-                self.shard_accumulated = True
-                self.held.buffers_grew()
-            total = self.accum_shard[self._in_shard[b].as_slice()]
-            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
-
-            def after() -> None:
-                total.add_(out)
-                self._accum_dirty = True
-        else:
-            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
-            after = (lambda: dest.copy_(out)) if self._fresh else (lambda: dest.add_(out))
-        return self.comm.reduce_scatter_parts(out, staging, self.pieces[b]), after
+        return self.store.launch(b)
 
     def landed(self, b: int) -> None:
-        """Bucket ``b``'s reduction arrived: its staging goes."""
-        self._staging.pop(b, None)
+        """Bucket ``b``'s reduction arrived."""
+        self.store.landed(b)
 
     def end_round(self) -> None:
         """Every bucket of this round was reduced: reset for the next. Local."""
-        assert not self._staging, "staging left behind after a round"
+        self.store.end_round()
         self._launched = set()
         self.accum = None
-        self._fresh = False
         self.state = [ParamState.WAITING] * len(self.flat.params)  # any -> WAITING: the next round
-        if self.stage == 2:
+        if not self.store.keeps_views:
             start = time.perf_counter()
             placed = self._placed
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
@@ -475,12 +361,7 @@ class GradReducer:
     def local_grad(self) -> Tensor:
         """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements), once
         ``_rounds`` ran a round since ``zero_grad``. Local."""
-        if self.stage == 1:
-            return self.flat_grad[self.shard.as_slice()]
-        if self._accum_dirty:  # rounded once from the fp32 sum of several rounds
-            self.grad_shard.copy_(self.accum_shard)
-            self._accum_dirty = False
-        return self.grad_shard
+        return self.store.local_grad()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
@@ -493,14 +374,7 @@ class GradReducer:
             for p in self.flat.params:  # a real .grad (16-bit accumulation aside) is zeroed in place
                 if p.grad is not None and type(p.grad) is not GradPlaceholder:
                     p.grad.zero_()
-        if self.stage == 1:
-            self.flat_grad.zero_()
-            for i, p in enumerate(self.flat.params):
-                try:
-                    p.grad = self.flat.param_view(self.flat_grad, i)
-                except RuntimeError:
-                    p.grad = None  # converted after construction: reported by the binding check
-        else:
+        if not self.store.keeps_views:
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
                 if set_to_none or not self.used[i] or type(p.grad) is not GradPlaceholder:
                     if set_to_none or type(p.grad) is GradPlaceholder:
@@ -508,9 +382,8 @@ class GradReducer:
                     continue
                 ph.zeroed, ph.pending, ph.accumulating = False, None, False
                 self._placed[i] = True  # a zero gradient that is still there
-            self._fresh = True  # the next round overwrites every element of grad_shard
+        self.store.zero()
         self.accum = None
-        self.accum_shard, self._accum_dirty = None, False
         if set_to_none:
             self.used = [False] * len(self.used)
         self.stepped()
@@ -524,5 +397,4 @@ class GradReducer:
 
     @property
     def grad_bytes(self) -> int:
-        t = self.flat_grad if self.stage == 1 else self.grad_shard
-        return t.numel() * t.element_size()
+        return self.store.nbytes

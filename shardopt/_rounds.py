@@ -29,7 +29,7 @@ module ran its forward with gradients disabled before the first backward (a reen
 runs its forward so), or that once got a gradient in a nested pass, and none at all once some
 pass ran nested in another. Those wait for their gradient or for the end of the outer pass, the
 plain slow path. A parameter counted ready that gets a gradient anyway is refused at the step on
-every rank (``GradReducer._refuse``).
+every rank (the reducer keeps it for the step).
 
 The order spans every flat buffer (one per dtype): with two buffers and rank-dependent routing
 (an expert or a branch used on one rank only), per-buffer orders would interleave differently

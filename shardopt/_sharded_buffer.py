@@ -169,7 +169,7 @@ class ShardedBuffer:
                                                  hybrid=self.comm.hybrid)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
-        if self.reducer.shard_accumulated:  # several rounds between two steps (see _reducer)
+        if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _reducer)
             predicted["buffers"] += self.layout.shard_numel * self.reducer.accumulate_dtype.itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
