@@ -36,11 +36,13 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils._pytree import tree_leaves
 
+from shardopt._gathers import Key, WeightGathers
+
 _in_flight = False  # some parameter's gather is in flight (read by the traced hook: a guard)
-_landing: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}  # id(param) -> (optimizer, its bucket key)
+_landing: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}  # id(param) -> (its WeightGathers, bucket key)
 _restore: dict[type, type] = {}  # in-flight class -> the parameter's own class
 _in_flight_class: dict[type, type] = {}  # the parameter's own class -> its in-flight class
-_optimizers: "weakref.WeakSet" = weakref.WeakSet()  # optimizers with overlap_param_gather=True
+_optimizers: "weakref.WeakSet" = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
 
 # Calls that read no weight values: they never wait (see [Note: reads of a weight still in flight]).
 _NO_WAIT = {torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
@@ -72,19 +74,15 @@ def _class_in_flight(cls: type) -> type:
 
 def _land(p: torch.Tensor) -> None:
     ref, key = _landing.get(id(p), (None, None))
-    opt = ref() if ref is not None else None
-    pending = opt._gathers.pop(key, None) if opt is not None else None
-    if pending is not None:
-        pending.wait()
-        opt._gathered(*key)  # which calls landed() for the bucket's parameters
-    else:
+    gathers = ref() if ref is not None else None
+    if gathers is None or not gathers.wait(key):  # waiting calls landed() for the bucket's parameters
         landed([p])
 
 
-def in_flight(opt: Any, key: tuple[int, int], params: Iterable[torch.nn.Parameter]) -> None:
-    """The gather of bucket ``key`` of ``opt`` holding ``params`` was issued. Local."""
+def in_flight(gathers: WeightGathers, key: Key, params: Iterable[torch.nn.Parameter]) -> None:
+    """The gather ``key`` of ``gathers`` holding ``params`` was issued. Local."""
     global _in_flight
-    ref = weakref.ref(opt)
+    ref = weakref.ref(gathers)
     for p in params:
         _landing[id(p)] = (ref, key)
         p.__class__ = _class_in_flight(type(p))
@@ -104,16 +102,16 @@ def landed(params: Iterable[torch.nn.Parameter]) -> None:
 
 @torch.compiler.disable
 def _finish_all() -> None:
-    for opt in list(_optimizers):
-        opt.finish_param_gather()
+    for gathers in list(_optimizers):
+        gathers.finish()
 
 
-def watch_gathers(opt: Any) -> "torch.utils.hooks.RemovableHandle":
-    """Install the hooks of the Notes above for ``opt`` (held weakly); returns the forward hook's
-    handle, which the optimizer removes when it is released. Local."""
-    ref = weakref.ref(opt)  # the global hook must not keep the optimizer alive
-    seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> it holds some of opt's parameters
-    _optimizers.add(opt)
+def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle":
+    """Install the hooks of the Notes above for one optimizer's ``gathers`` (held weakly); returns
+    the forward hook's handle, which the optimizer removes when it is released. Local."""
+    ref = weakref.ref(gathers)  # the global hook must not keep the optimizer's state alive
+    seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> it holds some of its parameters
+    _optimizers.add(gathers)
 
     def hook(module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # see [Note: compiled models]
@@ -124,20 +122,19 @@ def watch_gathers(opt: Any) -> "torch.utils.hooks.RemovableHandle":
         if o is None:
             return
         if module not in seen:  # once per module
-            seen[module] = any(id(p) in o._bucket_of for p in module.parameters())
-            if any(id(p) in o._bucket_of for p in module.parameters(recurse=False)):
+            seen[module] = any(id(p) in o.key_of for p in module.parameters())
+            if any(id(p) in o.key_of for p in module.parameters(recurse=False)):
                 module.register_state_dict_pre_hook(_finish_before_state_dict(ref))
-        if not o._gathers:
+        if not o:
             return
         if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: everything before the compiled code
             if seen[module]:
-                o.finish_param_gather()
+                o.finish()
             return
         for p in module.parameters(recurse=False):
-            key = o._bucket_of.get(id(p))
-            if key is not None and key in o._gathers:
-                o._gathers.pop(key).wait()
-                o._gathered(*key)
+            key = o.key_of.get(id(p))
+            if key is not None:
+                o.wait(key)
 
     atexit.register(_finish_at_exit, ref)
     return torch.nn.modules.module.register_module_forward_pre_hook(hook)
@@ -145,13 +142,13 @@ def watch_gathers(opt: Any) -> "torch.utils.hooks.RemovableHandle":
 
 def _finish_before_state_dict(ref: "weakref.ref") -> Callable[..., None]:
     def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        opt = ref()
-        if opt is not None:
-            opt.finish_param_gather()
+        gathers = ref()
+        if gathers is not None:
+            gathers.finish()
     return hook
 
 
 def _finish_at_exit(ref: "weakref.ref") -> None:
-    opt = ref()
-    if opt is not None and opt.__dict__.get("_gathers"):
-        opt.finish_param_gather()
+    gathers = ref()
+    if gathers:
+        gathers.finish()
