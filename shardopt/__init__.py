@@ -4,9 +4,8 @@ from shardopt.checkpoint import latest_checkpoint, list_checkpoints, load_checkp
 from shardopt.estimate import MemoryEstimate, estimate_memory
 from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
 from shardopt.memory import MemoryReport, ddp_adamw_bytes, predict_bytes
+from shardopt._version import __version__  # noqa: F401
 from shardopt.optimizer import ShardedAdamW
-
-__version__ = "0.1.0"
 
 __all__ = [
     "DynamicScaler",

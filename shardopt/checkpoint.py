@@ -32,7 +32,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-import shardopt
 from shardopt._checkpoint_adamw import full_state_dict, load_full_state_dict, settle
 from shardopt._checkpoint_dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
@@ -40,6 +39,7 @@ from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         data_checksums, latest_checkpoint, list_checkpoints, read_manifest, temp_path,
                                         verify_data, write_json)
 from shardopt._collectives import Comm, ProcessGroup
+from shardopt._version import __version__
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
            "save_checkpoint"]
@@ -128,7 +128,7 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
     cfg = opt.config
     config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
     return {
-        "format": FORMAT, "shardopt_version": shardopt.__version__, "torch_version": torch.__version__,
+        "format": FORMAT, "shardopt_version": __version__, "torch_version": torch.__version__,
         "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
         "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
         "loss_scaler": _jsonable(opt._scaler.state_dict(), "loss scaler state"),
