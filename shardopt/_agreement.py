@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from shardopt._config import trainable_params
 from shardopt._step_message import HYPER_LEN
 from shardopt.loss_scale import make_scaler
 
@@ -84,6 +85,32 @@ def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) 
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
                for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
+
+
+def agree_on_params(opt: Any, comm: Any, names: dict[int, str],
+                    loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
+    """(parameter, param-group index) of ``opt``'s trainable parameters, validated on every rank and
+    compared across ranks with one small collective; any problem, local or a mismatch, raises on
+    every rank (never a hang). Parameters are compared by (group, shape, dtype) and, when named
+    parameters were given, by name; two same-shape parameters swapped on one rank without names
+    cannot be told apart. Every rank, at construction."""
+    try:
+        trainable, error = trainable_params(opt.param_groups), None
+        named = any(g.get("param_names") for g in opt.param_groups)
+        desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]
+        desc.insert(0, ("settings", sorted(settings(opt, comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
+        tracked = {id(p) for p, _ in trainable}
+        frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(opt.param_groups)
+                  for p in g["params"] if id(p) not in tracked]
+        desc.append(("frozen", frozen))  # broadcast at construction: must match too
+        device = trainable[0][0].device
+    except (TypeError, ValueError) as e:
+        trainable, error, desc, device = [], e, [("error", type(e).__name__, str(e))], torch.device("cpu")
+    if comm.backend == "nccl" and device.type != "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
+    if comm.same_everywhere(desc, device) and error is None:
+        return trainable
+    raise_first_difference(comm.all_gather_objects(desc), comm.rank)
 
 
 def raise_first_difference(every: list[list], rank: int) -> None:

@@ -10,6 +10,7 @@ parameters themselves, so models still pickle and deep-copy.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Iterable
 
@@ -33,3 +34,58 @@ def take_over(opt: Any, params: Iterable[Tensor]) -> None:
         _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
     for old in previous.values():
         old._release("superseded: a newer ShardedAdamW was built over the same parameters and trains them now")
+
+
+_NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
+            "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
+            "a new ShardedAdamW over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
+            "the optimizer use opt.state_dict() or shardopt.save_checkpoint")
+
+
+class Lifetime:
+    """The end of a ShardedAdamW's life: ``close``, being superseded (``take_over``), being
+    collected, and copies refused. A mixin over the optimizer's own attributes."""
+
+    def close(self) -> None:
+        """Stop training: wait for the last weight gathers, remove every hook this optimizer put on
+        the parameters and modules; ``step`` and ``backward`` then raise. Building another
+        ShardedAdamW over the same parameters does this to the old one. Local."""
+        self._release("closed")
+
+    def _release(self, why: str) -> None:
+        if self.__dict__.get("_closed") is not None:
+            return
+        self.finish_param_gather()
+        self._remove_hooks()
+        self._closed = why
+
+    def _remove_hooks(self) -> None:
+        # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
+        # must not remove the hooks of the optimizer it wraps when it is collected.
+        rounds = self.__dict__.get("_rounds")
+        if rounds is not None:
+            rounds.release()
+        for name in ("_gather_hook", "_ddp_watch"):
+            hook = self.__dict__.get(name)
+            if hook is not None:
+                hook.remove()
+                self.__dict__[name] = None
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(_NO_COPY.format(how="copy.deepcopy"))
+
+    def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
+        raise TypeError(_NO_COPY.format(how="copying or pickling"))
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise RuntimeError(f"this ShardedAdamW is {self._closed}; use that one (or build a new one)")
+
+    def __del__(self) -> None:
+        # Dropped with weight gathers in flight (a local of a function that returned right after
+        # step()): wait for them, or gloo aborts the process at exit with collectives still running.
+        with contextlib.suppress(Exception):
+            gathers = self.__dict__.get("_gathers")
+            if gathers is not None:
+                gathers.wait_quietly()
+        self._remove_hooks()  # left on the parameters, they would keep taking gradients

@@ -179,3 +179,20 @@ class ShardedBuffer:
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             shard_size=self.comm.shard_size,
             stage=self.config.stage)
+
+
+def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,
+                  names: dict[int, str]) -> list[ShardedBuffer]:
+    """One ShardedBuffer per parameter dtype, from (parameter, param-group index) pairs; ``names``
+    by ``id``. Every rank (each buffer broadcasts rank 0's weights)."""
+    by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
+    for p, gi in trainable:
+        by_dtype.setdefault(p.dtype, []).append((p, gi))
+    buffers = []
+    for entries in by_dtype.values():
+        # Gradients become ready roughly in reverse registration order: lay buffers out that
+        # way so bucket 0 fills first during backward.
+        entries = entries[::-1]
+        buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
+                                     names=[names[id(p)] for p, _ in entries]))
+    return buffers

@@ -6,39 +6,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
 
-from shardopt._agreement import (call_header, check_calls, check_hyperparameters_agree, hyper_code, hyperparameters,
-                                 raise_first_difference, settings)
-from shardopt._collectives import Comm, CommStats, Pending, ProcessGroup
-from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names, trainable_params
+from shardopt._agreement import agree_on_params
+from shardopt._collectives import Comm, CommStats, ProcessGroup
+from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt._gather_wait import in_flight, landed, watch_gathers
-from shardopt._ownership import take_over
+from shardopt._gathers import WeightGathers
+from shardopt._ownership import Lifetime, take_over
 from shardopt._rounds import Rounds
-from shardopt._sharded_buffer import ShardedBuffer
+from shardopt._sharded_buffer import build_buffers
 from shardopt._skips import SkipWatch
 from shardopt._state_dict import OptimizerStateDict
-from shardopt._step_message import StepMessage
+from shardopt._step_agreement import StepAgreement
 from shardopt._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
 
-STATS_NUMEL = StepMessage.NUMEL  # elements of the step's all-reduce (see _step_message)
-
-_NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
-            "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
-            "a new ShardedAdamW over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
-            "the optimizer use opt.state_dict() or shardopt.save_checkpoint")
-
-
-class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
+class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     """AdamW whose master weights, moments and (stage 2) gradients are split over data-parallel ranks.
 
     Build it on every rank after ``torch.distributed.init_process_group``, with the same
@@ -90,10 +81,10 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
-        trainable = self._check_params_on_all_ranks(loss_scale)
+        trainable = agree_on_params(self, self._comm, self._names, loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
-        self._buffers = self._build_buffers(trainable)
+        self._buffers = build_buffers(trainable, self._comm, self.config, self._names)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
@@ -102,23 +93,23 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm)
+        self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
         self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
         self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
-        # (found_inf, clip coefficient, rounds completed then) from clip_grad_norm_
-        self._clip: tuple[bool, float, int] | None = None
+        self._clip_coef = 1.0  # what clip_grad_norm_ asked the next step to multiply the gradient by
         self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
         self.step_was_skipped = False
         self.skipped_steps = 0
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
-        # Parameter all-gathers still in flight, by (buffer index, bucket): see _gather_wait [Note: overlapped gather].
-        self._gathers: dict[tuple[int, int], Pending] = {}
-        self._bucket_of = {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()}
-        self._gather_hook = watch_gathers(self) if self.config.overlap_param_gather else None
+        # Weight all-gathers still in flight, by (buffer, bucket): see _gathers, _gather_wait [Note: overlapped gather].
+        self._gathers = WeightGathers([b.bucket_params for b in self._buffers], self._on_landed())
+        self._gathers.key_of = {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()}
+        self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
         self._built = True
@@ -129,44 +120,6 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
             raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
                                "pass every param group to the constructor instead of add_param_group")
         super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults))
-
-    def _check_params_on_all_ranks(self, loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
-        """Validate the parameters and settings on every rank and compare them across ranks with
-        one small collective; any problem, local or a mismatch, raises on every rank (never a hang).
-        Parameters are compared by (group, shape, dtype) and, when named parameters were given, by
-        name; two same-shape parameters swapped on one rank without names cannot be told apart."""
-        names = self._names
-        try:
-            trainable, error = trainable_params(self.param_groups), None
-            named = any(g.get("param_names") for g in self.param_groups)
-            desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ())
-                          for p, gi in trainable]
-            desc.insert(0, ("settings", sorted(settings(self, self._comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
-            tracked = {id(p) for p, _ in trainable}
-            frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(self.param_groups)
-                      for p in g["params"] if id(p) not in tracked]
-            desc.append(("frozen", frozen))  # broadcast at construction: must match too
-            device = trainable[0][0].device
-        except (TypeError, ValueError) as e:
-            trainable, error, desc, device = [], e, [("error", type(e).__name__, str(e))], torch.device("cpu")
-        if self._comm.backend == "nccl" and device.type != "cuda":
-            device = torch.device("cuda", torch.cuda.current_device())
-        if self._comm.same_everywhere(desc, device) and error is None:
-            return trainable
-        raise_first_difference(self._comm.all_gather_objects(desc), self._comm.rank)
-
-    def _build_buffers(self, trainable: list[tuple[torch.nn.Parameter, int]]) -> list[ShardedBuffer]:
-        by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
-        for p, gi in trainable:
-            by_dtype.setdefault(p.dtype, []).append((p, gi))
-        buffers = []
-        for entries in by_dtype.values():
-            # Gradients become ready roughly in reverse registration order: lay buffers out that
-            # way so bucket 0 fills first during backward.
-            entries = entries[::-1]
-            buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], self._comm, self.config,
-                                         names=[self._names[id(p)] for p, _ in entries]))
-        return buffers
 
     # -- training loop -------------------------------------------------------------------
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
@@ -195,48 +148,9 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
 
     def _agree_on_gradients(self, norm_type: float | None, caller: str = "step") -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): the step's one
-        all-reduce (a ``StepMessage``), which also carries which call each rank is in (``caller``;
-        see _agreement [Note: ranks in different calls]), the usage checks and the hyperparameters'
-        digest; then what every rank does with the reduced message, alike (raise, take written
-        weights, skip parameters without gradients). Every rank."""
+        all-reduce (see _step_agreement). Every rank."""
         self.finish_param_gather()
-        self._rounds.before_step()
-        found = self._checks.local()
-        maxed = norm_type is not None and math.isinf(norm_type)
-        start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
-        hyper = hyperparameters(self.param_groups)
-        lost = self._rounds.lost_round
-        mine = StepMessage(*self._local_grad_stats(norm_type), call=call_header(caller, lost),
-                           checks=self._checks.flags(found), hyper=hyper_code(hyper, maxed))
-        self._checks.seconds += time.perf_counter() - start
-        packed = mine.pack(self._buffers[0].flat.device)
-        (self._comm.all_reduce_max if maxed else self._comm.all_reduce_sum)(packed).wait()
-        got = StepMessage.reduced(packed)
-        try:
-            check_calls(got.call, caller, lost, self._comm.world_size, maxed)
-        except RuntimeError as e:
-            self._rounds.fail(str(e))
-            raise
-        start = time.perf_counter()
-        check_hyperparameters_agree(got.hyper, hyper, self._comm, maxed)
-        self._checks.seconds += time.perf_counter() - start
-        self._checks.apply(found, got.checks, self._scaler.scale)
-        found_inf = got.nonfinite > 0 or not math.isfinite(got.norm)
-        if norm_type is None or maxed:
-            return found_inf, got.norm
-        return found_inf, got.norm ** (1.0 / norm_type)
-
-    def _local_grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
-        """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
-        gradient shards, 0-d fp32 on the device (no sync). ``None``: the count only. Local; a query."""
-        nonfinite, norm = (torch.zeros((), dtype=torch.float32, device=self._buffers[0].flat.device) for _ in range(2))
-        if self._comm.replica != 0:  # replicas hold the same shards (hybrid sharding): count each once
-            return nonfinite, norm
-        for b in self._buffers:
-            bad, n = b.grad_stats(norm_type)
-            nonfinite += bad
-            norm = torch.maximum(norm, n) if norm_type is not None and math.isinf(norm_type) else norm + n
-        return nonfinite, norm
+        return self._agreement.exchange(self.param_groups, self._scaler.scale, norm_type, caller)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -252,7 +166,7 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
             found_inf, norm = self._agree_on_gradients(norm_type, "clip_grad_norm_")
         norm /= self._checks.grad_scale
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
-        self._clip = (found_inf, coef, self._rounds.total_rounds)
+        self._clip_coef = coef
         return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
     @torch.compiler.disable
@@ -278,9 +192,8 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         # (model.zero_grad(), a weight write, another backward) may have changed something on one
         # rank only, and a rank-local test deciding whether to look again would let one rank issue
         # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
-        coef = self._clip[1] if self._clip is not None else 1.0
+        coef, self._clip_coef = self._clip_coef, 1.0
         found_inf = self._agree_on_gradients(None)[0]
-        self._clip = None
         self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf
         self._rounds.stepped()
@@ -301,9 +214,9 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         start = time.perf_counter()
         for i, (b, used) in enumerate(zip(self._buffers, self._checks.used)):
             for bucket, pending in b.update(self._step, grad_scale, self.param_groups, used):
-                self._gathers[(i, bucket)] = pending
+                params = self._gathers.started((i, bucket), pending)
                 if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
-                    in_flight(self, (i, bucket), b.bucket_params(bucket))
+                    in_flight(self._gathers, (i, bucket), params)
         waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
@@ -321,62 +234,23 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
         names = [n for b in self._buffers for n in b.binding.names]
         return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
 
-    def _gathered(self, buffer: int, bucket: int) -> None:
-        b = self._buffers[buffer]
-        landed(b.bucket_params(bucket))
-        self._checks.note_gathered(b, b.layout.buckets[bucket].params)
+    def _on_landed(self) -> Callable[[tuple[int, int], list[torch.nn.Parameter]], None]:
+        """What a waited gather tells (overlap_param_gather only): its parameters are of their own
+        class again, and writes to them while it was in flight are checked. Holds no reference to
+        this optimizer, so that dropping it waits for its gathers at once (see __del__)."""
+        if not self.config.overlap_param_gather:
+            return lambda key, params: None
+        buffers, checks = self._buffers, self._checks
 
-    def close(self) -> None:
-        """Stop training: wait for the last weight gathers, remove every hook this optimizer put on
-        the parameters and modules; ``step`` and ``backward`` then raise. Building another
-        ShardedAdamW over the same parameters does this to the old one. Local."""
-        self._release("closed")
-
-    def _release(self, why: str) -> None:
-        if self.__dict__.get("_closed") is not None:
-            return
-        self.finish_param_gather()
-        self._remove_hooks()
-        self._closed = why
-
-    def _remove_hooks(self) -> None:
-        # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
-        # must not remove the hooks of the optimizer it wraps when it is collected.
-        rounds = self.__dict__.get("_rounds")
-        if rounds is not None:
-            rounds.release()
-        for name in ("_gather_hook", "_ddp_watch"):
-            hook = self.__dict__.get(name)
-            if hook is not None:
-                hook.remove()
-                self.__dict__[name] = None
-
-    def __deepcopy__(self, memo: dict) -> None:
-        raise TypeError(_NO_COPY.format(how="copy.deepcopy"))
-
-    def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
-        raise TypeError(_NO_COPY.format(how="copying or pickling"))
-
-    def _check_open(self) -> None:
-        if self._closed is not None:
-            raise RuntimeError(f"this ShardedAdamW is {self._closed}; use that one (or build a new one)")
-
-    def __del__(self) -> None:
-        # Dropped with weight gathers in flight (a local of a function that returned right after
-        # step()): wait for them, or gloo aborts the process at exit with collectives still running.
-        with contextlib.suppress(Exception):
-            for pending in self.__dict__.get("_gathers", {}).values():
-                pending.wait()
-        self._remove_hooks()  # left on the parameters, they would keep taking gradients
+        def on_landed(key: tuple[int, int], params: list[torch.nn.Parameter]) -> None:
+            landed(params)
+            checks.note_gathered(buffers[key[0]], buffers[key[0]].layout.buckets[key[1]].params)
+        return on_landed
 
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
         issued by step() on every rank); only needed with ``overlap_param_gather=True``."""
-        for key, pending in self._gathers.items():
-            pending.wait()
-            if self.config.overlap_param_gather:
-                self._gathered(*key)
-        self._gathers.clear()
+        self._gathers.finish()
 
     def pending_param_buckets(self) -> list[tuple[int, int]]:
         """(buffer, bucket) pairs whose all-gather has not been waited on yet."""
@@ -384,7 +258,7 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
 
     def bucket_of(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
         """(buffer, bucket) holding ``param``, or None for parameters this optimizer does not train."""
-        return self._bucket_of.get(id(param))
+        return self._gathers.key_of.get(id(param))
 
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -403,7 +277,7 @@ class ShardedAdamW(OptimizerStateDict, torch.optim.Optimizer):
                 p.grad = None
             elif p.grad is not None:
                 p.grad.zero_()
-        self._clip = None
+        self._clip_coef = 1.0
 
     def parameters_moved(self) -> list[str]:
         """The parameters whose dtype or device changed since this optimizer laid them out (a
