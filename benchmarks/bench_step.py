@@ -355,7 +355,8 @@ def main() -> None:
     with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(f"# Training step, side by side\n\nCommand: `python benchmarks/bench_step.py --sizes {args.sizes} "
                 f"--configs {args.configs} --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds} "
-                f"--device {args.device}`\n\n{header}\n\n{table}\n")
+                f"--device {args.device}" + (f" --baseline {args.baseline}" if args.baseline else "")
+                + f"`\n\n{header}\n\n{table}\n")
     try:
         if not plot:
             raise ImportError("nothing to plot")

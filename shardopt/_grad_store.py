@@ -185,9 +185,8 @@ class ShardGrads:
     def launch(self, b: int) -> Launch:
         staging = self._staging_for(b)
         dest = self.shard_part(b)
-        after = None
         if self._fresh and self.reduce_dtype is None:
-            out = dest
+            out, after = dest, None
         elif not self._fresh and self.accumulate_dtype is not None:  # see [Note: accumulating in the shard]
             if self.accum_shard is None:
                 self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
