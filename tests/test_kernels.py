@@ -7,6 +7,7 @@ biased or depends on how the buffer is split, and a reference that drifts from t
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -197,8 +198,10 @@ def test_compiled_codecs_are_bit_identical_to_eager():
 
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
     compiled = torch.compile(codecs, fullgraph=True, options=options)
+    with _cpu_codegen.fused_kernels():  # generated as shardopt's fused kernels are
+        got = compiled(x, bits)
     for name, a, b in zip(("bf16 hi", "remainder", "stochastic bf16", "stochastic fp16", "bf16 moments"),
-                          codecs(x, bits), compiled(x, bits)):
+                          codecs(x, bits), got):
         ints = torch.int16 if a.element_size() == 2 else torch.int32
         same = (a.view(ints) == b.view(ints)) | (a.float().isnan() & b.float().isnan())
         assert bool(same.all()), (name, x[~same][:4])
@@ -222,7 +225,8 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
     assert _cpu_codegen.install()
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
     fn = torch.compile(lambda x: reference.encode_bf16(x)[0], options=options)
-    _, (code,) = run_and_get_code(fn, torch.randn(4096))
+    with _cpu_codegen.fused_kernels():
+        _, (code,) = run_and_get_code(fn, torch.randn(4096))
     assert "at::vec::cast<int32_t>" in code and "c10::bit_cast" not in code
 
     def hashed(x, key):  # fp32 only, so inductor's own choice is one fp32 vector per iteration
@@ -347,3 +351,58 @@ def test_fused_gradient_statistics_match_fp64(dtype):
     huge[:4] = torch.tensor([3.0e38, 3.0e38, -0.0, 1e-40]).to(dtype)
     assert float(fused.grad_nonfinite(huge)) == 0.0 and float(reference.grad_nonfinite(huge)) == 0.0
     assert fused.name == "fused"  # compiled, not fallen back to the reference
+
+
+_USER_CODE = r"""
+import json, os, sys, tempfile
+import torch
+from torch._inductor.utils import run_and_get_code
+
+def user(x):  # fp32 <-> int32 bitcasts, an integer hash and 8-bit conversions: what shardopt's additions touch
+    i = x.view(torch.int32)
+    h = (i * 1103515245 + 12345) ^ (i >> 7)
+    return (h >> 8).to(torch.int8).to(torch.float32) + (h & 0x3F7FFFFF).view(torch.float32) * 0.5
+
+def code():
+    torch._dynamo.reset()
+    _, (c,) = run_and_get_code(torch.compile(user, options={"fx_graph_cache": False}), torch.randn(4099))
+    return "\n".join(line for line in c.splitlines() if not line.startswith("# AOT ID"))  # a per-process count
+
+before = code()
+import torch.distributed as dist
+import shardopt
+from shardopt.kernels import _cpu_codegen
+with tempfile.TemporaryDirectory() as d:
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "s"), 1), rank=0, world_size=1)
+    for master, moments in (("remainder", "8bit"), ("stochastic", "bf16")):  # every addition compiles
+        model = torch.nn.Linear(256, 256).to(torch.bfloat16)
+        opt = shardopt.ShardedAdamW(model.parameters(), master_weights=master, moments=moments)
+        opt.backward(model(torch.randn(4, 256, dtype=torch.bfloat16)).float().square().mean())
+        opt.step()
+        opt.close()
+    dist.destroy_process_group()
+after = code()
+json.dump({"installed": _cpu_codegen.installed(), "wide": _cpu_codegen._state["wide"],
+           "same": before == after}, sys.stdout)
+"""
+
+
+def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
+    """shardopt's additions to inductor's CPU code generator apply to its own fused kernels only
+    (see _cpu_codegen [Note: scoped to shardopt's kernels]): a user's function compiled before
+    shardopt is imported and after shardopt's kernels compiled and ran gets the same code."""
+    import json
+    import subprocess
+    import sys
+
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if not pick_vec_isa():
+        pytest.skip("inductor finds no vector ISA on this CPU: its kernels are scalar")
+    env = {k: v for k, v in os.environ.items() if k != "SHARDOPT_KERNEL"}
+    run = subprocess.run([sys.executable, "-c", _USER_CODE], capture_output=True, text=True, timeout=600,
+                         env={**env, "SHARDOPT_KERNEL": "fused", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["installed"] and got["wide"], got  # the additions were in place while the user compiled again
+    assert got["same"], got

@@ -47,11 +47,13 @@ plus ``arange(0, stride)``, whose lanes are constants the compiler folds into on
 same lanes (two's-complement wrap-around either way), one broadcast and one add. Per 16M
 elements on one AVX-512 core, the bf16 stochastic step with bf16 moments 11.0 -> 10.1 ms.
 
-The bitcast is semantics-preserving for any program (a bitcast is a bitcast), so it is
-installed process-wide, once, before the first fused kernel compiles; the wide tiling applies
-only while a fused kernel of shardopt compiles. On a torch whose code generator is laid out
-differently neither is installed and the kernels stay correct, only slower; :func:`installed`
-tells which. The fused kernels are tested bit for bit against the reference either way.
+[Note: scoped to shardopt's kernels] The methods are replaced once, before the first fused
+kernel compiles, but every replacement emits its own code only while a fused kernel of shardopt
+compiles (the context variable :func:`fused_kernels` sets) and calls inductor's own method
+otherwise: a user's ``torch.compile`` generates the same code with shardopt imported or not
+(tested). On a torch whose code generator is laid out differently nothing is installed and the
+kernels stay correct, only slower; :func:`installed` tells which. The fused kernels are tested
+bit for bit against the reference either way.
 """
 from __future__ import annotations
 
@@ -62,7 +64,7 @@ from collections.abc import Iterator
 
 import torch
 
-_wide = contextvars.ContextVar("shardopt_wide_tiling", default=False)
+_ours = contextvars.ContextVar("shardopt_fused_kernel", default=False)  # see [Note: scoped to shardopt's kernels]
 _state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False}
 _VERSION = 5  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
@@ -84,7 +86,8 @@ def install() -> bool:
 
     def to_dtype_bitcast(x, dtype, src_dtype):  # noqa: ANN001, ANN202 - inductor's override signature
         kernel = virtualized.kernel
-        if (dtype, src_dtype) in _PAIRS and isinstance(kernel, kernel_type) and getattr(x, "is_vec", False):
+        if (_ours.get() and (dtype, src_dtype) in _PAIRS and isinstance(kernel, kernel_type)
+                and getattr(x, "is_vec", False)):
             n_vec = kernel._get_num_vectors(src_dtype)
             dst = DTYPE_TO_CPP[dtype]
             if n_vec == 1:
@@ -118,7 +121,7 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
 
     def select_tiling(self, fn_list, var_sizes_list):  # noqa: ANN001, ANN202 - inductor's signature
         factors, indices, stats = original(self, fn_list, var_sizes_list)
-        if _wide.get() and fp32_lanes and factors == [fp32_lanes]:
+        if _ours.get() and fp32_lanes and factors == [fp32_lanes]:
             if byte_ops is not None or not loop_dtypes(loop_bodies(fn_list)) & set(_BYTES):
                 factors = [2 * fp32_lanes]
         return factors, indices, stats
@@ -158,7 +161,7 @@ def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen modu
     original = originals["arange"]
 
     def arange(self, index, stride):  # noqa: ANN001, ANN202 - inductor's signature
-        if not (_wide.get() and type(self) is kernel_type and index.dtype in (torch.int32, torch.int64)):
+        if not (_ours.get() and type(self) is kernel_type and index.dtype in (torch.int32, torch.int64)):
             return original(self, index, stride)
         vec = self._get_vec_type(index.dtype)
         var = self.cse.generate(self.compute, f"({vec}({index}) + {vec}::arange(0, {stride}))")
@@ -233,7 +236,7 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
     load_line, store_line, dtype_expr = originals.values()
 
     def widened(kernel) -> bool:  # noqa: ANN001 - a CppVecKernel of a loop widened by [Note: wide tiling]
-        return (_wide.get() and type(kernel) is kernel_type
+        return (_ours.get() and type(kernel) is kernel_type
                 and getattr(kernel, "tiling_factor", None) == wide and hasattr(kernel, "tail_size"))
 
     def whole(kernel) -> bool:  # noqa: ANN001 - its body, where every vector is full (not the tail)
@@ -271,12 +274,12 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
 @contextlib.contextmanager
 def fused_kernels() -> Iterator[None]:
     """Around a call of a fused kernel: code generated inside (its first call, a recompile) gets
-    the wide tiling of [Note: wide tiling]."""
-    token = _wide.set(True)
+    every addition of this module; outside, inductor's own code (see [Note: scoped to shardopt's kernels])."""
+    token = _ours.set(True)
     try:
         yield
     finally:
-        _wide.reset(token)
+        _ours.reset(token)
 
 
 def installed() -> bool:
