@@ -43,3 +43,14 @@ class FlatParams:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def set_grad(param: Tensor, grad: Tensor | None) -> bool:
+    """``param.grad = grad``; False where torch refuses it because the parameter was converted or
+    replaced after the optimizer was built (another dtype or device): dropped here so that a
+    backward on one rank is not stopped, and reported by the binding check at step() on every rank."""
+    try:
+        param.grad = grad
+        return True
+    except RuntimeError:
+        return False

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from shardopt._collectives import Comm, Pending
-from shardopt._flat import FlatParams
+from shardopt._flat import FlatParams, set_grad
 from shardopt._layout import Range
 
 Launch = tuple[list[Callable[[], Pending]], Callable[[], None] | None]  # collectives to issue in order; then
@@ -62,10 +62,7 @@ class FlatGrads:
                 used = True
             except RuntimeError:
                 view.zero_()
-        try:
-            self.flat.params[index].grad = view
-        except RuntimeError:
-            pass
+        set_grad(self.flat.params[index], view)
         return used
 
     def changed_views(self, placed: Sequence[bool]) -> dict[int, bool | None]:
@@ -97,10 +94,8 @@ class FlatGrads:
     def zero(self) -> None:
         self.flat_grad.zero_()
         for i, p in enumerate(self.flat.params):
-            try:
-                p.grad = self.flat.param_view(self.flat_grad, i)
-            except RuntimeError:
-                p.grad = None  # converted after construction: reported by the binding check
+            if not set_grad(p, self.flat.param_view(self.flat_grad, i)):
+                p.grad = None
 
     def local_grad(self) -> Tensor:
         return self.flat_grad[self._shard.as_slice()]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from shardopt._collectives import Comm
-from shardopt._flat import FlatParams
+from shardopt._flat import FlatParams, set_grad
 from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt._held_bytes import HeldBytes
@@ -281,11 +281,9 @@ class GradReducer:
         # The placeholder keeps model.zero_grad() and p.grad.zero_() visible while the sum sits in accum.
         ph = self._placeholders[index]
         ph.zeroed, ph.pending, ph.accumulating = False, None, True
-        try:
-            p.grad = ph
-            self._placed[index] = True
-        except RuntimeError:
-            p.grad = None  # converted after construction: reported by the binding check
+        self._placed[index] = set_grad(p, ph)
+        if not self._placed[index]:
+            p.grad = None
 
     def _take(self, index: int) -> None:
         """Move parameter ``index``'s accumulated ``.grad`` into the buffer being reduced."""
@@ -302,10 +300,8 @@ class GradReducer:
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(index)
             self._placed[index] = False
-            try:
-                p.grad = self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None
-            except RuntimeError:
-                p.grad = None  # converted after construction: reported by the binding check
+            if not set_grad(p, self.flat.param_view(self.accum, index).to(self.flat.dtype) if self.used[index] else None):
+                p.grad = None
         grad = p.grad
         if type(grad) is GradPlaceholder:  # autograd added to it: the new part is pending, the rest in the shard
             grad, p.grad.pending = grad.pending, None
@@ -340,11 +336,8 @@ class GradReducer:
             placed = self._placed
             for i, (p, ph) in enumerate(zip(self.flat.params, self._placeholders)):
                 ph.zeroed = ph.accumulating = False
-                try:
-                    p.grad = ph
+                if set_grad(p, ph):
                     placed[i] = True
-                except RuntimeError:
-                    pass  # converted after construction: reported by the binding check
             self.check_seconds += time.perf_counter() - start
 
     def bucket_of(self, index: int) -> int:
