@@ -5,7 +5,7 @@ milliseconds). Catches a round that does not return to IDLE after its backward, 
 raised but is not found LOST (and so not finished before the next call), a broken round that does
 not refuse later calls, a bucket order that is not the reverse of the first forward's uses, and
 parameter states left behind after a round. The multi-rank behaviour of the same code is in
-tests/test_rank_agreement.py, tests/test_torch_usage.py and tests/test_peak_memory.py.
+tests/test_rank_agreement.py, tests/test_usage_*.py and tests/test_peak_memory.py.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Each case is one thing users do with ``torch.optim.AdamW`` that must either beha
 or raise a clear error on every rank: state-dict hooks, ``copy.deepcopy``, a parameter listed
 twice, channels_last weights, NaN gradients with a finite loss and no loss scale to lower, a
 hyperparameter changed on one rank only. The reference is a plain ``torch.optim.AdamW`` on the
-gradient averaged over ranks (``_ddp_average``), or torch's own hook calls.
+gradient averaged over ranks (``ddp_average``), or torch's own hook calls.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from torch import nn
 
 import shardopt
 from models import batch, make_model
-from test_torch_usage import HP, _ddp_average, _error, _ref_step, _worst
+from usage_reference import HP, ddp_average, error_of, param_diff, ref_step
 
 
 def _train(model: nn.Module, opt: shardopt.ShardedAdamW, steps: range) -> None:
@@ -59,7 +59,7 @@ def state_dict_hooks_case() -> dict:
     _hooked(opt, ours)
     _hooked(ref_opt, theirs)
     _train(model, opt, range(2))
-    _ref_step(ref, ref_opt, 0)
+    ref_step(ref, ref_opt, 0)
     out = {}
     for name, o, calls in (("ours", opt, ours), ("torch", ref_opt, theirs)):
         sd = o.state_dict()
@@ -87,15 +87,15 @@ def deepcopy_case() -> tuple[tuple[str, str] | None, tuple[str, str] | None, flo
     model = make_model(seed=4)
     opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
     _train(model, opt, range(2))
-    copied = _error(lambda: copy.deepcopy(opt))
-    pickled = _error(lambda: copy.copy(opt))
+    copied = error_of(lambda: copy.deepcopy(opt))
+    pickled = error_of(lambda: copy.copy(opt))
     # What the message says to do instead: copy the model, build a new optimizer, load the state.
     twin = copy.deepcopy(model)
     twin_opt = shardopt.ShardedAdamW(twin.parameters(), **HP, stage=2)
     twin_opt.load_state_dict(opt.state_dict())
     _train(model, opt, range(2, 4))
     _train(twin, twin_opt, range(2, 4))
-    return copied, pickled, _worst(model, twin)
+    return copied, pickled, param_diff(model, twin)
 
 
 def test_deepcopy_raises_a_clear_error_and_its_advice_works(pools):
@@ -121,8 +121,8 @@ def duplicate_case(named: bool) -> tuple[list[str], float]:
         opt.zero_grad()
         opt.backward(model(batch(dist.get_rank(), step)))
         opt.step()
-        _ref_step(ref, ref_opt, step)
-    return [str(w.message) for w in caught if "duplicate" in str(w.message)], _worst(model, ref)
+        ref_step(ref, ref_opt, step)
+    return [str(w.message) for w in caught if "duplicate" in str(w.message)], param_diff(model, ref)
 
 
 def test_a_parameter_listed_twice_warns_as_torch_does_and_trains_once(pools):
@@ -171,9 +171,9 @@ def channels_last_case() -> dict:
         out[f"step{step}"] = [str(w.message) for w in caught if "memory format" in str(w.message)]
         ref_opt.zero_grad()
         ref(_conv_batch(step)).backward()
-        _ddp_average(ref)
+        ddp_average(ref)
         ref_opt.step()
-    out["worst"] = _worst(model, ref)
+    out["worst"] = param_diff(model, ref)
     return out
 
 
@@ -210,7 +210,7 @@ def nan_gradient_case(dtype_name: str, limit: int | None) -> dict:
                 break
         out["warnings"] += [(step, str(w.message)) for w in caught if "skipped" in str(w.message)]
     out["skipped"] = opt.skipped_steps
-    out["unchanged"] = _worst(model, start) == 0.0
+    out["unchanged"] = param_diff(model, start) == 0.0
     return out
 
 
@@ -246,8 +246,8 @@ def per_rank_hyperparameter_case(key: str, norm_type: float | None) -> tuple[str
     opt.zero_grad()
     opt.backward(model(batch(rank, 1)))
     if norm_type is not None:
-        return _error(lambda: opt.clip_grad_norm_(1.0, norm_type=norm_type))
-    return _error(opt.step)
+        return error_of(lambda: opt.clip_grad_norm_(1.0, norm_type=norm_type))
+    return error_of(opt.step)
 
 
 def test_a_hyperparameter_set_on_one_rank_raises_on_every_rank(pools):
@@ -274,8 +274,8 @@ def same_hyperparameters_case() -> float:
         opt.backward(model(batch(dist.get_rank(), step)))
         opt.clip_grad_norm_(1e9)
         opt.step()
-        _ref_step(ref, ref_opt, step)
-    return _worst(model, ref)
+        ref_step(ref, ref_opt, step)
+    return param_diff(model, ref)
 
 
 def test_hyperparameters_changed_alike_on_every_rank_train(pools):
@@ -300,9 +300,9 @@ def compiled_model_case(how: str) -> float:
         opt.zero_grad()
         opt.backward(forward(batch(dist.get_rank(), step)))
         opt.step()
-        _ref_step(ref, ref_opt, step)
+        ref_step(ref, ref_opt, step)
     opt.finish_param_gather()
-    return _worst(model, ref)
+    return param_diff(model, ref)
 
 
 def test_a_compiled_model_trains_with_overlapped_gathers(pools):
@@ -340,10 +340,10 @@ def compiled_train_step_case(stage: int) -> tuple[float, int, int]:
             after_warmup = len(graphs)
         ref_opt.zero_grad()
         ref(batch(dist.get_rank(), step)).backward()
-        _ddp_average(ref)
+        ddp_average(ref)
         torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
         ref_opt.step()
-    return _worst(model, ref), after_warmup, len(graphs)
+    return param_diff(model, ref), after_warmup, len(graphs)
 
 
 def test_a_compiled_train_step_runs_shardopt_eagerly(pools):
@@ -373,12 +373,12 @@ def ema_case(read: str) -> tuple[float, list[float]]:
             ema.update_parameters(model)  # reads every weight while its gather may still be in flight
         else:  # a parent reading a child's weight outside the child's forward
             sums.append(float(model.fc2.weight.sum()))
-        _ref_step(ref, ref_opt, step)
+        ref_step(ref, ref_opt, step)
         ref_ema.update_parameters(ref)
         if read != "ema":
             sums[-1] -= float(ref.fc2.weight.sum())
     opt.finish_param_gather()
-    worst = _worst(ema, ref_ema) if read == "ema" else max(abs(s) for s in sums)
+    worst = param_diff(ema, ref_ema) if read == "ema" else max(abs(s) for s in sums)
     return worst, [float(p.detach().sum()) for p in ema.parameters()]
 
 

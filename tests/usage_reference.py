@@ -1,0 +1,47 @@
+"""The reference the everyday-usage tests compare with: plain ``torch.optim.AdamW`` stepped on
+the gradient averaged over ranks the way DDP averages it (a plain ``all_reduce``; a parameter no
+rank has a gradient for keeps ``grad=None``), and small helpers the ranks run."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models import batch
+
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def ddp_average(model: nn.Module) -> None:
+    """Average .grad over ranks as DDP does: None only where no rank has a gradient."""
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        has = torch.tensor([0.0 if p.grad is None else 1.0])
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        if has.item() == 0:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        dist.all_reduce(g, op=dist.ReduceOp.SUM)
+        p.grad = g / dist.get_world_size()
+
+
+def ref_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, zero: bool = True) -> None:
+    if zero:
+        opt.zero_grad()
+    model(batch(dist.get_rank(), step)).backward()
+    ddp_average(model)
+    opt.step()
+
+
+def param_diff(a: nn.Module, b: nn.Module) -> float:
+    return max((p.detach().float() - q.detach().float()).abs().max().item()
+               for p, q in zip(a.parameters(), b.parameters()))
+
+
+def error_of(fn) -> tuple[str, str] | None:
+    try:
+        fn()
+    except (TypeError, ValueError, RuntimeError) as e:
+        return type(e).__name__, str(e)
+    return None
