@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ demo: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+test-fast: setup  # the unit tier: nothing outside the test process, under a minute
+	$(PY) -m pytest -q -m unit -n 2
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache

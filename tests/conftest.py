@@ -8,7 +8,28 @@ sys.path.insert(0, os.path.dirname(__file__))
 # tests/test_kernels.py ties the fused path to the reference, and chosen tests opt into it.
 os.environ.setdefault("SHARDOPT_KERNEL", "reference")
 
+import launch  # noqa: E402
 from distpool import PoolCache  # noqa: E402
+
+# [Note: test tiers] Every test is in one tier, by what it starts:
+#   unit   - nothing outside the test process (`make test-fast`: under a minute);
+#   dist   - gloo ranks spawned once per module (the ``pools`` fixture);
+#   launch - real torchrun (or python) processes, marked in the module (``pytestmark``) or on the test.
+# unit and dist are given here; launch is declared where the launch is.
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.get_closest_marker("launch"):
+            continue
+        item.add_marker(pytest.mark.dist if "pools" in item.fixturenames else pytest.mark.unit)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001
+    """Launches run again because gloo aborted them at exit (tests/launch.py), never hidden."""
+    retried = launch.RETRIED
+    terminalreporter.write_line(f"launches run again after gloo aborted at exit: {len(retried)}"
+                                + (f" ({', '.join(retried)})" if retried else ""))
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # DDP and no shardopt in the process too); tests/test_exit.py checks that shardopt leaves nothing
 # in flight, and a launch that ends this way is run once more.
 GLOO_EXIT_RACE = "terminate called without an active exception"
+RETRIED: list[str] = []  # launches run again after that abort; tests/conftest.py prints them in the summary
+
+
+def note_retry(what: str) -> None:
+    """Record a launch that is run once more because gloo aborted it at exit."""
+    RETRIED.append(what)
 
 
 def run_launcher(cmd: list[str], *, timeout: int, env: dict[str, str]) -> subprocess.CompletedProcess:
-    """``subprocess.run`` of a launcher command, run once more if gloo aborted it at exit."""
+    """``subprocess.run`` of a launcher command, run once more (and counted) if gloo aborted it at exit."""
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     if proc.returncode != 0 and GLOO_EXIT_RACE in proc.stderr:
+        note_retry(" ".join(os.path.relpath(c, ROOT) if c.startswith(ROOT) else c for c in cmd[3:6]))
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     return proc
 

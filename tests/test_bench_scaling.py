@@ -5,10 +5,13 @@ whose table cannot be built from the CSV it writes. Speed is not asserted: bench
 """
 from __future__ import annotations
 
+import pytest
 import csv
 import os
 import subprocess
 import sys
+
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "bench_scaling.py")

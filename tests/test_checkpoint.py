@@ -424,6 +424,7 @@ main(sys.argv[1:3])
 """
 
 
+@pytest.mark.launch
 def test_converter_memory_stays_near_one_parameter(pools, tmp_path):
     """32 parameters of 1 MiB: 96 MiB of weights and moments, converted with 24 MiB of headroom
     for private memory (RLIMIT_DATA; file-backed scratch mappings do not count)."""

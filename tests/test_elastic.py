@@ -30,6 +30,8 @@ from shardopt._checkpoint_files import MARKER
 from shardopt.checkpoint import latest_checkpoint
 from shardopt.convert import convert_checkpoint
 
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

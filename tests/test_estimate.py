@@ -203,6 +203,7 @@ def test_hybrid_is_a_flat_shard_group_plus_a_cross_replica_all_reduce(capsys):
     assert cli_main(["--params", "7B", "--world-size", "12", "--shard-size", "8"]) == 2
 
 
+@pytest.mark.launch
 def test_module_runs_as_a_command():
     proc = subprocess.run([sys.executable, "-m", "shardopt.estimate", "--params", "7e9", "--world-size", "64",
                            "--stage", "2", "--master-weights", "remainder", "--detail"],

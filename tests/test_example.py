@@ -5,11 +5,14 @@ figures disagree with the formula it prints beside them.
 """
 from __future__ import annotations
 
+import pytest
 import os
 import re
 import sys
 
 from launch import run_launcher
+
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

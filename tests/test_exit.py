@@ -10,11 +10,14 @@ This file is also the worker: ``python tests/test_exit.py`` under torchrun.
 """
 from __future__ import annotations
 
+import pytest
 import json
 import os
 import sys
 
-from launch import torchrun
+from launch import note_retry, torchrun
+
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
 
 GLOO_EXIT_RACE = "terminate called without an active exception"
 
@@ -28,6 +31,7 @@ def _one_run(out: str) -> list[dict]:
         for r in range(2):  # the abort came after the exit handlers: their records are there
             with open(os.path.join(out, f"rank{r}.json")) as f:
                 assert json.load(f)["gathers_waited"], f"rank {r} exited with gathers in flight:\n{e}"
+        note_retry("tests/test_exit.py")
         return torchrun("tests/test_exit.py", nproc=2, out_dir=out + "-again", timeout=120)
 
 

@@ -14,6 +14,8 @@ import pytest
 from frameworks.common import max_diff
 from launch import torchrun
 
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
+
 WORKER = "tests/frameworks/accelerate_worker.py"
 CLIP = 0.5
 

@@ -14,6 +14,8 @@ import transformers  # noqa: F401  (the [hf] extra is part of the test setup: fa
 from frameworks.common import max_diff
 from launch import torchrun
 
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
+
 WORKER = "tests/frameworks/hf_worker.py"
 CLIP = 0.5
 

@@ -20,6 +20,8 @@ import torch
 
 from launch import ROOT, run_launcher, torchrun
 
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
+
 WORKER = "tests/frameworks/lightning_worker.py"
 CLIP = 0.5
 PARITY = 1e-5  # fp32, the same math as DDP + AdamW up to summation order

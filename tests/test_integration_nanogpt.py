@@ -8,12 +8,15 @@ is resumed by both variants, at 1 and at 2 processes, and they must train alike.
 """
 from __future__ import annotations
 
+import pytest
 import os
 import re
 import shutil
 import sys
 
 from launch import run_launcher
+
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "examples", "nanogpt_train.py")

@@ -287,6 +287,7 @@ def check_wide_byte_code() -> str:
     return isa
 
 
+@pytest.mark.launch
 def test_wide_byte_code_is_bit_identical_to_eager():
     """8-bit loads and stores and the conversions around them, in loops of two fp32 vectors (see
     [Note: wide bytes]), give the eager bits; on an AVX-512 machine the AVX2 code is checked too,
@@ -387,6 +388,7 @@ json.dump({"installed": _cpu_codegen.installed(), "wide": _cpu_codegen._state["w
 """
 
 
+@pytest.mark.launch
 def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
     """shardopt's additions to inductor's CPU code generator apply to its own fused kernels only
     (see _cpu_codegen [Note: scoped to shardopt's kernels]): a user's function compiled before

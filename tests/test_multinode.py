@@ -23,6 +23,8 @@ import uuid
 
 import pytest
 
+pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(ROOT, "examples", "train_gpt.py")
 ARGS = ["--steps", "6", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
