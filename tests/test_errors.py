@@ -11,14 +11,7 @@ from torch import nn
 
 import shardopt
 from models import make_model
-
-
-def _raises(fn) -> tuple[str, str] | None:
-    try:
-        fn()
-    except (TypeError, ValueError, RuntimeError) as e:
-        return type(e).__name__, str(e)
-    return None
+from usage_reference import error_of
 
 
 def bad_arguments_case() -> dict:
@@ -42,7 +35,7 @@ def bad_arguments_case() -> dict:
         "bucket": lambda: A(params(), bucket_cap_mb=0),
         "accum": lambda: A(params(), accumulate_dtype=torch.int8),
     }
-    return {k: _raises(f) for k, f in cases.items()}
+    return {k: error_of(f) for k, f in cases.items()}
 
 
 def test_bad_arguments_name_the_value(pools):
@@ -75,7 +68,7 @@ def mismatch_case(kind: str) -> tuple[str, str] | None:
         params = model.parameters()
     else:  # an error on one rank only must reach the other rank too
         params = [nn.Parameter(torch.ones(3, dtype=torch.float64 if rank == 1 else torch.float32))]
-    return _raises(lambda: shardopt.ShardedAdamW(params))
+    return error_of(lambda: shardopt.ShardedAdamW(params))
 
 
 def test_parameter_sets_that_differ_across_ranks(pools):
@@ -90,7 +83,7 @@ def test_parameter_sets_that_differ_across_ranks(pools):
 def sparse_case() -> tuple[str, str] | None:
     emb = nn.Embedding(10, 4, sparse=True)
     opt = shardopt.ShardedAdamW(emb.parameters())
-    return _raises(lambda: opt.backward(emb(torch.tensor([1, 2])).sum()))
+    return error_of(lambda: opt.backward(emb(torch.tensor([1, 2])).sum()))
 
 
 def test_sparse_gradient_is_refused(pools):

@@ -17,6 +17,7 @@ from torch import nn
 
 import shardopt
 from models import batch, make_model
+from usage_reference import ddp_average
 
 
 def _timed(call, kind: type) -> tuple[str | None, float]:
@@ -226,20 +227,6 @@ def _raise_in_backward(module: nn.Module, when: dict) -> None:
     module.register_full_backward_pre_hook(hook)
 
 
-def _ddp_reference(model: nn.Module) -> None:
-    """Average .grad over ranks as DDP does, in fp32: None only where no rank has a gradient."""
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        has = torch.tensor([0.0 if p.grad is None else 1.0])
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)
-        if has.item() == 0:
-            continue
-        g = p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32)
-        dist.all_reduce(g, op=dist.ReduceOp.SUM)
-        p.grad = (g / dist.get_world_size()).to(p.dtype)
-
-
 _GROUPS: list = []  # kept alive: a group left with collectives in flight must not be destroyed
 
 
@@ -285,7 +272,7 @@ def skipped_batch_case(fail_at: int, ranks: tuple, micro: int) -> tuple:
             if not (step == fail_at and len(ranks) == dist.get_world_size()):
                 for m in range(micro):
                     ref(batch(rank, 10 * step + m)).backward()
-                _ddp_reference(ref)
+                ddp_average(ref, fp32=True)
                 ref_opt.step()
     except RuntimeError as e:
         return str(e), time.perf_counter() - start, None
@@ -358,7 +345,7 @@ def routed_case(stage: int) -> tuple:
         opt.step()
         ref.zero_grad()
         ref(x, route).backward()
-        _ddp_reference(ref)
+        ddp_average(ref, fp32=True)
         for p, m in zip(ref.parameters(), master):
             m.grad = None if p.grad is None else p.grad.float()
         ref_opt.step()

@@ -12,8 +12,9 @@ from models import batch
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def ddp_average(model: nn.Module) -> None:
-    """Average .grad over ranks as DDP does: None only where no rank has a gradient."""
+def ddp_average(model: nn.Module, fp32: bool = False) -> None:
+    """Average .grad over ranks as DDP does: None only where no rank has a gradient; ``fp32``:
+    16-bit gradients summed in fp32 and rounded once."""
     for p in model.parameters():
         if not p.requires_grad:
             continue
@@ -22,8 +23,9 @@ def ddp_average(model: nn.Module) -> None:
         if has.item() == 0:
             continue
         g = p.grad if p.grad is not None else torch.zeros_like(p)
+        g = g.float() if fp32 else g
         dist.all_reduce(g, op=dist.ReduceOp.SUM)
-        p.grad = g / dist.get_world_size()
+        p.grad = (g / dist.get_world_size()).to(p.dtype)
 
 
 def ref_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, zero: bool = True) -> None:
