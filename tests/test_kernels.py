@@ -7,6 +7,7 @@ biased or depends on how the buffer is split, and a reference that drifts from t
 from __future__ import annotations
 
 import contextlib
+import re
 import os
 
 import pytest
@@ -45,10 +46,14 @@ def test_reference_matches_torch_adamw_bit_for_bit():
 
 def _run(mode: str, dtype: torch.dtype, n: int, impl: str, steps: int = 3) -> dict:
     """A few steps of one master-weight mode over an n-element shard with the ``impl`` kernels."""
+    return _run_with(select(impl), mode, dtype, n, steps)
+
+
+def _run_with(kernels, mode: str, dtype: torch.dtype, n: int, steps: int = 3) -> dict:  # noqa: ANN001
     torch.manual_seed(1)
     w0 = torch.randn(n) * 0.5
     m, v = torch.zeros(n), torch.zeros(n)
-    strategy = make_master(mode, w0.to(dtype), kernels=select(impl), seed=7, global_offset=1000)
+    strategy = make_master(mode, w0.to(dtype), kernels=kernels, seed=7, global_offset=1000)
     strategy.load_state_tensors({"master": w0})  # every mode starts from the same fp32 weights
     for step in range(1, steps + 1):
         g = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
@@ -408,3 +413,44 @@ def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["installed"] and got["wide"], got  # the additions were in place while the user compiled again
     assert got["same"], got
+
+
+def test_the_codecs_compile_bit_for_bit_on_this_torch():
+    """The self-check that guards the fused path (see _self_check [Note: self-check]) passes on
+    the torch CI pins: compiled and eager codecs agree on every hard case."""
+    from shardopt.kernels import _self_check
+
+    assert _self_check.first_difference("cpu") is None
+
+
+def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monkeypatch):
+    """A code generator that folds x - float(fp16(x)) to zero is caught before the first fused
+    step: shardopt warns once, naming the codec and the torch version, and steps with the
+    reference kernels, bit for bit (with SHARDOPT_KERNEL=fused it raises instead)."""
+    from shardopt.kernels import Kernels, _self_check
+
+    def folding_compiler():  # what such a compiler would return for the codecs
+        def run(x, bits):
+            out = list(_self_check.codecs(x, bits))
+            out[3] = torch.zeros_like(out[3])  # the fp16 residual, lost
+            return tuple(out)
+        return run
+
+    monkeypatch.setattr(_self_check, "_compiled", folding_compiler)
+    _self_check.first_difference.cache_clear()
+    try:
+        monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+        got = _run("remainder", torch.float16, 4099, "reference")
+        kernels = Kernels("fused")
+        with pytest.warns(RuntimeWarning, match=rf"torch {re.escape(torch.__version__)}.*fp16 residual.*reference kernel"):
+            fell_back = _run_with(kernels, "remainder", torch.float16, 4099)
+        assert kernels.name == "reference"
+        for key in ("m", "v", "param", "rem"):
+            a, b = got[key], fell_back[key]
+            a, b = (reference.join_remainder(a), reference.join_remainder(b)) if key == "rem" else (a, b)
+            assert torch.equal(a, b), key
+        monkeypatch.setenv("SHARDOPT_KERNEL", "fused")
+        with pytest.raises(RuntimeError, match="fp16 residual"):
+            _run_with(Kernels("fused"), "remainder", torch.float16, 17)
+    finally:
+        _self_check.first_difference.cache_clear()  # the next user checks the real compiler

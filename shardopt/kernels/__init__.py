@@ -42,9 +42,11 @@ class Kernels:
             fused_fn, reference_fn = getattr(self._impl, step_name), getattr(reference, step_name)
 
             def fn(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-                if self._impl is reference:  # an earlier compile failed
+                if self._impl is reference:  # an earlier compile failed, or the self-check
                     return reference_fn(*args, **kwargs)
                 try:
+                    if self._self_check_failed(args):
+                        return reference_fn(*args, **kwargs)
                     return fused_fn(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
                     if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
@@ -57,6 +59,29 @@ class Kernels:
 
         self.__dict__[step_name] = fn  # later lookups find it without building a wrapper per call
         return fn
+
+    def _self_check_failed(self, args: tuple) -> bool:
+        """Before this object's first fused call: the codecs compiled on this device must equal
+        eager bit for bit (see _self_check [Note: self-check]); if not, use the reference from now
+        on, with one warning (an error with SHARDOPT_KERNEL=fused)."""
+        if self.__dict__.get("_checked"):
+            return False
+        from shardopt.kernels import _self_check
+
+        device = next((str(a.device) for a in args if isinstance(a, torch.Tensor)), "cpu")
+        bad = _self_check.first_difference(device)
+        self.__dict__["_checked"] = True
+        if bad is None:
+            return False
+        message = (f"shardopt: torch {torch.__version__}'s compiler does not compute the {bad} codec bit for bit "
+                   f"as written on {device}, so the fused update could lose precision silently; using the "
+                   "reference kernel (slower, exact). Use the torch version shardopt is tested with (see the "
+                   "README's install section)")
+        if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
+            raise RuntimeError(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+        self._impl, self.name = reference, "reference"
+        return True
 
 
 def select(choice: str | None = None) -> Kernels:

@@ -16,13 +16,18 @@ import torch
 from shardopt.kernels import _cpu_codegen, reference
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
-    _cpu_codegen.install()  # see [Note: vector bitcast]
+def compile_options() -> dict:
+    """The inductor options every fused kernel (and the self-check) compiles with; installs the
+    code-generator additions first (see _cpu_codegen [Note: vector bitcast])."""
+    _cpu_codegen.install()
     # emulate_precision_casts: the fp16 remainder needs x - float(fp16(x)) computed as written, not
     # simplified to x - x by keeping the rounded value in fp32.
-    options = {"emulate_precision_casts": True, **_cpu_codegen.compile_options()}
-    return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=options)
+    return {"emulate_precision_casts": True, **_cpu_codegen.compile_options()}
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
+    return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=compile_options())
 
 
 def _call(name: str, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
