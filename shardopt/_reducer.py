@@ -29,6 +29,7 @@ import time
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from shardopt._collectives import Comm
 from shardopt._flat import FlatParams, set_grad
@@ -102,8 +103,9 @@ class GradReducer:
         self.order: list[int] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self.state = [ParamState.WAITING] * n  # per parameter, in the open round
         self._launched: set[int] = set()  # buckets launched in the open round
-        with torch.enable_grad():  # each parameter's gradient accumulator: which ones a backward pass reaches
-            self._accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in flat.params]
+        # Each parameter's gradient accumulator (held, so autograd keeps using this one): which ones a
+        # backward pass reaches.
+        self._accumulators = [get_gradient_edge(p).node for p in flat.params]
         self._nested = [False] * n  # got a gradient in a nested backward pass (reentrant checkpoint) once
         self._gradless = [False] * n  # used only in forwards without gradients (see note_forward_use)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
