@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from shardopt._collectives import Comm
+from shardopt._compat import will_execute
 from shardopt._flat import FlatParams, set_grad
 from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._grad_store import FlatGrads, Launch, ShardGrads
@@ -124,9 +125,8 @@ class GradReducer:
         """When a round opens inside a backward pass: the bucket of each parameter that pass will
         not reach (one entry per parameter), which the round counts as ready at once. Local."""
         out = []
-        will_run = torch._C._will_engine_execute_node
         for i, acc in enumerate(self._accumulators):
-            if not self._nested[i] and not will_run(acc):
+            if not self._nested[i] and not will_execute(acc):
                 self.state[i] = ParamState.ABSENT  # WAITING -> ABSENT: the round opened, the pass will not reach it
                 out.append(self._bucket_of[i])
         return out

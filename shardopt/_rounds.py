@@ -65,6 +65,7 @@ import torch
 
 from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
+from shardopt._compat import graph_task_id, queue_at_end_of_backward
 from shardopt._forward_order import ForwardOrder
 from shardopt._held_bytes import HeldTotal
 from shardopt._step_message import StepMessage
@@ -179,7 +180,7 @@ class Rounds:
     def on_hook(self) -> bool:
         """From every gradient hook, before the reducer looks at the gradient: opens a round at the
         first hook of a backward pass. True when this backward pass reduces (not under no_sync)."""
-        task = torch._C._current_graph_task_id()
+        task = graph_task_id()
         if task != self._task:
             self._task = task
             if self.state is not RoundState.OPEN:  # not nested in the open round
@@ -242,7 +243,7 @@ class Rounds:
         self._to(RoundState.OPEN)
         self.opened += 1
         if queue:
-            torch.autograd.Variable._execution_engine.queue_callback(_EndOfBackward(self, self.opened))
+            queue_at_end_of_backward(_EndOfBackward(self, self.opened))
         if self.comm.world_size > 1:
             self._tag_lost = self.lost_round  # what this tag says, for its check
             self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(self._device)

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from shardopt._agreement import agree_on_params
 from shardopt._collectives import Comm, CommStats, ProcessGroup
+from shardopt._compat import require as require_torch_internals
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt._gather_wait import in_flight, landed, watch_gathers
 from shardopt._gathers import WeightGathers
@@ -71,6 +72,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         max_consecutive_skips: int | None = 3,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
+        require_torch_internals()  # see _compat
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout,
