@@ -38,3 +38,22 @@ def pools():
     cache = PoolCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="module")
+def one_rank_group():
+    """A world of one gloo rank inside the test process, for the unit tier (spawned ranks cost
+    seconds; this costs milliseconds). Uses the group already there, if another module made one."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            dist.destroy_process_group()

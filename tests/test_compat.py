@@ -4,29 +4,15 @@ a clear error at construction naming the torch version where none does.
 """
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shardopt
 from shardopt import _compat
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    if dist.is_initialized():  # another module's group: use it
-        yield
-        return
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 
 
 def _net() -> nn.ModuleDict:

@@ -9,32 +9,18 @@ tests/test_rank_agreement.py, tests/test_usage_*.py and tests/test_peak_memory.p
 """
 from __future__ import annotations
 
-import os
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import shardopt
 from shardopt._reducer import ParamState
 from shardopt._rounds import RoundState
 
+pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
+
 ONE_PARAM_MB = 1e-5  # buckets of one small parameter each
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_rank():
-    if dist.is_initialized():  # another module's group: use it
-        yield
-        return
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", store=dist.FileStore(os.path.join(d, "store"), 1), rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
 
 
 def _chain(n: int = 4) -> nn.Sequential:
