@@ -156,7 +156,7 @@ def test_the_first_backward_holds_no_more_than_later_ones(pools, world_size):
 # The steady state against the ZeRO-2 formula: 2 + (2 + 12)/N bytes per parameter (16-bit weights,
 # fp32 master, stage 2) plus the stated bound on what reduction holds beyond the gradient shard:
 # 4 buckets staged, 3 collectives' receive buffers of about a bucket each (gloo), and the one
-# 16-bit .grad autograd produced before the optimizer takes it (see the README's buffers paragraph).
+# 16-bit .grad autograd produced before the optimizer takes it (see the `buffers` paragraph of docs/memory.md).
 BOUND_BUCKETS = 4 + 3 + 1
 
 
