@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
 from shardopt._layout import Range  # noqa: E402
-from shardopt.kernels import make_scalars, reference, select  # noqa: E402
+from shardopt.kernels import codecs, make_scalars, reference, select  # noqa: E402
 from shardopt.master import make_master  # noqa: E402
 
 MODES = ("fp32", "remainder", "stochastic", "none")
@@ -117,11 +117,11 @@ def moments_micro(steps: int = 3000) -> list[str]:
         g2[::64] = 1.0  # one element per block keeps a large gradient: the block's scale
         for step in range(steps):
             v = v * 0.999 + 0.001 * g2
-            key = reference.make_key(0, step, 0)
+            key = codecs.make_key(0, step, 0)
             if name.startswith("bf16, to"):
                 v = v.bfloat16().float()
             elif name.startswith("bf16, st"):
-                v = reference.stochastic_round(v, torch.bfloat16, reference.random_bits16(key, n, 2)).float()
+                v = codecs.stochastic_round(v, torch.bfloat16, codecs.random_bits16(key, n, 2)).float()
             elif name.startswith("8-bit"):
                 codes = reference.encode_moment8(torch.zeros(n), v, None if "nearest" in name else key)
                 v = reference.decode_moment8(*codes[0], *codes[1])[1]

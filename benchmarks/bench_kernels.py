@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from shardopt._layout import Range  # noqa: E402
-from shardopt.kernels import make_scalars, reference, select  # noqa: E402
+from shardopt.kernels import codecs, make_scalars, select  # noqa: E402
 from shardopt.moments import make_moments  # noqa: E402
 
 HP = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -148,11 +148,11 @@ def make_state(n: int, dtype: torch.dtype) -> dict:
 
 def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype, moments: str = "fp32"):
     s = make_scalars(**HP, step=10, grad_scale=1.0, device=DEVICE)
-    if mode == "remainder":  # as RemainderMaster keeps it: two int8 planes (see reference.split_remainder_)
-        st["param"], rem = (reference.encode_bf16 if dtype == torch.bfloat16 else reference.encode_fp16)(st["master"])
+    if mode == "remainder":  # as RemainderMaster keeps it: two int8 planes (see codecs.split_remainder_)
+        st["param"], rem = (codecs.encode_bf16 if dtype == torch.bfloat16 else codecs.encode_fp16)(st["master"])
         st["rem"] = (torch.empty_like(rem, dtype=torch.int8), torch.empty_like(rem, dtype=torch.int8))
-        reference.split_remainder_(st["rem"], rem.to(torch.int32))
-    rkey = reference.make_key(0, 10, 0, DEVICE)
+        codecs.split_remainder_(st["rem"], rem.to(torch.int32))
+    rkey = codecs.make_key(0, 10, 0, DEVICE)
     out = st["param"] if dtype != torch.float32 else None
     held, key = None, None
     if moments != "fp32":

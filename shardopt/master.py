@@ -8,7 +8,7 @@ into any mode). Extra bytes per element, sharded (16-bit parameters):
 
 ``fp32``        4  an fp32 copy (for fp32 parameters the shard itself is the master, no copy)
 ``remainder``   2  a 16-bit remainder beside the 16-bit weight rebuilds the fp32 master exactly
-                   (bf16: bit for bit; fp16: for 2**-16 <= |w| <= 65504, see kernels.reference)
+                   (bf16: bit for bit; fp16: for 2**-16 <= |w| <= 65504, see kernels.codecs)
 ``stochastic``  0  no master; the fp32 result is rounded stochastically (unbiased) into 16 bits
 ``none``        0  no master; rounded to nearest every step, so updates below half an ulp of a
                    weight are lost (fairseq's memory-efficient optimizer); for comparison only
@@ -24,8 +24,9 @@ import torch
 from torch import Tensor
 
 from shardopt._layout import Range
-from shardopt.kernels import Kernels, reference, select
-from shardopt.kernels.reference import Scalars, round_to_dtype
+from shardopt.kernels import Kernels, codecs, select
+from shardopt.kernels.codecs import round_to_dtype
+from shardopt.kernels.reference import Scalars
 
 Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales, new maxima)
 
@@ -47,12 +48,12 @@ class MasterWeights(abc.ABC):
         """AdamW over local range ``r`` (``grad`` and the moments' operands, see ``shardopt.moments``,
         are already sliced to ``r``)."""
 
-    def _key(self, r: Range, step: int) -> reference.Key:
+    def _key(self, r: Range, step: int) -> codecs.Key:
         """The random-bit key of local range ``r`` at ``step`` (from the seed, the step and the
-        range's global offset, see kernels.reference.make_key)."""
-        return reference.make_key(self.seed, step, self.global_offset + r.start, self.param_shard.device)
+        range's global offset, see kernels.codecs.make_key)."""
+        return codecs.make_key(self.seed, step, self.global_offset + r.start, self.param_shard.device)
 
-    def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> reference.Key | None:
+    def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> codecs.Key | None:
         """The key, when the moments are rounded stochastically (not fp32)."""
         dense32 = isinstance(exp_avg, Tensor) and exp_avg.dtype == torch.float32
         return None if dense32 else self._key(r, step)
@@ -119,7 +120,7 @@ class RemainderMaster(MasterWeights):
     def __init__(self, param_shard: Tensor, **kw: object) -> None:
         super().__init__(param_shard, **kw)  # type: ignore[arg-type]
         # The 16-bit remainder of each element as two int8 planes, low and high byte (see
-        # kernels.reference [Note: remainder planes]); 1D, this rank's shard.
+        # kernels.codecs [Note: remainder planes]); 1D, this rank's shard.
         self.rem_lo: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
         self.rem_hi: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
         self.load_state_tensors({"master": param_shard.float()})
@@ -127,12 +128,12 @@ class RemainderMaster(MasterWeights):
     @property
     def remainder(self) -> Tensor:
         """The remainders as one int16 tensor (a copy)."""
-        return reference.join_remainder((self.rem_lo, self.rem_hi)).to(torch.int16)
+        return codecs.join_remainder((self.rem_lo, self.rem_hi)).to(torch.int16)
 
     def _codec(self) -> tuple:
         if self.param_shard.dtype == torch.bfloat16:
-            return reference.encode_bf16, reference.decode_bf16
-        return reference.encode_fp16, reference.decode_fp16
+            return codecs.encode_bf16, codecs.decode_bf16
+        return codecs.encode_fp16, codecs.decode_fp16
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         sl = r.as_slice()
@@ -141,7 +142,7 @@ class RemainderMaster(MasterWeights):
                                     self._moment_key(r, step, exp_avg))
 
     def fp32(self) -> Tensor:
-        return self._codec()[1](self.param_shard, reference.join_remainder((self.rem_lo, self.rem_hi)))
+        return self._codec()[1](self.param_shard, codecs.join_remainder((self.rem_lo, self.rem_hi)))
 
     def refresh_(self, r: Range) -> None:
         # [Note: remainder under a written weight] The old weight is gone, so keep a remainder only
@@ -151,16 +152,16 @@ class RemainderMaster(MasterWeights):
         sl = r.as_slice()
         encode, decode = self._codec()
         w, planes = self.param_shard[sl], (self.rem_lo[sl], self.rem_hi[sl])
-        lo = reference.join_remainder(planes)
+        lo = codecs.join_remainder(planes)
         m = decode(w, lo)
         hi, lo2 = encode(m)
-        reference.split_remainder_(planes, torch.where(torch.isfinite(m) & (hi == w) & (lo2.to(torch.int32) == lo), lo,
+        codecs.split_remainder_(planes, torch.where(torch.isfinite(m) & (hi == w) & (lo2.to(torch.int32) == lo), lo,
                                                        torch.zeros_like(lo)))
 
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         hi, lo = self._codec()[0](tensors["master"].float().contiguous())
         self.param_shard.copy_(hi)
-        reference.split_remainder_((self.rem_lo, self.rem_hi), lo.to(torch.int32))
+        codecs.split_remainder_((self.rem_lo, self.rem_hi), lo.to(torch.int32))
 
     @property
     def extra_bytes(self) -> int:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from shardopt._layout import Range
-from shardopt.kernels import make_scalars, reference, select
+from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.master import make_master
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -84,7 +84,7 @@ def test_fused_matches_reference(mode, dtype):
         if ref["param"] is not None and dtype != torch.float32:
             assert _ulps(ref["param"], fused["param"]) <= 1, (mode, dtype, n)
         if "rem" in ref:  # the decoded masters agree as closely as the fp32 path's
-            decode = reference.decode_bf16 if dtype == torch.bfloat16 else reference.decode_fp16
+            decode = codecs.decode_bf16 if dtype == torch.bfloat16 else codecs.decode_fp16
             a, b = decode(ref["param"], ref["rem"]), decode(fused["param"], fused["rem"])
             assert torch.allclose(a, b, rtol=1e-6, atol=2.5e-7), (mode, dtype, n)
 
@@ -102,8 +102,8 @@ def _interesting_fp32(n: int) -> torch.Tensor:
 
 def test_bf16_remainder_round_trip_is_bit_exact():
     x = _interesting_fp32(4_000_000)
-    hi, lo = reference.encode_bf16(x)
-    assert torch.equal(reference.decode_bf16(hi, lo).view(torch.int32), x.view(torch.int32))
+    hi, lo = codecs.encode_bf16(x)
+    assert torch.equal(codecs.decode_bf16(hi, lo).view(torch.int32), x.view(torch.int32))
     # The weight the model sees is round-to-nearest-even except on exact ties (one ulp away there).
     rne = x.to(torch.bfloat16)
     tie = (x.view(torch.int32) & 0xFFFF) == 0x8000
@@ -114,10 +114,10 @@ def test_bf16_remainder_round_trip_is_bit_exact():
 def test_fp16_remainder_round_trip_in_range():
     x = _interesting_fp32(4_000_000)
     x = x[x.abs() <= 65504]
-    p, q = reference.encode_fp16(x)
+    p, q = codecs.encode_fp16(x)
     assert torch.equal(p, x.to(torch.float16))  # the weight is round-to-nearest-even
     assert int(q.abs().max()) <= 2**14
-    back = reference.decode_fp16(p, q)
+    back = codecs.decode_fp16(p, q)
     exact = (x.abs() >= 2.0**-16) | (x == 0)
     assert torch.equal(back[exact].view(torch.int32), x[exact].view(torch.int32))
     assert float((back[~exact] - x[~exact]).abs().max()) <= 2.0**-40
@@ -125,7 +125,7 @@ def test_fp16_remainder_round_trip_in_range():
 
 def test_random_bits_do_not_depend_on_how_the_buffer_is_split():
     def bits(step, offset, n, stream):
-        return reference.random_bits16(reference.make_key(5, step, offset), n, stream)
+        return codecs.random_bits16(codecs.make_key(5, step, offset), n, stream)
     for stream in (0, 1, 2):
         whole = bits(9, 100, 1000, stream)
         parts = torch.cat([bits(9, 100 + a, b - a, stream) for a, b in [(0, 7), (7, 513), (513, 1000)]])
@@ -142,7 +142,7 @@ def test_random_bits_do_not_depend_on_how_the_buffer_is_split():
 def test_random_bits_are_uniform_and_uncorrelated():
     """Each of the 16 bits is set half the time, and neighbouring elements and steps are independent."""
     n = 1 << 18
-    words = [reference.random_bits16(reference.make_key(0, step, 0), n, 2) for step in (1, 2)]
+    words = [codecs.random_bits16(codecs.make_key(0, step, 0), n, 2) for step in (1, 2)]
     x = words[0]
     ones = torch.stack([(x >> k) & 1 for k in range(16)]).float().mean(1)
     assert float((ones - 0.5).abs().max()) < 6 * 0.5 / n**0.5
@@ -155,10 +155,10 @@ def test_random_bits_are_uniform_and_uncorrelated():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_stochastic_rounding_is_unbiased(dtype):
     n = 1 << 20
-    bits = reference.random_bits16(reference.make_key(0, 1, 0), n, 0)
+    bits = codecs.random_bits16(codecs.make_key(0, 1, 0), n, 0)
     for value in (1.0 + 2.0**-10, -3.0 - 2.0**-12, 0.1, 1000.3):
         x = torch.full((n,), value)
-        r = reference.stochastic_round(x, dtype, bits).float()
+        r = codecs.stochastic_round(x, dtype, bits).float()
         lo, hi = float(r.min()), float(r.max())
         assert lo <= value <= hi and len(torch.unique(r)) <= 2  # only the two neighbours
         spacing = hi - lo if hi > lo else 1.0
@@ -180,7 +180,7 @@ def test_stochastic_rounding_averages_to_the_value_over_every_bit_pattern(dtype)
     bits = torch.arange(1 << 16, dtype=torch.int32)
     for value in STOCHASTIC_EXACT[dtype]:
         x = torch.full((1 << 16,), value)
-        r = reference.stochastic_round(x, dtype, bits)
+        r = codecs.stochastic_round(x, dtype, bits)
         assert torch.isfinite(r).all(), (value, dtype)
         assert float(r.double().sum()) / (1 << 16) == float(x[0].double()), (value, dtype)
 
@@ -196,22 +196,22 @@ def test_compiled_codecs_are_bit_identical_to_eager():
                    torch.tensor([0x7FFFFFFF, -1], dtype=torch.int32).view(torch.float32)])  # NaNs with all mantissa bits
     bits = torch.randint(0, 1 << 16, x.shape, generator=torch.Generator().manual_seed(1), dtype=torch.int32)
 
-    def codecs(x, bits):  # the remainder as int32: a conversion to int16 would make the loop scalar
-        hi, lo = reference._encode_bf16_bits(x)
-        return (hi, lo, reference.stochastic_round(x, torch.bfloat16, bits),
-                reference.stochastic_round(x, torch.float16, bits), reference.stochastic_round_bf16(x, bits))
+    def codec_outputs(x, bits):  # the remainder as int32: a conversion to int16 would make the loop scalar
+        hi, lo = codecs.encode_bf16_bits(x)
+        return (hi, lo, codecs.stochastic_round(x, torch.bfloat16, bits),
+                codecs.stochastic_round(x, torch.float16, bits), codecs.stochastic_round_bf16(x, bits))
 
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
-    compiled = torch.compile(codecs, fullgraph=True, options=options)
+    compiled = torch.compile(codec_outputs, fullgraph=True, options=options)
     with _cpu_codegen.fused_kernels():  # generated as shardopt's fused kernels are
         got = compiled(x, bits)
     for name, a, b in zip(("bf16 hi", "remainder", "stochastic bf16", "stochastic fp16", "bf16 moments"),
-                          codecs(x, bits), got):
+                          codec_outputs(x, bits), got):
         ints = torch.int16 if a.element_size() == 2 else torch.int32
         same = (a.view(ints) == b.view(ints)) | (a.float().isnan() & b.float().isnan())
         assert bool(same.all()), (name, x[~same][:4])
     nan_in = x.isnan()
-    assert bool(codecs(x, bits)[2][nan_in].isnan().all())  # stochastic rounding keeps a NaN a NaN
+    assert bool(codec_outputs(x, bits)[2][nan_in].isnan().all())  # stochastic rounding keeps a NaN a NaN
 
 
 def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
@@ -229,13 +229,13 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
         pytest.skip("inductor finds no vector ISA on this CPU: its kernels are scalar")
     assert _cpu_codegen.install()
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
-    fn = torch.compile(lambda x: reference.encode_bf16(x)[0], options=options)
+    fn = torch.compile(lambda x: codecs.encode_bf16(x)[0], options=options)
     with _cpu_codegen.fused_kernels():
         _, (code,) = run_and_get_code(fn, torch.randn(4096))
     assert "at::vec::cast<int32_t>" in code and "c10::bit_cast" not in code
 
     def hashed(x, key):  # fp32 only, so inductor's own choice is one fp32 vector per iteration
-        return x * reference.uniform16(reference.random_bits16(key, x.numel()))
+        return x * codecs.uniform16(codecs.random_bits16(key, x.numel()))
 
     def outside(x, key):  # two frames, so that each compiles its own code
         return hashed(x, key)
@@ -244,7 +244,7 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
         return hashed(x, key)
 
     lanes = isa.nelements(dtype=torch.float)
-    x, key = torch.randn(4099), reference.make_key(0, 1, 2**31 - 1000)  # a tail; counters wrap past 2**31
+    x, key = torch.randn(4099), codecs.make_key(0, 1, 2**31 - 1000)  # a tail; counters wrap past 2**31
     for fn, context, step, counter in ((outside, contextlib.nullcontext(), lanes, False),
                                        (inside, _cpu_codegen.fused_kernels(), 2 * lanes, True)):
         with context:
@@ -431,7 +431,7 @@ def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monk
 
     def folding_compiler():  # what such a compiler would return for the codecs
         def run(x, bits):
-            out = list(_self_check.codecs(x, bits))
+            out = list(_self_check.all_codecs(x, bits))
             out[3] = torch.zeros_like(out[3])  # the fp16 residual, lost
             return tuple(out)
         return run
@@ -447,7 +447,7 @@ def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monk
         assert kernels.name == "reference"
         for key in ("m", "v", "param", "rem"):
             a, b = got[key], fell_back[key]
-            a, b = (reference.join_remainder(a), reference.join_remainder(b)) if key == "rem" else (a, b)
+            a, b = (codecs.join_remainder(a), codecs.join_remainder(b)) if key == "rem" else (a, b)
             assert torch.equal(a, b), key
         monkeypatch.setenv("SHARDOPT_KERNEL", "fused")
         with pytest.raises(RuntimeError, match="fp16 residual"):

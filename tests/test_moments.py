@@ -23,7 +23,7 @@ from models import batch, make_model
 from test_kernels import _ulps
 from shardopt._layout import Range, build_layout
 from shardopt.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
-from shardopt.kernels import make_scalars, reference, select
+from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.kernels.reference import MOMENT_BLOCK
 from shardopt.master import make_master
 from shardopt.moments import make_moments
@@ -135,7 +135,7 @@ def test_8bit_codec_error_and_bias():
     x = torch.full((64,), 0.3)
     x[0] = 1.0  # the block's maximum: 0.3 sits between codes 38 and 39
     decoded = [reference.decode_moment8(*(c for pair in reference.encode_moment8(
-        x, x.square(), reference.make_key(1, k, 0)) for c in pair)) for k in range(4000)]
+        x, x.square(), codecs.make_key(1, k, 0)) for c in pair)) for k in range(4000)]
     draws = torch.stack([m for m, _ in decoded])[:, 1:]
     step = 1 / 127
     assert set(torch.unique(torch.round(draws / step)).tolist()) <= {38.0, 39.0}
@@ -151,7 +151,7 @@ def test_8bit_codec_error_and_bias():
     r = torch.full((64,), 0.5 / 255)
     r[0] = 1.0
     small = torch.stack([reference.decode_moment8(*(c for pair in reference.encode_moment8(
-        torch.zeros(64), r.square(), reference.make_key(2, k, 0)) for c in pair))[1][1:]
+        torch.zeros(64), r.square(), codecs.make_key(2, k, 0)) for c in pair))[1][1:]
         for k in range(2000)])
     assert abs(float(small.double().mean()) / (0.5 / 255) ** 2 - 1) < 0.03
 
@@ -168,7 +168,7 @@ def test_8bit_clamp_keeps_a_zero_sqrt_v_from_taking_an_m_over_eps_step():
     mom.v_scales.fill_(1.0)
     w = torch.zeros(n)
     s = make_scalars(lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=10, grad_scale=1.0)
-    key = reference.make_key(0, 10, 0)
+    key = codecs.make_key(0, 10, 0)
     reference.step_fp32(w, torch.zeros(n), *mom.operands(Range(0, n)), s, None, key)
     assert float(w[1:].abs().max()) == 0.0  # m clamped to 0 where sqrt(v) is 0
     bound = reference.moment_ratio_bound(0.9, 0.999)
@@ -196,8 +196,8 @@ def test_bf16_moments_decay_after_a_spike_only_when_rounded_stochastically():
     v_rne = torch.ones(n, dtype=torch.bfloat16)
     exact = 0.999 ** steps
     for step in range(steps):
-        bits = reference.random_bits16(reference.make_key(0, step, 0), n, 2)
-        v_sr.copy_(reference.stochastic_round(v_sr.float() * 0.999, torch.bfloat16, bits))
+        bits = codecs.random_bits16(codecs.make_key(0, step, 0), n, 2)
+        v_sr.copy_(codecs.stochastic_round(v_sr.float() * 0.999, torch.bfloat16, bits))
         v_rne.copy_(v_rne.float() * 0.999)
     assert float(v_rne.float().mean()) == 1.0  # never decays
     assert abs(float(v_sr.float().mean()) / exact - 1) < 0.02

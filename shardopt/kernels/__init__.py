@@ -13,7 +13,8 @@ import warnings
 import torch
 
 from shardopt.kernels import reference
-from shardopt.kernels.reference import adamw_update_, make_scalars, round_to_dtype
+from shardopt.kernels.codecs import round_to_dtype
+from shardopt.kernels.reference import adamw_update_, make_scalars
 
 __all__ = ["adamw_update_", "make_scalars", "round_to_dtype", "reference", "select", "Kernels"]
 

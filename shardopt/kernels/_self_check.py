@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from shardopt.kernels import reference
+from shardopt.kernels import codecs
 
 NAMES = ("bf16 weight", "bf16 remainder", "fp16 weight", "fp16 residual", "stochastic bf16", "stochastic fp16",
          "bf16 moments")
@@ -40,19 +40,19 @@ def hard_cases(n: int = 1 << 14, device: torch.device | str = "cpu") -> tuple[Te
     return x, r
 
 
-def codecs(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
+def all_codecs(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
     """Every codec on ``x`` (int32 outputs where a conversion to int16 would make the loop scalar)."""
-    hi, lo = reference._encode_bf16_bits(x)
+    hi, lo = codecs.encode_bf16_bits(x)
     finite16 = torch.where(x.abs() <= 65504, x, torch.zeros_like(x))  # the fp16 residual's domain
-    p, q = reference._encode_fp16_residual(finite16)
-    return (hi, lo, p, q, reference.stochastic_round(x, torch.bfloat16, bits),
-            reference.stochastic_round(x, torch.float16, bits), reference.stochastic_round_bf16(x, bits))
+    p, q = codecs.encode_fp16_residual(finite16)
+    return (hi, lo, p, q, codecs.stochastic_round(x, torch.bfloat16, bits),
+            codecs.stochastic_round(x, torch.float16, bits), codecs.stochastic_round_bf16(x, bits))
 
 
 def _compiled() -> Callable[[Tensor, Tensor], tuple[Tensor, ...]]:
     from shardopt.kernels import _cpu_codegen, fused
 
-    compiled = torch.compile(codecs, fullgraph=True, options=fused.compile_options())
+    compiled = torch.compile(all_codecs, fullgraph=True, options=fused.compile_options())
 
     def run(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
         with _cpu_codegen.fused_kernels():
@@ -71,7 +71,7 @@ def first_difference(device: str = "cpu") -> str | None:
     """The first codec whose compiled result differs from eager on ``device`` (see [Note:
     self-check]), or None. Compiles once per device per process; raises what compiling raises."""
     x, bits = hard_cases(device=device)
-    for name, want, got in zip(NAMES, codecs(x, bits), _compiled()(x, bits)):
+    for name, want, got in zip(NAMES, all_codecs(x, bits), _compiled()(x, bits)):
         if want.dtype != got.dtype or not _same(want, got):
             return name
     return None
