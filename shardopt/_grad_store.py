@@ -18,21 +18,30 @@ from torch import Tensor
 
 from shardopt._collectives import Comm, Pending
 from shardopt._flat import FlatParams, set_grad
-from shardopt._layout import Range
 
 Launch = tuple[list[Callable[[], Pending]], Callable[[], None] | None]  # collectives to issue in order; then
 
 
-class FlatGrads:
-    """Stage 1: the whole gradient buffer; ``p.grad`` are views of it."""
+class _Store:
+    """What both stores share: the buffer, its ranks, how each bucket's reduction is cut."""
 
-    keeps_views = True  # p.grad is this store's own view, not a placeholder, between rounds
-    accum_shard = None  # see ShardGrads
+    keeps_views: bool  # p.grad is the store's own view between rounds (else a placeholder)
+    accum_shard: Tensor | None = None  # see ShardGrads [Note: accumulating in the shard]
     shard_accumulated = False
 
-    def __init__(self, flat: FlatParams, comm: Comm, pieces: Sequence[Sequence[Range]],
-                 reduce_dtype: torch.dtype | None) -> None:
-        self.flat, self.comm, self.pieces, self.reduce_dtype = flat, comm, pieces, reduce_dtype
+    def __init__(self, flat: FlatParams, comm: Comm, reduce_dtype: torch.dtype | None) -> None:
+        self.flat, self.comm, self.reduce_dtype = flat, comm, reduce_dtype
+        self.pieces = [flat.layout.bucket_pieces(b.index) for b in flat.layout.buckets]  # per bucket, each rank's
+        self.on_alloc: Callable[[], None] = lambda: None  # told when a buffer was allocated
+
+
+class FlatGrads(_Store):
+    """Stage 1: the whole gradient buffer; ``p.grad`` are views of it."""
+
+    keeps_views = True
+
+    def __init__(self, flat: FlatParams, comm: Comm, reduce_dtype: torch.dtype | None) -> None:
+        super().__init__(flat, comm, reduce_dtype)
         self.flat_grad = torch.zeros_like(flat.data)  # 1D, grad dtype, the whole padded buffer
         for i, p in enumerate(flat.params):
             p.grad = flat.param_view(self.flat_grad, i)
@@ -101,7 +110,7 @@ class FlatGrads:
         return self.flat_grad[self._shard.as_slice()]
 
 
-class ShardGrads:
+class ShardGrads(_Store):
     """Stage 2: this rank's shard of the averaged gradient, and staging for buckets in flight.
 
     [Note: accumulating in the shard] Several backward passes between two steps without no_sync
@@ -113,27 +122,24 @@ class ShardGrads:
 
     keeps_views = False
 
-    def __init__(self, flat: FlatParams, comm: Comm, pieces: Sequence[Sequence[Range]],
-                 reduce_dtype: torch.dtype | None, accumulate_dtype: torch.dtype | None) -> None:
-        self.flat, self.comm, self.pieces, self.reduce_dtype = flat, comm, pieces, reduce_dtype
+    def __init__(self, flat: FlatParams, comm: Comm, reduce_dtype: torch.dtype | None,
+                 accumulate_dtype: torch.dtype | None) -> None:
+        super().__init__(flat, comm, reduce_dtype)
         self.accumulate_dtype = accumulate_dtype
         layout = flat.layout
         self.grad_shard = torch.zeros(layout.shard_numel, dtype=flat.dtype, device=flat.device)  # 1D, grad dtype
-        self.accum_shard: Tensor | None = None  # 1D fp32: the sum of several rounds since zero_grad
+        self.accum_shard = None  # 1D fp32: the sum of several rounds since zero_grad
         self._accum_dirty = False  # accum_shard holds a sum not yet rounded into grad_shard
         self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         self._fresh = True  # no reduction landed in grad_shard since zero_grad
         self._piece_of = layout.local_ranges(comm.shard_rank)  # this rank's part of each parameter in grad_shard
-        shard = layout.shard_range(comm.shard_rank)
-        local = [layout.bucket_shard_ranges(b.index)[comm.shard_rank] for b in layout.buckets]
-        self._in_shard = [r.relative_to(shard.start) if r.size else Range(0, 0) for r in local]
+        self._in_shard = layout.bucket_local_ranges(comm.shard_rank)  # per bucket, its part of grad_shard
         self._staging: dict[int, Tensor] = {}
         self._where = {}  # parameter -> (its bucket, where it sits in a bucket-sized buffer)
         for b in layout.buckets:
             for i in b.params:
                 span = layout.params[i].global_range.relative_to(b.global_range.start)
                 self._where[i] = (b.index, span.as_slice())
-        self.on_alloc: Callable[[], None] = lambda: None  # told when a buffer was allocated
 
     @property
     def nbytes(self) -> int:

@@ -160,6 +160,19 @@ class FlatLayout:
         b = self.buckets[bucket].global_range
         return [b.intersect(self.shard_range(r)) for r in range(self.world_size)]
 
+    def bucket_pieces(self, bucket: int) -> list[Range]:
+        """For each rank, its piece of ``bucket`` relative to the bucket start (empty: ``Range(0, 0)``):
+        how a bucket's reduction is cut."""
+        start = self.buckets[bucket].global_range.start
+        return [r.relative_to(start) if r.size else Range(0, 0) for r in self.bucket_shard_ranges(bucket)]
+
+    def bucket_local_ranges(self, rank: int) -> list[Range]:
+        """For each bucket, ``rank``'s piece of it relative to that rank's shard start (empty:
+        ``Range(0, 0)``); the buckets tile the shard."""
+        start = self.shard_range(rank).start
+        return [r.relative_to(start) if r.size else Range(0, 0)
+                for r in (self.bucket_shard_ranges(b.index)[rank] for b in self.buckets)]
+
     def segments(self, rank: int, keys: Sequence[Hashable]) -> list[tuple[Hashable, Range]]:
         """Split ``rank``'s shard into maximal local ranges whose parameters share a key.
 

@@ -37,7 +37,6 @@ from shardopt._flat import FlatParams, set_grad
 from shardopt._grad_placeholder import GradPlaceholder
 from shardopt._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt._held_bytes import HeldBytes
-from shardopt._layout import Range
 
 class ParamState(enum.Enum):
     """Where one parameter's gradient is in the open round; ``end_round`` sets every one WAITING."""
@@ -57,7 +56,7 @@ class GradReducer:
 
     def __init__(self, flat: FlatParams, comm: Comm, stage: int, accumulate_dtype: torch.dtype | None = None,
                  reduce_dtype: torch.dtype | None = None) -> None:
-        self.flat, self.comm, self.stage = flat, comm, stage
+        self.flat, self.comm = flat, comm
         # Reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for more precision:
         # the wire still carries the gradient dtype; the local sum runs in reduce_dtype and is rounded
         # once, after averaging (see _collectives [Note: deterministic reduction]).
@@ -74,11 +73,6 @@ class GradReducer:
             for i in b.params:
                 self._bucket_of[i] = b.index
         self._bucket_size = [len(b.params) for b in layout.buckets]
-        # Per bucket: each rank's piece relative to the bucket start (what its collectives cut).
-        self.pieces = [
-            [r.relative_to(b.global_range.start) if r.size else Range(0, 0) for r in layout.bucket_shard_ranges(b.index)]
-            for b in layout.buckets
-        ]
         n = len(flat.params)
         # Per parameter: got a gradient on this rank since last zeroed (see [Note: what the reducer knows ...]).
         self.used = [False] * n
@@ -91,13 +85,12 @@ class GradReducer:
         self._placeholders = [GradPlaceholder(p) for p in flat.params]
         self._placed = [False] * n
         self.replaced: list[int] = []  # stage 2: p.grad replaced by a tensor after backward (see observe_zeroing)
-        self.store = (FlatGrads(flat, comm, self.pieces, self.reduce_dtype) if stage == 1 else
-                      ShardGrads(flat, comm, self.pieces, self.reduce_dtype, self.accumulate_dtype))  # see _grad_store
+        self.store = (FlatGrads(flat, comm, self.reduce_dtype) if stage == 1 else
+                      ShardGrads(flat, comm, self.reduce_dtype, self.accumulate_dtype))  # see _grad_store
         self.flat_grad = getattr(self.store, "flat_grad", None)
         self.grad_shard = getattr(self.store, "grad_shard", None)
         self.held = HeldBytes(self.store.nbytes, self._buffer_bytes)  # see _held_bytes
-        if not self.store.keeps_views:
-            self.store.on_alloc = self.held.buffers_grew
+        self.store.on_alloc = self.held.buffers_grew
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self.arrival: list[int] = []  # parameters in the order their gradients arrived in the first round
         self._arrived: set[int] = set()  # those of ``arrival``

@@ -51,8 +51,7 @@ class ShardedBuffer:
         self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
-        # Per bucket, this rank's piece of it relative to the shard start (the buckets tile the shard).
-        self._in_shard = [p[comm.shard_rank].relative_to(self.shard_range.start) for p in self._gather_pieces]
+        self._in_shard = self.layout.bucket_local_ranges(comm.shard_rank)  # per bucket, its part of the shard
         self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
         self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
         self.reducer.names = self.binding.names
@@ -169,7 +168,7 @@ class ShardedBuffer:
                                                  hybrid=self.comm.hybrid)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
-        if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _reducer)
+        if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _grad_store)
             predicted["buffers"] += self.layout.shard_numel * self.reducer.accumulate_dtype.itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,

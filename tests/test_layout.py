@@ -138,3 +138,21 @@ def test_param_runs_and_local_ranges():
         shard = layout.shard_range(rank)
         expected = {i: s.intersect(shard).relative_to(shard.start) for i, s in enumerate(spans) if s.intersect(shard).size}
         assert layout.local_ranges(rank) == expected
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+def test_bucket_pieces_and_local_ranges_follow_element_ownership(world_size):
+    """Each rank's piece of each bucket, relative to the bucket and to the rank's shard, against
+    a count of the elements the rank owns in the bucket, one element at a time."""
+    layout = build_layout([(5, 7), (3,), (40,), (2, 2)], world_size, alignment=4, bucket_numel=48)
+    n = layout.shard_numel
+    for rank in range(world_size):
+        local = layout.bucket_local_ranges(rank)
+        for b in layout.buckets:
+            owned = [e for e in range(b.global_range.start, b.global_range.end) if e // n == rank]
+            piece = layout.bucket_pieces(b.index)[rank]
+            assert piece.size == len(owned) == local[b.index].size
+            if owned:
+                assert (piece.start, piece.end) == (owned[0] - b.global_range.start, owned[-1] + 1 - b.global_range.start)
+                assert (local[b.index].start, local[b.index].end) == (owned[0] - rank * n, owned[-1] + 1 - rank * n)
+        assert sum(r.size for r in local) == n  # the buckets tile the shard
