@@ -21,17 +21,15 @@ class WeightGathers:
     issued by step() on every rank; waiting is each rank's own."""
 
     def __init__(self, bucket_params: Sequence[Callable[[int], list[torch.nn.Parameter]]],
-                 on_landed: Callable[[Key, list[torch.nn.Parameter]], None]) -> None:
+                 on_landed: Callable[[Key, list[torch.nn.Parameter]], None], key_of: dict[int, Key]) -> None:
         self._bucket_params = list(bucket_params)  # per buffer: bucket -> its parameters
         self._on_landed = on_landed  # told each waited gather's key and parameters
         self._pending: dict[Key, Pending] = {}
-        # id(param) -> its key, for every trained parameter (set by the optimizer)
-        self.key_of: dict[int, Key] = {}
+        self.key_of = key_of  # id(param) -> its key, for every trained parameter
 
-    def started(self, key: Key, pending: Pending) -> list[torch.nn.Parameter]:
-        """The gather of ``key`` was issued; returns the parameters it fills."""
+    def started(self, key: Key, pending: Pending) -> None:
+        """The gather of ``key`` was issued."""
         self._pending[key] = pending
-        return self._bucket_params[key[0]](key[1])
 
     def wait(self, key: Key) -> bool:
         """Wait for the gather of ``key`` if it is in flight; True if it was."""

@@ -2,8 +2,9 @@
 rank, and their high-water marks (``memory_report()``'s ``grads_peak``, ``buffers`` and ``held_peak``).
 
 Kept apart from the reduction itself: the reducer reports what happened (a ``.grad`` produced or
-taken, a buffer allocated or in flight), each an update of a few integers here, and the marks are
-read when ``memory_report()`` asks. All of it is local to this rank.
+taken, a buffer allocated or in flight). Each event updates a few integers (the ``.grad`` bytes kept
+under ``no_sync`` are a running total) and one sum over the buffers held at that moment (a few
+staging buffers at most); the marks are read when ``memory_report()`` asks. Local to this rank.
 """
 from __future__ import annotations
 

@@ -67,7 +67,6 @@ from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
 from shardopt._compat import graph_task_id, queue_at_end_of_backward
 from shardopt._forward_order import ForwardOrder
-from shardopt._held_bytes import HeldTotal
 from shardopt._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
@@ -147,7 +146,6 @@ class Rounds:
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
         self.nested = False  # the hook running now is in a backward pass nested in that one
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
-        self.held = HeldTotal([r.held for r in self.reducers], lambda: comm.live_bytes)  # see _held_bytes
         self._reset()
 
     def _reset(self) -> None:

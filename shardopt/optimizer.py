@@ -18,6 +18,7 @@ from shardopt._compat import require as require_torch_internals
 from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt._gather_wait import in_flight, landed, watch_gathers
 from shardopt._gathers import WeightGathers
+from shardopt._held_bytes import HeldTotal
 from shardopt._ownership import Lifetime, take_over
 from shardopt._rounds import Rounds
 from shardopt._sharded_buffer import build_buffers
@@ -95,6 +96,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm)
+        # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
+        self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
@@ -109,8 +112,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
         # Weight all-gathers still in flight, by (buffer, bucket): see _gathers, _gather_wait [Note: overlapped gather].
-        self._gathers = WeightGathers([b.bucket_params for b in self._buffers], self._on_landed())
-        self._gathers.key_of = {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()}
+        self._gathers = WeightGathers([b.bucket_params for b in self._buffers], self._on_landed(),
+                                      {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()})
         self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
@@ -216,9 +219,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         start = time.perf_counter()
         for i, (b, used) in enumerate(zip(self._buffers, self._checks.used)):
             for bucket, pending in b.update(self._step, grad_scale, self.param_groups, used):
-                params = self._gathers.started((i, bucket), pending)
+                self._gathers.started((i, bucket), pending)
                 if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
-                    in_flight(self._gathers, (i, bucket), params)
+                    in_flight(self._gathers, (i, bucket), b.bucket_params(bucket))
         waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
@@ -313,7 +316,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured and predicted. Local; no communication."""
         total = sum((b.memory_report() for b in self._buffers[1:]), self._buffers[0].memory_report())
-        total = dataclasses.replace(total, held_peak=max(self._rounds.held.peak, total.grads + total.buffers))
+        total = dataclasses.replace(total, held_peak=max(self._held.peak, total.grads + total.buffers))
         if total.stage and self._buffers[0].flat.device.type == "cuda":
             total = dataclasses.replace(total, cuda_max_allocated=torch.cuda.max_memory_allocated(
                 self._buffers[0].flat.device))
@@ -324,6 +327,6 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         held now; also ``torch.cuda.reset_peak_memory_stats()`` on CUDA. Local."""
         for b in self._buffers:
             b.reducer.reset_peaks()
-        self._rounds.held.reset()
+        self._held.reset()
         if self._buffers[0].flat.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)
