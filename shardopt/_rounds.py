@@ -159,12 +159,19 @@ class Rounds:
 
     # -- entry points ---------------------------------------------------------------------
     def _make_hook(self, k: int, index: int) -> Callable[[torch.Tensor], None]:
-        reducer, at = self.reducers[k], self._index
+        # Weakly: the parameter holds its hooks, and autograd's accumulator (held by the reducer) holds
+        # the parameter from C++, where the garbage collector cannot follow. A strong reference would
+        # close a cycle it cannot free: the optimizer's state would outlive the optimizer.
+        ref, at = weakref.ref(self), self._index
 
         def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
-            sync = self.on_hook()
-            if reducer.arrive(index, param, sync=sync, nested=self.nested, first=self.total_rounds == 0):
-                self._count(at[(k, reducer.bucket_of(index))])
+            rounds = ref()
+            if rounds is None:  # the optimizer was freed; its hooks go with it
+                return
+            reducer = rounds.reducers[k]
+            sync = rounds.on_hook()
+            if reducer.arrive(index, param, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
+                rounds._count(at[(k, reducer.bucket_of(index))])
 
         return hook
 

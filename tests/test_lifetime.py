@@ -1,0 +1,51 @@
+"""An optimizer the program no longer references is freed with everything it holds (flat buffers,
+master weights, moments, gradient buckets), like torch.optim.AdamW: building one optimizer after
+another in one process (a sweep, a benchmark, a test suite) must not keep the earlier ones' memory."""
+import gc
+import weakref
+
+import pytest
+import torch
+
+import shardopt
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+
+def _train_and_drop(**kwargs):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    if kwargs.pop("bf16", False):
+        model = model.to(torch.bfloat16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, **kwargs)
+    for _ in range(2):
+        x = torch.randn(8, 32, dtype=model[0].weight.dtype)
+        opt.backward(model(x).float().square().mean())
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    saved = opt.state_dict()  # noqa: F841 (a copy of the state, dropped with the optimizer)
+    return weakref.ref(opt), weakref.ref(model[0].weight), weakref.ref(model)
+
+
+@pytest.mark.parametrize("kwargs", [dict(stage=1), dict(stage=2), dict(stage=2, overlap_param_gather=True),
+                                    dict(stage=2, bf16=True, master_weights="remainder", moments="8bit")],
+                         ids=["stage1", "stage2", "stage2-overlap", "stage2-bf16-remainder-8bit"])
+def test_a_dropped_optimizer_frees_its_parameters_and_state(kwargs):
+    refs = _train_and_drop(**kwargs)
+    gc.collect()
+    alive = [name for name, r in zip(("optimizer", "parameter", "model"), refs) if r() is not None]
+    assert not alive, f"still referenced after the program dropped them: {alive}"
+
+
+def test_live_tensor_bytes_return_to_where_they_were():
+    def live_bytes():
+        gc.collect()
+        return sum(o.untyped_storage().nbytes() for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor) and not isinstance(o, torch.nn.Parameter) and o.device.type == "cpu")
+
+    _train_and_drop(stage=2)  # the first run compiles kernels and fills caches
+    before = live_bytes()
+    for _ in range(3):
+        _train_and_drop(stage=2)
+    assert live_bytes() <= before
