@@ -187,7 +187,7 @@ def run_config(name: str, args, device, mesh_shape) -> dict:
     if sharded is not None:
         row.update(sent_inside_mb=f"{statistics.median(inside) / 2**20:.2f}",
                    sent_cross_mb=f"{statistics.median(cross) / 2**20:.2f}",
-                   comm_wait_ms=f"{statistics.median(waits) * 1e3:.1f}", shard_size=str(sharded._comm.shard_size))
+                   comm_wait_ms=f"{statistics.median(waits) * 1e3:.1f}", shard_size=str(sharded.inspect().shard_size))
         sharded.close()
     return row
 

@@ -19,6 +19,7 @@ from shardopt._config import ShardConfig, check_hyperparameters, check_param_gro
 from shardopt._gather_wait import in_flight, landed, watch_gathers
 from shardopt._gathers import WeightGathers
 from shardopt._held_bytes import HeldTotal
+from shardopt._inspect import OptimizerView
 from shardopt._ownership import Lifetime, take_over
 from shardopt._rounds import Rounds
 from shardopt._sharded_buffer import build_buffers
@@ -38,8 +39,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     parameters in the same order. The parameters become views into one flat buffer per dtype;
     their values are made equal to rank 0's at construction. Each rank keeps 1/N of the fp32
     master weights and moments; ``step`` updates this rank's shard and all-gathers the new
-    weights into every rank's model. All methods except ``memory_report`` and ``no_sync`` must be
-    called on every rank, in the same order.
+    weights into every rank's model. All methods except ``memory_report``, ``inspect`` and ``no_sync``
+    must be called on every rank, in the same order.
 
     ``device_mesh``: a 2-D ``DeviceMesh`` (replicate, shard) shards over each shard group and
     replicates across the groups (hybrid sharding; see ``_collectives`` [Note: hybrid sharding]);
@@ -312,6 +313,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     def step_count(self) -> int:
         """Steps taken (skipped steps not counted)."""
         return self._step
+
+    def inspect(self) -> OptimizerView:
+        """A read-only view of what this optimizer holds on this rank: ranks, buffers and their
+        layout, shards, master weights, moments, rounds (see ``shardopt._inspect``). Local."""
+        return OptimizerView(self)
 
     def memory_report(self) -> MemoryReport:
         """Bytes this rank holds, by category, measured and predicted. Local; no communication."""

@@ -130,7 +130,7 @@ def _train(model, opt, steps, poison: int | None = None) -> None:
 
 
 def _counters(opt) -> tuple:
-    return opt.step_count, opt.skipped_steps, opt.loss_scale, opt._scaler.state_dict()
+    return opt.step_count, opt.skipped_steps, opt.loss_scale, opt.inspect().scaler_state
 
 
 def _weights(model) -> dict:

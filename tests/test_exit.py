@@ -57,7 +57,7 @@ def _worker() -> None:
     opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, overlap_param_gather=True, bucket_cap_mb=1e-3)
     opt.backward(model(batch(dist.get_rank(), 0)))
     opt.step()
-    handles.extend(opt._gathers.handles())
+    handles.extend(opt.inspect().gather_handles)
     # ends here: the gathers of that step are still in flight, the process group never destroyed
 
 

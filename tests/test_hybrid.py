@@ -64,8 +64,9 @@ def hybrid_equals_flat_case(stage: int, dtype: torch.dtype, clip: float | None) 
     dist.all_gather(every, mine)
     same = all(torch.equal(e, every[0]) for e in every)
     grads = stage == 1 and all(p.grad is not None for p in hyb.parameters() if p.requires_grad)
+    view = opt.inspect()
     return {"worst": worst, "same": same, "norms": (flat_norms, norms), "stage1_grads": grads,
-            "shard": (opt._comm.shard_size, opt._comm.replicas, opt._comm.shard_rank, opt._comm.replica)}
+            "shard": (view.shard_size, view.replicas, view.shard_rank, view.replica)}
 
 
 @pytest.mark.parametrize("stage", [1, 2])
@@ -106,9 +107,10 @@ def memory_case(stage: int, master: str, moments: str) -> dict:
     rep = opt.memory_report()
     in_opt = [p for grp in groups for p in grp["params"]]
     index = {id(p): i for i, p in enumerate(in_opt)}
-    held = sum(t.numel() for b in opt._buffers for t in b.moments.tensors().values() if t.dtype == torch.float32)
+    view = opt.inspect()
+    held = sum(t.numel() for b in view.buffers for t in b.moment_tensors.values() if t.dtype == torch.float32)
     return {"measured": {c: getattr(rep, c) for c in CATEGORIES}, "shapes": [tuple(p.shape) for p in in_opt],
-            "grad_order": [index[id(p)] for p in reversed(list(model.parameters()))], "shard_rank": opt._comm.shard_rank,
+            "grad_order": [index[id(p)] for p in reversed(list(model.parameters()))], "shard_rank": view.shard_rank,
             "numel": sum(p.numel() for p in in_opt), "fp32_moment_elems": held, "text": str(rep),
             "predicted_buffers": rep.predicted["buffers"]}
 

@@ -31,12 +31,12 @@ def memory_case(stage: int) -> dict:
     rep = opt.memory_report()
     # Independent measurement: bytes of every tensor reachable from the optimizer's buffers.
     held = {}
-    for b in opt._buffers:
-        held["master"] = held.get("master", 0) + (b.master.master.numel() * 4 if b.master.owns_copy else 0)
-        held["exp"] = held.get("exp", 0) + sum(t.untyped_storage().nbytes() for t in b.moments.tensors().values())
-        g = b.reducer.flat_grad if stage == 1 else b.reducer.grad_shard
+    for b in opt.inspect().buffers:
+        held["master"] = held.get("master", 0) + (b.master_copy.numel() * 4 if b.master_copy is not None else 0)
+        held["exp"] = held.get("exp", 0) + sum(t.untyped_storage().nbytes() for t in b.moment_tensors.values())
+        g = b.flat_grad if stage == 1 else b.grad_shard
         held["grads"] = held.get("grads", 0) + g.untyped_storage().nbytes()
-        held["params"] = held.get("params", 0) + b.flat.data.untyped_storage().nbytes()
+        held["params"] = held.get("params", 0) + b.weights.untyped_storage().nbytes()
     return {"report": {c: getattr(rep, c) for c in ("params", "grads", "master", "exp_avg", "exp_avg_sq",
                                                       "extra", "buffers", "total")},
             "predicted": dict(rep.predicted), "held": held,

@@ -225,7 +225,7 @@ def bytes_case(moments: str) -> dict | None:
                                     loss_scale=None, process_group=group)
         held = live.bytes() - base
     rep = opt.memory_report()
-    shard = opt._buffers[0].layout.shard_numel
+    shard = opt.inspect().buffers[0].shard_numel
     return {"held": held, "exp_avg": rep.exp_avg, "exp_avg_sq": rep.exp_avg_sq, "shard": shard,
             "params": rep.params, "grads": rep.grads, "extra": rep.extra, "master": rep.master,
             "predicted": rep.predicted}

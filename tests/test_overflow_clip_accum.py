@@ -230,11 +230,11 @@ def shard_accumulation_case(accumulate_dtype_name: str | None) -> tuple[bool, bo
             avg = (g / world).to(torch.bfloat16)  # one micro-batch, averaged and rounded once
             sums32[k] += avg.float()
             sums16[k] += avg
-    buf = opt._buffers[0]
-    shard = buf.reducer.local_grad()
+    buf = opt.inspect().buffers[0]
+    shard = buf.local_grad
     same32 = same16 = True
     for piece in buf.layout.shard_pieces(rank):
-        key = id(buf.flat.params[piece.param])
+        key = id(buf.params[piece.param])
         mine = shard[piece.local_range.as_slice()]
         same32 &= torch.equal(mine, sums32[key].reshape(-1)[piece.param_range.as_slice()].to(torch.bfloat16))
         same16 &= torch.equal(mine, sums16[key].reshape(-1)[piece.param_range.as_slice()])

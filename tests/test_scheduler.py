@@ -31,15 +31,15 @@ def _chain(n: int = 4) -> nn.Sequential:
 def test_a_backward_pass_is_one_round_from_idle_to_idle():
     model = _chain()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
-    rounds = opt._rounds
+    view = opt.inspect()
     seen = []
-    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(rounds.state))
-    assert rounds.state is RoundState.IDLE
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(view.round_state))
+    assert view.round_state is RoundState.IDLE
     opt.backward(model(torch.ones(2, 3)).sum())
     assert seen == [RoundState.OPEN]  # inside the backward pass
-    assert rounds.state is RoundState.IDLE and rounds.total_rounds == 1
-    reducer = opt._buffers[0].reducer
-    assert all(s is ParamState.WAITING for s in reducer.state)  # every parameter's round state was reset
+    assert view.round_state is RoundState.IDLE and view.total_rounds == 1
+    buf = view.buffers[0]
+    assert all(s is ParamState.WAITING for s in buf.param_states)  # every parameter's round state was reset
     opt.step()
     opt.close()
 
@@ -56,9 +56,10 @@ def test_a_backward_pass_that_raises_is_lost_then_finished_by_the_next_call():
     h.register_hook(fail)  # raises after the later layers' gradients have opened the round
     with pytest.raises(ValueError, match="boom"):
         opt.backward(model[3](model[2](model[1](h))).sum())
-    assert opt._rounds.state is RoundState.LOST
+    view = opt.inspect()
+    assert view.round_state is RoundState.LOST
     opt.zero_grad()  # meets the lost round: issues the rest of it
-    assert opt._rounds.state is RoundState.IDLE and opt._rounds.lost_round
+    assert view.round_state is RoundState.IDLE and view.lost_round
     opt.close()
 
 
@@ -66,7 +67,7 @@ def test_a_broken_round_refuses_every_later_call_with_its_reason():
     model = _chain()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1)
     opt._rounds.fail("the ranks fell apart here")
-    assert opt._rounds.state is RoundState.BROKEN
+    assert opt.inspect().round_state is RoundState.BROKEN
     opt._rounds.fail("a later reason")  # the first one is kept
     with pytest.raises(RuntimeError, match="the ranks fell apart here"):
         opt.backward(model(torch.ones(2, 3)).sum())
@@ -81,10 +82,11 @@ def test_the_bucket_order_is_the_reverse_of_the_first_forward():
     for i in order_of_use:
         x = model[i](x)
     opt.backward(x.sum())
-    layout = opt._buffers[0].layout
-    params = opt._buffers[0].flat.params
+    buf = opt.inspect().buffers[0]
+    layout = buf.layout
+    params = buf.params
     layer_of = {id(m.weight): i for i, m in enumerate(model)}
-    launched = [layer_of[id(params[layout.buckets[b].params[0]])] for b in opt._buffers[0].reducer.order]
+    launched = [layer_of[id(params[layout.buckets[b].params[0]])] for b in buf.bucket_order]
     assert launched == order_of_use[::-1]
     opt.close()
 
@@ -97,17 +99,17 @@ def test_layers_used_only_inside_reentrant_checkpoints_wait_for_the_end_of_backw
     x = torch.ones(2, 3, requires_grad=True)
     y = model[2](checkpoint(model[1], checkpoint(model[1], model[0](x), use_reentrant=True), use_reentrant=True))
     opt.backward(y.sum())  # model[1] gets two gradients, from two nested passes
-    reducer = opt._buffers[0].reducer
-    layout = opt._buffers[0].layout
-    params = opt._buffers[0].flat.params
+    buf = opt.inspect().buffers[0]
+    layout = buf.layout
+    params = buf.params
     i1 = next(i for i, p in enumerate(params) if p is model[1].weight)
     b1 = next(b.index for b in layout.buckets if i1 in b.params)
-    assert reducer.may_nest(b1) and not any(reducer.may_nest(b.index) for b in layout.buckets if b.index != b1)
-    assert reducer.order[-1] == b1  # guessed last: it waits for the end of the outer pass anyway
+    assert buf.may_nest[b1] and not any(buf.may_nest[b.index] for b in layout.buckets if b.index != b1)
+    assert buf.bucket_order[-1] == b1  # guessed last: it waits for the end of the outer pass anyway
     ref = _chain(3)
     yr = ref[2](ref[1](ref[1](ref[0](torch.ones(2, 3, requires_grad=True)))))
     yr.sum().backward()
-    got = reducer.local_grad()[layout.params[i1].global_range.as_slice()]
+    got = buf.local_grad[layout.params[i1].global_range.as_slice()]
     torch.testing.assert_close(got, ref[1].weight.grad.reshape(-1))  # both nested gradients, reduced once
     opt.close()
 
@@ -117,11 +119,12 @@ def test_each_bucket_is_gathered_as_soon_as_its_part_of_the_shard_is_updated():
     groups = lambda m: [{"params": [m[0].weight, m[3].weight]}, {"params": [m[1].weight, m[2].weight], "lr": 0.03}]  # noqa: E731
     opt = shardopt.ShardedAdamW(groups(model), lr=0.1, bucket_cap_mb=2 * ONE_PARAM_MB)
     torch_opt = torch.optim.AdamW(groups(ref), lr=0.1)
-    buf = opt._buffers[0]
+    buf = opt.inspect().buffers[0]
     assert len(buf.layout.buckets) > 1
     events = []
-    update, gather = buf.master.update_, opt._comm.all_gather_inplace
-    buf.master.update_ = lambda r, *a: (events.append(("update", r.start, r.end)), update(r, *a))[1]
+    master = opt._buffers[0].master  # instrumented: records each update, then runs it
+    update, gather = master.update_, opt._comm.all_gather_inplace
+    master.update_ = lambda r, *a: (events.append(("update", r.start, r.end)), update(r, *a))[1]
     opt._comm.all_gather_inplace = lambda flat, pieces: (events.append(("gather", pieces[0].start, pieces[-1].end)),
                                                          gather(flat, pieces))[1]
     for _ in range(2):
@@ -131,7 +134,7 @@ def test_each_bucket_is_gathered_as_soon_as_its_part_of_the_shard_is_updated():
             o.step()
     # Updates of a bucket's elements, then its gather, bucket by bucket in the forward pass's order.
     step_events = events[len(events) // 2:]
-    spans = [(b.global_range.start, b.global_range.end) for b in (buf.layout.buckets[i] for i in buf.reducer.forward_order)]
+    spans = [(b.global_range.start, b.global_range.end) for b in (buf.layout.buckets[i] for i in buf.forward_order)]
     expect, covered = [], []
     for start, end in spans:
         updates = [e for e in step_events[len(expect):] if e[0] == "update" and start <= e[1] and e[2] <= end]

@@ -66,11 +66,11 @@ def rank0_state_dict_case(path: str) -> tuple:
         trained = {i for i, p in enumerate(model.parameters()) if p.requires_grad}
         assert set(whole["shardopt"]["master"]) == trained, (sorted(whole["shardopt"]["master"]), trained)
     dist.barrier()
-    master = torch.cat([b.master.fp32().clone() for b in opt._buffers])
+    master = torch.cat([b.master_fp32.clone() for b in opt.inspect().buffers])
     other = make_model(seed=8, dtype=torch.bfloat16)
     opt2 = shardopt.ShardedAdamW(other.parameters(), lr=1e-3, stage=1)
     opt2.load_state_dict(torch.load(path, weights_only=True))
-    exact = torch.equal(torch.cat([b.master.fp32() for b in opt2._buffers]), master)
+    exact = torch.equal(torch.cat([b.master_fp32 for b in opt2.inspect().buffers]), master)
     weights_equal = all(torch.equal(p, q) for p, q in zip(model.parameters(), other.parameters()) if p.requires_grad)
     opt.zero_grad()
     opt.backward(model(batch(rank, 5)))

@@ -72,19 +72,19 @@ def save_right_after_load_case(path: str) -> dict:
     pretrained = make_model(seed=12, dtype=torch.bfloat16)
     model.load_state_dict(pretrained.state_dict())
     opt.state_dict()  # on this rank alone: its shard of the master follows the loaded weights
-    local = torch.cat([b.master.fp32().clone().bfloat16() for b in opt._buffers])  # rounds as the weights do
+    local = torch.cat([b.master_fp32.clone().bfloat16() for b in opt.inspect().buffers])  # rounds as the weights do
     shardopt.save_checkpoint(path, model, opt)
     fresh = make_model(seed=13, dtype=torch.bfloat16)
     fresh_opt = shardopt.ShardedAdamW(fresh.parameters(), lr=1e-3, stage=2)
     shardopt.load_checkpoint(path, fresh, fresh_opt)
     exported = opt.full_state_dict()
-    weights = torch.cat([b.flat.slice(b.shard_range) for b in opt._buffers])
+    weights = torch.cat([b.shard_weights for b in opt.inspect().buffers])
     with torch.no_grad():  # a write opt cannot see, then the call that says so
         for p in model.parameters():
             p.data.mul_(0.5)
     opt.refresh_master_weights()
-    halved = torch.cat([b.master.fp32() for b in opt._buffers])
-    want = torch.cat([b.flat.slice(b.shard_range).float() for b in opt._buffers])
+    halved = torch.cat([b.master_fp32 for b in opt.inspect().buffers])
+    want = torch.cat([b.shard_weights.float() for b in opt.inspect().buffers])
     return {"state_dict": torch.equal(local, weights), "checkpoint": param_diff(fresh, pretrained),
             "export_steps": sorted({float(s["step"]) for s in exported.get("state", {}).values()}),
             "refresh": torch.equal(halved, want)}
@@ -108,14 +108,14 @@ def load_in_resume_order_case(mode: str) -> float:
         opt.backward(model(batch(rank, step)))
         opt.step()
     saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
-    master = torch.cat([b.master.fp32().clone() for b in opt._buffers])
+    master = torch.cat([b.master_fp32.clone() for b in opt.inspect().buffers])
     model2 = make_model(seed=9, dtype=torch.bfloat16)
     opt2 = shardopt.ShardedAdamW(model2.parameters(), lr=1e-3, stage=2, master_weights=mode)
     for first, second in ((model2.load_state_dict, opt2.load_state_dict), (opt2.load_state_dict, model2.load_state_dict)):
         first(saved["model"] if first == model2.load_state_dict else saved["opt"])
         second(saved["opt"] if second == opt2.load_state_dict else saved["model"])
         opt2._agree_on_gradients(None)  # what clip_grad_norm_ and step check first
-        got = torch.cat([b.master.fp32() for b in opt2._buffers])
+        got = torch.cat([b.master_fp32 for b in opt2.inspect().buffers])
         assert torch.equal(got, master), (got - master).abs().max()
     return 0.0
 
