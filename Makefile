@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-fast docs clean
 
 setup: $(VENV)/.installed
 
@@ -23,5 +23,10 @@ test: setup
 test-fast: setup  # the unit tier: nothing outside the test process, under a minute
 	$(PY) -m pytest -q -m unit -n 2
 
+docs: setup  # the site in site/, strict: a broken link, anchor or page fails
+	@$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
+	$(PY) benchmarks/report.py --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site

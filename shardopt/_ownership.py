@@ -72,14 +72,16 @@ class Lifetime:
                 self.__dict__[name] = None
 
     def __deepcopy__(self, memo: dict) -> None:
-        raise TypeError(_NO_COPY.format(how="copy.deepcopy"))
+        raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))
 
     def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
         raise TypeError(_NO_COPY.format(how="copying or pickling"))
 
     def _check_open(self) -> None:
         if self._closed is not None:
-            raise RuntimeError(f"this ShardedAdamW is {self._closed}; use that one (or build a new one)")
+            then = "train with the newer one" if self._closed.startswith("superseded") else \
+                "build a new ShardedAdamW over the parameters to train them again"
+            raise RuntimeError(f"this ShardedAdamW is {self._closed}; {then}")
 
     def __del__(self) -> None:
         # Dropped with weight gathers in flight (a local of a function that returned right after
