@@ -231,6 +231,8 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict:
     rank, n = dist.get_rank(), dist.get_world_size()
     cuda = device.type == "cuda"
     rss_before, _ = _rss(reset=True)
+    if cuda:  # what earlier configurations of this process freed goes back, so "reserved" is this one's
+        torch.cuda.empty_cache()
     phases: dict[str, float] = {}
 
     def phase(label: str, start: bool) -> None:
