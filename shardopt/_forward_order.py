@@ -13,6 +13,8 @@ from typing import Any, Sequence
 
 import torch
 
+from shardopt._ownership import owned_hook
+
 
 class ForwardOrder:
     """First uses of the parameters of one optimizer's flat buffers (one list per buffer)."""
@@ -32,7 +34,7 @@ class ForwardOrder:
             if order is not None:
                 order.note(module)
 
-        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(hook)
+        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, ref))
 
     def note(self, module: torch.nn.Module) -> None:
         """``module`` is about to run its forward. Local."""
@@ -49,9 +51,13 @@ class ForwardOrder:
 
     def stop(self) -> None:
         """Remove the hook (idempotent). Local."""
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for h in self.take_handles():
+            h.remove()
+
+    def take_handles(self) -> list:
+        """The global hook's handle, if still installed, now the caller's to remove. Local."""
+        handles, self._handle = [self._handle] if self._handle is not None else [], None
+        return handles
 
     @property
     def gradless(self) -> list[list[bool]]:

@@ -37,6 +37,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from shardopt._gathers import Key, WeightGathers
+from shardopt._ownership import owned_hook
 
 _in_flight = False  # some parameter's gather is in flight (read by the traced hook: a guard)
 _landing: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}  # id(param) -> (its WeightGathers, bucket key)
@@ -137,7 +138,7 @@ def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle"
                 o.wait(key)
 
     atexit.register(_finish_at_exit, ref)
-    return torch.nn.modules.module.register_module_forward_pre_hook(hook)
+    return torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, ref))
 
 
 def _finish_before_state_dict(ref: "weakref.ref") -> Callable[..., None]:

@@ -12,12 +12,38 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
+import torch
 from torch import Tensor
 
 # id(parameter) -> (weak parameter, weak optimizer); keyed by id because tensors compare elementwise.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+# [Note: hooks of a freed optimizer]
+# Every hook a ShardedAdamW installs holds its state weakly and does nothing once the optimizer is
+# freed. The garbage collector never removes them: a collection may run while torch.compile traces
+# a module call, whose guards read the global hook dict (a hook removed there breaks the
+# compilation), and a handle found in the garbage has lost its weak reference to its dict anyway.
+# They are removed at the next safe point instead: the next optimizer's construction (the global
+# hooks, and the parameter hooks of the parameters it takes over) and every step().
+def owned_hook(fn: Callable, ref: weakref.ref) -> Callable:
+    """Mark ``fn``, a hook that works for the object behind ``ref``, as removable once it is gone."""
+    fn.shardopt_alive = lambda: ref() is not None  # type: ignore[attr-defined]
+    return fn
+
+
+def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
+    """Remove the global forward pre-hooks of freed optimizers, and their hooks on ``params`` (see
+    [Note: hooks of a freed optimizer]). Local; call outside compiled code."""
+    dicts = [torch.nn.modules.module._global_forward_pre_hooks]
+    dicts += [h for h in (getattr(p, "_post_accumulate_grad_hooks", None) for p in params) if h]
+    for hooks in dicts:
+        for key, fn in list(hooks.items()):
+            alive = getattr(fn, "shardopt_alive", None)
+            if alive is not None and not alive():
+                del hooks[key]
 
 
 def take_over(opt: Any, params: Iterable[Tensor]) -> None:
@@ -60,16 +86,20 @@ class Lifetime:
         self._closed = why
 
     def _remove_hooks(self) -> None:
+        for h in self._take_hook_handles():
+            h.remove()
+
+    def _take_hook_handles(self) -> list:
         # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
         # must not remove the hooks of the optimizer it wraps when it is collected.
         rounds = self.__dict__.get("_rounds")
-        if rounds is not None:
-            rounds.release()
+        handles = rounds.take_handles() if rounds is not None else []
         for name in ("_gather_hook", "_ddp_watch"):
             hook = self.__dict__.get(name)
             if hook is not None:
-                hook.remove()
+                handles.append(hook)
                 self.__dict__[name] = None
+        return handles
 
     def __deepcopy__(self, memo: dict) -> None:
         raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))
@@ -90,4 +120,4 @@ class Lifetime:
             gathers = self.__dict__.get("_gathers")
             if gathers is not None:
                 gathers.wait_quietly()
-        self._remove_hooks()  # left on the parameters, they would keep taking gradients
+        # Its hooks stay until the next safe point (see [Note: hooks of a freed optimizer]).

@@ -67,6 +67,7 @@ from shardopt._agreement import call_header, check_calls
 from shardopt._collectives import Comm, Pending
 from shardopt._compat import graph_task_id, queue_at_end_of_backward
 from shardopt._forward_order import ForwardOrder
+from shardopt._ownership import owned_hook
 from shardopt._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
@@ -129,8 +130,9 @@ class Rounds:
         self._hooks = []
         for k, r in enumerate(self.reducers):
             # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-            self._hooks += [p.register_post_accumulate_grad_hook(torch.compiler.disable(self._make_hook(k, i)))
-                            for i, p in enumerate(r.flat.params)]
+            self._hooks += [p.register_post_accumulate_grad_hook(
+                owned_hook(torch.compiler.disable(self._make_hook(k, i)), weakref.ref(self)))
+                for i, p in enumerate(r.flat.params)]
         self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), from rank 0 in round 1
         self._forward = ForwardOrder([r.flat.params for r in self.reducers])  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
@@ -177,10 +179,13 @@ class Rounds:
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
-        self._forward.stop()
-        for h in self._hooks:
+        for h in self.take_handles():
             h.remove()
-        self._hooks = []
+
+    def take_handles(self) -> list:
+        """The handles of every hook this scheduler installed, now the caller's to remove. Local."""
+        handles, self._hooks = self._hooks + self._forward.take_handles(), []
+        return handles
 
     def on_hook(self) -> bool:
         """From every gradient hook, before the reducer looks at the gradient: opens a round at the

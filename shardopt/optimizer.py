@@ -20,7 +20,7 @@ from shardopt._gather_wait import in_flight, landed, watch_gathers
 from shardopt._gathers import WeightGathers
 from shardopt._held_bytes import HeldTotal
 from shardopt._inspect import OptimizerView
-from shardopt._ownership import Lifetime, take_over
+from shardopt._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt._rounds import Rounds
 from shardopt._sharded_buffer import build_buffers
 from shardopt._skips import SkipWatch
@@ -81,14 +81,16 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
                                   max_consecutive_skips=max_consecutive_skips)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay))
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
         trainable = agree_on_params(self, self._comm, self._names, loss_scale)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
-        self._buffers = build_buffers(trainable, self._comm, self.config, self._names)
+        remove_freed_hooks([p for p, _ in trainable])
+        self._buffers = build_buffers(trainable, self._comm, self.config, self._names,
+                                      lambda gi: self._rule_of(self.param_groups[gi]))
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
@@ -121,6 +123,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._built = True
 
     # -- construction --------------------------------------------------------------------
+    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+        return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+
+    def _rule_of(self, group: dict[str, Any]) -> str:
+        """The update rule of a param group's parameters (see ``ShardedMuon``)."""
+        return "adamw"
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
             raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
@@ -185,6 +194,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
             return self._take_step(closure)
 
     def _take_step(self, closure: Callable[[], Any] | None) -> Any:
+        remove_freed_hooks()  # see _ownership [Note: hooks of a freed optimizer]
         self.finish_param_gather()  # an update must not race the previous step's gathers
         self._consolidated = None  # gathered before this step: stale from here on
         if self._ddp_watch is not None:

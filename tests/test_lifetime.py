@@ -49,3 +49,20 @@ def test_live_tensor_bytes_return_to_where_they_were():
     for _ in range(3):
         _train_and_drop(stage=2)
     assert live_bytes() <= before
+
+
+def test_hooks_of_a_freed_optimizer_go_at_the_next_construction_never_during_a_collection():
+    # A collection can run while torch.compile traces a module call and reads the global hook
+    # dict for its guards; removing a hook there breaks the compilation.
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    shardopt.ShardedAdamW(torch.nn.Linear(2, 2).parameters()).close()
+    before = set(_global_forward_pre_hooks)
+    refs = _train_and_drop(stage=2, overlap_param_gather=True)
+    installed = set(_global_forward_pre_hooks) - before
+    assert installed  # the overlapped-gather watch
+    gc.collect()
+    assert refs[0]() is None and installed <= set(_global_forward_pre_hooks)
+    opt = shardopt.ShardedAdamW(torch.nn.Linear(2, 2).parameters())
+    assert not installed & set(_global_forward_pre_hooks)
+    opt.close()
