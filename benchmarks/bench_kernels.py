@@ -20,6 +20,7 @@ mode with each moments mode (bf16 weights). Results go to stdout and benchmarks/
 """
 from __future__ import annotations
 
+import datetime
 import argparse
 import os
 import platform
@@ -268,7 +269,7 @@ def main() -> None:
     bound.measure()
     where = torch.cuda.get_device_name(0) if DEVICE.type == "cuda" else \
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s)"
-    machine = f"machine: {where} | torch {torch.__version__} | shard {n:,} elements"
+    machine = f"machine: {where} | torch {torch.__version__} | shard {n:,} elements | {datetime.date.today().isoformat()}"
     print(f"{machine} | first bandwidth probe {bound.seen[0] / 1e9:.1f} GB/s", flush=True)
     rows = ["| param dtype | path | ms/step | Melem/s | bytes/elem | bound GB/s (probes beside) | % of bound | "
             "vs torch fused+cast | in-cache ms | bound ms | limit |",

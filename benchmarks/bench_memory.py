@@ -29,6 +29,7 @@ benchmarks/results/memory.md, memory.csv and memory.png (``memory_cuda.*`` on CU
 """
 from __future__ import annotations
 
+import datetime
 import argparse
 import csv
 import ctypes
@@ -344,7 +345,7 @@ def machine() -> str:
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 if hasattr(os, "sysconf") else 0
     gpu = f", {torch.cuda.get_device_name(0)}" if torch.cuda.is_available() else ""
     return (f"{cpu}, {os.cpu_count()} cores, {ram:.0f} GiB{gpu}; torch {torch.__version__}, shardopt "
-            f"{shardopt.__version__}, Python {platform.python_version()}")
+            f"{shardopt.__version__}, Python {platform.python_version()}; {datetime.date.today().isoformat()}")
 
 
 def states(r: dict) -> int:

@@ -34,6 +34,7 @@ library's own cost. Peak memory there is ``torch.cuda.max_memory_allocated`` ove
 """
 from __future__ import annotations
 
+import datetime
 import argparse
 import json
 import os
@@ -299,7 +300,8 @@ def main() -> None:
     header = (f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores | torch {torch.__version__} | "
               f"{where} | batch {args.batch_size} x {args.block_size} tokens per rank | "
               f"{args.warmup} warm-up + {args.steps} timed steps"
-              + (f" | {args.rounds} rounds, alternating order" if args.rounds > 1 else ""))
+              + (f" | {args.rounds} rounds, alternating order" if args.rounds > 1 else "")
+              + f" | {datetime.date.today().isoformat()}")
     print(header, flush=True)
     peak = "peak CUDA allocated MB (per rank)" if args.device == "cuda" else "peak RSS MB (per rank)"
     if any(c.endswith("@base") for c in args.configs.split(",")):

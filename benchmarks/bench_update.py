@@ -22,6 +22,7 @@ instead of shardopt, whatever shardopt's mode keeps). Writes benchmarks/results/
 """
 from __future__ import annotations
 
+import datetime
 import argparse
 import os
 import platform
@@ -123,7 +124,7 @@ def main() -> None:
         del steps
     head = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) | "
             f"torch {torch.__version__} | device {device} | one {args.dtype} parameter of {n:,} elements | "
-            f"median of {args.rounds} interleaved rounds")
+            f"median of {args.rounds} interleaved rounds | {datetime.date.today().isoformat()}")
     lines = [f"# The update in context\n\nCommand: `python benchmarks/bench_update.py --numel {args.numel:g} --dtype "
              f"{args.dtype} --device {args.device} --threads {args.threads}`\n\n{head}\n",
              "| shardopt master_weights | by hand ms (persistent fp32 grad, fused AdamW, copy back) | "
