@@ -105,6 +105,16 @@ class GPT(nn.Module):
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
 
 
+def muon_param_groups(model: nn.Module, weight_decay: float, adamw_lr: float) -> list[dict]:
+    """Muon for the blocks' matrices; AdamW (``"use_muon": False``) for the embeddings, norms and
+    biases, as in modded-nanogpt and nanochat."""
+    hidden = [p for n, p in model.named_parameters() if n.startswith("blocks.") and p.dim() == 2]
+    ids = {id(p) for p in hidden}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    return [{"params": hidden, "weight_decay": weight_decay},
+            {"params": rest, "use_muon": False, "lr": adamw_lr, "betas": (0.9, 0.95), "weight_decay": 0.0}]
+
+
 def load_bytes(path: str | None, limit: int = 8 << 20) -> torch.Tensor:
     """A byte-level corpus: the file or directory at ``path``, or by default the Python standard
     library's own ``.py`` sources (present on every Python installation). At most ``limit`` bytes."""

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
-from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
+from gpt import GPT, GPTConfig, load_bytes, muon_param_groups  # noqa: E402
 
 CATEGORIES = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -57,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0)
     p.add_argument("--stage", type=int, default=2, choices=(1, 2))
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "muon"),
+                   help="muon: ShardedMuon for the blocks' matrices (lr --muon-lr), AdamW for the rest")
+    p.add_argument("--muon-lr", type=float, default=0.02)
     p.add_argument("--master-weights", default="fp32")
     p.add_argument("--param-dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--compute-dtype", default="fp32", choices=sorted(DTYPES),
@@ -107,10 +110,13 @@ def main(argv: list[str] | None = None) -> None:
         # ranks 0..S-1 form the first shard group: with torchrun, the processes of one node
         mesh = init_device_mesh(device.type, (world // args.shard_size, args.shard_size),
                                 mesh_dim_names=("replicate", "shard"))
-    opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95),
-                                stage=args.stage, master_weights=args.master_weights, device_mesh=mesh,
-                                loss_scale=None if loss_scale == "none" else loss_scale,
-                                bucket_cap_mb=args.bucket_cap_mb, overlap_param_gather=args.overlap_param_gather)
+    common = dict(stage=args.stage, master_weights=args.master_weights, device_mesh=mesh,
+                  loss_scale=None if loss_scale == "none" else loss_scale,
+                  bucket_cap_mb=args.bucket_cap_mb, overlap_param_gather=args.overlap_param_gather)
+    if args.optimizer == "muon":  # the schedule below scales both rules' lr alike
+        opt = shardopt.ShardedMuon(muon_param_groups(model, args.weight_decay, args.lr), lr=args.muon_lr, **common)
+    else:
+        opt = shardopt.ShardedAdamW(model.param_groups(args.weight_decay), lr=args.lr, betas=(0.9, 0.95), **common)
 
     def lr_at(step: int) -> float:  # linear warmup, cosine decay to min_lr, as a factor of lr
         if step < args.warmup:

@@ -4,6 +4,7 @@ from shardopt.checkpoint import latest_checkpoint, list_checkpoints, load_checkp
 from shardopt.estimate import MemoryEstimate, estimate_memory
 from shardopt.loss_scale import DynamicScaler, LossScaler, StaticScaler
 from shardopt.memory import MemoryReport, ddp_adamw_bytes, predict_bytes
+from shardopt.muon import ShardedMuon
 from shardopt._version import __version__  # noqa: F401
 from shardopt.optimizer import ShardedAdamW
 
@@ -13,6 +14,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryReport",
     "ShardedAdamW",
+    "ShardedMuon",
     "StaticScaler",
     "ddp_adamw_bytes",
     "estimate_memory",

@@ -156,15 +156,18 @@ def raise_first_difference(every: list[list], rank: int) -> None:
 # then 0), so every rank sees a difference alike; the sums stay below 2**24, exact in fp32, up to
 # 74,000 ranks. The ranks then exchange their values (only on that error path) to name the group,
 # the key and both values.
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay")
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
+              "adjust_lr_fn")  # AdamW's, then Muon's
 HYPER_CHUNKS = HYPER_LEN // 2  # 4-bit chunks of the 32-bit digest
 
 
 def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
     """(group index, key, value as plain floats) of every hyperparameter the update reads. Local."""
     def plain(v: Any) -> Any:
-        return tuple(plain(x) for x in v) if isinstance(v, (tuple, list)) else float(v)
-    return [(gi, k, plain(g[k])) for gi, g in enumerate(param_groups) for k in HYPER_KEYS]
+        if isinstance(v, (tuple, list)):
+            return tuple(plain(x) for x in v)
+        return repr(v) if v is None or isinstance(v, str) else float(v)  # adjust_lr_fn is a name or None
+    return [(gi, k, plain(g[k])) for gi, g in enumerate(param_groups) for k in HYPER_KEYS if k in g]
 
 
 def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from shardopt._collectives import Pending
 from shardopt._layout import FlatLayout, Range
+from shardopt._muon_packing import MuonPacking
 from shardopt._reducer import ParamState
 from shardopt._rounds import RoundState
 
@@ -134,6 +135,17 @@ class BufferView:
     def moments(self) -> str:
         """The moment format: ``"fp32"``, ``"bf16"`` or ``"8bit"``."""
         return self._buf.moments.name
+
+    @property
+    def rule(self) -> str:
+        """The update rule of this buffer's parameters: ``"adamw"`` or ``"muon"``."""
+        return self._buf.rule
+
+    @property
+    def muon_packing(self) -> MuonPacking | None:
+        """For a Muon buffer, which rank owns each matrix (indexed as ``params``), the padding
+        (elements) and the Newton-Schulz work per rank; None for AdamW."""
+        return getattr(self._buf, "packing", None)
 
     @property
     def moment_tensors(self) -> Mapping[str, Tensor]:

@@ -239,11 +239,17 @@ def build_layout(
     *,
     alignment: int = DEFAULT_ALIGNMENT,
     bucket_numel: int | None = None,
+    starts: Sequence[int] | None = None,
+    numel: int | None = None,
 ) -> FlatLayout:
     """Lay out parameters of the given shapes, in the given order, in one flat buffer.
 
     ``bucket_numel`` caps a bucket's size in elements (a larger parameter gets a bucket of its
-    own); ``None`` puts everything into one bucket. Valid on any rank; no communication.
+    own); ``None`` puts everything into one bucket. ``starts`` (elements, increasing, each a
+    multiple of ``alignment``) and ``numel`` (a multiple of ``world_size * alignment``) place the
+    parameters and size the buffer explicitly, e.g. so that each parameter lies whole in one rank's
+    shard (see _muon_packing); by default parameters are packed back to back. Valid on any rank;
+    no communication.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size=}")
@@ -256,13 +262,21 @@ def build_layout(
     offset = 0
     for i, shape in enumerate(shapes):
         shape = tuple(int(s) for s in shape)
-        numel = 1
+        size = 1
         for s in shape:
-            numel *= s
-        start = _round_up(offset, alignment)
-        spans.append(ParamSpan(index=i, shape=shape, global_range=Range(start, start + numel)))
-        offset = start + numel
+            size *= s
+        start = _round_up(offset, alignment) if starts is None else int(starts[i])
+        if start < offset or start % alignment:
+            raise ValueError(f"parameter {i} placed at element {start}: starts must increase without overlap and be "
+                             f"multiples of the alignment ({alignment})")
+        spans.append(ParamSpan(index=i, shape=shape, global_range=Range(start, start + size)))
+        offset = start + size
     total = max(_round_up(offset, world_size * alignment), 0)
+    if numel is not None:
+        if numel < offset or numel % (world_size * alignment):
+            raise ValueError(f"numel={numel} must cover the parameters ({offset} elements) and be a multiple of "
+                             f"world_size * alignment ({world_size * alignment})")
+        total = numel
 
     buckets: list[Bucket] = []
     members: list[int] = []

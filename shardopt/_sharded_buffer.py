@@ -5,8 +5,9 @@ and the Adam moments of this rank's shard. Holds no math of its own.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -18,9 +19,11 @@ from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
 from shardopt._reducer import GradReducer
 from shardopt._buffer_model import replay_buffers
+from shardopt._muon_packing import pack_matrices
 from shardopt.kernels import make_scalars, select
+from shardopt.kernels.muon_reference import muon_step_
 from shardopt.master import make_master
-from shardopt.moments import make_moments, moment_alignment
+from shardopt.moments import MuonMomentum, make_moments, moment_alignment
 from shardopt.memory import MemoryReport, predict_bytes
 
 
@@ -28,12 +31,23 @@ class ShardedBuffer:
     """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
-                 config: ShardConfig, names: Sequence[str]) -> None:
-        self.comm, self.config = comm, config
+                 config: ShardConfig, names: Sequence[str], rule: str = "adamw") -> None:
+        self.comm, self.config, self.rule = comm, config, rule
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
-        self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
-                                   bucket_numel=config.bucket_numel(element_size))
+        if rule == "muon":  # each matrix whole in its owner's shard (see _muon_packing)
+            packing = pack_matrices([tuple(p.shape) for p in params], comm.shard_size, alignment=alignment)
+            order = sorted(range(len(params)), key=lambda i: (packing.owner[i], packing.offset[i]))
+            params, group_of, names = ([seq[i] for i in order] for seq in (params, group_of, names))
+            self.packing = dataclasses.replace(packing, **{k: tuple(getattr(packing, k)[i] for i in order)
+                                                           for k in ("shapes", "owner", "offset")})  # buffer order
+            starts = [o * packing.chunk_numel + off for o, off in zip(self.packing.owner, self.packing.offset)]
+            self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
+                                       bucket_numel=config.bucket_numel(element_size), starts=starts,
+                                       numel=comm.shard_size * self.packing.chunk_numel)
+        else:
+            self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
+                                       bucket_numel=config.bucket_numel(element_size))
         self.group_of = list(group_of)  # param-group index of each parameter, in buffer order
         warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
         self.flat = FlatParams(params, self.layout)
@@ -47,7 +61,8 @@ class ShardedBuffer:
         self._all_used_keys = tuple((g, 0) for g in self.group_of)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
                                   global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
-        self.moments = make_moments(config.moments, self.layout.shard_numel, self.flat.device)
+        self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device) if rule == "muon" else \
+            make_moments(config.moments, self.layout.shard_numel, self.flat.device)
         self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
         self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
@@ -70,6 +85,8 @@ class ShardedBuffer:
         step count within a bucket. ``used[i]``: some rank has a gradient for parameter ``i``; the
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
+        if self.rule == "muon":
+            return self._update_muon(grad_scale, param_groups, used)
         grad = self.reducer.local_grad()
         all_used = all(used)
         keys = self._all_used_keys if all_used and not any(self.lag) else tuple(
@@ -98,6 +115,31 @@ class ShardedBuffer:
             gathers.append((b, self._gather(b)))
         if not all_used:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
+        return gathers
+
+    def _update_muon(self, grad_scale: float, param_groups: Sequence[dict],
+                     used: Sequence[bool]) -> list[tuple[int, Pending]]:
+        """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
+        step on its fp32 master from its averaged fp32 gradient; AdamW's lag bookkeeping does not apply
+        (Muon keeps no step count). Every rank."""
+        grad, master, momentum = self.reducer.local_grad(), self.master.fp32(), self.moments.buffer
+        gathers = []
+        for b in self.reducer.forward_order:
+            for i in self.layout.buckets[b].params:
+                r = self._local_piece.get(i)
+                if r is None or not used[i]:
+                    continue
+                shape, hp = self.layout.params[i].shape, param_groups[self.group_of[i]]
+                g = grad[r.as_slice()].view(shape).float()
+                if grad_scale != 1.0:
+                    g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
+                muon_step_(master[r.as_slice()].view(shape), g, momentum[r.as_slice()].view(shape),
+                           lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
+                           nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
+                           eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
+                if master.data_ptr() != self.master.param_shard.data_ptr():
+                    self.master.param_shard[r.as_slice()].copy_(master[r.as_slice()])
+            gathers.append((b, self._gather(b)))
         return gathers
 
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
@@ -159,7 +201,8 @@ class ShardedBuffer:
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
         predicted = predict_bytes(self.layout.param_numel, self.comm.shard_size, stage=self.config.stage,
-                                  param_dtype=self.dtype, master_weights=self.master.name, moments=self.moments.name)
+                                  param_dtype=self.dtype, master_weights=self.master.name,
+                                  moments="muon" if self.rule == "muon" else self.moments.name)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,
@@ -181,17 +224,18 @@ class ShardedBuffer:
 
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,
-                  names: dict[int, str]) -> list[ShardedBuffer]:
-    """One ShardedBuffer per parameter dtype, from (parameter, param-group index) pairs; ``names``
-    by ``id``. Every rank (each buffer broadcasts rank 0's weights)."""
-    by_dtype: dict[torch.dtype, list[tuple[torch.nn.Parameter, int]]] = {}
+                  names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw") -> list[ShardedBuffer]:
+    """One ShardedBuffer per parameter dtype and update rule (``rule_of(group index)``), from
+    (parameter, param-group index) pairs; ``names`` by ``id``. Every rank (each buffer broadcasts
+    rank 0's weights)."""
+    by_kind: dict[tuple[torch.dtype, str], list[tuple[torch.nn.Parameter, int]]] = {}
     for p, gi in trainable:
-        by_dtype.setdefault(p.dtype, []).append((p, gi))
+        by_kind.setdefault((p.dtype, rule_of(gi)), []).append((p, gi))
     buffers = []
-    for entries in by_dtype.values():
+    for (_, rule), entries in by_kind.items():
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
-                                     names=[names[id(p)] for p, _ in entries]))
+                                     names=[names[id(p)] for p, _ in entries], rule=rule))
     return buffers

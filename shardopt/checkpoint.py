@@ -138,6 +138,13 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
     }
 
 
+def _refuse_muon(opt: Any, call: str) -> None:
+    """Sharded checkpoints hold AdamW's moments; a ShardedMuon's Muon matrices are refused on every rank alike."""
+    if opt is not None and any(getattr(b, "rule", "adamw") == "muon" for b in opt._buffers):
+        raise NotImplementedError(f"shardopt.{call} does not support ShardedMuon in this version; opt.state_dict() "
+                                  "and opt.load_state_dict() save and restore this rank's state at the same world size")
+
+
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None) -> str:
     """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
 
@@ -147,6 +154,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = os.fspath(path)
+    _refuse_muon(opt, "save_checkpoint")
     comm: Comm = opt._comm
     settle(opt)
     try:
@@ -294,6 +302,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
     mismatching parameter; either is raised on every rank."""
     path = os.fspath(path)
+    _refuse_muon(opt, "load_checkpoint")
     comm: Comm = opt._comm if opt is not None else Comm(process_group)
     if opt is not None:
         settle(opt)

@@ -117,6 +117,8 @@ def predict_bytes(
     extra = 2 if (sixteen_bit and master_weights == "remainder") else 0
 
     def moment() -> int:  # one moment: fp32, bf16, or one byte per element plus an fp32 scale per block
+        if moments == "muon":  # Muon's one fp32 momentum buffer, counted as the first moment
+            return shard(4)
         if moments == "8bit":
             n = -(-num_params // world_size)
             return n + 4 * -(-n // MOMENT_BLOCK)
@@ -126,7 +128,7 @@ def predict_bytes(
         "grads": num_params * psize if stage == 1 else shard(psize),
         "master": shard(master),
         "exp_avg": moment(),
-        "exp_avg_sq": moment(),
+        "exp_avg_sq": 0 if moments == "muon" else moment(),
         "extra": shard(extra),
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }

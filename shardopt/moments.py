@@ -142,6 +142,29 @@ class Int8Moments(Moments):
                 "exp_avg_sq_codes": self.v_codes, "exp_avg_sq_scales": self.v_scales}
 
 
+class MuonMomentum(Moments):
+    """Muon's one moment, the fp32 ``momentum_buffer`` of the matrices this rank owns (4 bytes per
+    owned element; padding stays zero). It fills the interface's first moment; the second is empty."""
+
+    name = "fp32"
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, device)
+        self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)  # 1D, this rank's shard
+
+    def operands(self, r: Range) -> tuple[object, object]:
+        return self.buffer[r.as_slice()], None
+
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        return self.buffer, self.buffer.new_zeros(0)
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        self.buffer.copy_(exp_avg)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"momentum_buffer": self.buffer}
+
+
 MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "8bit": Int8Moments}
 
 

@@ -1,0 +1,126 @@
+"""``ShardedMuon``: torch.optim.Muon for the hidden matrices and AdamW for the rest, in one sharded optimizer.
+
+Every Muon matrix is owned whole by one rank of the shard group (see _muon_packing): stage 2's
+reduce-scatter delivers its averaged gradient to that rank only, which runs Newton-Schulz on it
+(``kernels.muon_reference``, operation for operation torch's) and updates the fp32 master; the
+weights are then all-gathered as for AdamW. Parameters in param groups with ``"use_muon": False``
+are updated with AdamW from flat shards, exactly as ``ShardedAdamW`` does.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import Tensor
+
+from shardopt._config import check_param_group
+from shardopt.kernels.muon_reference import NS_COEFFICIENTS
+from shardopt.optimizer import ShardedAdamW
+
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+# A use_muon=False group's keys, when it does not set them: torch.optim.AdamW's defaults.
+ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+_MUON_ONLY = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
+
+
+_MUON_CHECKS = (  # (key, valid, what it needs)
+    ("lr", lambda v: float(v) >= 0, "a number >= 0"),
+    ("weight_decay", lambda v: float(v) >= 0, "a number >= 0"),
+    ("momentum", lambda v: 0 <= float(v) < 1, "a number in [0, 1)"),
+    ("eps", lambda v: float(v) >= 0, "a number >= 0"),
+    ("ns_steps", lambda v: isinstance(v, int) and 0 < v < 100, "an int in [1, 100)"),
+    ("ns_coefficients", lambda v: len(tuple(v)) == 3, "three numbers (a, b, c)"),
+    ("adjust_lr_fn", lambda v: v in ADJUST_LR_FNS, f"one of {ADJUST_LR_FNS}"),
+)
+_UNSUPPORTED = ("ShardedMuon does not support {what} in this version; opt.state_dict() and opt.load_state_dict() "
+                "save and restore this rank's state at the same world size")
+
+
+def check_muon_hyperparameters(group: dict[str, Any], index: int) -> None:
+    """Raise a ValueError naming param group ``index``'s first Muon hyperparameter out of range
+    (``index`` -1: the constructor's arguments). Local."""
+    for key, valid, need in _MUON_CHECKS:
+        if not valid(group[key]):
+            raise ValueError(f"invalid Muon hyperparameter in param group {index}: {key}={group[key]!r}, need {need}")
+
+
+class ShardedMuon(ShardedAdamW):
+    """Muon (momentum orthogonalised by Newton-Schulz) for 2-D matrices and AdamW for the rest,
+    sharded over data-parallel ranks: ``torch.optim.Muon``'s arguments and defaults, then
+    ``ShardedAdamW``'s keyword arguments (``stage``, ``process_group``, ``device_mesh``, ...).
+
+    Param groups without ``"use_muon": False`` are Muon groups and must hold 2-D parameters only;
+    a group with ``"use_muon": False`` is updated with AdamW and takes AdamW's keys (``lr``,
+    ``betas``, ``eps``, ``weight_decay``; ``torch.optim.AdamW``'s defaults where absent). One step,
+    one ``clip_grad_norm_`` (over both rules' gradients) and one loss scale cover both rules.
+
+    Each Muon matrix is owned whole by one rank, which runs torch.optim.Muon's step on the full fp32
+    averaged gradient (the result is single-process Muon's, at any world size); the momentum
+    buffer is fp32, 4 bytes per owned element. ``master_weights="fp32"`` and ``moments="fp32"`` only.
+    Build it on every rank, as ``ShardedAdamW``.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS,
+        eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        for key in ("master_weights", "moments"):
+            if kwargs.get(key, "fp32") != "fp32":
+                raise ValueError(f"ShardedMuon supports {key}='fp32' only, got {kwargs[key]!r}")
+        self._muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
+                                   ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
+                                   adjust_lr_fn=adjust_lr_fn)
+        check_muon_hyperparameters(self._muon_defaults, -1)
+        self._shapes_checked = False
+        super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
+
+    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+        return dict(self._muon_defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError("ShardedMuon lays out all parameters in flat buffers at construction; "
+                               "pass every param group to the constructor instead of add_param_group")
+        index = len(self.param_groups)
+        if isinstance(param_group, dict) and param_group.get("use_muon", True) is False:
+            group = check_param_group({**ADAMW_DEFAULTS, **param_group}, index, ADAMW_DEFAULTS)
+            group["betas"] = tuple(group["betas"])
+        else:
+            group = check_param_group(param_group, index, {**self.defaults, "betas": (0.9, 0.999)})
+            group.setdefault("use_muon", True)
+            check_muon_hyperparameters({**self.defaults, **group}, index)
+        torch.optim.Optimizer.add_param_group(self, group)  # fills every default key in
+        if group["use_muon"] is False:  # an AdamW group keeps AdamW's keys only
+            for key in _MUON_ONLY:
+                group.pop(key, None)
+
+    def _rule_of(self, group: dict[str, Any]) -> str:
+        if group.get("use_muon", True) is False:
+            return "adamw"
+        if not self._shapes_checked:  # after the ranks agreed on the parameters: raises on every rank alike
+            for gi, g in enumerate(self.param_groups):
+                for p in g["params"] if g.get("use_muon", True) is not False else ():
+                    if p.requires_grad and p.dim() != 2:
+                        raise ValueError(f"ShardedMuon: {self._names[id(p)]} (param group {gi}) has shape "
+                                         f"{tuple(p.shape)}; Muon updates 2-D matrices only: put it in a param group "
+                                         "with \"use_muon\": False (AdamW)")
+            self._shapes_checked = True
+        return "muon"
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="consolidate_state_dict()"))
+
+    def full_state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(_UNSUPPORTED.format(what="full_state_dict()"))
+
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+        raise NotImplementedError(_UNSUPPORTED.format(what="load_full_state_dict()"))

@@ -1,0 +1,118 @@
+"""ShardedMuon on real gloo ranks against torch.optim.Muon + torch.optim.AdamW in one process.
+
+Every Muon matrix is owned whole by one rank; with the same data on every rank the averaged
+gradient is the local one, so the Muon matrices must come out bit for bit as torch's at any world
+size and stage. The AdamW parameters follow ShardedAdamW's fused AdamW (within test_parity's bound).
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardopt
+from models import batch, make_model
+
+STEPS = 5
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+ADAMW = dict(lr=5e-3, betas=(0.8, 0.99), weight_decay=0.0)
+
+
+def _split(model):
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    return mats, [p for p in model.parameters() if p.dim() != 2]
+
+
+def _reference_grads(model, ranks, step):
+    """The gradient averaged over the batches of ``ranks``, computed in this process."""
+    grads = None
+    for r in ranks:
+        model.zero_grad(set_to_none=True)
+        model(batch(r, step)).backward()
+        g = [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+        grads = g if grads is None else [a if a is None else a + b for a, b in zip(grads, g)]
+    return [None if g is None else g / len(ranks) for g in grads]
+
+
+def muon_case(stage: int, nesterov: bool, adjust_lr_fn, same_data: bool, clip: float | None) -> tuple:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=1)
+    ref = copy.deepcopy(model)
+    mats, rest = _split(model)
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               nesterov=nesterov, adjust_lr_fn=adjust_lr_fn, stage=stage, bucket_cap_mb=1e-4)
+    ref_mats, ref_rest = _split(ref)
+    ref_muon = torch.optim.Muon(ref_mats, **MUON, nesterov=nesterov, adjust_lr_fn=adjust_lr_fn)
+    ref_adamw = torch.optim.AdamW(ref_rest, **ADAMW)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(batch(0 if same_data else rank, step)))
+        if clip is not None:
+            opt.clip_grad_norm_(clip)
+        opt.step()
+        grads = _reference_grads(ref, [0] if same_data else range(world), step)
+        for p, g in zip(ref.parameters(), grads):
+            p.grad = g
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], clip)
+        ref_muon.step()
+        ref_adamw.step()
+    ids = {id(p) for p in mats}
+    muon_equal, muon_worst, adamw_worst = True, 0.0, 0.0
+    for p, q in zip(model.parameters(), ref.parameters()):
+        diff = (p.detach() - q.detach()).abs().max().item()
+        if id(p) in ids:
+            muon_equal &= torch.equal(p.detach(), q.detach())
+            muon_worst = max(muon_worst, diff)
+        else:
+            adamw_worst = max(adamw_worst, diff)
+    return muon_equal, muon_worst, adamw_worst
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_muon_matrices_are_torch_muon_bit_for_bit(pools, world_size):
+    pool = pools(world_size)
+    for stage in (1, 2):
+        for nesterov in (True, False):
+            for adjust in ("original", "match_rms_adamw"):
+                results = pool.run(muon_case, stage, nesterov, adjust, True, None)
+                for equal, worst, adamw_worst in results:
+                    assert equal, (stage, nesterov, adjust, worst)
+                    assert adamw_worst <= 2e-6, (stage, nesterov, adjust, adamw_worst)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_different_data_per_rank_matches_torch_on_the_averaged_gradient(pools, world_size):
+    pool = pools(world_size)
+    for stage in (1, 2):
+        for _, worst, adamw_worst in pool.run(muon_case, stage, True, None, False, None):
+            assert worst <= 1e-5 and adamw_worst <= 2e-6, (stage, worst, adamw_worst)
+
+
+def test_clipping_clips_the_gradient_before_newton_schulz(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for _, worst, adamw_worst in pool.run(muon_case, stage, True, "original", False, 0.05):
+            assert worst <= 1e-5 and adamw_worst <= 2e-6, (stage, worst, adamw_worst)
+
+
+def ownership_case() -> tuple[bool, int, int]:
+    """Where the layout puts each Muon matrix: whole inside the shard of the rank the packing names."""
+    model = make_model(seed=1)
+    mats, rest = _split(model)
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False}], stage=2)
+    view = next(b for b in opt.inspect().buffers if b.rule == "muon")
+    packing, layout = view.muon_packing, view.layout
+    whole = all(layout.shard_range(owner).start <= span.global_range.start
+                and span.global_range.end <= layout.shard_range(owner).end
+                for owner, span in zip(packing.owner, layout.params))
+    shapes_match = [tuple(p.shape) for p in view.params] == list(packing.shapes)
+    return whole and shapes_match, packing.padding_numel, view.numel - view.param_numel
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_matrix_lies_whole_in_its_owners_shard(pools, world_size):
+    for whole, padding, layout_padding in pools(world_size).run(ownership_case):
+        assert whole and padding == layout_padding, (whole, padding, layout_padding)

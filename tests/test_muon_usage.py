@@ -1,0 +1,117 @@
+"""ShardedMuon in one process: construction errors, memory counted from the tensors held, and
+this rank's state dict restoring a run exactly."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import shardopt
+from models import batch, make_model
+
+pytestmark = pytest.mark.usefixtures("one_rank_group")
+
+
+def _groups(model, **adamw):
+    mats = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    return [{"params": mats}, {"params": rest, "use_muon": False, **adamw}]
+
+
+def _train(model, opt, steps, start=0):
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        opt.backward(model(batch(0, step)))
+        opt.step()
+
+
+def test_a_parameter_that_is_not_a_matrix_in_a_muon_group_is_named():
+    model = make_model(seed=1)
+    with pytest.raises(ValueError, match=r"'unused' .*shape \(5,\).*\"use_muon\": False"):
+        shardopt.ShardedMuon(model.named_parameters())
+
+
+@pytest.mark.parametrize("kwargs", [dict(master_weights="remainder"), dict(moments="8bit"), dict(momentum=1.0),
+                                    dict(adjust_lr_fn="rms"), dict(ns_steps=0)])
+def test_unsupported_or_invalid_arguments_raise(kwargs):
+    model = make_model(seed=1)
+    with pytest.raises(ValueError, match=next(iter(kwargs))):
+        shardopt.ShardedMuon(_groups(model), **kwargs)
+
+
+def test_an_adamw_group_keeps_adamw_keys_only_and_torch_defaults():
+    model = make_model(seed=1)
+    opt = shardopt.ShardedMuon(_groups(model), lr=0.02)
+    muon, adamw = opt.param_groups
+    assert muon["lr"] == 0.02 and muon["momentum"] == 0.95 and muon["nesterov"] is True and "betas" not in muon
+    assert adamw["lr"] == 1e-3 and adamw["betas"] == (0.9, 0.999) and adamw["eps"] == 1e-8
+    assert adamw["weight_decay"] == 1e-2 and "momentum" not in adamw and "ns_steps" not in adamw
+
+
+def test_momentum_bytes_are_four_per_owned_element():
+    model = make_model(seed=1)
+    opt = shardopt.ShardedMuon(_groups(model), stage=2)
+    _train(model, opt, 2)
+    owned = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p.requires_grad)
+    rest = sum(p.numel() for p in model.parameters() if p.dim() != 2)
+    report = opt.memory_report()
+    # Live tensors: Muon's momentum buffers (padding included) and AdamW's two moments.
+    view = opt.inspect()
+    momentum = sum(t.numel() * t.element_size() for b in view.buffers for k, t in b.moment_tensors.items()
+                   if k == "momentum_buffer")
+    assert momentum >= 4 * owned and momentum - 4 * owned < 4 * 8 * len(opt.param_groups[0]["params"])
+    assert report.exp_avg == momentum + 4 * sum(b.shard_numel for b in view.buffers if "exp_avg" in b.moment_tensors)
+    assert report.exp_avg_sq == 4 * sum(b.shard_numel for b in view.buffers if "exp_avg_sq" in b.moment_tensors)
+    assert report.predicted["exp_avg"] == 4 * (owned + rest)
+    assert report.predicted["exp_avg_sq"] == 4 * rest
+
+
+def test_state_dict_round_trip_continues_exactly():
+    model = make_model(seed=1)
+    opt = shardopt.ShardedMuon(_groups(model))
+    _train(model, opt, 3)
+    saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
+    _train(model, opt, 2, start=3)
+    expected = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+
+    model2 = make_model(seed=2)
+    model2.load_state_dict(saved_model)
+    opt2 = shardopt.ShardedMuon(_groups(model2))
+    opt2.load_state_dict(saved_opt)
+    _train(model2, opt2, 2, start=3)
+    for p, q in zip(model2.parameters(), expected):
+        assert torch.equal(p.detach(), q)
+
+
+def test_sharded_checkpoints_refuse_muon_clearly(tmp_path):
+    model = make_model(seed=1)
+    opt = shardopt.ShardedMuon(_groups(model))
+    with pytest.raises(NotImplementedError, match="ShardedMuon"):
+        shardopt.save_checkpoint(tmp_path / "ckpt", model, opt)
+    with pytest.raises(NotImplementedError, match="consolidate_state_dict"):
+        opt.consolidate_state_dict()
+
+
+def test_fp16_with_loss_scaling_follows_fp32_and_skips_overflow():
+    fp32 = make_model(seed=1)
+    half = make_model(seed=1, dtype=torch.float16)
+    opt32 = shardopt.ShardedMuon(_groups(fp32), lr=0.02)
+    opt16 = shardopt.ShardedMuon(_groups(half), lr=0.02, loss_scale=shardopt.DynamicScaler(init_scale=256.0))
+    assert opt16.loss_scale > 1
+    for step in range(3):
+        for model, opt in ((fp32, opt32), (half, opt16)):
+            opt.zero_grad()
+            opt.backward(model(batch(0, step)))
+            opt.step()
+            assert not opt.step_was_skipped
+    worst = max((p.float() - q).abs().max().item() for p, q in zip(half.parameters(), fp32.parameters()))
+    assert worst < 2e-2, worst  # fp16 forward and backward, fp32 master: fp16's tolerance
+    before = [p.detach().clone() for p in half.parameters()]
+    scale = opt16.loss_scale
+    opt16.zero_grad()
+    opt16.backward(half(batch(0, 3)) * float("inf"))
+    opt16.step()
+    assert opt16.step_was_skipped and opt16.loss_scale < scale
+    assert all(torch.equal(p.detach(), b) for p, b in zip(half.parameters(), before))
