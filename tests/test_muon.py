@@ -116,3 +116,40 @@ def ownership_case() -> tuple[bool, int, int]:
 def test_each_matrix_lies_whole_in_its_owners_shard(pools, world_size):
     for whole, padding, layout_padding in pools(world_size).run(ownership_case):
         assert whole and padding == layout_padding, (whole, padding, layout_padding)
+
+
+def hybrid_case(stage: int) -> tuple:
+    """A (2 replicas, 2 shards) mesh, same data everywhere: matrices owned inside each shard group,
+    replicated across the groups, and still torch's Muon bit for bit."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model(seed=1)
+    ref = copy.deepcopy(model)
+    mats, rest = _split(model)
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               stage=stage, device_mesh=mesh)
+    ref_mats, ref_rest = _split(ref)
+    ref_muon, ref_adamw = torch.optim.Muon(ref_mats, **MUON), torch.optim.AdamW(ref_rest, **ADAMW)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(batch(0, step)))
+        opt.step()
+        ref_muon.zero_grad()
+        ref_adamw.zero_grad()
+        ref(batch(0, step)).backward()
+        ref_muon.step()
+        ref_adamw.step()
+    ids = {id(p) for p in mats}
+    equal = all(torch.equal(p.detach(), q.detach()) for p, q in zip(model.parameters(), ref.parameters())
+                if id(p) in ids)
+    adamw_worst = max((p.detach() - q.detach()).abs().max().item()
+                      for p, q in zip(model.parameters(), ref.parameters()) if id(p) not in ids)
+    return equal, adamw_worst
+
+
+def test_hybrid_mesh_matches_torch_muon(pools):
+    pool = pools(4)
+    for stage in (1, 2):
+        for equal, adamw_worst in pool.run(hybrid_case, stage):
+            assert equal and adamw_worst <= 2e-6, (stage, adamw_worst)
