@@ -68,7 +68,8 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
     state: dict[int, dict[str, Tensor]] = {}
     masters: dict[int, Tensor] = {}
     shards = {id(b): b.master.fp32() for b in opt._buffers if extras and _keeps_master(opt, b)}
-    decoded = {id(b): b.moments.fp32() for b in opt._buffers}  # fp32, whatever the moments mode
+    # fp32, whatever the moments mode; a Muon buffer's one moment is its momentum buffer
+    decoded = {id(b): b.moments.fp32()[:1] if b.rule == "muon" else b.moments.fp32() for b in opt._buffers}
     groups, index = [], 0
     for g in opt.param_groups:
         ids = []
@@ -82,12 +83,15 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
                     if keep:
                         masters[index] = master.view(shape).cpu()
                 steps = opt._step - b.lag[i]
-                if keep and steps > 0:  # AdamW has no state for a parameter it never updated
+                if keep and steps > 0 and b.rule == "muon":  # torch.optim.Muon's state
+                    state[index] = {"momentum_buffer": moments[0].view(shape).cpu()}
+                elif keep and steps > 0:  # AdamW has no state for a parameter it never updated
                     state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                     "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
             ids.append(index)
             index += 1
-        groups.append({**defaults, **{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        muon = g.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
+        groups.append({**({} if muon else defaults), **{k: v for k, v in g.items() if k != "params"}, "params": ids})
     if not keep:
         return {}
     out: dict[str, Any] = {"state": state, "param_groups": groups}
@@ -123,6 +127,9 @@ def _header(sd: dict[str, Any]) -> dict[str, Any]:
         groups.append(dict(g))
     state = {}
     for idx, s in sd["state"].items():
+        if "momentum_buffer" in s:  # torch.optim.Muon's state (ShardedMuon); no step count
+            state[int(idx)] = (tuple(s["momentum_buffer"].shape), tuple(s["momentum_buffer"].shape), None)
+            continue
         missing = {"exp_avg", "exp_avg_sq", "step"} - set(s)
         if missing:
             raise ValueError(f"state of parameter #{idx} lacks {sorted(missing)}")
@@ -171,7 +178,8 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
             if id(p) not in where:
                 continue  # frozen here: AdamW state for it is ignored
             b, i = where[id(p)]
-            names = list(zip(("exp_avg", "exp_avg_sq"), moments[id(b)])) if idx in header["state"] else []
+            keys = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq")
+            names = list(zip(keys, moments[id(b)])) if idx in header["state"] else []
             if idx in header["master"] and b.dtype != torch.float32:
                 names.append(("master", masters[id(b)]))
             for name, shard in names:
@@ -195,11 +203,11 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         for k, v in saved.items():
             if k != "params" and (k in ours or k not in adamw_only):
                 g[k] = tuple(v) if k == "betas" else v
-    steps = [s for _, _, s in header["state"].values()]
+    steps = [s for _, _, s in header["state"].values() if s is not None]
     opt._step = int(max(steps)) if steps else 0
-    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items()}
-    for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state)
-        b.lag = [opt._step - step_of.get(id(p), 0) for p in b.flat.params]
+    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items() if s is not None}
+    for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
+        b.lag = [0 if b.rule == "muon" else opt._step - step_of.get(id(p), 0) for p in b.flat.params]
         b.binding.record()
     if header["loss_scaler"] is not None:
         opt._scaler.load_state_dict(header["loss_scaler"])
@@ -222,9 +230,15 @@ def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -
         if not 0 <= idx < len(numbered) or tuple(numbered[idx].shape) != shape:
             raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
                              "optimizer does not have; was it saved for another model?")
-    for idx, (shape, shape_sq, _) in sorted(header["state"].items()):
+    rule = {id(p): b.rule for b in opt._buffers for p in b.flat.params}
+    for idx, (shape, shape_sq, step) in sorted(header["state"].items()):
         if not 0 <= idx < len(numbered):
             raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")
+        saved_rule, ours = "adamw" if step is not None else "muon", rule.get(id(numbered[idx]))
+        if ours is not None and saved_rule != ours:
+            raise ValueError(f"state dict has {'Muon' if saved_rule == 'muon' else 'AdamW'} state for parameter #{idx}, "
+                             f"which this optimizer updates with {'Muon' if ours == 'muon' else 'AdamW'}; give "
+                             "each param group the rule it was saved with (\"use_muon\")")
         want = tuple(numbered[idx].shape)
         if shape != want or shape_sq != want:
             raise ValueError(f"state of parameter #{idx} has shape {shape}, this optimizer's parameter #{idx} has "

@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from shardopt._checkpoint_adamw import full_state_dict, load_full_state_dict, settle
-from shardopt._checkpoint_dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, Block, blocks_of, read_blocks, whole,
+from shardopt._checkpoint_dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
 from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable, commit,
                                         data_checksums, latest_checkpoint, list_checkpoints, read_manifest, temp_path,
@@ -118,6 +118,7 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
             info["master"] = (MODEL if b.dtype == torch.float32 else MASTER) + e.key
             info["buffer"] = opt._buffers.index(b)
             info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
+            info["rule"] = b.rule  # which moments it has: AdamW's two, or Muon's momentum buffer
             if b.lag[i]:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
                 info["step"] = opt._step - b.lag[i]
         tensors[e.key] = info
@@ -138,13 +139,6 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
     }
 
 
-def _refuse_muon(opt: Any, call: str) -> None:
-    """Sharded checkpoints hold AdamW's moments; a ShardedMuon's Muon matrices are refused on every rank alike."""
-    if opt is not None and any(getattr(b, "rule", "adamw") == "muon" for b in opt._buffers):
-        raise NotImplementedError(f"shardopt.{call} does not support ShardedMuon in this version; opt.state_dict() "
-                                  "and opt.load_state_dict() save and restore this rank's state at the same world size")
-
-
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None) -> str:
     """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
 
@@ -154,7 +148,6 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = os.fspath(path)
-    _refuse_muon(opt, "save_checkpoint")
     comm: Comm = opt._comm
     settle(opt)
     try:
@@ -256,9 +249,14 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
         blocks += blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
         if b.dtype != torch.float32:
             blocks += blocks_of(MASTER + e.key, shape, r, masters[id(b)][local])
-        blocks += blocks_of(EXP_AVG + e.key, shape, r, moments[id(b)][0][local])
-        blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, moments[id(b)][1][local])
+        for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+            blocks += blocks_of(key + e.key, shape, r, moment[local])
     return blocks
+
+
+def _moment_keys(rule: str) -> tuple[str, ...]:
+    """The DCP key prefixes of a rule's moments, in ``Moments.fp32()`` order."""
+    return (MOMENTUM,) if rule == "muon" else (EXP_AVG, EXP_AVG_SQ)
 
 
 def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: Any,
@@ -302,7 +300,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
     mismatching parameter; either is raised on every rank."""
     path = os.fspath(path)
-    _refuse_muon(opt, "load_checkpoint")
     comm: Comm = opt._comm if opt is not None else Comm(process_group)
     if opt is not None:
         settle(opt)
@@ -341,9 +338,11 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
                 continue
             shape, r, local = tuple(s["shape"]), piece.param_range, piece.local_range.as_slice()
             blocks += blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
-            if s["sharded"]:  # else it was frozen when saved: its moments start at zero
-                blocks += blocks_of(EXP_AVG + e.key, shape, r, moments[id(b)][0][local])
-                blocks += blocks_of(EXP_AVG_SQ + e.key, shape, r, moments[id(b)][1][local])
+            # Moments of the rule it was saved with; none when it was frozen, or saved under the
+            # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
+            if s["sharded"] and s.get("rule", "adamw") == b.rule:
+                for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+                    blocks += blocks_of(key + e.key, shape, r, moment[local])
         read_blocks(path, blocks, comm.group)
         for b in opt._buffers if opt is not None else []:
             b.moments.load_(*moments[id(b)])

@@ -8,6 +8,10 @@
     model.load_state_dict(sd["model"])
     opt = torch.optim.AdamW(<the same param groups>); opt.load_state_dict(sd["optim"])
 
+A ShardedMuon checkpoint gives ``torch.optim.Muon``'s keys and state (``momentum_buffer``) for its
+Muon groups and AdamW's for its ``"use_muon": False`` groups; ``split_by_rule(sd["optim"])`` cuts it
+into the state dicts of a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` over those groups.
+
 The model's weights keep their saved dtype (tied parameters appear under each of their names);
 ``--fp32-weights`` writes every floating-point tensor in fp32, trained parameters as their fp32
 master weights, to continue in fp32 with a plain AdamW.
@@ -27,12 +31,12 @@ import math
 import os
 import shutil
 import tempfile
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from shardopt._checkpoint_adamw import adamw_defaults  # noqa: F401 (also for callers)
-from shardopt._checkpoint_dcp import EXP_AVG, EXP_AVG_SQ, MODEL, Block, read_blocks, whole
+from shardopt._checkpoint_dcp import EXP_AVG, EXP_AVG_SQ, MODEL, MOMENTUM, Block, read_blocks, whole
 from shardopt._checkpoint_files import read_manifest
 
 
@@ -87,15 +91,61 @@ def _skeleton(manifest: dict, scratch: str, fp32_weights: bool) -> tuple[dict, d
         for key in g["params"]:
             s = manifest["tensors"][key]
             steps = s.get("step", manifest["step"])  # its own step count, when it had no gradient in some
-            if s["sharded"] and steps > 0:  # AdamW has no state for a parameter it never updated
+            if s["sharded"] and s.get("rule") == "muon":  # torch.optim.Muon's state
+                state[index] = {"momentum_buffer": scratch_tensor(MOMENTUM + key, s["shape"], torch.float32)}
+            elif s["sharded"] and steps > 0:  # AdamW has no state for a parameter it never updated
                 state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                 "exp_avg": scratch_tensor(EXP_AVG + key, s["shape"], torch.float32),
                                 "exp_avg_sq": scratch_tensor(EXP_AVG_SQ + key, s["shape"], torch.float32)}
             ids.append(index)
             index += 1
-        hp = {k: tuple(v) if k == "betas" else v for k, v in g.items() if k != "params"}
-        groups.append({**defaults, **hp, "params": ids})
+        hp = {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in g.items() if k != "params"}
+        muon = hp.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
+        groups.append({**({} if muon else defaults), **hp, "params": ids})
     return model, {"state": state, "param_groups": groups}, blocks
+
+
+def split_by_rule(optim: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ShardedMuon optimizer state dict (from ``convert_checkpoint``) as two torch state dicts:
+    ``torch.optim.Muon``'s (its Muon groups) and ``torch.optim.AdamW``'s (its ``"use_muon": False``
+    groups), each numbered from 0 in its groups' order. No ranks."""
+    out = []
+    for muon in (True, False):
+        ids: dict[int, int] = {}
+        groups, state = [], {}
+        for g in optim["param_groups"]:
+            if (g.get("use_muon", False) is not False) != muon:
+                continue
+            params = []
+            for pid in g["params"]:
+                ids[pid] = len(ids)
+                params.append(ids[pid])
+                if pid in optim["state"]:
+                    state[ids[pid]] = optim["state"][pid]
+            groups.append({**{k: v for k, v in g.items() if k not in ("params", "use_muon")}, "params": params})
+        out.append({"state": state, "param_groups": groups})
+    return out[0], out[1]
+
+
+def join_by_rule(muon: dict[str, Any], adamw: dict[str, Any], use_muon: Sequence[bool] | None = None) -> dict[str, Any]:
+    """The state dicts of a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` as one that
+    ``ShardedMuon.load_state_dict`` takes, the inverse of :func:`split_by_rule`. ``use_muon[i]``
+    says whether the ShardedMuon's param group ``i`` is a Muon group (taken in order from ``muon``)
+    or an AdamW one (from ``adamw``); default: the Muon groups first. No ranks."""
+    if use_muon is None:
+        use_muon = [True] * len(muon["param_groups"]) + [False] * len(adamw["param_groups"])
+    if sum(use_muon) != len(muon["param_groups"]) or len(use_muon) - sum(use_muon) != len(adamw["param_groups"]):
+        raise ValueError(f"use_muon names {sum(use_muon)} Muon and {len(use_muon) - sum(use_muon)} AdamW groups; the "
+                         f"state dicts have {len(muon['param_groups'])} and {len(adamw['param_groups'])}")
+    sources = {True: iter(muon["param_groups"]), False: iter(adamw["param_groups"])}
+    groups, state, n = [], {}, 0  # n: the next parameter number, in param-group order as torch numbers them
+    for is_muon in use_muon:
+        sd, g = (muon if is_muon else adamw), next(sources[is_muon])
+        params = list(range(n, n + len(g["params"])))
+        state.update({new: sd["state"][pid] for new, pid in zip(params, g["params"]) if pid in sd["state"]})
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "use_muon": is_muon, "params": params})
+        n += len(params)
+    return {"state": state, "param_groups": groups}
 
 
 def main(argv: list[str] | None = None) -> None:

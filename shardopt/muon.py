@@ -32,8 +32,6 @@ _MUON_CHECKS = (  # (key, valid, what it needs)
     ("ns_coefficients", lambda v: len(tuple(v)) == 3, "three numbers (a, b, c)"),
     ("adjust_lr_fn", lambda v: v in ADJUST_LR_FNS, f"one of {ADJUST_LR_FNS}"),
 )
-_UNSUPPORTED = ("ShardedMuon does not support {what} in this version; opt.state_dict() and opt.load_state_dict() "
-                "save and restore this rank's state at the same world size")
 
 
 def check_muon_hyperparameters(group: dict[str, Any], index: int) -> None:
@@ -57,7 +55,8 @@ class ShardedMuon(ShardedAdamW):
     Each Muon matrix is owned whole by one rank, which runs torch.optim.Muon's step on the full fp32
     averaged gradient (the result is single-process Muon's, at any world size); the momentum
     buffer is fp32, 4 bytes per owned element. ``master_weights="fp32"`` and ``moments="fp32"`` only.
-    Build it on every rank, as ``ShardedAdamW``.
+    Checkpoints and state dicts are ``ShardedAdamW``'s, with a Muon parameter's state as
+    ``torch.optim.Muon``'s (``momentum_buffer``). Build it on every rank, as ``ShardedAdamW``.
     """
 
     def __init__(
@@ -115,12 +114,3 @@ class ShardedMuon(ShardedAdamW):
                                          "with \"use_muon\": False (AdamW)")
             self._shapes_checked = True
         return "muon"
-
-    def consolidate_state_dict(self, to: int = 0) -> None:
-        raise NotImplementedError(_UNSUPPORTED.format(what="consolidate_state_dict()"))
-
-    def full_state_dict(self) -> dict[str, Any]:
-        raise NotImplementedError(_UNSUPPORTED.format(what="full_state_dict()"))
-
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
-        raise NotImplementedError(_UNSUPPORTED.format(what="load_full_state_dict()"))

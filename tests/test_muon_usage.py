@@ -85,13 +85,15 @@ def test_state_dict_round_trip_continues_exactly():
         assert torch.equal(p.detach(), q)
 
 
-def test_sharded_checkpoints_refuse_muon_clearly(tmp_path):
+def test_muon_state_loaded_where_adamw_updates_the_parameter_is_refused():
     model = make_model(seed=1)
     opt = shardopt.ShardedMuon(_groups(model))
-    with pytest.raises(NotImplementedError, match="ShardedMuon"):
-        shardopt.save_checkpoint(tmp_path / "ckpt", model, opt)
-    with pytest.raises(NotImplementedError, match="consolidate_state_dict"):
-        opt.consolidate_state_dict()
+    _train(model, opt, 1)
+    opt.consolidate_state_dict()
+    sd = opt.state_dict()
+    adamw = shardopt.ShardedAdamW([{"params": g["params"]} for g in _groups(model)])
+    with pytest.raises(ValueError, match=r"Muon state for parameter #\d+, which this optimizer updates with AdamW"):
+        adamw.load_state_dict(sd)
 
 
 def test_fp16_with_loss_scaling_follows_fp32_and_skips_overflow():
