@@ -62,7 +62,10 @@ MODES = ("fp32", "remainder", "stochastic", "none")
 MODEL_ARGS = ("n_layer", "n_embd", "n_head", "block_size", "batch_size")
 CONFIGS = [f"shardopt S{s} {m}" for s in (1, 2) for m in MODES] + [
     "shardopt S2 remainder+bf16", "shardopt S2 remainder+8bit"] + [  # master + moments modes
-    "DDP + AdamW", "replicated, no master", "ZeroRedundancyOptimizer", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2"]
+    "DDP + AdamW", "replicated, no master", "ZeroRedundancyOptimizer", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2",
+    # Muon for the blocks' matrices, AdamW for the rest: ShardedMuon (bf16 weights, fp32 master) and
+    # DDP with torch.optim.Muon + torch.optim.AdamW (fp32 weights), as a careful user runs them today.
+    "shardopt S2 muon", "DDP + Muon + AdamW"]
 # Bytes per parameter per rank, model states only (ZeRO paper accounting), for the peers; N ranks.
 FORMULAS = {
     "DDP + AdamW": lambda n: 4 + 4 + 8,  # fp32 weights and grads, fp32 moments (= 2 + 2 + 12 mixed)
@@ -135,6 +138,7 @@ def _state_cats(state) -> dict:
     for per_param in state.values():
         for k, v in per_param.items():
             if isinstance(v, torch.Tensor):
+                k = "exp_avg" if k == "momentum_buffer" else k  # Muon's one moment
                 out[k if k in out else "extra"] += _nbytes([v])
     return out
 
@@ -174,6 +178,35 @@ def build(name: str, args: argparse.Namespace, device: torch.device, n: int) -> 
     model_states = lambda: {"params": _nbytes(params()), "grads": _nbytes(p.grad for p in params())}  # noqa: E731
     formula = FORMULAS.get(name)
     predicted = None if formula is None else {"total_states": formula(n) * sum(p.numel() for p in params())}
+    if name == "shardopt S2 muon":
+        from gpt import muon_param_groups
+
+        groups = muon_param_groups(model, 0.1, hp["lr"])
+        opt = shardopt.ShardedMuon(groups, lr=0.02, stage=2, bucket_cap_mb=args.bucket_cap_mb, loss_scale=None)
+        ests = []
+        for g, rule in zip(groups, ("muon", "adamw")):
+            where = {id(p): i for i, p in enumerate(g["params"])}
+            ests.append(estimate_memory(None, n, 2, "fp32", torch.bfloat16, param_shapes=[tuple(p.shape) for p in g["params"]],
+                                        bucket_cap_mb=args.bucket_cap_mb, rank=dist.get_rank(), rule=rule,
+                                        grad_order=[where[id(p)] for p in reversed(params()) if id(p) in where],
+                                        backend="nccl" if device.type == "cuda" else "gloo").by_category())
+        rep = lambda: {c: getattr(opt.memory_report(), c) for c in CATS}  # noqa: E731
+        return dict(model=model, fwd_bwd=lambda x, y: opt.backward(model(x, y)), step=opt.step, zero_grad=opt.zero_grad,
+                    cats=rep, predicted={c: sum(e[c] for e in ests) for c in CATS})
+    if name == "DDP + Muon + AdamW":
+        from gpt import muon_param_groups
+
+        muon_group, adamw_group = muon_param_groups(model, 0.1, hp["lr"])
+        wrapped = DDP(model, gradient_as_bucket_view=True, bucket_cap_mb=args.bucket_cap_mb)
+        muon = torch.optim.Muon(muon_group["params"], lr=0.02, weight_decay=0.1)
+        adamw = torch.optim.AdamW(adamw_group["params"], **hp, fused=True)
+        hidden = sum(p.numel() for p in muon_group["params"])
+        total = sum(p.numel() for p in params())
+        both = lambda: {**muon.state, **adamw.state}  # noqa: E731
+        return dict(model=model, fwd_bwd=lambda x, y: wrapped(x, y).backward(),
+                    step=lambda: (muon.step(), adamw.step()), zero_grad=lambda: (muon.zero_grad(), adamw.zero_grad()),
+                    cats=lambda: {**model_states(), "master": 0, **_state_cats(both()), "buffers": 0},
+                    predicted={"total_states": 4 * total + 4 * total + 4 * hidden + 8 * (total - hidden)})
     if name.startswith("shardopt"):
         stage, (mode, _, moments) = int(name[10]), name.split()[-1].partition("+")
         moments = moments or "fp32"

@@ -55,7 +55,10 @@ CONFIGS = ["ddp", "zero", "fsdp2", "deepspeed1", "deepspeed2", "shardopt1-fp32",
            "shardopt1-bf16", "shardopt2-bf16"]
 # Not in the default list (each configuration is a launch): the same with overlap_param_gather=True,
 # the weight all-gather of step() waited for bucket by bucket in the next forward.
-EXTRA_CONFIGS = ["shardopt2-fp32-overlap", "shardopt2-bf16-overlap", "shardopt1-fp32-overlap", "shardopt1-bf16-overlap"]
+EXTRA_CONFIGS = ["shardopt2-fp32-overlap", "shardopt2-bf16-overlap", "shardopt1-fp32-overlap", "shardopt1-bf16-overlap",
+                 # Muon for the blocks' matrices, AdamW for the rest (lr 0.02 and 3e-4), fp32:
+                 "ddp-muon", "shardopt1-muon", "shardopt2-muon"]
+MUON_LR = 0.02
 
 
 # ----------------------------------------------------------------------------------- worker
@@ -127,6 +130,31 @@ def worker(args: argparse.Namespace) -> None:
             st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)] if name == "ddp" else \
                 [s for v in opt.optim.state.values() for s in v.values() if torch.is_tensor(s)]
             return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+    elif name == "ddp-muon":  # what a careful user writes today: DDP, torch's Muon and fused AdamW on every rank
+        from gpt import muon_param_groups
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        net = DDP(model, device_ids=[device.index] if cuda else None)
+        muon_group, adamw_group = muon_param_groups(model, hp["weight_decay"], hp["lr"])
+        muon = torch.optim.Muon(muon_group["params"], lr=MUON_LR, weight_decay=hp["weight_decay"])
+        adamw = torch.optim.AdamW(adamw_group["params"], fused=True, lr=hp["lr"], betas=hp["betas"], weight_decay=0.0)
+
+        def train_step():
+            x, y = batch()
+            net(x, y).backward()
+            sync()
+            t = time.perf_counter()
+            muon.step()  # every rank orthogonalises every matrix
+            adamw.step()
+            sync()
+            t = time.perf_counter() - t
+            muon.zero_grad(set_to_none=False)
+            adamw.zero_grad(set_to_none=False)
+            return t
+
+        def state():
+            st = [s for o in (muon, adamw) for v in o.state.values() for s in v.values() if torch.is_tensor(s)]
+            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
     elif name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -178,8 +206,13 @@ def worker(args: argparse.Namespace) -> None:
         stage, dtype = int(name[8]), name.split("-")[1]
         if dtype == "bf16":
             model = model.to(torch.bfloat16)
-        opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=hp["lr"], betas=hp["betas"], stage=stage,
-                                    overlap_param_gather=name.endswith("-overlap"))
+        if dtype == "muon":
+            from gpt import muon_param_groups
+
+            opt = shardopt.ShardedMuon(muon_param_groups(model, hp["weight_decay"], hp["lr"]), lr=MUON_LR, stage=stage)
+        else:
+            opt = shardopt.ShardedAdamW(model.param_groups(0.1), lr=hp["lr"], betas=hp["betas"], stage=stage,
+                                        overlap_param_gather=name.endswith("-overlap"))
 
         def train_step():
             nonlocal comm_wait, split
@@ -280,6 +313,8 @@ def main() -> None:
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--nproc", type=int, default=0, help="ranks (default: 2; on cuda min(2, GPUs))")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--stem", default="", help="results file name without .md (default step, or step_cuda)")
+    ap.add_argument("--reference", default="ddp", help="the configuration the ratios are to")
     ap.add_argument("--baseline", default="",
                     help="a checkout of an earlier shardopt: a configuration named NAME@base runs NAME with it, "
                          "in the same rounds as the others")
@@ -310,8 +345,8 @@ def main() -> None:
         rev = subprocess.run(["git", "-C", args.baseline, "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True).stdout.strip()
         header += f" | @base: shardopt of {rev or args.baseline}"
-    rows = ["| size | configuration | step ms | vs DDP | tokens/s/rank | optimizer step ms | update / gather wait ms "
-            f"| comm wait ms | {peak} | model state MB/rank | vs DDP |",
+    rows = [f"| size | configuration | step ms | vs {args.reference} | tokens/s/rank | optimizer step ms | update / gather "
+            f"wait ms | comm wait ms | {peak} | model state MB/rank | vs {args.reference} |",
             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     plot: dict = {}
     configs = args.configs.split(",")
@@ -327,7 +362,8 @@ def main() -> None:
                     print(f"  {size:>4} {config:<16} {res}", flush=True)
                 else:
                     rounds[-1][config] = res
-        base = next((r["ddp"][0] for r in rounds if "ddp" in r), None)  # DDP's model state, for the last column
+        ref = args.reference
+        base = next((r[ref][0] for r in rounds if ref in r), None)  # the reference's model state, for the last column
         for config in configs:
             runs = [r[config] for r in rounds if config in r]
             if not runs:
@@ -335,7 +371,7 @@ def main() -> None:
                 continue
             res = sorted(runs, key=lambda rr: rr[0]["step_s"])[(len(runs) - 1) // 2]  # the median launch
             r0 = res[0]
-            ratios = sorted(r[config][0]["step_s"] / r["ddp"][0]["step_s"] for r in rounds if config in r and "ddp" in r)
+            ratios = sorted(r[config][0]["step_s"] / r[ref][0]["step_s"] for r in rounds if config in r and ref in r)
             vs_ddp = ""
             if ratios:
                 vs_ddp = f"{statistics.median(ratios):.2f}x"
@@ -353,11 +389,13 @@ def main() -> None:
     table = "\n".join(rows)
     print("\n" + table)
     os.makedirs(args.out, exist_ok=True)
-    stem = "step_cuda" if args.device == "cuda" else "step"
+    stem = args.stem or ("step_cuda" if args.device == "cuda" else "step")
     with open(os.path.join(args.out, f"{stem}.md"), "w") as f:
         f.write(f"# Training step, side by side\n\nCommand: `python benchmarks/bench_step.py --sizes {args.sizes} "
                 f"--configs {args.configs} --steps {args.steps} --warmup {args.warmup} --rounds {args.rounds} "
                 f"--device {args.device}" + (f" --baseline {args.baseline}" if args.baseline else "")
+                + (f" --reference {args.reference}" if args.reference != "ddp" else "")
+                + (f" --stem {args.stem}" if args.stem else "")
                 + f"`\n\n{header}\n\n{table}\n")
     try:
         if not plot:

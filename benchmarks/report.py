@@ -42,6 +42,8 @@ SOURCES = (
     ("scheduler_ab.md", "The reduction path before and after its redesign",
      "The same configurations with an earlier checkout in the same rounds, and the split of `step()` "
      "into the update and the wait for weight gathers."),
+    ("step_muon.md", "Muon training step",
+     "ShardedMuon at stage 1 and 2 against DDP with torch.optim.Muon and fused AdamW on every rank."),
     ("accumulation.md", "Gradient accumulation", "`no_sync` micro-batches against DDP's."),
     ("checks.md", "Cost of the usage checks", "The checks of the semantics page as a share of the step."),
     ("memory.md", "Memory per rank on CPU",
@@ -49,6 +51,8 @@ SOURCES = (
      "beside the formula and `shardopt.estimate_memory`."),
     ("memory_cuda.md", "Memory per rank on an H200",
      "The same on one GPU, with `torch.cuda.max_memory_allocated` per phase."),
+    ("memory_muon.md", "Memory per rank with Muon",
+     "ShardedMuon against DDP with torch.optim.Muon and AdamW, from live tensors, beside the estimate."),
     ("scaling.md", "Scaling with the number of ranks", "Step time and memory for N = 1, 2, 4 on CPU."),
     ("fidelity.md", "Master weights against fidelity", "How much of the fp32 master's training each mode keeps."),
     ("fidelity_moments.md", "Adam moments against fidelity", "The same for the moments modes."),

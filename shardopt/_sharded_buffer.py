@@ -86,7 +86,7 @@ class ShardedBuffer:
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
         if self.rule == "muon":
-            return self._update_muon(grad_scale, param_groups, used)
+            return self._update_muon(step, grad_scale, param_groups, used)
         grad = self.reducer.local_grad()
         all_used = all(used)
         keys = self._all_used_keys if all_used and not any(self.lag) else tuple(
@@ -117,12 +117,13 @@ class ShardedBuffer:
             self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
         return gathers
 
-    def _update_muon(self, grad_scale: float, param_groups: Sequence[dict],
+    def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict],
                      used: Sequence[bool]) -> list[tuple[int, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
-        step on its fp32 master from its averaged fp32 gradient; AdamW's lag bookkeeping does not apply
-        (Muon keeps no step count). Every rank."""
-        grad, master, momentum = self.reducer.local_grad(), self.master.fp32(), self.moments.buffer
+        step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
+        and the mode encodes the result; AdamW's lag bookkeeping does not apply (Muon keeps no step
+        count). Every rank."""
+        grad, momentum = self.reducer.local_grad(), self.moments.buffer
         gathers = []
         for b in self.reducer.forward_order:
             for i in self.layout.buckets[b].params:
@@ -133,12 +134,12 @@ class ShardedBuffer:
                 g = grad[r.as_slice()].view(shape).float()
                 if grad_scale != 1.0:
                     g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
-                muon_step_(master[r.as_slice()].view(shape), g, momentum[r.as_slice()].view(shape),
+                master = self.master.read_fp32(r)
+                muon_step_(master.view(shape), g, momentum[r.as_slice()].view(shape),
                            lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                            nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                            eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
-                if master.data_ptr() != self.master.param_shard.data_ptr():
-                    self.master.param_shard[r.as_slice()].copy_(master[r.as_slice()])
+                self.master.write_fp32_(r, master, step)
             gathers.append((b, self._gather(b)))
         return gathers
 

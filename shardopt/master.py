@@ -66,6 +66,16 @@ class MasterWeights(abc.ABC):
         """The weights over local range ``r`` were written from outside the optimizer (e.g.
         ``model.load_state_dict``): make them the master there. Default: the weight is the master."""
 
+    def read_fp32(self, r: Range) -> Tensor:
+        """The master weights over local range ``r`` as fp32, for an update rule computed outside the
+        fused AdamW kernels (Muon): a view where an fp32 master is held, else a decoded copy."""
+        return self.param_shard[r.as_slice()].float()
+
+    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
+        """Store updated fp32 master weights over local range ``r`` (what ``read_fp32`` returned,
+        updated) and the weights they encode to. Default: the weight, with shardopt's 16-bit cast."""
+        self.param_shard[r.as_slice()].copy_(round_to_dtype(values, self.param_shard.dtype))
+
     def state_tensors(self) -> dict[str, Tensor]:
         """Tensors a checkpoint must keep to resume exactly (1-D, shard length)."""
         return {"master": self.fp32()}
@@ -98,6 +108,16 @@ class FP32Master(MasterWeights):
 
     def fp32(self) -> Tensor:
         return self.master
+
+    def read_fp32(self, r: Range) -> Tensor:
+        return self.master[r.as_slice()]
+
+    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
+        master = self.master[r.as_slice()]
+        if values.data_ptr() != master.data_ptr():
+            master.copy_(values)
+        if self.owns_copy:  # shardopt's cast, as the fused kernels write it (see kernels.codecs)
+            self.param_shard[r.as_slice()].copy_(round_to_dtype(master, self.param_shard.dtype))
 
     def refresh_(self, r: Range) -> None:
         if self.owns_copy:  # keep the exact master wherever the weight is still its rounding
@@ -144,6 +164,16 @@ class RemainderMaster(MasterWeights):
     def fp32(self) -> Tensor:
         return self._codec()[1](self.param_shard, codecs.join_remainder((self.rem_lo, self.rem_hi)))
 
+    def read_fp32(self, r: Range) -> Tensor:
+        sl = r.as_slice()
+        return self._codec()[1](self.param_shard[sl], codecs.join_remainder((self.rem_lo[sl], self.rem_hi[sl])))
+
+    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
+        sl = r.as_slice()
+        hi, lo = self._codec()[0](values.contiguous())
+        self.param_shard[sl].copy_(hi)
+        codecs.split_remainder_((self.rem_lo[sl], self.rem_hi[sl]), lo.to(torch.int32))
+
     def refresh_(self, r: Range) -> None:
         # [Note: remainder under a written weight] The old weight is gone, so keep a remainder only
         # where it still decodes, with the new weight, to a master that encodes back to that weight:
@@ -173,6 +203,10 @@ class StochasticMaster(MasterWeights):
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, self._key(r, step))
+
+    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
+        bits = codecs.random_bits16(self._key(r, step), values.numel())  # keyed by global offset: any world size
+        self.param_shard[r.as_slice()].copy_(codecs.stochastic_round(values.contiguous(), self.param_shard.dtype, bits))
 
 
 class NoMaster(MasterWeights):

@@ -153,3 +153,31 @@ def test_hybrid_mesh_matches_torch_muon(pools):
     for stage in (1, 2):
         for equal, adamw_worst in pool.run(hybrid_case, stage):
             assert equal and adamw_worst <= 2e-6, (stage, adamw_worst)
+
+
+def estimate_case(stage: int) -> tuple[dict, dict]:
+    """What this rank holds, by category, against shardopt.estimate_memory for the Muon matrices
+    (rule="muon") plus the AdamW parameters, from their shapes alone."""
+    model = make_model(seed=1)
+    mats, rest = _split(model)
+    mats = [p for p in mats if p.requires_grad]
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               stage=stage, bucket_cap_mb=1e-4)
+    for step in range(2):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+    rep = opt.memory_report()
+    keys = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    est = [shardopt.estimate_memory(None, world, stage, "fp32", torch.float32, param_shapes=[tuple(p.shape) for p in ps],
+                                    rank=rank, backend="gloo", bucket_cap_mb=1e-4, rule=rule).by_category()
+           for ps, rule in ((mats, "muon"), (rest, "adamw"))]
+    return {k: getattr(rep, k) for k in keys}, {k: sum(e[k] for e in est) for k in keys}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_memory_per_rank_is_the_estimate_to_the_byte(pools, world_size):
+    for stage in (1, 2):
+        for measured, estimated in pools(world_size).run(estimate_case, stage):
+            assert measured == estimated, (stage, measured, estimated)

@@ -32,7 +32,7 @@ def test_a_parameter_that_is_not_a_matrix_in_a_muon_group_is_named():
         shardopt.ShardedMuon(model.named_parameters())
 
 
-@pytest.mark.parametrize("kwargs", [dict(master_weights="remainder"), dict(moments="8bit"), dict(momentum=1.0),
+@pytest.mark.parametrize("kwargs", [dict(master_weights="exact"), dict(moments="8bit"), dict(momentum=1.0),
                                     dict(adjust_lr_fn="rms"), dict(ns_steps=0)])
 def test_unsupported_or_invalid_arguments_raise(kwargs):
     model = make_model(seed=1)
@@ -117,3 +117,32 @@ def test_fp16_with_loss_scaling_follows_fp32_and_skips_overflow():
     opt16.step()
     assert opt16.step_was_skipped and opt16.loss_scale < scale
     assert all(torch.equal(p.detach(), b) for p, b in zip(half.parameters(), before))
+
+
+def _masters(opt):
+    return [b.master_fp32.clone() for b in opt.inspect().buffers]
+
+
+def test_bf16_weights_with_the_remainder_master_follow_the_fp32_master_bit_for_bit():
+    runs = {}
+    for mode in ("fp32", "remainder"):
+        model = make_model(seed=1, dtype=torch.bfloat16)
+        opt = shardopt.ShardedMuon(_groups(model), lr=0.02, master_weights=mode, loss_scale=None)
+        _train(model, opt, 4)
+        runs[mode] = [p.detach().clone() for p in model.parameters()], _masters(opt)
+        # the master holds what the bf16 weights cannot: updates below their rounding
+        assert any(not torch.equal(b.master_fp32, b.shard_weights.float()) for b in opt.inspect().buffers)
+    (w32, m32), (wrem, mrem) = runs["fp32"], runs["remainder"]
+    assert all(torch.equal(a, b) for a, b in zip(w32, wrem))
+    assert all(torch.equal(a, b) for a, b in zip(m32, mrem))
+
+
+@pytest.mark.parametrize("mode", ["stochastic", "none"])
+def test_lean_master_modes_train_the_muon_matrices(mode):
+    model = make_model(seed=1, dtype=torch.bfloat16)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = shardopt.ShardedMuon(_groups(model), lr=0.02, master_weights=mode, loss_scale=None)
+    _train(model, opt, 3)
+    mats = [(p, b) for p, b in zip(model.parameters(), before) if p.dim() == 2 and p.requires_grad]
+    assert all(torch.isfinite(p).all() and not torch.equal(p.detach(), b) for p, b in mats)
+    assert opt.memory_report().master == 0 and opt.memory_report().extra == 0

@@ -57,7 +57,8 @@ from typing import Sequence
 import torch
 
 from shardopt._buffer_model import replay_buffers
-from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
+from shardopt._layout import DEFAULT_ALIGNMENT, FlatLayout, build_layout
+from shardopt._muon_packing import pack_matrices
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
 from shardopt.moments import MOMENTS, moment_alignment
@@ -202,6 +203,18 @@ def _ring(world_size: int, nbytes: int, passes: int) -> int:
     return passes * (world_size - 1) * nbytes // world_size
 
 
+def _muon_layout(shapes: list, shard: int, alignment: int, bucket_numel: int | None) -> tuple[FlatLayout, list[int]]:
+    """The layout ShardedMuon builds for matrices given in buffer order (see _sharded_buffer), and
+    where each of ``shapes`` sits in it (its index in the layout's parameters)."""
+    packing = pack_matrices([tuple(s) for s in shapes], shard, alignment=alignment)
+    order = sorted(range(len(shapes)), key=lambda i: (packing.owner[i], packing.offset[i]))
+    layout = build_layout([shapes[i] for i in order], shard, alignment=alignment, bucket_numel=bucket_numel,
+                          starts=[packing.owner[i] * packing.chunk_numel + packing.offset[i] for i in order],
+                          numel=shard * packing.chunk_numel)
+    position = {i: k for k, i in enumerate(order)}
+    return layout, [position[i] for i in range(len(shapes))]
+
+
 def estimate_memory(
     num_params: float | int | None,
     world_size: int,
@@ -218,6 +231,7 @@ def estimate_memory(
     alignment: int = DEFAULT_ALIGNMENT,
     moments: str = "fp32",
     shard_size: int | None = None,
+    rule: str = "adamw",
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -232,9 +246,14 @@ def estimate_memory(
     ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); ``moments`` as in
     ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``); ``shard_size`` the ranks the state is
     sharded over with hybrid sharding (a ``(world_size / shard_size, shard_size)`` device mesh;
-    default ``world_size``, flat), and ``rank`` then a rank of the shard group. Needs no process
+    default ``world_size``, flat), and ``rank`` then a rank of the shard group. ``rule="muon"``
+    estimates ``ShardedMuon``'s Muon matrices (one fp32 momentum buffer, counted as ``exp_avg``;
+    with ``param_shapes``, each matrix placed whole in one rank's shard, padding included); a
+    ShardedMuon's AdamW parameters are a second estimate with ``rule="adamw"``. Needs no process
     group; call it anywhere.
     """
+    if rule not in ("adamw", "muon"):
+        raise ValueError(f"rule must be 'adamw' or 'muon', got {rule=!r}")
     world_size = _as_count("world_size", world_size, 1)
     shard = world_size if shard_size is None else _as_count("shard_size", shard_size, 1)
     if world_size % shard:
@@ -263,7 +282,10 @@ def estimate_memory(
 
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
-        layout = build_layout(list(param_shapes)[::-1], shard, alignment=alignment, bucket_numel=bucket_numel)
+        if rule == "muon":
+            layout, position = _muon_layout(list(param_shapes)[::-1], shard, alignment, bucket_numel)
+        else:
+            layout = build_layout(list(param_shapes)[::-1], shard, alignment=alignment, bucket_numel=bucket_numel)
         if num_params is not None and _as_count("num_params", num_params, 1) != layout.param_numel:
             raise ValueError(f"num_params={num_params!r} disagrees with param_shapes, which hold "
                              f"{layout.param_numel} elements; pass one or make them agree")
@@ -273,6 +295,8 @@ def estimate_memory(
             raise ValueError(f"grad_order must be a permutation of the {last + 1} indices of param_shapes, "
                              f"got {list(grad_order)[:8]}{'...' if len(grad_order) > 8 else ''}")
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
+        if rule == "muon" and arrival is not None:  # the packing reorders the matrices by owner
+            arrival = [position[i] for i in arrival]
         ranks = [rank] if rank is not None else (range(shard) if gloo else [0])
         (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize,
                                                        hybrid=replicas > 1), r) for r in ranks)
@@ -296,7 +320,8 @@ def estimate_memory(
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
-    formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode, moments=moments)
+    formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode,
+                            moments="muon" if rule == "muon" else moments)
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
