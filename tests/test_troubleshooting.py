@@ -541,8 +541,13 @@ def test_keys() -> None:
 
 
 def _anchors(markdown: str) -> set[str]:
-    """The anchors MkDocs (Python-Markdown's toc) gives the headings of a page, outside code fences."""
-    from markdown.extensions.toc import slugify
+    """The anchors MkDocs (Python-Markdown's toc) gives the headings of a page, outside code fences
+    (its slugify, restated: the test tier does not install the docs' packages)."""
+    import unicodedata
+
+    def slugify(value: str, sep: str) -> str:
+        value = unicodedata.normalize("NFKD", value).encode("ascii", "ignore").decode("ascii")
+        return re.sub(rf"[{sep}\s]+", sep, re.sub(r"[^\w\s-]", "", value).strip().lower())
 
     text = re.sub(r"(?ms)^```.*?^```", "", markdown)
     return {slugify(re.sub(r"[`*]", "", h).strip(), "-") for h in re.findall(r"(?m)^#{1,6} (.+)$", text)}
