@@ -26,10 +26,11 @@ matrix ``j`` when it had the least, at most the mean of the others, so
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
-from shardopt._layout import DEFAULT_ALIGNMENT, Range, _round_up
+from shardopt._layout import DEFAULT_ALIGNMENT, FlatLayout, Range, _round_up, build_layout
 
 __all__ = ["MuonPacking", "ns_cost", "pack_matrices"]
 
@@ -125,3 +126,19 @@ def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *,
     return MuonPacking(shapes=tuple(dims), world_size=world_size, alignment=alignment, owner=tuple(owner),
                        offset=tuple(offset), chunk_numel=chunk,
                        padding_numel=world_size * chunk - sum(m * n for m, n in dims), ns_cost=tuple(rank_cost))
+
+
+def owned_layout(shapes: Sequence[Sequence[int]], world_size: int, *, alignment: int = DEFAULT_ALIGNMENT,
+                 bucket_numel: int | None = None) -> tuple[FlatLayout, MuonPacking, list[int]]:
+    """The flat buffer ShardedMuon lays its matrices out in: every matrix whole in its owner's
+    shard. Returns (layout, packing, order): ``order[k]`` is the index in ``shapes`` of the layout's
+    ``k``-th parameter (the matrices sorted by owner, then offset), and ``packing`` is indexed in
+    that buffer order. Valid on any rank; no communication."""
+    packing = pack_matrices(shapes, world_size, alignment=alignment)
+    order = sorted(range(len(packing.shapes)), key=lambda i: (packing.owner[i], packing.offset[i]))
+    packing = dataclasses.replace(packing, **{k: tuple(getattr(packing, k)[i] for i in order)
+                                              for k in ("shapes", "owner", "offset")})
+    layout = build_layout(packing.shapes, world_size, alignment=alignment, bucket_numel=bucket_numel,
+                          starts=[o * packing.chunk_numel + off for o, off in zip(packing.owner, packing.offset)],
+                          numel=world_size * packing.chunk_numel)
+    return layout, packing, order

@@ -5,7 +5,6 @@ and the Adam moments of this rank's shard. Holds no math of its own.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Sequence
 
@@ -19,7 +18,7 @@ from shardopt._flat import FlatParams
 from shardopt._layout import build_layout
 from shardopt._reducer import GradReducer
 from shardopt._buffer_model import replay_buffers
-from shardopt._muon_packing import pack_matrices
+from shardopt._muon_packing import owned_layout
 from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.master import make_master
@@ -36,15 +35,10 @@ class ShardedBuffer:
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
         if rule == "muon":  # each matrix whole in its owner's shard (see _muon_packing)
-            packing = pack_matrices([tuple(p.shape) for p in params], comm.shard_size, alignment=alignment)
-            order = sorted(range(len(params)), key=lambda i: (packing.owner[i], packing.offset[i]))
+            self.layout, self.packing, order = owned_layout([p.shape for p in params], comm.shard_size,
+                                                            alignment=alignment,
+                                                            bucket_numel=config.bucket_numel(element_size))
             params, group_of, names = ([seq[i] for i in order] for seq in (params, group_of, names))
-            self.packing = dataclasses.replace(packing, **{k: tuple(getattr(packing, k)[i] for i in order)
-                                                           for k in ("shapes", "owner", "offset")})  # buffer order
-            starts = [o * packing.chunk_numel + off for o, off in zip(self.packing.owner, self.packing.offset)]
-            self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
-                                       bucket_numel=config.bucket_numel(element_size), starts=starts,
-                                       numel=comm.shard_size * self.packing.chunk_numel)
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))

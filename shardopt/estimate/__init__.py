@@ -57,8 +57,8 @@ from typing import Sequence
 import torch
 
 from shardopt._buffer_model import replay_buffers
-from shardopt._layout import DEFAULT_ALIGNMENT, FlatLayout, build_layout
-from shardopt._muon_packing import pack_matrices
+from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
+from shardopt._muon_packing import owned_layout
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
 from shardopt.moments import MOMENTS, moment_alignment
@@ -203,18 +203,6 @@ def _ring(world_size: int, nbytes: int, passes: int) -> int:
     return passes * (world_size - 1) * nbytes // world_size
 
 
-def _muon_layout(shapes: list, shard: int, alignment: int, bucket_numel: int | None) -> tuple[FlatLayout, list[int]]:
-    """The layout ShardedMuon builds for matrices given in buffer order (see _sharded_buffer), and
-    where each of ``shapes`` sits in it (its index in the layout's parameters)."""
-    packing = pack_matrices([tuple(s) for s in shapes], shard, alignment=alignment)
-    order = sorted(range(len(shapes)), key=lambda i: (packing.owner[i], packing.offset[i]))
-    layout = build_layout([shapes[i] for i in order], shard, alignment=alignment, bucket_numel=bucket_numel,
-                          starts=[packing.owner[i] * packing.chunk_numel + packing.offset[i] for i in order],
-                          numel=shard * packing.chunk_numel)
-    position = {i: k for k, i in enumerate(order)}
-    return layout, [position[i] for i in range(len(shapes))]
-
-
 def estimate_memory(
     num_params: float | int | None,
     world_size: int,
@@ -283,7 +271,8 @@ def estimate_memory(
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
         if rule == "muon":
-            layout, position = _muon_layout(list(param_shapes)[::-1], shard, alignment, bucket_numel)
+            layout, _, order = owned_layout(list(param_shapes)[::-1], shard, alignment=alignment, bucket_numel=bucket_numel)
+            position = {i: k for k, i in enumerate(order)}  # index in the shapes given -> in the buffer
         else:
             layout = build_layout(list(param_shapes)[::-1], shard, alignment=alignment, bucket_numel=bucket_numel)
         if num_params is not None and _as_count("num_params", num_params, 1) != layout.param_numel:
