@@ -51,13 +51,9 @@ class ForwardOrder:
 
     def stop(self) -> None:
         """Remove the hook (idempotent). Local."""
-        for h in self.take_handles():
-            h.remove()
-
-    def take_handles(self) -> list:
-        """The global hook's handle, if still installed, now the caller's to remove. Local."""
-        handles, self._handle = [self._handle] if self._handle is not None else [], None
-        return handles
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
 
     @property
     def gradless(self) -> list[list[bool]]:

@@ -86,20 +86,16 @@ class Lifetime:
         self._closed = why
 
     def _remove_hooks(self) -> None:
-        for h in self._take_hook_handles():
-            h.remove()
-
-    def _take_hook_handles(self) -> list:
         # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
         # must not remove the hooks of the optimizer it wraps when it is collected.
         rounds = self.__dict__.get("_rounds")
-        handles = rounds.take_handles() if rounds is not None else []
+        if rounds is not None:
+            rounds.release()
         for name in ("_gather_hook", "_ddp_watch"):
             hook = self.__dict__.get(name)
             if hook is not None:
-                handles.append(hook)
+                hook.remove()
                 self.__dict__[name] = None
-        return handles
 
     def __deepcopy__(self, memo: dict) -> None:
         raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))

@@ -179,13 +179,10 @@ class Rounds:
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
-        for h in self.take_handles():
+        self._forward.stop()
+        for h in self._hooks:
             h.remove()
-
-    def take_handles(self) -> list:
-        """The handles of every hook this scheduler installed, now the caller's to remove. Local."""
-        handles, self._hooks = self._hooks + self._forward.take_handles(), []
-        return handles
+        self._hooks = []
 
     def on_hook(self) -> bool:
         """From every gradient hook, before the reducer looks at the gradient: opens a round at the
