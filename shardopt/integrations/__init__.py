@@ -5,6 +5,6 @@ Each submodule imports its framework, which is an optional extra: ``shardopt.int
 (``[hf]``) and ``shardopt.integrations.lightning`` (``[lightning]``). Importing this package
 imports none of them.
 """
-from shardopt.integrations._convert import from_torch_adamw
+from shardopt.integrations._convert import from_torch, from_torch_adamw
 
-__all__ = ["from_torch_adamw"]
+__all__ = ["from_torch", "from_torch_adamw"]

@@ -1,9 +1,11 @@
-"""ShardedAdamW inside Hugging Face ``transformers.Trainer``.
+"""ShardedAdamW (or ShardedMuon) inside Hugging Face ``transformers.Trainer``.
 
 ``ShardedTrainer`` is a ``Trainer`` whose optimizer is a ShardedAdamW built from the
 ``TrainingArguments`` (learning_rate, weight_decay with Trainer's decay/no-decay grouping,
-adam_beta1/2, adam_epsilon) plus ``shardopt_kwargs`` (``stage``, ``master_weights``, ...). It owns
-what differs from a plain Trainer:
+adam_beta1/2, adam_epsilon) plus ``shardopt_kwargs`` (``stage``, ``master_weights``, ...); with
+``shardopt_kwargs={"muon": {...}}`` it is a ShardedMuon whose Muon group holds the model's hidden
+matrices (2-D, not the input or output embeddings) and whose AdamW groups hold the rest, grouped
+and set as for AdamW. It owns what differs from a plain Trainer:
 
 - the model is not wrapped in DDP: the Trainer's Accelerator is taught about shardopt
   (``shardopt.integrations.accelerate.install``), so ``max_grad_norm`` clips, and ``grad_norm``
@@ -25,8 +27,9 @@ from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
-from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
+from shardopt.integrations._convert import from_torch, replacements, retarget_scheduler
 from shardopt.integrations.accelerate import CHECKPOINT_DIR, install
+from shardopt.muon import ShardedMuon
 from shardopt.optimizer import ShardedAdamW
 
 __all__ = ["ShardedTrainer"]
@@ -36,12 +39,18 @@ class ShardedTrainer(Trainer):
     """``transformers.Trainer`` training with ``shardopt.ShardedAdamW`` instead of AdamW under DDP.
 
     Change ``Trainer(...)`` to ``ShardedTrainer(..., shardopt_kwargs={"stage": 2})``; every
-    ``TrainingArguments`` keeps its meaning. An optimizer passed in ``optimizers=`` must be a
-    ShardedAdamW or a ``torch.optim.AdamW`` (converted, with its scheduler re-pointed). Launch with
-    ``torchrun`` (or ``accelerate launch`` without a DeepSpeed/FSDP config), as for DDP."""
+    ``TrainingArguments`` keeps its meaning. ``shardopt_kwargs={"muon": {"adjust_lr_fn":
+    "match_rms_adamw", ...}}`` trains the hidden matrices with Muon (``ShardedMuon``; its ``lr`` and
+    ``weight_decay`` default to the TrainingArguments', the other keys to ``torch.optim.Muon``'s) and
+    the rest with AdamW as above. An optimizer passed in ``optimizers=`` must be a ShardedAdamW, a
+    ShardedMuon, a ``torch.optim.AdamW`` or a ``torch.optim.Muon`` (converted, with its scheduler
+    re-pointed). Launch with ``torchrun`` (or ``accelerate launch`` without a DeepSpeed/FSDP
+    config), as for DDP."""
 
     def __init__(self, *args: Any, shardopt_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> None:
         self.shardopt_kwargs = dict(shardopt_kwargs or {})
+        muon = self.shardopt_kwargs.pop("muon", None)
+        self.muon_kwargs: dict[str, Any] | None = {} if muon is True else None if muon is None else dict(muon)
         super().__init__(*args, **kwargs)
         if self.args.fp16:
             self.shardopt_kwargs.setdefault("loss_scale", "dynamic")  # shardopt scales fp16 losses itself
@@ -76,19 +85,29 @@ class ShardedTrainer(Trainer):
         if self.optimizer is None:
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                       eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay)
             given = getattr(self, "optimizer_cls_and_kwargs", None)
             if given is not None:  # Trainer(optimizer_cls_and_kwargs=(AdamW, {...})): those values win, as in Trainer
                 hp.update({k: v for k, v in given[1].items() if k in hp})
-            self.optimizer = ShardedAdamW([g for g in groups if g["params"]], **hp, **self.shardopt_kwargs)
+            muon = set() if self.muon_kwargs is None else _hidden_matrices(opt_model)
+            wd = self.args.weight_decay
+            groups = [{"params": [p for n, p in named if n in decay and n not in muon], "weight_decay": wd},
+                      {"params": [p for n, p in named if n not in decay and n not in muon], "weight_decay": 0.0}]
+            groups = [g for g in groups if g["params"]]
+            if self.muon_kwargs is None:
+                self.optimizer = ShardedAdamW(groups, **hp, **self.shardopt_kwargs)
+            else:  # the matrices with Muon, the rest with AdamW's groups and values
+                adamw = [{**g, "use_muon": False, "lr": hp["lr"], "betas": hp["betas"], "eps": hp["eps"]}
+                         for g in groups]
+                muon_hp = {"lr": self.args.learning_rate, "weight_decay": self.args.weight_decay, **self.muon_kwargs}
+                self.optimizer = ShardedMuon([{"params": [p for n, p in named if n in muon]}, *adamw], **muon_hp,
+                                             **self.shardopt_kwargs)
         elif not isinstance(self.optimizer, ShardedAdamW):
             old = self.optimizer
-            self.optimizer = from_torch_adamw(old, **self.shardopt_kwargs)
+            self.optimizer = from_torch([old], **self.shardopt_kwargs)
             if self.lr_scheduler is not None:  # composite schedulers too
-                retarget_scheduler(self.lr_scheduler, {id(old): self.optimizer})
+                retarget_scheduler(self.lr_scheduler, replacements([old], self.optimizer))
         return self.optimizer
 
     # -- checkpoints ---------------------------------------------------------------------
@@ -114,3 +133,13 @@ class ShardedTrainer(Trainer):
         sched = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def _hidden_matrices(model: torch.nn.Module) -> set[str]:
+    """Names of the trainable 2-D parameters Muon is meant for: all but embeddings (every
+    ``nn.Embedding``, and the output embeddings), which, like vectors, train with AdamW."""
+    modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    for get in ("get_input_embeddings", "get_output_embeddings"):
+        modules.append(getattr(model, get, lambda: None)())
+    embeddings = {id(p) for m in modules if m is not None for p in m.parameters()}
+    return {n for n, p in model.named_parameters() if p.requires_grad and p.dim() == 2 and id(p) not in embeddings}

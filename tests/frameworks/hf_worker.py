@@ -2,8 +2,11 @@
 
 ``parity <out>`` (2 ranks): Trainer + AdamW, then ShardedTrainer at stage 1 and at stage 2
 (clipping, accumulation 2, linear schedule with warmup, a checkpoint every 2 steps), then the
-stage-2 run resumed from its first checkpoint in a fresh trainer. ``resume <out>`` (any number
-of ranks): that resume alone, then Trainer and ShardedTrainer with bf16 autocast.
+stage-2 run resumed from its first checkpoint in a fresh trainer; then Muon: Trainer with a
+torch.optim.Muon + torch.optim.AdamW pair under DDP (``TorchPair``) against ShardedTrainer with
+``shardopt_kwargs={"muon": ...}`` (stage 2) and with a ShardedMuon passed in (stage 1).
+``resume <out>`` (any number of ranks): that resume alone, then Trainer and ShardedTrainer with
+bf16 autocast.
 Each run records every micro-batch's loss on this rank, every step's grad norm, and the weights.
 """
 from __future__ import annotations
@@ -13,6 +16,8 @@ import sys
 
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
+
+import shardopt
 
 from common import tiny_gpt2, tokens, weights, write_result
 from shardopt.integrations.hf import ShardedTrainer
@@ -72,6 +77,56 @@ class FreezeAt(TrainerCallback):
                 p.requires_grad_(False)
 
 
+MUON = {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}
+
+
+def muon_groups(model: torch.nn.Module, lr: float = 3e-3, wd: float = 0.1) -> tuple[list[dict], list[dict]]:
+    """GPT-2's hidden matrices (2-D, not the token or position embeddings, which the head shares) for
+    Muon; the rest for AdamW in Trainer's decay / no-decay groups, with the TrainingArguments' values."""
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
+    decay = set(Trainer.get_decay_parameter_names(None, model))
+    named = list(model.named_parameters())
+    mats = [p for n, p in named if p.dim() == 2 and n not in embeddings]
+    rest = [(n, p) for n, p in named if p.dim() != 2 or n in embeddings]
+    adamw = [{"params": [p for n, p in rest if n in decay], "weight_decay": wd},
+             {"params": [p for n, p in rest if n not in decay], "weight_decay": 0.0}]
+    return [{"params": mats, "lr": lr, "weight_decay": wd, **MUON}], [g for g in adamw if g["params"]]
+
+
+class TorchPair(torch.optim.Optimizer):
+    """The reference: torch.optim.Muon for the hidden matrices and torch.optim.AdamW for the rest,
+    stepped together as one optimizer (the form Trainer takes), their param groups shared."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        muon, adamw = muon_groups(model)
+        self.muon = torch.optim.Muon(muon)
+        self.adamw = torch.optim.AdamW(adamw, lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
+        super().__init__([torch.zeros(1, requires_grad=True)], {})  # a placeholder: the groups are the pair's
+
+    @property
+    def param_groups(self) -> list[dict]:  # the two optimizers' own, also after their load_state_dict
+        return self.muon.param_groups + self.adamw.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:  # Optimizer.__init__'s; the groups are the pair's
+        pass
+
+    def step(self, closure=None):
+        self.muon.step()
+        self.adamw.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.muon.zero_grad(set_to_none)
+        self.adamw.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"muon": self.muon.state_dict(), "adamw": self.adamw.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.muon.load_state_dict(state["muon"])
+        self.adamw.load_state_dict(state["adamw"])
+
+
 def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None = None, twice: bool = False,
         how: str = "", **kw) -> dict:
     extra = {} if shardopt_kwargs is None else {"shardopt_kwargs": shardopt_kwargs}
@@ -86,6 +141,12 @@ def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None =
         extra["optimizer_cls_and_kwargs"] = (torch.optim.AdamW, {"lr": 1e-3, "betas": (0.8, 0.9)})
     elif how == "freeze":
         extra["callbacks"] = [FreezeAt()]
+    elif how == "muon_ref":
+        extra["optimizers"] = (TorchPair(model), None)
+    elif how == "muon_given":  # the user's ShardedMuon, stage 1
+        muon, adamw = muon_groups(model)
+        given = muon + [{**g, "use_muon": False, "lr": 3e-3, "betas": (0.9, 0.95)} for g in adamw]
+        extra["optimizers"] = (shardopt.ShardedMuon(given, stage=1), None)
     if how == "model_init":
         trainer = cls(model_init=lambda: tiny_gpt2(seed=0), args=args(out, **kw), train_dataset=Tokens(), **extra)
     else:
@@ -100,7 +161,7 @@ def run(cls, out: str, shardopt_kwargs: dict | None = None, resume: str | None =
     return {"losses": trainer.seen_losses, "norms": trainer.seen_norms, "logged_norms": logged,
             "weights": weights(trainer.model), "ddp": isinstance(trainer.model_wrapped,
                                                                   torch.nn.parallel.DistributedDataParallel),
-            "lr": trainer.lr_scheduler.get_last_lr(),
+            "lr": trainer.lr_scheduler.get_last_lr(), "optimizer": type(opt).__name__,
             "memory": None if report is None else {"grads": report.grads, "exp_avg": report.exp_avg,
                                                    "numel": report.num_params}}
 
@@ -127,6 +188,11 @@ def main() -> None:
                                      max_steps=2 if twice else 4, save_strategy="no")
         result[f"{how}_stage2"] = run(RecordingShardedTrainer, os.path.join(out, f"{how}-s2"), {"stage": 2},
                                       twice=twice, how=how, max_steps=2 if twice else 4, save_strategy="no")
+    result["muon_ref"] = run(RecordingTrainer, os.path.join(out, "muon-ref"), how="muon_ref", save_strategy="no")
+    result["muon_stage2"] = run(RecordingShardedTrainer, os.path.join(out, "muon-s2"), {"stage": 2, "muon": MUON},
+                                save_strategy="no")
+    result["muon_given"] = run(RecordingShardedTrainer, os.path.join(out, "muon-given"), {}, how="muon_given",
+                               save_strategy="no")
     write_result(result)
 
 
