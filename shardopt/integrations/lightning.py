@@ -62,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(or pip install lightning)") from e
 
 from shardopt import sync_module_states
-from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
+from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
 from shardopt.optimizer import ShardedAdamW
 
 __all__ = ["ShardedStrategy"]
@@ -78,8 +78,12 @@ class ShardedStrategy(DDPStrategy):
 
     ``stage``, ``master_weights`` and ``shardopt_options`` (``loss_scale``, ``bucket_cap_mb``,
     ``overlap_param_gather``, ... as in ``ShardedAdamW``) apply to the ``torch.optim.AdamW``
-    optimizers that ``configure_optimizers`` returns, which are converted; a ``ShardedAdamW`` it
-    returns is used as it was built. Other optimizers raise ``TypeError``. Launch as for
+    optimizers that ``configure_optimizers`` returns, which are converted; a ``ShardedAdamW`` (or
+    ``ShardedMuon``) it returns is used as it was built. A ``torch.optim.Muon`` with a
+    ``torch.optim.AdamW`` for the other parameters (``[muon, adamw]``, ``([muon, adamw], [sched,
+    ...])`` or one dict per optimizer) becomes one ``ShardedMuon``, so automatic optimization
+    trains it as one optimizer (``self.optimizers()`` is that one); each LR scheduler keeps
+    driving its own optimizer's param groups. Other optimizers raise ``TypeError``. Launch as for
     ``strategy="ddp"`` (``torchrun`` or Lightning's own launcher); every rank runs the same code.
 
     Supported precisions: ``"32-true"``, ``"bf16-true"``, ``"16-true"`` (loss scaling by the
@@ -153,8 +157,23 @@ class ShardedStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Run ``configure_optimizers``, convert each ``torch.optim.AdamW`` into a ``ShardedAdamW``
-        and point the LR schedulers built on it at the new optimizer. Every rank."""
-        super().setup_optimizers(trainer)
+        (a torch Muon + AdamW pair into one ``ShardedMuon``) and point the LR schedulers built on
+        them at the new optimizer. Every rank."""
+        module = self.lightning_module
+        own = module.__dict__.get("configure_optimizers")
+        hook = module.configure_optimizers
+        views: dict[int, Any] = {}
+        module.configure_optimizers = lambda: self._merge_pair(hook(), views)  # before Lightning counts them
+        try:
+            super().setup_optimizers(trainer)
+        finally:
+            if own is None:
+                del module.configure_optimizers
+            else:
+                module.configure_optimizers = own
+        for config in self.lr_scheduler_configs:  # each pair member's schedulers onto its own groups
+            if id(config.scheduler) in views:
+                config.scheduler.optimizer = views[id(config.scheduler)]
         given = [opt.optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers]
         converted = [self._sharded(i, opt) for i, opt in enumerate(given)]
         replaced = {id(old): new for old, new in zip(given, converted) if new is not old}
@@ -162,18 +181,50 @@ class ShardedStrategy(DDPStrategy):
             retarget_scheduler(config.scheduler, replaced)
         self.optimizers = converted
 
+    def _merge_pair(self, conf: Any, views: dict[int, Any]) -> Any:
+        """``configure_optimizers``' output with a torch Muon + AdamW pair replaced by one ShardedMuon
+        (Lightning's two-lists form; other outputs as they were). Its schedulers point at the
+        ShardedMuon while Lightning checks them, and ``views`` keeps what they drive afterwards."""
+        if isinstance(conf, (list, tuple)) and len(conf) == 2 and isinstance(conf[0], list):
+            opts, scheds = list(conf[0]), list(conf[1])
+        elif isinstance(conf, (list, tuple)) and conf and all(isinstance(c, dict) for c in conf):
+            opts, scheds = [c["optimizer"] for c in conf], []
+            for c in conf:
+                if c.get("lr_scheduler") is not None:
+                    sched = c["lr_scheduler"]
+                    sched = dict(sched) if isinstance(sched, dict) else {"scheduler": sched}
+                    scheds.append({**({"monitor": c["monitor"]} if "monitor" in c else {}), **sched})
+        elif isinstance(conf, (list, tuple)):
+            opts, scheds = list(conf), []
+        else:
+            return conf
+        if not any(type(o) is torch.optim.Muon for o in opts):
+            return conf
+        if not all(is_torch_pair_member(o) for o in opts):
+            others = [f"{type(o).__module__}.{type(o).__qualname__}" for o in opts if not is_torch_pair_member(o)]
+            raise TypeError(f"configure_optimizers returned a torch.optim.Muon with {others}: ShardedStrategy merges a "
+                            "Muon and an AdamW into one ShardedMuon; return those two (or build a ShardedMuon)")
+        merged = from_torch(opts, **self.shardopt_options)
+        replaced = replacements(opts, merged)
+        for s in scheds:
+            scheduler = s["scheduler"] if isinstance(s, dict) else s
+            retarget_scheduler(scheduler, replaced)
+            views[id(scheduler)] = scheduler.optimizer
+            scheduler.optimizer = merged  # what Lightning's check of the returned schedulers looks for
+        return [merged], scheds
+
     def _sharded(self, index: int, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(opt, ShardedAdamW):
             _check_built_on_final_module(opt, self.precision_plugin)
             return opt
         if isinstance(opt, _MockOptimizer):  # configure_optimizers returned None
             return opt
-        if type(opt) is not torch.optim.AdamW:
+        if not is_torch_pair_member(opt):
             raise TypeError(f"ShardedStrategy trains with shardopt.ShardedAdamW, but configure_optimizers returned "
                             f"{type(opt).__module__}.{type(opt).__qualname__} (optimizer {index}); return a "
                             "torch.optim.AdamW (converted with the strategy's options) or a shardopt.ShardedAdamW "
                             "built in configure_optimizers, or use strategy='ddp' for other optimizers")
-        return from_torch_adamw(opt, **self.shardopt_options)
+        return from_torch([opt], **self.shardopt_options)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:

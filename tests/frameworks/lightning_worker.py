@@ -18,6 +18,10 @@ shardopt's ShardedStrategy, one run after the other in the same torchrun process
                       LightningOptimizer, self.clip_gradients;
   ``bf16`` / ``fp16`` / ``bf16_mixed``   precision="bf16-true" / "16-true" (loss scaling by the optimizer) /
                       "bf16-mixed";
+  ``ref_muon`` / ``muon_lists`` / ``muon_dicts``   a torch.optim.Muon + torch.optim.AdamW pair with a per-step
+                      LambdaLR each, clipping to 0.5: ddp with manual optimization (Lightning's only way for two
+                      optimizers) against ShardedStrategy(stage=2) given the pair in the two-lists form and in the
+                      one-dict-per-optimizer form, in automatic optimization;
   ``err_*``           settings that must raise on every rank.
 ``resume1 <ckpt>`` (1 rank): ``stage2`` resumed from its checkpoint on one process, same global batch.
 Weights go to ``<out_dir>/<run>.weights.pt`` (rank 0), everything else to ``rank{r}.json``.
@@ -136,6 +140,54 @@ class GPTModule(pl.LightningModule):
         return opt
 
 
+def muon_pair(module: pl.LightningModule) -> tuple:
+    """GPT-2's hidden matrices with torch.optim.Muon, the embeddings, norms and biases with AdamW;
+    a per-step LambdaLR on each (different schedules)."""
+    embeddings = {"gpt.transformer.wte.weight", "gpt.transformer.wpe.weight"}
+    named = list(module.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if p.dim() == 2 and n not in embeddings], lr=0.02, momentum=0.9)
+    adamw = torch.optim.AdamW([p for n, p in named if p.dim() != 2 or n in embeddings], lr=LR, betas=(0.9, 0.95))
+    lr = torch.optim.lr_scheduler
+    return muon, adamw, (lr.LambdaLR(muon, lambda s: 0.8 ** s), lr.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 3)))
+
+
+class MuonModule(GPTModule):
+    """``form``: "ref" (manual optimization of the torch pair, as Lightning requires for two
+    optimizers), "lists" or "dicts" (the pair returned in that form, automatic optimization)."""
+
+    def __init__(self, form: str) -> None:
+        super().__init__(manual="torch" if form == "ref" else None)
+        self.form = form
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.form != "ref":
+            return super().training_step(batch, batch_idx)
+        loss = self.gpt(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        opts = self.optimizers()
+        for opt in opts:
+            opt.zero_grad()
+        self.manual_backward(loss)
+        self.norms.append(float(torch.nn.utils.clip_grad_norm_(self.parameters(), CLIP)))
+        self.lrs.append([g["lr"] for opt in opts for g in opt.param_groups])
+        for opt in opts:
+            opt.step()
+        for sched in self.lr_schedulers():
+            sched.step()
+        return None
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.form != "ref":
+            super().on_before_optimizer_step(optimizer)
+
+    def configure_optimizers(self) -> object:
+        muon, adamw, (s1, s2) = muon_pair(self)
+        if self.form == "dicts":
+            return ({"optimizer": muon, "lr_scheduler": {"scheduler": s1, "interval": "step"}},
+                    {"optimizer": adamw, "lr_scheduler": {"scheduler": s2, "interval": "step"}})
+        return [muon, adamw], [{"scheduler": s1, "interval": "step"}, {"scheduler": s2, "interval": "step"}]
+
+
 class SaveAfterEpoch(pl.Callback):
     def __init__(self, path: str, epoch: int) -> None:
         self.path, self.epoch = path, epoch
@@ -207,7 +259,7 @@ def main(out_dir: str) -> None:
     run("from_ddp", out, GPTModule(sched="dict"), ShardedStrategy(stage=2), ckpt_path=ddp_ckpt, save_weights=True,
         **clip)
 
-    run("ref_sched", out, GPTModule(sched="dict"), "ddp", epochs=1)
+    run("ref_sched", out, GPTModule(sched="dict"), "ddp", epochs=1, save_weights=True)
     t, m = run("sched", out, GPTModule(sched="dict"), ShardedStrategy(stage=2), epochs=1)
     sched = t.lr_scheduler_configs[0].scheduler
     out["sched"]["scheduler_follows"] = sched.optimizer is t.strategy.optimizers[0]
@@ -233,6 +285,12 @@ def main(out_dir: str) -> None:
     out["refit"]["pending_after_fit"] = t.strategy.optimizers[0].pending_param_buckets()
     out["refit"]["weights_vs_ddp"] = max((a.detach() - b.detach()).abs().max().item()
                                          for a, b in zip(refit.parameters(), ref.parameters()))
+
+    run("ref_muon", out, MuonModule("ref"), "ddp", epochs=1, save_weights=True)
+    for form in ("lists", "dicts"):
+        t, _ = run(f"muon_{form}", out, MuonModule(form), ShardedStrategy(stage=2), epochs=1, gradient_clip_val=CLIP,
+                   save_weights=True)
+        out[f"muon_{form}"]["optimizers"] = [type(o).__name__ for o in t.strategy.optimizers]
 
     expect_error("err_clip_value", out, GPTModule(), ShardedStrategy(), gradient_clip_val=CLIP,
                  gradient_clip_algorithm="value")
