@@ -75,3 +75,20 @@ def test_exported_weights_and_other_models_stay_whole(runs):
         assert max_diff(r["exported"], r["stage2"]["weights"]) == 0  # save_model wrote every weight
         assert r["other_is_ddp"] and r["other_is_plain"]  # a plain model and AdamW stay Accelerate's
         assert r["frozen_mid_run"] == "ok" and r["after_free_memory"]
+
+
+def test_a_torch_muon_and_adamw_pair_is_one_sharded_muon_that_trains_like_ddp(runs):
+    """prepare(acc, model, muon, adamw, ...) converts the pair into one ShardedMuon, handed out in
+    both places; stepping both steps once, and each schedule drives its own groups."""
+    two, _ = runs
+    for rank, r in enumerate(two):
+        ref, got = r["muon_ddp"], r["muon"]
+        assert ref["ddp"] and not got["ddp"] and got["optimizers"] == ["ShardedMuon", "ShardedMuon"]
+        assert len(ref["norms"]) == 4 and min(ref["norms"]) > CLIP and len(ref["losses"]) == 8
+        assert got["lrs"] == ref["lrs"] and len({tuple(x) for x in ref["lrs"]}) == 4
+        # Newton-Schulz runs in bf16: DDP's and shardopt's averaged gradients differ in their last
+        # bits (summation order), which can move a bf16 rounding of the orthogonalised update. A
+        # second step per round (both members stepping) would change the losses by far more.
+        assert max(abs(a - b) for a, b in zip(got["losses"], ref["losses"])) <= 1e-3, (rank, got["losses"])
+        assert max(abs(a - b) for a, b in zip(got["norms"], ref["norms"])) <= 1e-3, (rank, got["norms"])
+        assert max_diff(got["weights"], ref["weights"]) <= 2e-3, (rank, max_diff(got["weights"], ref["weights"]))

@@ -9,6 +9,8 @@ and ``load_state()``. It owns how one ``Accelerator`` is taught about shardopt:
   reduces the gradients itself, one bucket at a time during backward);
 - the optimizer is wrapped in ``ShardedAcceleratedOptimizer``, Accelerate's own wrapper (which
   steps and zeroes only when gradients are synchronised) that also exposes ShardedAdamW's methods;
+  a ``torch.optim.Muon`` with a ``torch.optim.AdamW`` for the other parameters becomes one
+  ShardedMuon, whose wrapper is returned in both places (one ``step`` per round covers both);
 - ``backward``, ``clip_grad_norm_`` and ``no_sync`` of that accelerator instance are routed to
   the optimizer (loss scaling, the true global norm, local fp32 accumulation), and its
   ``save_state``/``load_state`` write and read the optimizer as a sharded checkpoint in a
@@ -29,7 +31,7 @@ from accelerate.utils import DistributedType
 from torch import Tensor
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
-from shardopt.integrations._convert import from_torch_adamw, retarget_scheduler
+from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
 from shardopt.loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
@@ -45,10 +47,25 @@ __all__ = ["CHECKPOINT_DIR", "ShardedAcceleratedOptimizer", "install", "prepare"
 class ShardedAcceleratedOptimizer(AcceleratedOptimizer):
     """Accelerate's optimizer wrapper around a ShardedAdamW: ``step``/``zero_grad`` do nothing
     while gradients are being accumulated, as for any optimizer, and ShardedAdamW's own methods
-    (``clip_grad_norm_``, ``no_sync``, ``backward``, ``memory_report``, ...) stay reachable."""
+    (``clip_grad_norm_``, ``no_sync``, ``backward``, ``memory_report``, ...) stay reachable.
 
-    def __init__(self, optimizer: ShardedAdamW) -> None:
+    ``members`` > 1: the optimizer stands for that many torch optimizers (a Muon + AdamW pair), the
+    wrapper is handed out in each one's place, and only the first ``step`` after a round of gradient
+    reductions (a backward outside ``no_sync``) steps: the other members' steps find it taken."""
+
+    def __init__(self, optimizer: ShardedAdamW, members: int = 1) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)  # state already lives with its shard
+        self.members = members
+        self.stepped_at = -1  # the optimizer's completed reduction rounds when a member last stepped it
+
+    def step(self, closure: Any = None) -> Any:
+        if self.members > 1:
+            rounds = self.optimizer.inspect().total_rounds
+            if rounds == self.stepped_at:  # another member of the pair took this round's step
+                return None
+            if self.gradient_state.sync_gradients:
+                self.stepped_at = rounds
+        return super().step(closure)
 
     def __getattr__(self, name: str) -> Any:  # only for names the wrapper itself lacks
         if name == "optimizer":
@@ -144,13 +161,21 @@ class _Binding:
         acc = self.accelerator
         pending_model, pending_kwargs = (self.pending[0], self.pending[1]) if self.pending else (None, None)
         mine = []
+        pair = [i for i, a in enumerate(args) if is_torch_pair_member(a)] \
+            if any(type(a) is torch.optim.Muon for a in args) else []  # a torch Muon + AdamW: one ShardedMuon
+        pair_ids = set().union(*(_params(args[i]) for i in pair))
         for i, a in enumerate(args):
             if isinstance(_unwrapped(a), ShardedAdamW):
                 mine.append(i)
-            elif type(a) is torch.optim.AdamW and (self.convert_kwargs is not None or pending_model is not None
-                                                    and _covers(_params(a), pending_model)):
+            elif i in pair and (self.convert_kwargs is not None or pending_model is not None
+                                and _covers(pair_ids, pending_model)):
                 mine.append(i)
-        if len(mine) > 1 or mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
+            elif type(a) is torch.optim.AdamW and not pair and (
+                    self.convert_kwargs is not None or pending_model is not None
+                    and _covers(_params(a), pending_model)):
+                mine.append(i)
+        merging = len(mine) > 1 and all(i in pair for i in mine)
+        if len(mine) > 1 and not merging or mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
             raise ValueError("one Accelerator trains one ShardedAdamW; put all param groups into one optimizer")
         if mine and acc.distributed_type in _UNSUPPORTED:
             raise ValueError(f"ShardedAdamW replaces DDP and shards the optimizer itself; it does not run under "
@@ -159,7 +184,7 @@ class _Binding:
         placement = list(device_placement) if device_placement is not None else [None] * len(args)
         out = list(args)
         base = _unwrapped(args[mine[0]]) if mine else self.opt
-        ids = _params(base) if base is not None else set()
+        ids = pair_ids if merging else _params(base) if base is not None else set()
         for i, a in enumerate(args):  # models: those of the optimizer, or waiting for one, get no DDP
             if not isinstance(a, torch.nn.Module):
                 continue
@@ -171,22 +196,24 @@ class _Binding:
                 self._wait_for_optimizer(acc.unwrap_model(out[i]), self.convert_kwargs)
         if mine:
             kwargs = self.convert_kwargs if self.convert_kwargs is not None else pending_kwargs
-            opt = base if isinstance(base, ShardedAdamW) else from_torch_adamw(base, **(kwargs or {}))
+            given = [args[i] for i in mine]
+            opt = base if isinstance(base, ShardedAdamW) else from_torch(given, **(kwargs or {}))
             if self.model is None and self.pending is not None and _covers(_params(opt), self.pending[0]):
                 self._link(self.pending[0])
             self._check_not_in_ddp(opt)
             self._check_devices(opt)
-            if opt is not base:  # schedulers built on the AdamW (composite ones too) now drive the ShardedAdamW
+            if opt is not base:  # schedulers built on the torch optimizers (composite ones too) now drive opt
                 for a in args:
                     if isinstance(a, torch.optim.lr_scheduler.LRScheduler):
-                        retarget_scheduler(a, {id(base): opt})
+                        retarget_scheduler(a, replacements(given, opt))
             self._take_over_fp16(opt)
             if self.wrapped is None or self.opt is not opt:
-                self.opt, self.wrapped = opt, ShardedAcceleratedOptimizer(opt)
+                self.opt, self.wrapped = opt, ShardedAcceleratedOptimizer(opt, members=len(mine))
                 self.wrapped._is_accelerate_prepared = True
             if self.wrapped not in acc._optimizers:
                 acc._optimizers.append(self.wrapped)
-            out[mine[0]] = self.wrapped
+            for i in mine:
+                out[i] = self.wrapped
         rest = [i for i, a in enumerate(args) if out[i] is a and i not in mine]
         if rest:
             done = self.original["prepare"](*[args[i] for i in rest],

@@ -4,7 +4,9 @@
 converted by ``prepare``) and stage 2 (a ShardedAdamW), each with clipping, accumulation 2 and
 a warmup schedule; the stage-2 run saves its state halfway through and goes on, exports its
 weights with ``save_model``, shares the accelerator with a plain DDP model, and is resumed from
-that state in fresh objects; stage 2 once more with the model prepared in a call of its own. ``resume <state_dir>`` (any number of ranks): the resume alone.
+that state in fresh objects; stage 2 once more with the model prepared in a call of its own; a
+torch.optim.Muon + torch.optim.AdamW pair with a schedule each, under DDP and converted by
+``prepare`` into one ShardedMuon. ``resume <state_dir>`` (any number of ranks): the resume alone.
 """
 from __future__ import annotations
 
@@ -87,6 +89,42 @@ def freeze_mid_run(acc, model, opt, data) -> str:
     return "ok"
 
 
+def muon_run(kind: str) -> dict:
+    """The torch pair (Muon for GPT-2's hidden matrices, AdamW for the rest), each optimizer with its
+    own per-step schedule, stepped one after the other: under DDP (``kind`` "ddp") or converted."""
+    acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
+    model = tiny_gpt2(seed=0)
+    data = DataLoader(tokens(), batch_size=8 // acc.num_processes, shuffle=False)
+    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if p.dim() == 2 and n not in embeddings], lr=0.02, momentum=0.9)
+    adamw = torch.optim.AdamW([p for n, p in named if p.dim() != 2 or n in embeddings], lr=LR, betas=(0.9, 0.95))
+    lr = torch.optim.lr_scheduler
+    s1, s2 = lr.LambdaLR(muon, lambda s: 0.8 ** s), lr.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 3))
+    if kind == "ddp":
+        model, muon, adamw, data, s1, s2 = acc.prepare(model, muon, adamw, data, s1, s2)
+    else:
+        model, muon, adamw, data, s1, s2 = so_accelerate.prepare(acc, model, muon, adamw, data, s1, s2, stage=2)
+    losses, norms, lrs = [], [], []
+    for batch in data:
+        with acc.accumulate(model):
+            loss = model(input_ids=batch, labels=batch).loss
+            acc.backward(loss)
+            if acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), CLIP)))
+                lrs.append(s1.get_last_lr() + s2.get_last_lr())
+            for opt in (muon, adamw):
+                opt.step()
+            for sched in (s1, s2):
+                sched.step()
+            for opt in (muon, adamw):
+                opt.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "norms": norms, "lrs": lrs, "weights": weights(acc.unwrap_model(model)),
+            "optimizers": [type(o.optimizer).__name__ for o in (muon, adamw)],
+            "ddp": isinstance(model, torch.nn.parallel.DistributedDataParallel)}
+
+
 def memory(opt) -> dict:
     r = opt.memory_report()
     return {"grads": r.grads, "master": r.master, "exp_avg": r.exp_avg, "exp_avg_sq": r.exp_avg_sq,
@@ -143,6 +181,7 @@ def main() -> None:
     result["after_free_memory"] = isinstance(fresh_opt.optimizer, shardopt.ShardedAdamW)
     acc.wait_for_everyone()
     result["resume"] = resume(state_dir)
+    result["muon_ddp"], result["muon"] = muon_run("ddp"), muon_run("sharded")
     write_result(result)
 
 
