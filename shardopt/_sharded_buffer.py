@@ -23,7 +23,7 @@ from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.master import make_master
 from shardopt.moments import MuonMomentum, make_moments, moment_alignment
-from shardopt.memory import MemoryReport, predict_bytes
+from shardopt.memory import MemoryReport, muon_moments, predict_bytes
 
 
 class ShardedBuffer:
@@ -55,7 +55,7 @@ class ShardedBuffer:
         self._all_used_keys = tuple((g, 0) for g in self.group_of)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
                                   global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
-        self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device) if rule == "muon" else \
+        self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device, config.moments) if rule == "muon" else \
             make_moments(config.moments, self.layout.shard_numel, self.flat.device)
         self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
         # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
@@ -117,7 +117,7 @@ class ShardedBuffer:
         step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
         and the mode encodes the result; AdamW's lag bookkeeping does not apply (Muon keeps no step
         count). Every rank."""
-        grad, momentum = self.reducer.local_grad(), self.moments.buffer
+        grad = self.reducer.local_grad()
         gathers = []
         for b in self.reducer.forward_order:
             for i in self.layout.buckets[b].params:
@@ -128,12 +128,13 @@ class ShardedBuffer:
                 g = grad[r.as_slice()].view(shape).float()
                 if grad_scale != 1.0:
                     g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
-                master = self.master.read_fp32(r)
-                muon_step_(master.view(shape), g, momentum[r.as_slice()].view(shape),
+                master, momentum = self.master.read_fp32(r), self.moments.read(r)
+                muon_step_(master.view(shape), g, momentum.view(shape),
                            lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                            nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                            eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
                 self.master.write_fp32_(r, master, step)
+                self.moments.write_(r, momentum)
             gathers.append((b, self._gather(b)))
         return gathers
 
@@ -197,7 +198,7 @@ class ShardedBuffer:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
         predicted = predict_bytes(self.layout.param_numel, self.comm.shard_size, stage=self.config.stage,
                                   param_dtype=self.dtype, master_weights=self.master.name,
-                                  moments="muon" if self.rule == "muon" else self.moments.name)
+                                  moments=muon_moments(self.moments.name) if self.rule == "muon" else self.moments.name)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,

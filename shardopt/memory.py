@@ -96,6 +96,12 @@ class MemoryReport:
             rows.append(f"torch.cuda.max_memory_allocated(): {self.cuda_max_allocated:,} bytes (activations included)")
         return "\n".join(rows)
 
+
+def muon_moments(moments: str) -> str:
+    """``predict_bytes``' name for Muon's momentum stored as ``moments`` ("fp32" or "bf16")."""
+    return "muon" if moments == "fp32" else f"muon-{moments}"
+
+
 def predict_bytes(
     num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32",
     moments: str = "fp32", bucket_cap_bytes: float = 0.0, staging_buckets: int = 3,
@@ -117,8 +123,8 @@ def predict_bytes(
     extra = 2 if (sixteen_bit and master_weights == "remainder") else 0
 
     def moment() -> int:  # one moment: fp32, bf16, or one byte per element plus an fp32 scale per block
-        if moments == "muon":  # Muon's one fp32 momentum buffer, counted as the first moment
-            return shard(4)
+        if moments in ("muon", "muon-bf16"):  # Muon's one momentum buffer (fp32, bf16), as the first moment
+            return shard(4 if moments == "muon" else 2)
         if moments == "8bit":
             n = -(-num_params // world_size)
             return n + 4 * -(-n // MOMENT_BLOCK)
@@ -128,7 +134,7 @@ def predict_bytes(
         "grads": num_params * psize if stage == 1 else shard(psize),
         "master": shard(master),
         "exp_avg": moment(),
-        "exp_avg_sq": 0 if moments == "muon" else moment(),
+        "exp_avg_sq": 0 if moments.startswith("muon") else moment(),
         "extra": shard(extra),
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }

@@ -143,20 +143,35 @@ class Int8Moments(Moments):
 
 
 class MuonMomentum(Moments):
-    """Muon's one moment, the fp32 ``momentum_buffer`` of the matrices this rank owns (4 bytes per
-    owned element; padding stays zero). It fills the interface's first moment; the second is empty."""
+    """Muon's one moment, the ``momentum_buffer`` of the matrices this rank owns (padding stays
+    zero): fp32, 4 bytes per owned element, or with ``moments="bf16"`` bf16, 2 bytes, rounded to
+    nearest after each step as bf16 ``exp_avg`` is (elementwise, so independent of the number of
+    ranks). It fills the interface's first moment; the second is empty."""
 
-    name = "fp32"
-
-    def __init__(self, numel: int, device: torch.device) -> None:
+    def __init__(self, numel: int, device: torch.device, name: str = "fp32") -> None:
         super().__init__(numel, device)
-        self.buffer = torch.zeros(numel, dtype=torch.float32, device=device)  # 1D, this rank's shard
+        if name not in ("fp32", "bf16"):
+            raise ValueError(f"Muon's momentum is stored in fp32 or bf16, got moments={name!r}")
+        self.name = name
+        dtype = torch.float32 if name == "fp32" else torch.bfloat16
+        self.buffer = torch.zeros(numel, dtype=dtype, device=device)  # 1D, this rank's shard
 
     def operands(self, r: Range) -> tuple[object, object]:
         return self.buffer[r.as_slice()], None
 
+    def read(self, r: Range) -> Tensor:
+        """The momentum over local range ``r`` as fp32: the stored tensor itself in fp32 (writes go
+        through), a decoded copy in bf16, to be stored back with ``write_``. Local."""
+        return self.buffer[r.as_slice()].float()
+
+    def write_(self, r: Range, value: Tensor) -> None:
+        """Store ``read(r)``'s tensor after the step changed it (bf16: rounded to nearest). Local."""
+        stored = self.buffer[r.as_slice()]
+        if value.data_ptr() != stored.data_ptr():
+            stored.copy_(value.reshape(-1))
+
     def fp32(self) -> tuple[Tensor, Tensor]:
-        return self.buffer, self.buffer.new_zeros(0)
+        return self.buffer.float(), self.buffer.new_zeros(0, dtype=torch.float32)
 
     def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
         self.buffer.copy_(exp_avg)

@@ -55,7 +55,9 @@ class ShardedMuon(ShardedAdamW):
     Each Muon matrix is owned whole by one rank, which runs torch.optim.Muon's step on the full fp32
     averaged gradient (the result is single-process Muon's, at any world size); the momentum
     buffer is fp32, 4 bytes per owned element; every ``master_weights`` mode applies to the Muon
-    matrices as to the AdamW parameters. ``moments="fp32"`` only.
+    matrices as to the AdamW parameters. ``moments="bf16"`` stores both rules' moments in bf16
+    (Muon's momentum rounded to nearest after each step, 2 bytes per owned element); ``"8bit"``
+    is AdamW's only and raises.
     Checkpoints and state dicts are ``ShardedAdamW``'s, with a Muon parameter's state as
     ``torch.optim.Muon``'s (``momentum_buffer``). Build it on every rank, as ``ShardedAdamW``.
     """
@@ -73,8 +75,9 @@ class ShardedMuon(ShardedAdamW):
         adjust_lr_fn: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("moments", "fp32") != "fp32":
-            raise ValueError(f"ShardedMuon supports moments='fp32' only, got {kwargs['moments']!r}")
+        if kwargs.get("moments", "fp32") not in ("fp32", "bf16"):
+            raise ValueError(f"ShardedMuon stores its moments in fp32 or bf16 (moments='fp32' or 'bf16'), got "
+                             f"moments={kwargs['moments']!r}")
         self._muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
                                    ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                    adjust_lr_fn=adjust_lr_fn)

@@ -181,3 +181,25 @@ def test_memory_per_rank_is_the_estimate_to_the_byte(pools, world_size):
     for stage in (1, 2):
         for measured, estimated in pools(world_size).run(estimate_case, stage):
             assert measured == estimated, (stage, measured, estimated)
+
+
+def bf16_momentum_case(stage: int) -> list:
+    model = make_model(seed=1)
+    mats, rest = _split(model)
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               moments="bf16", stage=stage, bucket_cap_mb=1e-4)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(batch(0, step)))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_bf16_moments_do_not_depend_on_the_world_size(pools):
+    """Muon's bf16 momentum is rounded elementwise by the matrix's owner, AdamW's bf16 moments with
+    random bits keyed by the global element: the same data at 1, 2 and 4 ranks, the same weights."""
+    for stage in (1, 2):
+        one = pools(1).run(bf16_momentum_case, stage)[0]
+        for world_size in (2, 4):
+            for weights in pools(world_size).run(bf16_momentum_case, stage):
+                assert all(torch.equal(a, b) for a, b in zip(weights, one)), (stage, world_size)

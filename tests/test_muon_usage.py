@@ -67,9 +67,10 @@ def test_momentum_bytes_are_four_per_owned_element():
     assert report.predicted["exp_avg_sq"] == 4 * rest
 
 
-def test_state_dict_round_trip_continues_exactly():
+@pytest.mark.parametrize("moments", ["fp32", "bf16"])
+def test_state_dict_round_trip_continues_exactly(moments):
     model = make_model(seed=1)
-    opt = shardopt.ShardedMuon(_groups(model))
+    opt = shardopt.ShardedMuon(_groups(model), moments=moments)
     _train(model, opt, 3)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), opt.state_dict()
     _train(model, opt, 2, start=3)
@@ -78,7 +79,7 @@ def test_state_dict_round_trip_continues_exactly():
 
     model2 = make_model(seed=2)
     model2.load_state_dict(saved_model)
-    opt2 = shardopt.ShardedMuon(_groups(model2))
+    opt2 = shardopt.ShardedMuon(_groups(model2), moments=moments)
     opt2.load_state_dict(saved_opt)
     _train(model2, opt2, 2, start=3)
     for p, q in zip(model2.parameters(), expected):
@@ -146,3 +147,42 @@ def test_lean_master_modes_train_the_muon_matrices(mode):
     mats = [(p, b) for p, b in zip(model.parameters(), before) if p.dim() == 2 and p.requires_grad]
     assert all(torch.isfinite(p).all() and not torch.equal(p.detach(), b) for p, b in mats)
     assert opt.memory_report().master == 0 and opt.memory_report().extra == 0
+
+
+def test_bf16_momentum_is_torch_muon_with_its_buffer_rounded_to_bf16_after_each_step():
+    """moments="bf16": the owner decodes the bf16 buffer, runs torch's step in fp32 and stores the
+    buffer rounded to nearest. The reference is torch.optim.Muon whose momentum_buffer is rounded to
+    bf16 after every step (AdamW's lr is 0 in both, so only Muon moves the weights)."""
+    ref = make_model(seed=1)
+    model = copy.deepcopy(ref)
+    opt = shardopt.ShardedMuon(_groups(model, lr=0.0), lr=0.02, moments="bf16")
+    muon = torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], lr=0.02)
+    for step in range(4):
+        opt.zero_grad()
+        muon.zero_grad()
+        opt.backward(model(batch(0, step)))
+        ref(batch(0, step)).backward()
+        opt.step()
+        muon.step()
+        for state in muon.state.values():
+            state["momentum_buffer"].copy_(state["momentum_buffer"].bfloat16().float())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+    unrounded = make_model(seed=1)  # the rounding is real: fp32 momentum ends elsewhere
+    _train(unrounded, shardopt.ShardedMuon(_groups(unrounded, lr=0.0), lr=0.02), 4)
+    assert any(not torch.equal(p, q) for p, q in zip(unrounded.parameters(), model.parameters()))
+
+
+def test_bf16_momentum_holds_two_bytes_per_owned_element_as_predicted():
+    model = make_model(seed=1)
+    opt = shardopt.ShardedMuon(_groups(model), moments="bf16")
+    _train(model, opt, 2)
+    owned = sum(p.numel() for p in model.parameters() if p.dim() == 2 and p.requires_grad)
+    rest = sum(p.numel() for p in model.parameters() if p.dim() != 2)
+    momentum = [t for b in opt.inspect().buffers for k, t in b.moment_tensors.items() if k == "momentum_buffer"]
+    assert [t.dtype for t in momentum] == [torch.bfloat16]
+    assert 2 * owned <= momentum[0].numel() * 2 < 2 * owned + 2 * 8 * len(opt.param_groups[0]["params"])
+    report = opt.memory_report()
+    assert report.predicted["exp_avg"] == 2 * (owned + rest) and report.predicted["exp_avg_sq"] == 2 * rest
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        shardopt.estimate_memory(owned, 1, rule="muon", moments="8bit")

@@ -62,7 +62,7 @@ from shardopt._muon_packing import owned_layout
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
 from shardopt.moments import MOMENTS, moment_alignment
-from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
+from shardopt.memory import CATEGORIES, ddp_adamw_bytes, muon_moments, predict_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "DTYPES", "BACKENDS"]
 
@@ -235,7 +235,8 @@ def estimate_memory(
     ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``); ``shard_size`` the ranks the state is
     sharded over with hybrid sharding (a ``(world_size / shard_size, shard_size)`` device mesh;
     default ``world_size``, flat), and ``rank`` then a rank of the shard group. ``rule="muon"``
-    estimates ``ShardedMuon``'s Muon matrices (one fp32 momentum buffer, counted as ``exp_avg``;
+    estimates ``ShardedMuon``'s Muon matrices (one momentum buffer, fp32 or with ``moments="bf16"``
+    bf16, counted as ``exp_avg``;
     with ``param_shapes``, each matrix placed whole in one rank's shard, padding included); a
     ShardedMuon's AdamW parameters are a second estimate with ``rule="adamw"``. Needs no process
     group; call it anywhere.
@@ -254,6 +255,8 @@ def estimate_memory(
         raise ValueError(f"unknown master_weights={master_weights!r}; choose one of {sorted(STRATEGIES)}")
     if moments not in MOMENTS:
         raise ValueError(f"unknown moments={moments!r}; choose one of {sorted(MOMENTS)}")
+    if rule == "muon" and moments not in ("fp32", "bf16"):
+        raise ValueError(f"rule='muon' stores Muon's momentum in fp32 or bf16, got moments={moments!r}")
     alignment = math.lcm(alignment, moment_alignment(moments))  # as ShardedAdamW lays the buffer out
     dtype = _as_dtype(param_dtype)
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
@@ -310,7 +313,7 @@ def estimate_memory(
 
     mode = master_weights if psize == 2 else "fp32"
     formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode,
-                            moments="muon" if rule == "muon" else moments)
+                            moments=muon_moments(moments) if rule == "muon" else moments)
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
