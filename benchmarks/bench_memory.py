@@ -65,7 +65,10 @@ CONFIGS = [f"shardopt S{s} {m}" for s in (1, 2) for m in MODES] + [
     "DDP + AdamW", "replicated, no master", "ZeroRedundancyOptimizer", "FSDP2", "DeepSpeed ZeRO-1", "DeepSpeed ZeRO-2",
     # Muon for the blocks' matrices, AdamW for the rest: ShardedMuon (bf16 weights, fp32 master) and
     # DDP with torch.optim.Muon + torch.optim.AdamW (fp32 weights), as a careful user runs them today.
-    "shardopt S2 muon", "DDP + Muon + AdamW"]
+    "shardopt S2 muon", "shardopt S2 muon+bf16", "DDP + Muon + AdamW",  # +bf16: moments="bf16" (both rules)
+    # DeepSpeed's Muon at ZeRO-1/2 (bf16 weights, fp32 master), its own rule for which parameters are
+    # Muon's (2-D, name without "embed"/"lm_head": here also wte and wpe), torch's Adam for the rest.
+    "DeepSpeed ZeRO-1 Muon", "DeepSpeed ZeRO-2 Muon"]
 # Bytes per parameter per rank, model states only (ZeRO paper accounting), for the peers; N ranks.
 FORMULAS = {
     "DDP + AdamW": lambda n: 4 + 4 + 8,  # fp32 weights and grads, fp32 moments (= 2 + 2 + 12 mixed)
@@ -178,16 +181,18 @@ def build(name: str, args: argparse.Namespace, device: torch.device, n: int) -> 
     model_states = lambda: {"params": _nbytes(params()), "grads": _nbytes(p.grad for p in params())}  # noqa: E731
     formula = FORMULAS.get(name)
     predicted = None if formula is None else {"total_states": formula(n) * sum(p.numel() for p in params())}
-    if name == "shardopt S2 muon":
+    if name.startswith("shardopt S2 muon"):
         from gpt import muon_param_groups
 
-        groups = muon_param_groups(model, 0.1, hp["lr"])
-        opt = shardopt.ShardedMuon(groups, lr=0.02, stage=2, bucket_cap_mb=args.bucket_cap_mb, loss_scale=None)
+        groups, moments = muon_param_groups(model, 0.1, hp["lr"]), "bf16" if name.endswith("+bf16") else "fp32"
+        opt = shardopt.ShardedMuon(groups, lr=0.02, stage=2, bucket_cap_mb=args.bucket_cap_mb, loss_scale=None,
+                                   moments=moments)
         ests = []
         for g, rule in zip(groups, ("muon", "adamw")):
             where = {id(p): i for i, p in enumerate(g["params"])}
             ests.append(estimate_memory(None, n, 2, "fp32", torch.bfloat16, param_shapes=[tuple(p.shape) for p in g["params"]],
                                         bucket_cap_mb=args.bucket_cap_mb, rank=dist.get_rank(), rule=rule,
+                                        moments=moments,
                                         grad_order=[where[id(p)] for p in reversed(params()) if id(p) in where],
                                         backend="nccl" if device.type == "cuda" else "gloo").by_category())
         rep = lambda: {c: getattr(opt.memory_report(), c) for c in CATS}  # noqa: E731
@@ -223,10 +228,20 @@ def build(name: str, args: argparse.Namespace, device: torch.device, n: int) -> 
     if name.startswith("DeepSpeed"):
         import deepspeed  # noqa: F401  (ImportError: reported as skipped)
 
+        optimizer = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 1e-3, "betas": [0.9, 0.95],
+                                                "torch_adam": True}} if name.endswith("Muon") else \
+            {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "torch_adam": True}}
+        stage = int(name.split()[1][-1])
+        if name.endswith("Muon"):  # ZeRO accounting: bf16 weights and grads, fp32 master, Muon's one moment
+            total = sum(p.numel() for p in params())
+            mats = sum(p.numel() for k, p in model.named_parameters()
+                       if p.dim() >= 2 and not any(w in k.lower() for w in ("embed", "lm_head")))
+            sharded = 4 * total + 4 * mats + 8 * (total - mats) + (2 * total if stage == 2 else 0)
+            predicted = {"total_states": 2 * total + (2 * total if stage == 1 else 0) + sharded / n}
         engine, opt, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config={
             "train_micro_batch_size_per_gpu": args.batch_size, "bf16": {"enabled": True},
-            "zero_optimization": {"stage": int(name[-1]), "reduce_bucket_size": int(args.bucket_cap_mb * 2**20)},
-            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.95], "torch_adam": True}}})
+            "zero_optimization": {"stage": stage,
+                                  "reduce_bucket_size": int(args.bucket_cap_mb * 2**20)}, "optimizer": optimizer})
 
         def ds_cats() -> dict:
             inner = opt.optimizer

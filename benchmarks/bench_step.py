@@ -57,7 +57,10 @@ CONFIGS = ["ddp", "zero", "fsdp2", "deepspeed1", "deepspeed2", "shardopt1-fp32",
 # the weight all-gather of step() waited for bucket by bucket in the next forward.
 EXTRA_CONFIGS = ["shardopt2-fp32-overlap", "shardopt2-bf16-overlap", "shardopt1-fp32-overlap", "shardopt1-bf16-overlap",
                  # Muon for the blocks' matrices, AdamW for the rest (lr 0.02 and 3e-4), fp32:
-                 "ddp-muon", "shardopt1-muon", "shardopt2-muon"]
+                 "ddp-muon", "shardopt1-muon", "shardopt2-muon",
+                 # DeepSpeed's Muon at ZeRO-1/2, its defaults: its own rule picks the matrices (2-D, name
+                 # without "embed"/"lm_head", here also wte and wpe), Gram Newton-Schulz, torch's Adam:
+                 "deepspeed1-muon", "deepspeed2-muon"]
 MUON_LR = 0.02
 
 
@@ -181,10 +184,11 @@ def worker(args: argparse.Namespace) -> None:
     elif name.startswith("deepspeed"):
         import deepspeed
 
+        adam = {"betas": list(hp["betas"]), "weight_decay": hp["weight_decay"], "torch_adam": True}
+        optimizer = {"type": "Muon", "params": {"lr": MUON_LR, "adam_lr": hp["lr"], **adam}} if name.endswith("-muon") \
+            else {"type": "AdamW", "params": {"lr": hp["lr"], **adam}}
         ds_cfg = {"train_micro_batch_size_per_gpu": args.batch_size, "gradient_accumulation_steps": 1,
-                  "optimizer": {"type": "AdamW", "params": {"lr": hp["lr"], "betas": list(hp["betas"]),
-                                                            "weight_decay": hp["weight_decay"], "torch_adam": True}},
-                  "zero_optimization": {"stage": int(name[-1])}, "bf16": {"enabled": False}}
+                  "optimizer": optimizer, "zero_optimization": {"stage": int(name[9])}, "bf16": {"enabled": False}}
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
 
         def train_step():
