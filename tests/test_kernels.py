@@ -434,7 +434,7 @@ def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monk
             out = list(_self_check.all_codecs(x, bits))
             out[3] = torch.zeros_like(out[3])  # the fp16 residual, lost
             return tuple(out)
-        return run
+        return run, _self_check.remainders_in_place
 
     monkeypatch.setattr(_self_check, "_compiled", folding_compiler)
     _self_check.first_difference.cache_clear()
@@ -454,3 +454,21 @@ def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monk
             _run_with(Kernels("fused"), "remainder", torch.float16, 17)
     finally:
         _self_check.first_difference.cache_clear()  # the next user checks the real compiler
+
+
+def test_a_compiler_that_folds_the_residual_only_when_written_in_place_is_caught(monkeypatch):
+    """Inductor's CPU code on torch 2.11 and 2.12 kept x - float(fp16(x)) exact as a new output but
+    folded it to zero when fp16(x) was written into an input, as the fused step writes the weight:
+    the self-check runs that form too and names it."""
+    from shardopt.kernels import _self_check
+
+    def in_place_folding(weights, delta, rems):
+        _self_check.remainders_in_place(weights, delta, rems)
+        rems[1].zero_()  # the fp16 residual of the in-place write, lost
+
+    monkeypatch.setattr(_self_check, "_compiled", lambda: (_self_check.all_codecs, in_place_folding))
+    _self_check.first_difference.cache_clear()
+    try:
+        assert _self_check.first_difference("cpu") == "fp16 residual written in place"
+    finally:
+        _self_check.first_difference.cache_clear()

@@ -203,3 +203,41 @@ def test_bf16_moments_do_not_depend_on_the_world_size(pools):
         for world_size in (2, 4):
             for weights in pools(world_size).run(bf16_momentum_case, stage):
                 assert all(torch.equal(a, b) for a, b in zip(weights, one)), (stage, world_size)
+
+
+def fed_case(stage: int) -> tuple[bool, int]:
+    """Different data per rank. Before each step the owner reads the averaged gradient of each
+    matrix it owns out of the optimizer and feeds it to torch.optim.Muon on a copy of the matrix;
+    after the step the matrix must equal that copy bit for bit."""
+    rank = dist.get_rank()
+    model = make_model(seed=1)
+    mats, rest = _split(model)
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               stage=stage, bucket_cap_mb=1e-4)
+    buf = next(b for b in opt.inspect().buffers if b.rule == "muon")
+    start, end = buf.shard_range.start, buf.shard_range.end
+    owned = [(i, span) for i, span in enumerate(buf.layout.params)
+             if start <= span.global_range.start < end and buf.params[i].requires_grad]
+    copies = {i: buf.params[i].detach().clone().requires_grad_() for i, _ in owned}
+    ref = torch.optim.Muon(list(copies.values()), **MUON) if copies else None
+    equal = True
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(batch(rank, step)))
+        grad = buf.local_grad
+        for i, span in owned:
+            r = span.global_range
+            copies[i].grad = grad[r.start - start:r.end - start].view(span.shape).clone()
+        opt.step()
+        if ref is not None:
+            ref.step()
+        equal &= all(torch.equal(buf.params[i].detach(), copies[i].detach()) for i, _ in owned)
+    return equal, len(owned)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_update_is_torch_muon_fed_the_averaged_gradient_bit_for_bit(pools, world_size):
+    for stage in (1, 2):
+        results = pools(world_size).run(fed_case, stage)
+        assert all(equal for equal, _ in results), (stage, results)
+        assert sum(n for _, n in results) == 3, results  # each trainable matrix (emb = head, fc1, fc2) owned once

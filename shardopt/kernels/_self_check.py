@@ -8,7 +8,11 @@ remainder lose its residual, silently: the weights would still train, only less 
 codecs every master and moment mode is built from (the bf16 remainder, the fp16 residual,
 stochastic rounding to bf16 and fp16, the bf16 moments) are compiled once per device with the
 fused kernels' own options and compared with eager on hard cases: random bit patterns, exact
-ties, subnormals, the edges of fp16's range, infinities and NaNs. On any difference
+ties, subnormals, the edges of fp16's range, infinities and NaNs. The remainders are also
+checked in the form the fused step writes them (:func:`remainders_in_place`: the 16-bit weight
+read from an input, changed and written back into it, the remainder stored beside it), since a
+code generator can keep a codec exact as a new output and still fold it when the rounded value
+is stored in place (inductor's CPU code did so for fp16 on torch 2.11 and 2.12). On any difference
 :class:`shardopt.kernels.Kernels` uses the reference kernels and warns once, naming the torch
 version. About a second on the first use of the fused path (the codecs compile once).
 """
@@ -23,7 +27,7 @@ from torch import Tensor
 from shardopt.kernels import codecs
 
 NAMES = ("bf16 weight", "bf16 remainder", "fp16 weight", "fp16 residual", "stochastic bf16", "stochastic fp16",
-         "bf16 moments")
+         "bf16 moments", "bf16 remainder written in place", "fp16 residual written in place")
 
 
 def hard_cases(n: int = 1 << 14, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -49,15 +53,44 @@ def all_codecs(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
             codecs.stochastic_round(x, torch.float16, bits), codecs.stochastic_round_bf16(x, bits))
 
 
-def _compiled() -> Callable[[Tensor, Tensor], tuple[Tensor, ...]]:
+def remainders_in_place(weights: tuple[Tensor, Tensor], delta: Tensor, rems: tuple[Tensor, Tensor]) -> None:
+    """As ``reference.step_remainder`` writes them: each 16-bit weight (bf16, fp16) read, moved by
+    ``delta`` and written back in place, its remainder stored into ``rems`` (int32)."""
+    bf16, fp16 = weights
+    hi, lo = codecs.encode_bf16_bits(bf16.float() - delta)
+    bf16.copy_(hi)
+    rems[0].copy_(lo)
+    w = fp16.float() - delta
+    p, q = codecs.encode_fp16_residual(torch.where(w.abs() <= 65504, w, torch.zeros_like(w)))
+    fp16.copy_(p)
+    rems[1].copy_(q)
+
+
+def run_all(fns: tuple[Callable, Callable], x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
+    """The codecs' outputs, then the in-place ones (weights and remainders after the write), with
+    ``fns`` the (all_codecs, remainders_in_place) to run: eager or compiled."""
+    codec_fn, in_place_fn = fns
+    finite = torch.where(x.abs() <= 60000, x, torch.zeros_like(x))
+    weights = (finite.to(torch.bfloat16), finite.to(torch.float16))
+    rems = (torch.zeros_like(x, dtype=torch.int32), torch.zeros_like(x, dtype=torch.int32))
+    delta = (bits.float() - 32768) * 2.0**-20  # small moves: each keeps a remainder
+    in_place_fn(weights, delta, rems)
+    return (*codec_fn(x, bits), torch.cat([weights[0].view(torch.int16).to(torch.int32), rems[0]]),
+            torch.cat([weights[1].view(torch.int16).to(torch.int32), rems[1]]))
+
+
+def _compiled() -> tuple[Callable, Callable]:
     from shardopt.kernels import _cpu_codegen, fused
 
-    compiled = torch.compile(all_codecs, fullgraph=True, options=fused.compile_options())
+    options = fused.compile_options()
+    compiled = [torch.compile(f, fullgraph=True, options=options) for f in (all_codecs, remainders_in_place)]
 
-    def run(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
-        with _cpu_codegen.fused_kernels():
-            return compiled(x, bits)
-    return run
+    def scoped(fn: Callable) -> Callable:
+        def run(*args: object) -> object:
+            with _cpu_codegen.fused_kernels():
+                return fn(*args)
+        return run
+    return scoped(compiled[0]), scoped(compiled[1])
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
@@ -71,7 +104,7 @@ def first_difference(device: str = "cpu") -> str | None:
     """The first codec whose compiled result differs from eager on ``device`` (see [Note:
     self-check]), or None. Compiles once per device per process; raises what compiling raises."""
     x, bits = hard_cases(device=device)
-    for name, want, got in zip(NAMES, all_codecs(x, bits), _compiled()(x, bits)):
+    for name, want, got in zip(NAMES, run_all((all_codecs, remainders_in_place), x, bits), run_all(_compiled(), x, bits)):
         if want.dtype != got.dtype or not _same(want, got):
             return name
     return None
