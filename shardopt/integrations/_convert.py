@@ -26,8 +26,13 @@ def is_torch_pair_member(opt: Any) -> bool:
     return type(opt) in (torch.optim.AdamW, torch.optim.Muon)
 
 
+def _merge_order(opts: Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """The order the merged optimizer holds their param groups in: the Muon's, then the AdamW's."""
+    return sorted(opts, key=lambda o: type(o) is not torch.optim.Muon)
+
+
 def _check_fresh(opt: torch.optim.Optimizer) -> None:
-    if type(opt) not in (torch.optim.AdamW, torch.optim.Muon):
+    if not is_torch_pair_member(opt):
         raise TypeError(f"shardopt can take over a torch.optim.AdamW, or a torch.optim.Muon with an AdamW for the "
                         f"other parameters, got {type(opt).__module__}.{type(opt).__qualname__}; build "
                         "shardopt.ShardedAdamW or ShardedMuon yourself for other optimizers")
@@ -53,8 +58,7 @@ def from_torch_adamw(opt: torch.optim.Optimizer, **shardopt_kwargs: Any) -> Shar
     ShardedAdamW, returned as is) that has not stepped. Every rank, with the same parameters."""
     if isinstance(opt, ShardedAdamW):
         return opt
-    if type(opt) is not torch.optim.AdamW:
-        _check_fresh(opt)
+    if type(opt) is torch.optim.Muon:
         raise TypeError("from_torch_adamw takes a torch.optim.AdamW; a torch.optim.Muon (with its AdamW) goes "
                         "through shardopt.integrations.from_torch([muon, adamw])")
     _check_fresh(opt)
@@ -78,11 +82,13 @@ def from_torch(optimizers: Sequence[torch.optim.Optimizer], **shardopt_kwargs: A
                          "AdamW (param groups may differ in their hyperparameters)")
     if not muons:
         return from_torch_adamw(adamws[0], **shardopt_kwargs)
-    muon = muons[0]
-    groups = [{k: v for k, v in g.items() if k != "use_muon"} for g in muon.param_groups]
-    if adamws:
-        groups += [{**g, "use_muon": False} for g in _adamw_groups(adamws[0])]
-    return ShardedMuon(groups, **{k: muon.defaults[k] for k in _MUON_KEPT}, **shardopt_kwargs)
+    groups = []
+    for o in _merge_order(opts):  # the order replacements() relies on
+        if type(o) is torch.optim.Muon:
+            groups += [{k: v for k, v in g.items() if k != "use_muon"} for g in o.param_groups]
+        else:
+            groups += [{**g, "use_muon": False} for g in _adamw_groups(o)]
+    return ShardedMuon(groups, **{k: muons[0].defaults[k] for k in _MUON_KEPT}, **shardopt_kwargs)
 
 
 class GroupView:
@@ -115,12 +121,10 @@ def replacements(optimizers: Sequence[torch.optim.Optimizer], sharded: ShardedAd
     """What each of ``optimizers`` (all converted into ``sharded`` by ``from_torch``) is replaced by
     for the schedulers built on it: the sharded optimizer itself for a lone optimizer, otherwise a
     ``GroupView`` of its own param groups (the Muon's come first, then the AdamW's)."""
-    opts = [o for o in optimizers if o is not sharded]
-    if len(opts) <= 1:
-        return {id(o): sharded for o in opts}
-    opts.sort(key=lambda o: type(o) is not torch.optim.Muon)
+    if len(optimizers) <= 1:
+        return {id(o): sharded for o in optimizers}
     out, at = {}, 0
-    for o in opts:
+    for o in _merge_order(optimizers):
         n = len(o.param_groups)
         out[id(o)] = GroupView(sharded, sharded.param_groups[at:at + n])
         at += n
