@@ -21,7 +21,6 @@ See docs/design.md [Note: teaching an Accelerator] for why the instance is patch
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -30,12 +29,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType
 from torch import Tensor
 
-from shardopt.checkpoint import load_checkpoint, save_checkpoint
+from shardopt.integrations._accelerate_state import CHECKPOINT_DIR, SavedState
 from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
 from shardopt.loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
-CHECKPOINT_DIR = "shardopt"  # the sharded optimizer checkpoint's folder inside a saved state
 # free_memory also covers clear(), which Accelerate defines as self.free_memory().
 _PATCHED = ("prepare", "backward", "clip_grad_norm_", "no_sync", "get_state_dict", "save_state", "load_state",
             "free_memory")
@@ -99,31 +97,10 @@ def _unwrapped(opt: Any) -> Any:
     return opt
 
 
-def _unshared(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with every tensor copied out of the flat buffer it is a view of: safetensors refuses
-    tensors that share storage. Tied weights become two equal tensors, as safetensors wants them."""
-    return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in state.items()}
-
-
-class _LoadInto(torch.nn.Module):
-    """Stands in for a model while Accelerate loads its weights file: safetensors' ``load_model``
-    refuses a model whose tensors share one storage (they are views of the flat buffer), so it is
-    shown no tensors of its own and its ``load_state_dict`` goes to the real model."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.__dict__["target"] = model  # not a submodule: state_dict() stays empty
-
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
-        return self.target.load_state_dict(state_dict, strict=strict)
-
-
-class _Binding:
+class _Binding(SavedState):
     """What one Accelerator knows about shardopt: the ShardedAdamW it prepared and the model that
-    optimizer trains, and the accelerator's own methods that it stands in front of."""
+    optimizer trains, and the accelerator's own methods that it stands in front of (its saved
+    state: ``SavedState``)."""
 
     def __init__(self, accelerator: Accelerator) -> None:
         self.accelerator = accelerator
@@ -160,21 +137,19 @@ class _Binding:
         may come in one call or in several, in either order."""
         acc = self.accelerator
         pending_model, pending_kwargs = (self.pending[0], self.pending[1]) if self.pending else (None, None)
-        mine = []
-        pair = [i for i, a in enumerate(args) if is_torch_pair_member(a)] \
-            if any(type(a) is torch.optim.Muon for a in args) else []  # a torch Muon + AdamW: one ShardedMuon
-        pair_ids = set().union(*(_params(args[i]) for i in pair))
-        for i, a in enumerate(args):
-            if isinstance(_unwrapped(a), ShardedAdamW):
-                mine.append(i)
-            elif i in pair and (self.convert_kwargs is not None or pending_model is not None
-                                and _covers(pair_ids, pending_model)):
-                mine.append(i)
-            elif type(a) is torch.optim.AdamW and not pair and (
-                    self.convert_kwargs is not None or pending_model is not None
-                    and _covers(_params(a), pending_model)):
-                mine.append(i)
-        merging = len(mine) > 1 and all(i in pair for i in mine)
+        # Torch optimizers to convert: a Muon with the AdamW beside it make one ShardedMuon, an AdamW alone
+        # a ShardedAdamW; taken when shardopt's prepare runs, or when they train the model waiting here.
+        torch_opts = [i for i, a in enumerate(args) if is_torch_pair_member(a)]
+        units = [torch_opts] if any(type(args[i]) is torch.optim.Muon for i in torch_opts) else \
+            [[i] for i in torch_opts]
+
+        def taken(unit: list[int]) -> bool:
+            return self.convert_kwargs is not None or pending_model is not None and \
+                _covers(set().union(*(_params(args[i]) for i in unit)), pending_model)
+
+        mine = sorted([i for i, a in enumerate(args) if isinstance(_unwrapped(a), ShardedAdamW)]
+                      + [i for unit in units if taken(unit) for i in unit])
+        merging = len(mine) > 1 and set(mine) <= set(torch_opts)
         if len(mine) > 1 and not merging or mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
             raise ValueError("one Accelerator trains one ShardedAdamW; put all param groups into one optimizer")
         if mine and acc.distributed_type in _UNSUPPORTED:
@@ -184,7 +159,8 @@ class _Binding:
         placement = list(device_placement) if device_placement is not None else [None] * len(args)
         out = list(args)
         base = _unwrapped(args[mine[0]]) if mine else self.opt
-        ids = pair_ids if merging else _params(base) if base is not None else set()
+        ids = set().union(*(_params(args[i]) for i in mine)) if merging else \
+            _params(base) if base is not None else set()
         for i, a in enumerate(args):  # models: those of the optimizer, or waiting for one, get no DDP
             if not isinstance(a, torch.nn.Module):
                 continue
@@ -324,68 +300,6 @@ class _Binding:
         else:
             with self.original["no_sync"](model):
                 yield
-
-    # -- saved state -------------------------------------------------------------------------
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
-        """``Accelerator.get_state_dict``; for the ShardedAdamW's model, copies of the weights (they
-        are views of one flat buffer, and safetensors, or Accelerate's clean-up of shared tensors
-        before it in ``save_model``, would keep one tensor of them). Overlapped weight gathers are
-        waited for by ``state_dict()`` itself (see _gather_wait). Any rank."""
-        state = self.original["get_state_dict"](model, unwrap=unwrap)
-        if self.model is not None and self.accelerator.unwrap_model(model) is self.model:
-            state = _unshared(state)
-        return state
-
-    @contextlib.contextmanager
-    def _without_mine(self, loading: bool = False) -> Iterator[None]:
-        """Accelerate would save the optimizer's ``state_dict()`` from rank 0 only (one shard of it):
-        it is hidden from Accelerate's own saving and loading; when loading, so is the model's
-        shared storage (``_LoadInto``)."""
-        acc, wrapped = self.accelerator, self.wrapped
-        at = acc._optimizers.index(wrapped) if wrapped in acc._optimizers else None
-        models = list(acc._models)
-        if at is not None:
-            acc._optimizers.remove(wrapped)
-        if loading:
-            acc._models[:] = [_LoadInto(m) if acc.unwrap_model(m) is self.model else m for m in models]
-        try:
-            yield
-        finally:
-            acc._models[:] = models
-            if at is not None:
-                acc._optimizers.insert(at, wrapped)
-
-    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs: Any) -> str:
-        """``Accelerator.save_state``; the optimizer goes into ``<output_dir>/shardopt`` as a sharded
-        checkpoint. Every rank."""
-        with self._without_mine():
-            return self.original["save_state"](output_dir, safe_serialization=safe_serialization, **kwargs)
-
-    def load_state(self, input_dir: str | None = None, **kwargs: Any) -> None:
-        """``Accelerator.load_state``, at any number of processes. Every rank."""
-        with self._without_mine(loading=True):
-            return self.original["load_state"](input_dir, **kwargs)
-
-    def _before_save(self, models: list, weights: list, output_dir: str) -> None:
-        if self.opt is None:  # weights: get_state_dict above copied them out of the flat buffer
-            return
-        self._check_model()
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.opt)
-
-    def _check_model(self) -> None:
-        if self.model is None:
-            raise ValueError("the model this ShardedAdamW trains was not prepared by this accelerator: prepare it "
-                             "through shardopt.integrations.accelerate.prepare (with the optimizer, or before it)")
-
-    def _before_load(self, models: list, input_dir: str) -> None:  # ``models`` holds the _LoadInto
-        if self.opt is None:
-            return
-        self._check_model()
-        path = os.path.join(input_dir, CHECKPOINT_DIR)
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"{input_dir} holds no shardopt optimizer checkpoint ({CHECKPOINT_DIR}/); it was "
-                                    "not saved by an accelerator prepared with shardopt.integrations.accelerate")
-        load_checkpoint(path, self.model, self.opt)
 
 
 def install(accelerator: Accelerator) -> Accelerator:
