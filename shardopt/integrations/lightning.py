@@ -1,7 +1,8 @@
 """``ShardedStrategy``: PyTorch Lightning data parallelism with ``ShardedAdamW`` instead of DDP.
 
 Owns the glue between Lightning's training loop and the optimizer: the optimizers returned by
-``configure_optimizers`` (a ``torch.optim.AdamW`` is converted, its LR schedulers re-targeted),
+``configure_optimizers`` (a ``torch.optim.AdamW`` is converted, a Muon + AdamW pair merged, their
+LR schedulers re-targeted),
 the backward (through the optimizer's loss scaling when it scales), gradient clipping (the
 optimizer's global norm), accumulation without communication (``no_sync``), the
 ``LightningOptimizer`` wrapper and consolidated checkpoints. Process-group setup, the distributed
@@ -62,7 +63,8 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(or pip install lightning)") from e
 
 from shardopt import sync_module_states
-from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
+from shardopt.integrations._convert import from_torch, is_torch_pair_member, retarget_scheduler
+from shardopt.integrations._lightning_conf import merge_torch_pair
 from shardopt.optimizer import ShardedAdamW
 
 __all__ = ["ShardedStrategy"]
@@ -163,7 +165,8 @@ class ShardedStrategy(DDPStrategy):
         own = module.__dict__.get("configure_optimizers")
         hook = module.configure_optimizers
         views: dict[int, Any] = {}
-        module.configure_optimizers = lambda: self._merge_pair(hook(), views)  # before Lightning counts them
+        # The pair is merged before Lightning counts the optimizers (one in automatic optimization).
+        module.configure_optimizers = lambda: merge_torch_pair(hook(), views, **self.shardopt_options)
         try:
             super().setup_optimizers(trainer)
         finally:
@@ -180,38 +183,6 @@ class ShardedStrategy(DDPStrategy):
         for config in self.lr_scheduler_configs:
             retarget_scheduler(config.scheduler, replaced)
         self.optimizers = converted
-
-    def _merge_pair(self, conf: Any, views: dict[int, Any]) -> Any:
-        """``configure_optimizers``' output with a torch Muon + AdamW pair replaced by one ShardedMuon
-        (Lightning's two-lists form; other outputs as they were). Its schedulers point at the
-        ShardedMuon while Lightning checks them, and ``views`` keeps what they drive afterwards."""
-        if isinstance(conf, (list, tuple)) and len(conf) == 2 and isinstance(conf[0], list):
-            opts, scheds = list(conf[0]), list(conf[1])
-        elif isinstance(conf, (list, tuple)) and conf and all(isinstance(c, dict) for c in conf):
-            opts, scheds = [c["optimizer"] for c in conf], []
-            for c in conf:
-                if c.get("lr_scheduler") is not None:
-                    sched = c["lr_scheduler"]
-                    sched = dict(sched) if isinstance(sched, dict) else {"scheduler": sched}
-                    scheds.append({**({"monitor": c["monitor"]} if "monitor" in c else {}), **sched})
-        elif isinstance(conf, (list, tuple)):
-            opts, scheds = list(conf), []
-        else:
-            return conf
-        if not any(type(o) is torch.optim.Muon for o in opts):
-            return conf
-        if not all(is_torch_pair_member(o) for o in opts):
-            others = [f"{type(o).__module__}.{type(o).__qualname__}" for o in opts if not is_torch_pair_member(o)]
-            raise TypeError(f"configure_optimizers returned a torch.optim.Muon with {others}: ShardedStrategy merges a "
-                            "Muon and an AdamW into one ShardedMuon; return those two (or build a ShardedMuon)")
-        merged = from_torch(opts, **self.shardopt_options)
-        replaced = replacements(opts, merged)
-        for s in scheds:
-            scheduler = s["scheduler"] if isinstance(s, dict) else s
-            retarget_scheduler(scheduler, replaced)
-            views[id(scheduler)] = scheduler.optimizer
-            scheduler.optimizer = merged  # what Lightning's check of the returned schedulers looks for
-        return [merged], scheds
 
     def _sharded(self, index: int, opt: torch.optim.Optimizer) -> torch.optim.Optimizer:
         if isinstance(opt, ShardedAdamW):
@@ -339,8 +310,6 @@ def _check_built_on_final_module(opt: ShardedAdamW, plugin: Precision) -> None:
             f"{moved[0]} (precision {plugin.precision!r}). Build the ShardedAdamW inside "
             "configure_optimizers, which Lightning calls after converting the module and moving it to the "
             "device, or return a torch.optim.AdamW and let ShardedStrategy convert it")
-
-
 
 
 class _ShardedClipping:
