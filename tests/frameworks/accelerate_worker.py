@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import shardopt
 import shardopt.integrations.accelerate as so_accelerate
-from common import max_diff, tiny_gpt2, tokens, weights, write_result
+from common import max_diff, tiny_gpt2, tokens, torch_muon_pair, weights, write_result
 
 ACCUM, CLIP, LR, MICRO = 2, 0.5, 3e-3, 8  # micro-batches per rank in a full run
 SAVE_AFTER = 4  # micro-batches (two optimizer steps) before save_state
@@ -95,12 +95,7 @@ def muon_run(kind: str) -> dict:
     acc = Accelerator(gradient_accumulation_steps=ACCUM, cpu=True)
     model = tiny_gpt2(seed=0)
     data = DataLoader(tokens(), batch_size=8 // acc.num_processes, shuffle=False)
-    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
-    named = list(model.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if p.dim() == 2 and n not in embeddings], lr=0.02, momentum=0.9)
-    adamw = torch.optim.AdamW([p for n, p in named if p.dim() != 2 or n in embeddings], lr=LR, betas=(0.9, 0.95))
-    lr = torch.optim.lr_scheduler
-    s1, s2 = lr.LambdaLR(muon, lambda s: 0.8 ** s), lr.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 3))
+    muon, adamw, (s1, s2) = torch_muon_pair(model, LR)
     if kind == "ddp":
         model, muon, adamw, data, s1, s2 = acc.prepare(model, muon, adamw, data, s1, s2)
     else:

@@ -39,3 +39,19 @@ def weights(model: torch.nn.Module) -> dict[str, list[float]]:
 def max_diff(a: dict[str, list[float]], b: dict[str, list[float]]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     return max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+def is_hidden_matrix(name: str, p: torch.Tensor) -> bool:
+    """Muon's share of GPT-2: the 2-D weights but the token and position embeddings (which the
+    head shares); the rest trains with AdamW."""
+    return p.dim() == 2 and not name.endswith(("transformer.wte.weight", "transformer.wpe.weight"))
+
+
+def torch_muon_pair(model: torch.nn.Module, adamw_lr: float) -> tuple:
+    """What a user hands a framework: torch.optim.Muon (lr 0.02, momentum 0.9) for the hidden
+    matrices, torch.optim.AdamW for the rest, and a per-step LambdaLR on each (different schedules)."""
+    named = list(model.named_parameters())
+    muon = torch.optim.Muon([p for n, p in named if is_hidden_matrix(n, p)], lr=0.02, momentum=0.9)
+    adamw = torch.optim.AdamW([p for n, p in named if not is_hidden_matrix(n, p)], lr=adamw_lr, betas=(0.9, 0.95))
+    lr = torch.optim.lr_scheduler
+    return muon, adamw, (lr.LambdaLR(muon, lambda s: 0.8 ** s), lr.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 3)))

@@ -19,7 +19,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 import shardopt
 
-from common import tiny_gpt2, tokens, weights, write_result
+from common import is_hidden_matrix, tiny_gpt2, tokens, weights, write_result
 from shardopt.integrations.hf import ShardedTrainer
 
 STEPS, ACCUM, CLIP = 4, 2, 0.5
@@ -83,11 +83,10 @@ MUON = {"adjust_lr_fn": "match_rms_adamw", "momentum": 0.9}
 def muon_groups(model: torch.nn.Module, lr: float = 3e-3, wd: float = 0.1) -> tuple[list[dict], list[dict]]:
     """GPT-2's hidden matrices (2-D, not the token or position embeddings, which the head shares) for
     Muon; the rest for AdamW in Trainer's decay / no-decay groups, with the TrainingArguments' values."""
-    embeddings = {"transformer.wte.weight", "transformer.wpe.weight"}
     decay = set(Trainer.get_decay_parameter_names(None, model))
     named = list(model.named_parameters())
-    mats = [p for n, p in named if p.dim() == 2 and n not in embeddings]
-    rest = [(n, p) for n, p in named if p.dim() != 2 or n in embeddings]
+    mats = [p for n, p in named if is_hidden_matrix(n, p)]
+    rest = [(n, p) for n, p in named if not is_hidden_matrix(n, p)]
     adamw = [{"params": [p for n, p in rest if n in decay], "weight_decay": wd},
              {"params": [p for n, p in rest if n not in decay], "weight_decay": 0.0}]
     return [{"params": mats, "lr": lr, "weight_decay": wd, **MUON}], [g for g in adamw if g["params"]]

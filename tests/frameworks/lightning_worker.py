@@ -39,7 +39,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 import shardopt
-from common import tiny_gpt2, tokens, write_result
+from common import tiny_gpt2, tokens, torch_muon_pair, write_result
 from shardopt.integrations.lightning import ShardedStrategy
 
 CLIP, ACCUM, LR, GLOBAL_BATCH = 0.5, 2, 3e-3, 8
@@ -140,17 +140,6 @@ class GPTModule(pl.LightningModule):
         return opt
 
 
-def muon_pair(module: pl.LightningModule) -> tuple:
-    """GPT-2's hidden matrices with torch.optim.Muon, the embeddings, norms and biases with AdamW;
-    a per-step LambdaLR on each (different schedules)."""
-    embeddings = {"gpt.transformer.wte.weight", "gpt.transformer.wpe.weight"}
-    named = list(module.named_parameters())
-    muon = torch.optim.Muon([p for n, p in named if p.dim() == 2 and n not in embeddings], lr=0.02, momentum=0.9)
-    adamw = torch.optim.AdamW([p for n, p in named if p.dim() != 2 or n in embeddings], lr=LR, betas=(0.9, 0.95))
-    lr = torch.optim.lr_scheduler
-    return muon, adamw, (lr.LambdaLR(muon, lambda s: 0.8 ** s), lr.LambdaLR(adamw, lambda s: min(1.0, (s + 1) / 3)))
-
-
 class MuonModule(GPTModule):
     """``form``: "ref" (manual optimization of the torch pair, as Lightning requires for two
     optimizers), "lists" or "dicts" (the pair returned in that form, automatic optimization)."""
@@ -181,7 +170,7 @@ class MuonModule(GPTModule):
             super().on_before_optimizer_step(optimizer)
 
     def configure_optimizers(self) -> object:
-        muon, adamw, (s1, s2) = muon_pair(self)
+        muon, adamw, (s1, s2) = torch_muon_pair(self, LR)
         if self.form == "dicts":
             return ({"optimizer": muon, "lr_scheduler": {"scheduler": s1, "interval": "step"}},
                     {"optimizer": adamw, "lr_scheduler": {"scheduler": s2, "interval": "step"}})
