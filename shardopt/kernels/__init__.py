@@ -2,7 +2,8 @@
 
 :func:`select` picks the implementation: the environment variable ``SHARDOPT_KERNEL`` forces
 ``fused`` or ``reference``; otherwise (``auto``) the fused path is used and, should compilation
-fail, the reference with a warning.
+fail or the compiled code differ from the reference in a codec a call runs (see
+:mod:`shardopt.kernels._self_check`), the reference with a warning.
 """
 from __future__ import annotations
 
@@ -23,8 +24,10 @@ STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none", "mo
 
 
 class Kernels:
-    """The step functions and gradient statistics of one implementation; a fused one falls back to
-    the reference (with one warning) the first time compilation fails."""
+    """The step functions and gradient statistics of one implementation (one object per sharded
+    buffer, so per master mode, weight dtype and moments); a fused one falls back to the reference
+    (with one warning) the first time compilation fails or a call needs a codec this torch's
+    compiler gets wrong."""
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -46,7 +49,7 @@ class Kernels:
                 if self._impl is reference:  # an earlier compile failed, or the self-check
                     return reference_fn(*args, **kwargs)
                 try:
-                    if self._self_check_failed(args):
+                    if self._self_check_failed(reference_fn, args, kwargs):
                         return reference_fn(*args, **kwargs)
                     return fused_fn(*args, **kwargs)
                 except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
@@ -61,17 +64,17 @@ class Kernels:
         self.__dict__[step_name] = fn  # later lookups find it without building a wrapper per call
         return fn
 
-    def _self_check_failed(self, args: tuple) -> bool:
-        """Before this object's first fused call: the codecs compiled on this device must equal
-        eager bit for bit (see _self_check [Note: self-check]); if not, use the reference from now
-        on, with one warning (an error with SHARDOPT_KERNEL=fused)."""
-        if self.__dict__.get("_checked"):
-            return False
+    def _self_check_failed(self, reference_fn: types.FunctionType, args: tuple, kwargs: dict) -> bool:
+        """Whether this fused call runs a codec that this device's compiled code does not compute
+        bit for bit as eager does (see _self_check [Note: self-check]); if so, this object uses the
+        reference from now on, with one warning (an error with SHARDOPT_KERNEL=fused)."""
         from shardopt.kernels import _self_check
 
+        used = _self_check.codecs_used(reference_fn, args, kwargs)
+        if not used:
+            return False
         device = next((str(a.device) for a in args if isinstance(a, torch.Tensor)), "cpu")
-        bad = _self_check.first_difference(device)
-        self.__dict__["_checked"] = True
+        bad = next((name for name in _self_check.differences(device) if name in used), None)
         if bad is None:
             return False
         message = (f"shardopt: torch {torch.__version__}'s compiler does not compute the {bad} codec bit for bit "

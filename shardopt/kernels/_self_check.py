@@ -12,13 +12,16 @@ ties, subnormals, the edges of fp16's range, infinities and NaNs. The remainders
 checked in the form the fused step writes them (:func:`remainders_in_place`: the 16-bit weight
 read from an input, changed and written back into it, the remainder stored beside it), since a
 code generator can keep a codec exact as a new output and still fold it when the rounded value
-is stored in place (inductor's CPU code did so for fp16 on torch 2.11 and 2.12). On any difference
-:class:`shardopt.kernels.Kernels` uses the reference kernels and warns once, naming the torch
-version. About a second on the first use of the fused path (the codecs compile once).
+is stored in place (inductor's CPU code did so for fp16 on torch 2.11 and 2.12). A kernel call
+that runs a codec which differs (:func:`codecs_used`: the fp16 remainder mode's step, say) makes
+its :class:`shardopt.kernels.Kernels` use the reference kernels, with one warning naming the codec
+and the torch version; the modes built from codecs that agree stay fused. About a second, once per
+process and device, on the first fused call that runs a codec.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Callable
 
 import torch
@@ -100,11 +103,34 @@ def _same(a: Tensor, b: Tensor) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def first_difference(device: str = "cpu") -> str | None:
-    """The first codec whose compiled result differs from eager on ``device`` (see [Note:
-    self-check]), or None. Compiles once per device per process; raises what compiling raises."""
+def differences(device: str = "cpu") -> tuple[str, ...]:
+    """The codecs (of :data:`NAMES`) whose compiled result differs from eager on ``device`` (see
+    [Note: self-check]). Compiles once per device per process; raises what compiling raises."""
     x, bits = hard_cases(device=device)
-    for name, want, got in zip(NAMES, run_all((all_codecs, remainders_in_place), x, bits), run_all(_compiled(), x, bits)):
-        if want.dtype != got.dtype or not _same(want, got):
-            return name
-    return None
+    pairs = zip(NAMES, run_all((all_codecs, remainders_in_place), x, bits), run_all(_compiled(), x, bits))
+    return tuple(name for name, want, got in pairs if want.dtype != got.dtype or not _same(want, got))
+
+
+_WEIGHT_CODECS = {  # step function -> the codecs it writes its 16-bit weight with, by weight dtype
+    "step_fp32": {torch.bfloat16: ("bf16 weight",), torch.float16: ("fp16 weight",)},
+    "step_none": {torch.bfloat16: ("bf16 weight",), torch.float16: ("fp16 weight",)},
+    "step_stochastic": {torch.bfloat16: ("stochastic bf16",), torch.float16: ("stochastic fp16",)},
+    "step_remainder": {torch.bfloat16: ("bf16 remainder", "bf16 remainder written in place"),
+                       torch.float16: ("fp16 residual", "fp16 residual written in place")},
+}
+
+
+def codecs_used(reference_fn: Callable, args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """The checked codecs (of :data:`NAMES`) that ``reference_fn(*args, **kwargs)`` runs, read from
+    its arguments: the 16-bit weight it writes (``param``, or ``param_out`` of the fp32 master) and
+    its moments (bf16 ones are stored with stochastic rounding). None for the gradient statistics."""
+    by_dtype = _WEIGHT_CODECS.get(reference_fn.__name__)
+    if by_dtype is None:
+        return ()
+    given = inspect.signature(reference_fn).bind(*args, **kwargs).arguments
+    weight = given.get("param", given.get("param_out"))
+    used = by_dtype.get(weight.dtype, ()) if isinstance(weight, torch.Tensor) else ()
+    m = given.get("m")
+    if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16:
+        used += ("bf16 moments",)
+    return used
