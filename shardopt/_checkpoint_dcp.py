@@ -16,9 +16,10 @@ its N-D shape. We bridge the two with views and no communication of our own:
   (DCP copies one block at a time into a compact tensor as it writes it).
 * Every box becomes one DCP chunk of the key ``"model.<fqn>"``, ``"optim.exp_avg.<fqn>"``, ...
   with its true global offsets and the parameter's true shape and dtype. DCP's metadata thus
-  records each parameter by its fully qualified name, shape, dtype and chunk offsets, and its
-  own resharding (``create_read_items_for_chunk_list``) serves any other split on load: at any
-  world size, bucket size or stage, or with no process group at all (the converter).
+  records each parameter by its fully qualified name, shape, dtype and chunk offsets, and
+  resharding (each wanted block read from the saved chunks it overlaps: :func:`read_items`)
+  serves any other split on load: at any world size, bucket size or stage, or with no process
+  group at all (the converter).
 
 Alternatives we rejected (torch 2.13):
 
@@ -54,8 +55,15 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 
 from shardopt._layout import Range
 
@@ -150,6 +158,27 @@ class _BlockSavePlanner(dcp.DefaultSavePlanner):
         return self._blocks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
 
+def read_items(key: str, saved: list[ChunkStorageMetadata], wanted: list[Box]) -> list[ReadItem]:
+    """The reads that fill each wanted box of tensor ``key`` from the saved chunks it overlaps,
+    one per overlapping pair (what DCP's own ``create_read_items_for_chunk_list`` computes, written
+    here with DCP's public planner types only)."""
+    items = []
+    for i, (offsets, sizes) in enumerate(wanted):
+        for j, chunk in enumerate(saved):
+            lo = [max(a, b) for a, b in zip(offsets, chunk.offsets)]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, sizes, chunk.offsets, chunk.sizes)]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue  # no overlap in some dimension (a 0-d tensor always overlaps)
+            items.append(ReadItem(
+                type=LoadItemType.TENSOR,
+                dest_index=MetadataIndex(key, torch.Size(offsets), i),
+                dest_offsets=torch.Size([low - o for low, o in zip(lo, offsets)]),
+                storage_index=MetadataIndex(key, chunk.offsets, j),
+                storage_offsets=torch.Size([low - o for low, o in zip(lo, chunk.offsets)]),
+                lengths=torch.Size([h - low for low, h in zip(lo, hi)])))
+    return items
+
+
 class _BlockLoadPlanner(dcp.DefaultLoadPlanner):
     """Reads the given blocks, each from whichever saved chunks overlap it."""
 
@@ -166,9 +195,7 @@ class _BlockLoadPlanner(dcp.DefaultLoadPlanner):
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata):
                 raise ValueError(f"checkpoint has no tensor {key!r}")
-            chunks = [ChunkStorageMetadata(offsets=torch.Size(b.offsets), sizes=torch.Size(b.tensor.shape))
-                      for b in blocks]
-            requests += create_read_items_for_chunk_list(key, md, chunks)
+            requests += read_items(key, md.chunks, [(b.offsets, tuple(b.tensor.shape)) for b in blocks])
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
