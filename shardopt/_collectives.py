@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardopt._compat import flat_mesh_group
 from shardopt._layout import Range, receive_chunks
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
@@ -150,7 +151,7 @@ def mesh_groups(mesh: Any) -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
     if mesh.size() == dist.get_world_size():
         whole = None
     else:  # the data-parallel part of a larger mesh (tensor parallelism beside it)
-        whole = mesh._flatten().get_group()
+        whole = flat_mesh_group(mesh)  # see _compat
     return whole, shard, (replicate if mesh.shape[0] > 1 else None)
 
 

@@ -266,6 +266,28 @@ def test_the_data_parallel_part_of_a_larger_mesh(pools):
     assert [g["comm"] for g in res] == [(2, 1, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 1)]
 
 
+def submesh_without_flatten_case() -> dict:
+    """submesh_case with DeviceMesh._flatten() removed (see shardopt._compat.flat_mesh_group)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    flatten = DeviceMesh._flatten
+    del DeviceMesh._flatten
+    try:
+        return {**submesh_case(), "had_flatten": hasattr(DeviceMesh, "_flatten")}
+    finally:
+        DeviceMesh._flatten = flatten
+
+
+def test_without_device_mesh_flatten_the_data_parallel_group_comes_from_public_calls(pools):
+    """The fallback for a torch without DeviceMesh._flatten(): all_gather_object + new_group give
+    the same data-parallel worlds, which train as the flat process groups do."""
+    res = pools(4).run(submesh_without_flatten_case)
+    for r, got in enumerate(res):
+        assert not got["had_flatten"], r
+        assert got["worst"] <= 2e-6, (r, got)
+    assert [g["comm"] for g in res] == [(2, 1, 2, 0), (2, 1, 2, 0), (2, 1, 2, 1), (2, 1, 2, 1)]
+
+
 def four_replicas_case() -> dict:
     """A (4, 1) mesh: every rank holds all the state and the gradient average is one 4-way
     all-reduce per bucket, large enough (1 MiB buckets) for gloo's multi-step algorithms."""
