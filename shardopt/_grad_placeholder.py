@@ -89,8 +89,9 @@ class GradPlaceholder(Tensor):
         if func in (_aten.detach.default, _aten.alias.default):
             return args[0]
         if func is _aten.add.Tensor and isinstance(args[0], GradPlaceholder):
-            raise RuntimeError("a backward with create_graph=True cannot add to the gradient ShardedAdamW(stage=2) "
-                               "holds in shards: call opt.zero_grad() (or model.zero_grad()) before it")
+            raise RuntimeError("autograd added a new gradient out of place to the gradient ShardedAdamW(stage=2) "
+                               "holds in shards (a backward with create_graph=True, or compiled autograd), which "
+                               "it cannot do: call opt.zero_grad() (or model.zero_grad()) before that backward")
         flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
         accumulating = any(isinstance(a, GradPlaceholder) and a.accumulating for a in flat)
         raise RuntimeError((ACCUMULATING if accumulating else MESSAGE).format(op=func))

@@ -52,3 +52,61 @@ def test_without_an_internal_that_has_no_fallback_construction_names_the_torch_v
         monkeypatch.setattr(torch.autograd.Variable, "_execution_engine", object())
     with pytest.raises(RuntimeError, match=rf"does not have; install torch {_compat.TESTED}"):
         shardopt.ShardedAdamW(_net().parameters(), lr=0.05)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_checkpoint_reads_match_dcp_resharding(seed):
+    """shardopt's own read planning (public DCP types only) asks for exactly the reads DCP's
+    internal create_read_items_for_chunk_list computes, on random saved and wanted box layouts."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    from shardopt._checkpoint_dcp import read_items
+
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(int(x) for x in torch.randint(1, 7, (1 + seed % 3,), generator=g))
+
+    def split() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:  # a random grid of boxes over shape
+        cuts = [sorted({0, n, *torch.randint(0, n + 1, (2,), generator=g).tolist()}) for n in shape]
+        grid = [[(a, b - a) for a, b in zip(c, c[1:])] for c in cuts]
+        boxes = [((), ())]
+        for dim in grid:
+            boxes = [(o + (a,), s + (n,)) for o, s in boxes for a, n in dim]
+        return boxes
+
+    saved = [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in split()]
+    wanted = split()
+    md = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(shape), chunks=saved)
+    theirs = create_read_items_for_chunk_list(
+        "k", md, [ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in wanted])
+
+    def key(r) -> tuple:
+        return (r.type, r.dest_index, tuple(r.dest_offsets), r.storage_index, tuple(r.storage_offsets), tuple(r.lengths))
+
+    ours = read_items("k", saved, wanted)
+    assert len(ours) >= len(wanted)
+    assert sorted(map(key, ours), key=repr) == sorted(map(key, theirs), key=repr)
+
+
+@pytest.mark.parametrize("internal", ["wrapper subclass", "version counter"])
+def test_without_the_placeholder_or_version_internals_construction_names_the_torch_version(monkeypatch, internal):
+    if internal == "wrapper subclass":
+        monkeypatch.setattr(torch.Tensor, "_make_wrapper_subclass", None)
+    else:
+        monkeypatch.setattr(torch.Tensor, "_version", None)
+    with pytest.raises(RuntimeError, match=rf"does not have; install torch {_compat.TESTED}"):
+        shardopt.ShardedAdamW(_net().parameters(), lr=0.05)
+
+
+def test_an_out_of_place_accumulation_into_the_stage2_placeholder_says_to_zero_first():
+    """AccumulateGrad adds out of place under create_graph=True (as compiled autograd may): the
+    placeholder cannot, and the error says what to do; zeroing first makes the same pass work."""
+    net = _net()
+    opt = shardopt.ShardedAdamW(net.parameters(), lr=0.05, stage=2)
+    _forward(net, 0).backward()
+    with pytest.raises(RuntimeError, match=r"out of place .*create_graph=True, or compiled autograd.*opt.zero_grad"):
+        _forward(net, 0).backward(create_graph=True)
+    opt.zero_grad()
+    _forward(net, 0).backward(create_graph=True)
+    opt.step()
+    opt.close()
