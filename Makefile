@@ -3,8 +3,11 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+# The oldest torch shardopt supports (setup.cfg), PyPI's build; its own venv, for `make test-floor`.
+FLOOR_VENV  ?= .venv-floor
+FLOOR_TORCH ?= torch==2.12.1
 
-.PHONY: setup demo test test-fast docs clean
+.PHONY: setup demo test test-fast test-floor docs clean
 
 setup: $(VENV)/.installed
 
@@ -23,10 +26,16 @@ test: setup
 test-fast: setup  # the unit tier: nothing outside the test process, under a minute
 	$(PY) -m pytest -q -m unit -n 2
 
+test-floor:  # the unit tier on the floor torch (a 1.4 GB download the first time: PyPI's torch is a CUDA build)
+	@test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
+	@$(FLOOR_VENV)/bin/python -m pip install -q "$(FLOOR_TORCH)" -e '.[test,hf,lightning]'
+	$(FLOOR_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/python -m pytest -q -m unit -n 2 -p no:cacheprovider
+
 docs: setup  # the site in site/, strict: a broken link, anchor or page fails
 	@$(PY) -c "import mkdocs, material, mkdocstrings_handlers.python" 2>/dev/null || $(PY) -m pip install -q -e '.[docs]'
 	$(PY) benchmarks/report.py --check
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache site
+	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info .pytest_cache site

@@ -78,9 +78,9 @@ class Kernels:
         if bad is None:
             return False
         message = (f"shardopt: torch {torch.__version__}'s compiler does not compute the {bad} codec bit for bit "
-                   f"as written on {device}, so the fused update could lose precision silently; using the "
-                   "reference kernel (slower, exact). Use the torch version shardopt is tested with (see the "
-                   "README's install section)")
+                   f"as written on {device}, so the fused update could lose precision silently; these "
+                   "parameters use the reference kernel (slower, exact). torch 2.13 compiles every codec exactly "
+                   "(see the README's install section); SHARDOPT_KERNEL=reference skips the check")
         if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
             raise RuntimeError(message)
         warnings.warn(message, RuntimeWarning, stacklevel=3)
