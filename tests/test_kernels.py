@@ -513,3 +513,42 @@ def test_a_compiler_that_folds_the_fp16_residual_leaves_the_other_modes_fused(mo
             assert torch.equal(a, b), key
     finally:
         _self_check.differences.cache_clear()
+
+
+_WITHOUT_ADDITIONS = r"""
+import json, sys
+import torch
+from shardopt.kernels import _cpu_codegen, _self_check
+_cpu_codegen._state["tried"] = True  # as on a torch whose code generator is laid out otherwise
+sys.path.insert(0, "tests")
+from test_kernels import _run, _ulps
+out = {"installed": _cpu_codegen.installed(), "differences": _self_check.differences("cpu")}
+for dtype in (torch.bfloat16, torch.float16):
+    ref, fused = _run("fp32", dtype, 4099, "reference"), _run("fp32", dtype, 4099, "fused")
+    out[str(dtype)] = [_ulps(ref["param"], fused["param"]),  # test_fused_matches_reference's tolerances
+                       torch.allclose(ref["master"], fused["master"], rtol=1e-6, atol=2.5e-7),
+                       torch.allclose(ref["m"], fused["m"], rtol=1e-6, atol=1e-7),
+                       torch.allclose(ref["v"], fused["v"], rtol=1e-6, atol=1e-9)]
+json.dump(out, sys.stdout)
+"""
+
+
+@pytest.mark.launch
+def test_without_the_code_generator_additions_the_fused_kernels_stay_exact():
+    """The fallback for a torch whose inductor is laid out otherwise (see _cpu_codegen): the
+    additions are left out, the codecs still compile bit for bit, and the fused step agrees with
+    the reference as closely as with the additions (test_fused_matches_reference's tolerances)."""
+    import json
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SHARDOPT_KERNEL": "fused", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    run = subprocess.run([sys.executable, "-c", _WITHOUT_ADDITIONS], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    got = json.loads(run.stdout.strip().splitlines()[-1])
+    assert got["installed"] is False, got
+    assert got["differences"] == list(_FOLDED_ON[tuple(int(x) for x in torch.__version__.split(".")[:2])]), got
+    for dtype in ("torch.bfloat16", "torch.float16"):
+        ulps, *close = got[dtype]
+        assert ulps <= 1 and all(close), (dtype, got)
