@@ -26,6 +26,7 @@ from typing import Sequence
 
 import torch
 
+from shardopt._compat import version
 from shardopt._flat import FlatParams
 
 
@@ -48,17 +49,17 @@ class ParamBinding:
         self.flat = flat
         self.names = list(names)  # how error messages name each parameter, in buffer order
         self._ptr = [p.data_ptr() for p in flat.params]
-        self._version = [p._version for p in flat.params]
+        self._version = [version(p) for p in flat.params]
         self._rebound: set[int] = set()  # re-bound since record: written, though their versions did not move
 
     def record(self) -> None:
         """Take the parameters' current values as seen (after the optimizer took them). Local."""
-        self._version = [p._version for p in self.flat.params]
+        self._version = [version(p) for p in self.flat.params]
         self._rebound = set()
 
     def raced(self, indices: Sequence[int]) -> list[int]:
         """Those of ``indices`` written since ``record`` (see ``UsageChecks.note_gathered``). Local."""
-        return [i for i in indices if self.flat.params[i]._version != self._version[i]]
+        return [i for i in indices if version(self.flat.params[i]) != self._version[i]]
 
     def check(self) -> tuple[list[int], list[str]]:
         """Re-bind parameters given new storage of the same kind; return the indices of parameters
@@ -69,12 +70,12 @@ class ParamBinding:
         flat = self.flat
         dtype = flat.dtype
         if (not self._rebound and [p.data_ptr() for p in flat.params] == self._ptr
-                and [p._version for p in flat.params] == self._version and all(p.dtype is dtype for p in flat.params)):
+                and [version(p) for p in flat.params] == self._version and all(p.dtype is dtype for p in flat.params)):
             return written, problems  # the usual step: nothing changed
         relaid = []
         for i, p in enumerate(flat.params):
             if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
-                if p._version != self._version[i] or i in self._rebound:
+                if version(p) != self._version[i] or i in self._rebound:
                     written.append(i)
                 continue
             span = flat.layout.params[i]

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardopt._compat import flat_mesh_group
+from shardopt._compat import mesh_flattener
 from shardopt._layout import Range, receive_chunks
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
@@ -102,13 +102,10 @@ class Pending:
         start = time.perf_counter()
         timeout = self.comm.timeout if self.comm is not None else None
         for w in self.works:
-            if timeout is None:
-                w.wait()
-                continue
             try:
-                w.wait(timeout=datetime.timedelta(seconds=timeout))
+                w.wait() if timeout is None else w.wait(timeout=datetime.timedelta(seconds=timeout))
             except RuntimeError as e:
-                if "imeout" not in str(e) and "imed out" not in str(e):
+                if timeout is None or ("imeout" not in str(e) and "imed out" not in str(e)):
                     raise
                 raise TimeoutError(
                     f"rank {self.comm.rank} of {self.comm.world_size}: {self.comm.where} waited {timeout:g} s (the "
@@ -147,12 +144,22 @@ def mesh_groups(mesh: Any) -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
     if mesh.ndim != 2:
         raise ValueError(f"device_mesh must be 1-D (shard) or 2-D (replicate, shard), got a {mesh.ndim}-D mesh "
                          f"{tuple(mesh.shape)}; pass the data-parallel sub-mesh, e.g. mesh['replicate', 'shard']")
-    replicate, shard = mesh.get_group(0), mesh.get_group(1)
-    if mesh.size() == dist.get_world_size():
-        whole = None
-    else:  # the data-parallel part of a larger mesh (tensor parallelism beside it)
-        whole = flat_mesh_group(mesh)  # see _compat
-    return whole, shard, (replicate if mesh.shape[0] > 1 else None)
+    whole = None if mesh.size() == dist.get_world_size() else _flat_group(mesh)  # a larger mesh's data-parallel part
+    return whole, mesh.get_group(1), (mesh.get_group(0) if mesh.shape[0] > 1 else None)
+
+
+def _flat_group(mesh: Any) -> ProcessGroup:
+    """One group of every rank of ``mesh``: ``DeviceMesh._flatten()`` (see _compat), or else each
+    rank's sub-mesh shared over the world and a group made for each distinct one, alike everywhere."""
+    flatten = mesh_flattener(mesh)
+    if flatten is not None:
+        return flatten().get_group()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    mine = torch.tensor(sorted(mesh.mesh.flatten().tolist()), dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)  # the world's sub-meshes, every one the same size
+    return {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(t.tolist()) for t in every})}[
+        tuple(mine.tolist())]
 
 
 class Comm:
@@ -204,11 +211,6 @@ class Comm:
     def all_reduce_max(self, t: Tensor) -> Pending:
         """In-place MAX of ``t`` over the group. Call on every rank."""
         work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats, comm=self)
-
-    def all_reduce_min(self, t: Tensor) -> Pending:
-        """In-place MIN of ``t`` over the group. Call on every rank."""
-        work = dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group, async_op=True)
         return Pending(self._count([work]), stats=self.stats, comm=self)
 
     def broadcast(self, t: Tensor, src: int = 0) -> Pending:
@@ -333,10 +335,9 @@ class Comm:
         caller bounds how many are in flight. NCCL: one native reduce-scatter."""
         if self.backend == "nccl":
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        key = tuple(pieces)
-        chunks = self._chunks.get(key)
-        if chunks is None:  # the same few bucket layouts every backward pass
-            chunks = self._chunks[key] = receive_chunks(pieces)
+        if tuple(pieces) not in self._chunks:  # the same few bucket layouts every backward pass
+            self._chunks[tuple(pieces)] = receive_chunks(pieces)
+        chunks = self._chunks[tuple(pieces)]
         if len(chunks) <= 1:
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
         mine = pieces[self.shard_rank]
@@ -391,10 +392,7 @@ class Comm:
             mine = flat[pieces[self.shard_rank].as_slice()]
             work = dist.all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
             return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats, comm=self)
-        works = [
-            dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
-            for r, p in enumerate(pieces)
-            if p.size > 0
-        ]
+        works = [dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
+                 for r, p in enumerate(pieces) if p.size > 0]
         gathered = sum(p.size for p in pieces) * flat.element_size()
         return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats, comm=self)

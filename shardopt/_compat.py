@@ -1,16 +1,17 @@
-"""The torch internals the gradient path relies on, each in one place with what happens where it is missing.
+"""The torch internals shardopt relies on, each in one place with what happens where it is missing.
 
 Tested on torch 2.12 and 2.13 (what CI runs; ``setup.cfg``). Each function names the internal it
 wraps and its fallback; ``tests/test_compat.py`` removes each internal on the pinned torch and
-checks the fallback. The other internals shardopt touches are listed in docs/design.md
-("Torch internals").
+checks the fallback. Inductor's code generator is patched in ``kernels/_cpu_codegen`` (checked
+there, and by the kernels' self-check); docs/design.md ("Torch internals") lists every one.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
+
+import operator
 
 import torch
-import torch.distributed as dist
 
 TESTED = "2.12 and 2.13"  # the torch releases CI tests these internals on
 
@@ -36,20 +37,43 @@ def queue_at_end_of_backward(callback: object) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
-def flat_mesh_group(mesh: Any) -> dist.ProcessGroup:
-    """The process group of every rank of ``mesh``, a sub-mesh of a larger device mesh (tensor
-    parallelism beside data parallelism): ``DeviceMesh._flatten()``. Where it is missing, each rank
-    shares its sub-mesh's ranks (one ``all_gather_object`` over the world) and every rank creates
-    a group for each distinct sub-mesh, in the same order (``dist.new_group``). Call on every rank
-    of the world."""
-    flatten = getattr(mesh, "_flatten", None)
-    if flatten is not None:
-        return flatten().get_group()
-    mine = tuple(sorted(int(r) for r in mesh.mesh.flatten().tolist()))
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(set(every))}
-    return groups[mine]
+version = operator.attrgetter("_version")  # a tensor's version counter, moved by every in-place write; see require()
+# Where one of these is missing the name is None and require() raises at construction.
+make_wrapper_subclass = getattr(torch.Tensor, "_make_wrapper_subclass", None)  # a tensor without storage (the placeholder)
+disabled_torch_function = getattr(torch._C, "_disabled_torch_function_impl", None)  # it handles __torch_dispatch__ only
+
+
+disable_torch_function_subclass = getattr(torch._C, "DisableTorchFunctionSubclass", None)  # torch's own dispatch
+
+
+def hook_dicts(owner: object) -> dict:
+    """The hooks torch keeps on ``owner``: the global forward pre-hooks of ``torch.nn.modules.module``
+    or a tensor's post-accumulate-grad hooks (private dicts), to remove those of a freed optimizer.
+    Where torch keeps them elsewhere: an empty dict, and such hooks stay registered, each returning
+    at once (they hold their optimizer weakly)."""
+    name = "_global_forward_pre_hooks" if owner is torch.nn.modules.module else "_post_accumulate_grad_hooks"
+    return getattr(owner, name, None) or {}
+
+
+def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, ``_orig_mod``; None for any
+    other module. No fallback: :func:`require` checks the wrapper still sets it."""
+    return getattr(module, "_orig_mod", None)
+
+
+def _wrapper_sets_orig_mod() -> bool:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:
+        return False
+    return "_orig_mod" in OptimizedModule.__init__.__code__.co_names
+
+
+def mesh_flattener(mesh: Any) -> Callable[[], Any] | None:
+    """``DeviceMesh._flatten`` of ``mesh`` (a sub-mesh of a larger one, flattened to one dimension
+    whose group holds all its ranks), or None where torch lacks it: ``_collectives`` then builds
+    that group with ``all_gather_object`` and ``new_group``."""
+    return getattr(mesh, "_flatten", None)
 
 
 def require() -> None:
@@ -61,8 +85,13 @@ def require() -> None:
          hasattr(getattr(torch.autograd.Variable, "_execution_engine", None), "queue_callback")),
         # the stage-2 gradient placeholder (see _grad_placeholder); its class is built at import
         ("torch.Tensor._make_wrapper_subclass", callable(getattr(torch.Tensor, "_make_wrapper_subclass", None))),
+        ("torch._C._disabled_torch_function_impl", hasattr(torch._C, "_disabled_torch_function_impl")),
+        # the weight gather overlapped with the next forward (see _gather_wait)
+        ("torch._C.DisableTorchFunctionSubclass", hasattr(torch._C, "DisableTorchFunctionSubclass")),
         # a parameter's version counter: writes to parameters from outside the optimizer (see _binding)
         ("Tensor._version", isinstance(getattr(torch.empty(0), "_version", None), int)),
+        # torch.compile's module wrapper: the DDP check and the gather wait look inside it
+        ("torch._dynamo.eval_frame.OptimizedModule._orig_mod", _wrapper_sets_orig_mod()),
     ) if not ok]
     if missing:
         raise RuntimeError(f"shardopt needs {', '.join(missing)}, which torch {torch.__version__} does not have; "

@@ -34,8 +34,8 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils._pytree import tree_leaves
 
+from shardopt._compat import compiled_inner, disable_torch_function_subclass
 from shardopt._gathers import Key, WeightGathers
 from shardopt._ownership import owned_hook
 
@@ -56,12 +56,24 @@ _NO_WAIT = {torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.g
 def _torch_function(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
     kwargs = kwargs or {}
     if func in _NO_WAIT:
-        with torch._C.DisableTorchFunctionSubclass():
+        with disable_torch_function_subclass():
             return func(*args, **kwargs)
-    for t in tree_leaves((args, kwargs)):
+    for t in _leaves((args, kwargs)):
         if type(t) in _restore:
             _land(t)
     return func(*args, **kwargs)  # the parameters are of their own class again: torch's own dispatch
+
+
+def _leaves(x: Any) -> Iterable:
+    """The tensors (and other leaves) of a torch call's arguments: lists, tuples and dicts opened."""
+    if isinstance(x, (list, tuple)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+    else:
+        yield x
 
 
 def _class_in_flight(cls: type) -> type:
@@ -128,7 +140,7 @@ def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle"
                 module.register_state_dict_pre_hook(_finish_before_state_dict(ref))
         if not o:
             return
-        if hasattr(module, "_orig_mod"):  # torch.compile's wrapper: everything before the compiled code
+        if compiled_inner(module) is not None:  # torch.compile's wrapper: everything before the compiled code
             if seen[module]:
                 o.finish()
             return

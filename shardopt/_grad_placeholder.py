@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from shardopt._compat import disabled_torch_function, make_wrapper_subclass
+
 _aten = torch.ops.aten
 _ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
 
@@ -56,13 +58,13 @@ class GradPlaceholder(Tensor):
     @staticmethod
     def __new__(cls, like: Tensor, *, dtype: torch.dtype | None = None,
                 device: torch.device | None = None) -> "GradPlaceholder":
-        t = Tensor._make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype,  # type: ignore[attr-defined]
-                                          device=device or like.device, requires_grad=False)
+        t = make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype, device=device or like.device,
+                                  requires_grad=False)
         t.zeroed = t.accumulating = False
         t.pending = None
         return t
 
-    __torch_function__ = torch._C._disabled_torch_function_impl  # only __torch_dispatch__ below
+    __torch_function__ = disabled_torch_function  # only __torch_dispatch__ below
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -17,6 +17,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from shardopt._compat import hook_dicts
+
 # id(parameter) -> (weak parameter, weak optimizer); keyed by id because tensors compare elementwise.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
@@ -37,8 +39,7 @@ def owned_hook(fn: Callable, ref: weakref.ref) -> Callable:
 def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
     """Remove the global forward pre-hooks of freed optimizers, and their hooks on ``params`` (see
     [Note: hooks of a freed optimizer]). Local; call outside compiled code."""
-    dicts = [torch.nn.modules.module._global_forward_pre_hooks]
-    dicts += [h for h in (getattr(p, "_post_accumulate_grad_hooks", None) for p in params) if h]
+    dicts = [hook_dicts(torch.nn.modules.module), *(hook_dicts(p) for p in params)]
     for hooks in dicts:
         for key, fn in list(hooks.items()):
             alive = getattr(fn, "shardopt_alive", None)

@@ -18,6 +18,7 @@ from typing import Sequence
 import torch
 
 from shardopt._collectives import Comm
+from shardopt._compat import compiled_inner
 from shardopt._sharded_buffer import ShardedBuffer
 
 log = logging.getLogger("shardopt")
@@ -227,8 +228,8 @@ def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.Removab
             return  # another model: keep watching
         handle[0].remove()
         inner = module
-        while hasattr(inner, "_orig_mod"):  # torch.compile's wrapper
-            inner = inner._orig_mod
+        while compiled_inner(inner) is not None:  # torch.compile's wrapper
+            inner = compiled_inner(inner)
         if not isinstance(inner, DistributedDataParallel):
             return
         if stage == 2:

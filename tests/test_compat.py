@@ -88,12 +88,27 @@ def test_checkpoint_reads_match_dcp_resharding(seed):
     assert sorted(map(key, ours), key=repr) == sorted(map(key, theirs), key=repr)
 
 
-@pytest.mark.parametrize("internal", ["wrapper subclass", "version counter"])
-def test_without_the_placeholder_or_version_internals_construction_names_the_torch_version(monkeypatch, internal):
+@pytest.mark.parametrize("internal", ["wrapper subclass", "disabled torch function", "version counter",
+                                      "subclass dispatch", "compiled wrapper"])
+def test_without_the_placeholder_gather_or_wrapper_internals_construction_names_the_torch_version(monkeypatch,
+                                                                                                  internal):
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    original_init = OptimizedModule.__init__
+
+    def init_elsewhere(self, *args, **kwargs):  # a wrapper that keeps the module under another name
+        return original_init(self, *args, **kwargs)
+
     if internal == "wrapper subclass":
         monkeypatch.setattr(torch.Tensor, "_make_wrapper_subclass", None)
-    else:
+    elif internal == "disabled torch function":
+        monkeypatch.delattr(torch._C, "_disabled_torch_function_impl")
+    elif internal == "version counter":
         monkeypatch.setattr(torch.Tensor, "_version", None)
+    elif internal == "subclass dispatch":
+        monkeypatch.delattr(torch._C, "DisableTorchFunctionSubclass")
+    else:
+        monkeypatch.setattr(OptimizedModule, "__init__", init_elsewhere)
     with pytest.raises(RuntimeError, match=rf"does not have; install torch {_compat.TESTED}"):
         shardopt.ShardedAdamW(_net().parameters(), lr=0.05)
 
@@ -109,4 +124,30 @@ def test_an_out_of_place_accumulation_into_the_stage2_placeholder_says_to_zero_f
     opt.zero_grad()
     _forward(net, 0).backward(create_graph=True)
     opt.step()
+    opt.close()
+
+
+def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_nothing(monkeypatch):
+    """hook_dicts' fallback: the hooks of a freed optimizer cannot be removed; they stay, return at
+    once, and the next optimizer over the same parameters trains as torch.optim.AdamW does."""
+    import gc
+
+    from shardopt import _ownership
+
+    monkeypatch.setattr(_ownership, "hook_dicts", lambda owner: {})
+    model, ref = _net(), _net()
+    first = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
+    del first  # freed without close(): only remove_freed_hooks could take its hooks away
+    gc.collect()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    n = len(list(model.parameters()))
+    assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) == 2 * n  # the old ones stayed
+    for step in range(3):
+        for net, o in ((model, opt), (ref, ref_opt)):
+            o.zero_grad()
+            _forward(net, step).backward()
+            o.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
     opt.close()
