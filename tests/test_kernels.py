@@ -523,7 +523,7 @@ _cpu_codegen._state["tried"] = True  # as on a torch whose code generator is lai
 sys.path.insert(0, "tests")
 from test_kernels import _run, _ulps
 out = {"installed": _cpu_codegen.installed(), "differences": _self_check.differences("cpu")}
-for dtype in (torch.bfloat16, torch.float16):
+for dtype in (torch.bfloat16,):  # the bitcasts the additions vectorise are bf16's
     ref, fused = _run("fp32", dtype, 4099, "reference"), _run("fp32", dtype, 4099, "fused")
     out[str(dtype)] = [_ulps(ref["param"], fused["param"]),  # test_fused_matches_reference's tolerances
                        torch.allclose(ref["master"], fused["master"], rtol=1e-6, atol=2.5e-7),
@@ -542,13 +542,13 @@ def test_without_the_code_generator_additions_the_fused_kernels_stay_exact():
     import subprocess
     import sys
 
-    env = {**os.environ, "SHARDOPT_KERNEL": "fused", "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    env = {**os.environ, "SHARDOPT_KERNEL": "fused"}  # the cache key names the additions (compile_options)
     run = subprocess.run([sys.executable, "-c", _WITHOUT_ADDITIONS], capture_output=True, text=True, timeout=600,
                          env=env)
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["installed"] is False, got
     assert got["differences"] == list(_FOLDED_ON[tuple(int(x) for x in torch.__version__.split(".")[:2])]), got
-    for dtype in ("torch.bfloat16", "torch.float16"):
+    for dtype in ("torch.bfloat16",):
         ulps, *close = got[dtype]
         assert ulps <= 1 and all(close), (dtype, got)
