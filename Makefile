@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 # The oldest torch shardopt supports (setup.cfg), PyPI's build; its own venv, for `make test-floor`.
 FLOOR_VENV  ?= .venv-floor
-FLOOR_TORCH ?= torch==2.12.1
+FLOOR_TORCH ?= torch==2.9.1
 
 .PHONY: setup demo test test-fast test-floor docs clean
 

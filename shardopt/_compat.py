@@ -1,6 +1,6 @@
 """The torch internals shardopt relies on, each in one place with what happens where it is missing.
 
-Tested on torch 2.12 and 2.13 (what CI runs; ``setup.cfg``). Each function names the internal it
+Tested on torch 2.9 and 2.13 (what CI runs; ``setup.cfg``). Each function names the internal it
 wraps and its fallback; ``tests/test_compat.py`` removes each internal on the pinned torch and
 checks the fallback. Inductor's code generator is patched in ``kernels/_cpu_codegen`` (checked
 there, and by the kernels' self-check); docs/design.md ("Torch internals") lists every one.
@@ -13,7 +13,7 @@ import operator
 
 import torch
 
-TESTED = "2.12 and 2.13"  # the torch releases CI tests these internals on
+TESTED = "2.9 to 2.13"  # the torch releases CI tests these internals on (the floor and the pin)
 
 
 def will_execute(node: object) -> bool:

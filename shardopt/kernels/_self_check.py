@@ -12,7 +12,7 @@ ties, subnormals, the edges of fp16's range, infinities and NaNs. The remainders
 checked in the form the fused step writes them (:func:`remainders_in_place`: the 16-bit weight
 read from an input, changed and written back into it, the remainder stored beside it), since a
 code generator can keep a codec exact as a new output and still fold it when the rounded value
-is stored in place (inductor's CPU code did so for fp16 on torch 2.11 and 2.12). A kernel call
+is stored in place (inductor's CPU code did so for fp16 on torch 2.10 to 2.12). A kernel call
 that runs a codec which differs (:func:`codecs_used`: the fp16 remainder mode's step, say) makes
 its :class:`shardopt.kernels.Kernels` use the reference kernels, with one warning naming the codec
 and the torch version; the modes built from codecs that agree stay fused. About a second, once per
