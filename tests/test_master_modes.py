@@ -8,11 +8,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 
 import shardopt
+from distpool import RankError
 from models import batch, make_model
+from test_kernels import _FOLDED_ON
+
+
+def _release() -> tuple[int, int]:
+    return tuple(int(x) for x in torch.__version__.split(".")[:2])
 
 STEPS = 60
 
@@ -45,13 +52,19 @@ def _max_ulps(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 def test_remainder_follows_fp32_master(pools):
     pool = pools(2)
+    folds = bool(_FOLDED_ON[_release()])  # this torch's compiler loses the fp16 residual (see test_kernels)
     for dtype, kernel, allowed in [("bfloat16", "fused", 0), ("float16", "fused", 1), ("bfloat16", "reference", 0)]:
+        if dtype == "float16" and kernel == "fused" and folds:
+            continue  # below: forced onto the fused path, that step refuses
         fp32 = pool.run(trajectory_case, dtype, "fp32", kernel)
         rem = pool.run(trajectory_case, dtype, "remainder", kernel)
         for a, b in zip(fp32, rem):
             assert _max_ulps(a, b) <= allowed, (dtype, kernel)
         none = pool.run(trajectory_case, dtype, "none", "reference")
         assert _max_ulps(fp32[0], none[0]) > 0  # the lossy mode really is different
+    if folds:  # last: a rank that raised leaves the pool broken
+        with pytest.raises(RankError, match="fp16 residual"):
+            pool.run(trajectory_case, "float16", "remainder", "fused")
 
 
 def stochastic_case() -> list[torch.Tensor]:
