@@ -31,10 +31,15 @@ def _forward(net: nn.ModuleDict, step: int) -> torch.Tensor:
 def test_without_will_engine_execute_node_every_parameter_counts_as_reached(monkeypatch):
     monkeypatch.delattr(torch._C, "_will_engine_execute_node")
     assert _compat.will_execute(object()) is True  # the fallback is in use
-    model, ref = _net(), _net()
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.05, bucket_cap_mb=1e-4)  # a bucket per parameter
+    model = _net()
+    _trains_like_adamw(model, shardopt.ShardedAdamW(model.parameters(), lr=0.05, bucket_cap_mb=1e-4), 4)  # a bucket each
+
+
+def _trains_like_adamw(model: nn.ModuleDict, opt: shardopt.ShardedAdamW, steps: int) -> None:
+    """``steps`` steps of ``opt`` over ``model`` equal torch.optim.AdamW's over the same net; closes ``opt``."""
+    ref = _net()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
-    for step in range(4):
+    for step in range(steps):
         for net, o in ((model, opt), (ref, ref_opt)):
             o.zero_grad()
             _forward(net, step).backward()
@@ -135,19 +140,11 @@ def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_
     from shardopt import _ownership
 
     monkeypatch.setattr(_ownership, "hook_dicts", lambda owner: {})
-    model, ref = _net(), _net()
+    model = _net()
     first = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
     del first  # freed without close(): only remove_freed_hooks could take its hooks away
     gc.collect()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
     n = len(list(model.parameters()))
     assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) == 2 * n  # the old ones stayed
-    for step in range(3):
-        for net, o in ((model, opt), (ref, ref_opt)):
-            o.zero_grad()
-            _forward(net, step).backward()
-            o.step()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        torch.testing.assert_close(p, q)
-    opt.close()
+    _trains_like_adamw(model, opt, 3)
