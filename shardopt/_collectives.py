@@ -101,9 +101,10 @@ class Pending:
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()
         timeout = self.comm.timeout if self.comm is not None else None
+        limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         for w in self.works:
             try:
-                w.wait() if timeout is None else w.wait(timeout=datetime.timedelta(seconds=timeout))
+                w.wait(**limit)
             except RuntimeError as e:
                 if timeout is None or ("imeout" not in str(e) and "imed out" not in str(e)):
                     raise
@@ -158,8 +159,8 @@ def _flat_group(mesh: Any) -> ProcessGroup:
     mine = torch.tensor(sorted(mesh.mesh.flatten().tolist()), dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)  # the world's sub-meshes, every one the same size
-    return {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(t.tolist()) for t in every})}[
-        tuple(mine.tolist())]
+    groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted({tuple(t.tolist()) for t in every})}
+    return groups[tuple(mine.tolist())]
 
 
 class Comm:
@@ -335,9 +336,10 @@ class Comm:
         caller bounds how many are in flight. NCCL: one native reduce-scatter."""
         if self.backend == "nccl":
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        if tuple(pieces) not in self._chunks:  # the same few bucket layouts every backward pass
-            self._chunks[tuple(pieces)] = receive_chunks(pieces)
-        chunks = self._chunks[tuple(pieces)]
+        key = tuple(pieces)
+        if key not in self._chunks:  # the same few bucket layouts every backward pass
+            self._chunks[key] = receive_chunks(pieces)
+        chunks = self._chunks[key]
         if len(chunks) <= 1:
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
         mine = pieces[self.shard_rank]
