@@ -23,7 +23,7 @@ from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.master import make_master
 from shardopt.moments import MuonMomentum, make_moments, moment_alignment
-from shardopt.memory import MemoryReport, muon_moments, predict_bytes
+from shardopt.memory import MemoryReport, predict_bytes
 
 
 class ShardedBuffer:
@@ -198,7 +198,7 @@ class ShardedBuffer:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
         predicted = predict_bytes(self.layout.param_numel, self.comm.shard_size, stage=self.config.stage,
                                   param_dtype=self.dtype, master_weights=self.master.name,
-                                  moments=muon_moments(self.moments.name) if self.rule == "muon" else self.moments.name)
+                                  moments=self.moments.name, rule=self.rule)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,

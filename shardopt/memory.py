@@ -97,14 +97,9 @@ class MemoryReport:
         return "\n".join(rows)
 
 
-def muon_moments(moments: str) -> str:
-    """``predict_bytes``' name for Muon's momentum stored as ``moments`` ("fp32" or "bf16")."""
-    return "muon" if moments == "fp32" else f"muon-{moments}"
-
-
 def predict_bytes(
     num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32",
-    moments: str = "fp32", bucket_cap_bytes: float = 0.0, staging_buckets: int = 3,
+    moments: str = "fp32", bucket_cap_bytes: float = 0.0, staging_buckets: int = 3, rule: str = "adamw",
 ) -> dict[str, int]:
     """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
 
@@ -112,6 +107,8 @@ def predict_bytes(
     and ``world_size * alignment`` per buffer) is not included. Communication buffers (stage 2
     staging and the receive buffers of reductions) hold at most ``staging_buckets`` buckets of
     ``bucket_cap_bytes`` at once; a parameter larger than the cap makes its own, larger bucket.
+    ``rule="muon"``: Muon's one momentum buffer (stored as ``moments``, fp32 or bf16) is counted as
+    ``exp_avg``, and there is no ``exp_avg_sq``.
     """
     psize = torch.empty((), dtype=param_dtype).element_size()
     sixteen_bit = psize == 2
@@ -123,8 +120,6 @@ def predict_bytes(
     extra = 2 if (sixteen_bit and master_weights == "remainder") else 0
 
     def moment() -> int:  # one moment: fp32, bf16, or one byte per element plus an fp32 scale per block
-        if moments in ("muon", "muon-bf16"):  # Muon's one momentum buffer (fp32, bf16), as the first moment
-            return shard(4 if moments == "muon" else 2)
         if moments == "8bit":
             n = -(-num_params // world_size)
             return n + 4 * -(-n // MOMENT_BLOCK)
@@ -134,7 +129,7 @@ def predict_bytes(
         "grads": num_params * psize if stage == 1 else shard(psize),
         "master": shard(master),
         "exp_avg": moment(),
-        "exp_avg_sq": 0 if moments.startswith("muon") else moment(),
+        "exp_avg_sq": 0 if rule == "muon" else moment(),
         "extra": shard(extra),
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }

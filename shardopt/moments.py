@@ -150,11 +150,8 @@ class MuonMomentum(Moments):
 
     def __init__(self, numel: int, device: torch.device, name: str = "fp32") -> None:
         super().__init__(numel, device)
-        if name not in ("fp32", "bf16"):
-            raise ValueError(f"Muon's momentum is stored in fp32 or bf16, got moments={name!r}")
-        self.name = name
-        dtype = torch.float32 if name == "fp32" else torch.bfloat16
-        self.buffer = torch.zeros(numel, dtype=dtype, device=device)  # 1D, this rank's shard
+        self.name = name  # one of MUON_MOMENTS, checked by ShardedMuon
+        self.buffer = torch.zeros(numel, dtype=MUON_MOMENTS[name], device=device)  # 1D, this rank's shard
 
     def operands(self, r: Range) -> tuple[object, object]:
         return self.buffer[r.as_slice()], None
@@ -180,6 +177,7 @@ class MuonMomentum(Moments):
         return {"momentum_buffer": self.buffer}
 
 
+MUON_MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # how Muon's momentum can be stored
 MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "8bit": Int8Moments}
 
 

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from shardopt._config import check_param_group
 from shardopt.kernels.muon_reference import NS_COEFFICIENTS
+from shardopt.moments import MUON_MOMENTS
 from shardopt.optimizer import ShardedAdamW
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
@@ -75,7 +76,7 @@ class ShardedMuon(ShardedAdamW):
         adjust_lr_fn: str | None = None,
         **kwargs: Any,
     ) -> None:
-        if kwargs.get("moments", "fp32") not in ("fp32", "bf16"):
+        if kwargs.get("moments", "fp32") not in MUON_MOMENTS:
             raise ValueError(f"ShardedMuon stores its moments in fp32 or bf16 (moments='fp32' or 'bf16'), got "
                              f"moments={kwargs['moments']!r}")
         self._muon_defaults = dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,

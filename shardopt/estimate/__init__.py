@@ -61,8 +61,8 @@ from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
 from shardopt._muon_packing import owned_layout
 from shardopt._rounds import MAX_INFLIGHT
 from shardopt.master import STRATEGIES
-from shardopt.moments import MOMENTS, moment_alignment
-from shardopt.memory import CATEGORIES, ddp_adamw_bytes, muon_moments, predict_bytes
+from shardopt.moments import MOMENTS, MUON_MOMENTS, moment_alignment
+from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "DTYPES", "BACKENDS"]
 
@@ -255,7 +255,7 @@ def estimate_memory(
         raise ValueError(f"unknown master_weights={master_weights!r}; choose one of {sorted(STRATEGIES)}")
     if moments not in MOMENTS:
         raise ValueError(f"unknown moments={moments!r}; choose one of {sorted(MOMENTS)}")
-    if rule == "muon" and moments not in ("fp32", "bf16"):
+    if rule == "muon" and moments not in MUON_MOMENTS:
         raise ValueError(f"rule='muon' stores Muon's momentum in fp32 or bf16, got moments={moments!r}")
     alignment = math.lcm(alignment, moment_alignment(moments))  # as ShardedAdamW lays the buffer out
     dtype = _as_dtype(param_dtype)
@@ -313,7 +313,7 @@ def estimate_memory(
 
     mode = master_weights if psize == 2 else "fp32"
     formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode,
-                            moments=muon_moments(moments) if rule == "muon" else moments)
+                            moments=moments, rule=rule)
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
