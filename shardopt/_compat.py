@@ -7,7 +7,7 @@ there, and by the kernels' self-check); docs/design.md ("Torch internals") lists
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import operator
 
@@ -46,13 +46,14 @@ disabled_torch_function = getattr(torch._C, "_disabled_torch_function_impl", Non
 disable_torch_function_subclass = getattr(torch._C, "DisableTorchFunctionSubclass", None)  # torch's own dispatch
 
 
-def hook_dicts(owner: object) -> dict:
-    """The hooks torch keeps on ``owner``: the global forward pre-hooks of ``torch.nn.modules.module``
-    or a tensor's post-accumulate-grad hooks (private dicts), to remove those of a freed optimizer.
-    Where torch keeps them elsewhere: an empty dict, and such hooks stay registered, each returning
-    at once (they hold their optimizer weakly)."""
-    name = "_global_forward_pre_hooks" if owner is torch.nn.modules.module else "_post_accumulate_grad_hooks"
-    return getattr(owner, name, None) or {}
+def hook_dicts(params: Iterable[torch.Tensor]) -> list[dict]:
+    """The dicts torch keeps hooks in (private): the global module forward pre-hooks, then each of
+    ``params``' post-accumulate-grad hooks; to remove those of a freed optimizer. Where torch keeps
+    them elsewhere a dict is missing here, and such hooks stay registered, each returning at once
+    (they hold their optimizer weakly)."""
+    owners = [(torch.nn.modules.module, "_global_forward_pre_hooks")]
+    owners += [(p, "_post_accumulate_grad_hooks") for p in params]
+    return [d for d in (getattr(owner, name, None) for owner, name in owners) if d]
 
 
 def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:

@@ -14,7 +14,6 @@ import contextlib
 import weakref
 from typing import Any, Callable, Iterable
 
-import torch
 from torch import Tensor
 
 from shardopt._compat import hook_dicts
@@ -39,8 +38,7 @@ def owned_hook(fn: Callable, ref: weakref.ref) -> Callable:
 def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
     """Remove the global forward pre-hooks of freed optimizers, and their hooks on ``params`` (see
     [Note: hooks of a freed optimizer]). Local; call outside compiled code."""
-    dicts = [hook_dicts(torch.nn.modules.module), *(hook_dicts(p) for p in params)]
-    for hooks in dicts:
+    for hooks in hook_dicts(params):
         for key, fn in list(hooks.items()):
             alive = getattr(fn, "shardopt_alive", None)
             if alive is not None and not alive():

@@ -139,7 +139,7 @@ def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_
 
     from shardopt import _ownership
 
-    monkeypatch.setattr(_ownership, "hook_dicts", lambda owner: {})
+    monkeypatch.setattr(_ownership, "hook_dicts", lambda params: [])
     model = _net()
     first = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
     del first  # freed without close(): only remove_freed_hooks could take its hooks away
