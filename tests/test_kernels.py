@@ -17,6 +17,7 @@ import torch
 from shardopt._layout import Range
 from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.master import make_master
+from torch_releases import folded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -416,22 +417,13 @@ def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
     assert got["same"], got
 
 
-# What the self-check finds on each torch release of the supported range (measured): the pin
-# compiles every codec bit for bit; older CPU code folds the fp16 residual.
-_FOLDED_ON = {(2, 9): ("fp16 residual", "fp16 residual written in place"),
-              (2, 10): ("fp16 residual written in place",), (2, 11): ("fp16 residual written in place",),
-              (2, 12): ("fp16 residual written in place",), (2, 13): ()}
-
-
 def test_the_codecs_compile_bit_for_bit_on_this_torch():
     """The self-check that guards the fused path (see _self_check [Note: self-check]) passes on
     the pinned torch (compiled and eager codecs agree on every hard case) and finds exactly the
-    known fold on the floor release."""
+    known folds on the older releases (tests/torch_releases.py)."""
     from shardopt.kernels import _self_check
 
-    release = tuple(int(x) for x in torch.__version__.split(".")[:2])
-    assert release in _FOLDED_ON, f"torch {torch.__version__} is outside the supported range (setup.cfg)"
-    assert _self_check.differences("cpu") == _FOLDED_ON[release]
+    assert _self_check.differences("cpu") == folded()
 
 
 def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monkeypatch):
@@ -551,7 +543,7 @@ def test_without_the_code_generator_additions_the_fused_kernels_stay_exact():
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["installed"] is False, got
-    assert got["differences"] == list(_FOLDED_ON[tuple(int(x) for x in torch.__version__.split(".")[:2])]), got
+    assert got["differences"] == list(folded()), got
     for dtype in ("torch.bfloat16",):
         ulps, *close = got[dtype]
         assert ulps <= 1 and all(close), (dtype, got)

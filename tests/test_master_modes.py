@@ -15,11 +15,7 @@ import torch.distributed as dist
 import shardopt
 from distpool import RankError
 from models import batch, make_model
-from test_kernels import _FOLDED_ON
-
-
-def _release() -> tuple[int, int]:
-    return tuple(int(x) for x in torch.__version__.split(".")[:2])
+from torch_releases import folded
 
 STEPS = 60
 
@@ -52,7 +48,7 @@ def _max_ulps(a: list[torch.Tensor], b: list[torch.Tensor]) -> int:
 
 def test_remainder_follows_fp32_master(pools):
     pool = pools(2)
-    folds = bool(_FOLDED_ON[_release()])  # this torch's compiler loses the fp16 residual (see test_kernels)
+    folds = bool(folded())  # this torch's compiler loses the fp16 residual (see torch_releases)
     for dtype, kernel, allowed in [("bfloat16", "fused", 0), ("float16", "fused", 1), ("bfloat16", "reference", 0)]:
         if dtype == "float16" and kernel == "fused" and folds:
             continue  # below: forced onto the fused path, that step refuses
