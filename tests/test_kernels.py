@@ -17,7 +17,6 @@ import torch
 from shardopt._layout import Range
 from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.master import make_master
-from torch_releases import folded
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -422,6 +421,7 @@ def test_the_codecs_compile_bit_for_bit_on_this_torch():
     the pinned torch (compiled and eager codecs agree on every hard case) and finds exactly the
     known folds on the older releases (tests/torch_releases.py)."""
     from shardopt.kernels import _self_check
+    from torch_releases import folded  # imported here: this file also runs as a script (see above)
 
     assert _self_check.differences("cpu") == folded()
 
@@ -543,6 +543,8 @@ def test_without_the_code_generator_additions_the_fused_kernels_stay_exact():
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["installed"] is False, got
+    from torch_releases import folded
+
     assert got["differences"] == list(folded()), got
     for dtype in ("torch.bfloat16",):
         ulps, *close = got[dtype]
