@@ -12,56 +12,67 @@ from typing import Any
 import torch
 
 from shardopt._config import trainable_params
-from shardopt._step_message import HYPER_LEN
+from shardopt._step_message import CALL_LEN, HYPER_LEN
 from shardopt.loss_scale import make_scaler
 
 # [Note: ranks in different calls]
 # clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
-# gradient reductions (its tag; see _rounds [Note: a round that did not end]). One rank in
-# clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with another rank's step, a
-# rank that skipped a step with the others' step: the norm, the clipping or the gradients would
-# silently mix. Each rank adds a header to that all-reduce: its call's code c as (c, -c, c*c) and
-# whether it lost a round since the last step (a backward pass that raised there) as (a, -a).
-# Summed, sum(c) == n*c and sum(c*c) == n*c*c hold only when every rank has the same c (maxed:
-# max(c) == c and max(-c) == -c); so every rank sees a difference, and raises.
-CALL_CODES = {"clip_grad_norm_": 1.0, "step": 2.0, "backward": 3.0}
-_CALL_NAMES = {1: "clip_grad_norm_()", 2: "step()", 3: "a backward pass"}
+# gradient reductions (its tag; see _rounds [Note: a round that did not end]) and every call that
+# every rank must make alike (a checkpoint's save or load, a full state dict's gathering or
+# loading). One rank in clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with
+# another rank's step, a rank that skipped a step with the others' step, a rank saving under
+# ``if rank == 0:`` with the others' next backward pass: the norm, the clipping, the gradients or
+# the checkpoint would silently mix, or gloo would abort the process on buffers of different
+# sizes. Each rank adds a header to that all-reduce: one slot per call, 1 in its own call's slot
+# and 0 elsewhere, then whether it lost a round since the last step (a backward pass that raised
+# there) as (a, -a). Summed, each slot counts the ranks in that call; maxed, it says whether any
+# rank is in it (and max(a), max(-a) tell whether the ranks agree on a). So every rank sees the
+# same difference, names the other call, and raises.
+CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
+         "load_full_state_dict")  # one slot each in the header, in this order
+_CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
+               "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
+               "full_state_dict": "full_state_dict() (or consolidate_state_dict(), state_dict())",
+               "load_full_state_dict": "load_full_state_dict() (or load_state_dict())"}
+assert CALL_LEN == len(CALLS) + 2, "_step_message.CALL_LEN: one slot per call, then (a, -a)"
 
 
 def call_header(call: str, lost_round: bool) -> list[float]:
     """This rank's header (see [Note: ranks in different calls])."""
-    c, a = CALL_CODES[call], float(lost_round)
-    return [c, -c, c * c, a, -a]
+    a = float(lost_round)
+    return [float(c == call) for c in CALLS] + [a, -a]
+
+
+def _every_rank_calls(call: str) -> bool:
+    return call not in ("clip_grad_norm_", "step", "backward")
 
 
 def check_calls(header: list[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
     """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
     every rank in ``call`` with the same ``lost_round``. Every rank, with the same ``header``."""
-    c, a = CALL_CODES[call], float(lost_round)
+    a = float(lost_round)
     n = 1 if maxed else world_size
-    same_call = header[0] == n * c and header[1] == -n * c and (maxed or header[2] == n * c * c)
-    same_loss = header[3] == n * a and header[4] == -n * a
+    slots = dict(zip(CALLS, header[:len(CALLS)]))
+    others = [c for c in CALLS if c != call and slots[c] > 0]
+    same_call = slots[call] == n and not others
+    same_loss = header[-2] == n * a and header[-1] == -n * a
     if same_call and same_loss:
         return
     lost = ""
     if not same_loss:
         who = "this rank's backward pass" if lost_round else (
-            "the backward pass of another rank" if maxed else f"the backward pass of {int(header[3])} of {world_size} ranks")
+            "the backward pass of another rank" if maxed else f"the backward pass of {int(header[-2])} of {world_size} ranks")
         lost = (f"{who} raised after its gradient reductions had started, and training went on there, so the ranks "
                 "no longer hold the same gradients; let such an exception end training on every rank, or catch it on "
                 "every rank alike (then zero_grad() and go on)")
     if same_call:
         raise RuntimeError(f"ranks fell out of step: {lost}")
-    if maxed:
-        others = {int(header[0]), int(-header[1])} - {int(c)}
-    else:  # counts of ranks in each call, from sum(c) and sum(c*c) with c in {1, 2, 3}
-        s1, s2 = header[0] - world_size, header[2] - world_size
-        n3 = round((s2 - 3 * s1) / 2)
-        n2 = round(s1 - 2 * n3)
-        counts = {1: world_size - n2 - n3, 2: n2, 3: n3}
-        others = {k for k, m in counts.items() if m > 0} - {int(c)}
-    other = _CALL_NAMES[min(others)] if others else "another call"
-    if {int(c)} | others == {1, 2}:
+    other = _CALL_NAMES[others[0]] if others else "another call"
+    alone = next((c for c in (call, *others) if _every_rank_calls(c)), None)
+    if alone is not None:
+        hint = (f"{alone}() must be called on every rank of the optimizer's group, at the same point (each rank writes "
+                f"or reads its own shard): call it on every rank, not under `if rank == 0:`")
+    elif {call, *others} == {"clip_grad_norm_", "step"}:
         hint = ("call clip_grad_norm_ and step on every rank, in the same order (to log the norm on one rank, call "
                 "clip_grad_norm_ everywhere and log its result there)")
     else:
@@ -69,7 +80,7 @@ def check_calls(header: list[float], call: str, lost_round: bool, world_size: in
                 "from its backward pass and went on to the next batch, or it alone called opt.zero_grad() between "
                 "backward and step, which drops the averaged gradients there; call backward, clip_grad_norm_, "
                 "zero_grad and step alike on every rank")
-    raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[int(c)]}, another rank "
+    raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[call]}, another rank "
                        f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
 def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:

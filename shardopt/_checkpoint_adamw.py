@@ -18,19 +18,30 @@ from torch import Tensor
 
 from shardopt._checkpoint_files import agree
 from shardopt._layout import Range
+from shardopt._step_agreement import enter
 
 
 def adamw_defaults() -> dict[str, Any]:
     return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
 
 
-def settle(opt: Any) -> None:
-    """Wait for weight all-gathers that ``step`` left in flight (``overlap_param_gather``) and take
-    weights written into the model from outside as master weights; refuse an optimizer whose ranks
-    fell out of step. Every rank."""
+def settle(opt: Any, call: str, timeout: float | None = None) -> None:
+    """Check that every rank is in ``call`` (``_step_agreement.enter``, waiting ``timeout`` seconds
+    for them: by default the optimizer's timeout, else ``ENTRY_TIMEOUT``), wait for weight
+    all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
+    into the model from outside as master weights; refuse an optimizer whose ranks fell out of
+    step. Every rank."""
     rounds = getattr(opt, "_rounds", None)
     if rounds is not None:
         rounds.settle()  # see _rounds [Note: a round that did not end]
+    if timeout is None:
+        timeout = getattr(getattr(opt, "config", None), "timeout", None)
+    try:
+        enter(opt._comm, call, lost_round=rounds is not None and rounds.lost_round, deadline=timeout)
+    except (RuntimeError, TimeoutError) as e:
+        if rounds is not None:
+            rounds.fail(str(e))
+        raise
     finish = getattr(opt, "finish_param_gather", None)
     if finish is not None:
         finish()
@@ -62,7 +73,7 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
     (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
     Parameters with ``requires_grad=False`` get no state, as in AdamW."""
     comm = opt._comm
-    settle(opt)
+    settle(opt, "full_state_dict")
     keep = comm.rank == to
     where, defaults = _locations(opt), adamw_defaults()
     state: dict[int, dict[str, Tensor]] = {}
@@ -152,7 +163,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     on every rank, before or after), except where the dict carries ``consolidate_state_dict``'s
     ``"shardopt"`` entry: its fp32 master weights and loss scaler are restored exactly."""
     comm = opt._comm
-    settle(opt)
+    settle(opt, "load_full_state_dict")
     header, error = None, None
     if comm.rank == 0:
         try:

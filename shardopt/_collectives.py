@@ -3,6 +3,23 @@
 Every collective here is issued asynchronously and returns a :class:`Pending` that the caller
 waits on explicitly; a handle is waited exactly once. Backend differences stay here:
 
+[Note: shardopt's own control group]
+Every small message by which the ranks agree (the step's all-reduce, each backward pass's round
+tag, the entry of a checkpoint call, the usage checks, the construction check and the objects
+gathered on error paths) goes over a gloo group of shardopt's own, over the same ranks as the
+optimizer's group, made once per set of ranks (``control_group``). The data (bucket reductions,
+weight gathers, DCP's tensors) stays on the optimizer's group. So a collective of the user's on
+that group (a ``dist.barrier()``, an ``all_reduce`` of the loss for logging) can never pair with
+one of shardopt's messages: a rank in ``save_checkpoint`` while the others are in a barrier waits
+on a group the barrier does not touch, gives up after its entry deadline and names the call
+(``Pending.late``), instead of mixing buffers of different sizes (gloo aborts the process) or
+waiting out the group's timeout. The messages that start each optimizer call all have one shape
+(``_step_message.StepMessage``), so ranks in different calls always meet and tell each other which
+call they are in. A rank that gave up on a message leaves it in flight (it cannot be taken back):
+the group is marked broken, and every later use on that rank raises, instead of pairing a stale
+message with a new one. The group is gloo whatever the data's backend (NCCL's collectives cannot
+be waited with a deadline and resumed); the messages are a few hundred bytes, copied to the host.
+
 [Note: all-gather on gloo]
 gloo's native ``all_gather_into_tensor`` is 1.6-2.6x slower than one asynchronous broadcast per
 rank into that rank's slice of the output, and cannot take uneven pieces. Broadcasting each
@@ -51,7 +68,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardopt._compat import mesh_flattener
+from shardopt._compat import default_store, group_timeout, mesh_flattener
 from shardopt._layout import Range, receive_chunks
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
@@ -84,6 +101,8 @@ class Pending:
     done: bool = False
     comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
     overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
+    deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
+    late: Callable[[float], Exception] | None = None  # the error once ``deadline`` passed (a call's entry)
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
@@ -100,7 +119,7 @@ class Pending:
         when that one may be waited on later (``overlap``), else wait for it too and return None."""
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()
-        timeout = self.comm.timeout if self.comm is not None else None
+        timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
         limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
         for w in self.works:
             try:
@@ -108,6 +127,8 @@ class Pending:
             except RuntimeError as e:
                 if timeout is None or ("imeout" not in str(e) and "imed out" not in str(e)):
                     raise
+                if self.late is not None:
+                    raise self.late(timeout) from None
                 raise TimeoutError(
                     f"rank {self.comm.rank} of {self.comm.world_size}: {self.comm.where} waited {timeout:g} s (the "
                     "ShardedAdamW timeout) for the other ranks' part of a collective. Another rank is in another "
@@ -163,10 +184,62 @@ def _flat_group(mesh: Any) -> ProcessGroup:
     return groups[tuple(mine.tolist())]
 
 
+@dataclass
+class ControlGroup:
+    """shardopt's gloo group over one set of ranks (see [Note: shardopt's own control group])."""
+
+    group: Any  # a gloo process group (c10d's object: its collectives are called as methods)
+    world: Any  # the default group it was made under (kept alive, so that its id stays unique)
+    timeout: datetime.timedelta  # each message's own limit: the optimizer's group's timeout
+    broken: str = ""  # once a rank gave up waiting on a message: why; every later use raises it
+
+
+_CONTROL: dict[tuple[int, tuple[int, ...]], ControlGroup] = {}
+_MADE: dict[tuple[int, ...], int] = {}  # control groups made for each set of ranks, in this process
+
+
+def control_group(group: ProcessGroup, connect: float | None = None) -> ControlGroup:
+    """shardopt's control group over the ranks of ``group`` (None: the default group), made at the
+    first call for these ranks: every rank of ``group`` must make that call at the same point (the
+    optimizer's construction, or a weights-only ``load_checkpoint``). ``connect``: seconds to wait
+    for the other ranks to connect (default: ``group``'s timeout); TimeoutError past that.
+
+    The gloo group is made from the default store under a prefix of shardopt's own, named by the
+    ranks and how many were made for them before. (``new_group(use_local_synchronization=True)``
+    would name it by how many groups this process holds, which differs between ranks that belong
+    to different subgroups: they would wait for each other under different names.)"""
+    world = dist.group.WORLD
+    parent = group if group is not None else world
+    ranks = tuple(dist.get_process_group_ranks(parent))
+    key = (id(world), ranks)
+    found = _CONTROL.get(key)
+    if found is not None and found.world is world:
+        return found
+    timeout, store = group_timeout(parent), default_store()
+    wait = timeout if connect is None else datetime.timedelta(seconds=connect)
+    try:
+        if store is None:  # see _compat.default_store
+            made = dist.new_group(list(ranks), backend="gloo", timeout=wait, use_local_synchronization=True)
+            made = made._get_backend(torch.device("cpu"))
+        else:
+            n = _MADE[ranks] = _MADE.get(ranks, -1) + 1
+            prefix = dist.PrefixStore(f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/", store)
+            made = dist.ProcessGroupGloo(prefix, ranks.index(dist.get_rank()), len(ranks), wait)
+    except RuntimeError as e:
+        if "imeout" not in str(e) and "imed out" not in str(e):
+            raise
+        raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
+                           f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
+                           "must build the optimizer (or call a weights-only load_checkpoint) at the same point") from None
+    found = _CONTROL[key] = ControlGroup(made, world, timeout)
+    return found
+
+
 class Comm:
     """A process group with its rank and size, and the collectives shardopt needs."""
 
-    def __init__(self, process_group: ProcessGroup = None, device_mesh: Any = None) -> None:
+    def __init__(self, process_group: ProcessGroup = None, device_mesh: Any = None, *,
+                 connect: float | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "shardopt needs torch.distributed initialised: launch with torchrun and call "
@@ -200,19 +273,76 @@ class Comm:
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
+        self.control = control_group(process_group, connect) if self.world_size > 1 else None
         self._shard_global = [dist.get_global_rank(shard_group, r) if shard_group is not None else r
                               for r in range(self.shard_size)]
 
-    # -- small collectives ---------------------------------------------------------------
+    # -- small collectives: on the control group ----------------------------------------
+    def _control(self) -> ProcessGroup:
+        if self.control.broken:
+            raise RuntimeError(self.control.broken)
+        return self.control.group
+
+    def control_all_reduce(self, t: Tensor, op: str = "sum", *, deadline: float | None = None,
+                           late: Callable[[float], Exception] | None = None) -> Pending:
+        """In-place SUM (or ``"max"``) of ``t`` over the group, through the control group (see
+        [Note: shardopt's own control group]): a tensor on an accelerator travels through a host copy
+        and is written back when waited. ``deadline``/``late``: see ``Pending``. Call on every rank."""
+        if self.control is None:
+            return Pending(stats=self.stats, comm=self)
+        host = t if t.device.type == "cpu" else t.cpu()
+        opts = dist.AllreduceOptions()
+        opts.reduceOp, opts.timeout = (dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM), self.control.timeout
+        work = self._control().allreduce([host], opts)
+        back = None if host is t else (lambda: t.copy_(host) and None)
+        return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
+                       deadline=deadline, late=late)
+
+    def _control_gather(self, t: Tensor) -> list[Tensor]:
+        """Every rank's ``t`` (a CPU tensor of the same shape everywhere), through the control group."""
+        out = [[torch.empty_like(t) for _ in range(self.world_size)]]
+        opts = dist.AllgatherOptions()
+        opts.timeout = self.control.timeout
+        self._control().allgather(out, [t], opts).wait()
+        return out[0]
+
+    def give_up(self, why: str) -> None:
+        """This rank stopped waiting for a control message (it stays in flight): every later use of
+        the control group on this rank raises ``why``. Local."""
+        if self.control is not None and not self.control.broken:
+            self.control.broken = why
+
     def all_reduce_sum(self, t: Tensor) -> Pending:
-        """In-place SUM of ``t`` over the group. Call on every rank."""
-        work = dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats, comm=self)
+        """In-place SUM of ``t`` over the group (a small message: the control group). Call on every rank."""
+        return self.control_all_reduce(t, "sum")
 
     def all_reduce_max(self, t: Tensor) -> Pending:
-        """In-place MAX of ``t`` over the group. Call on every rank."""
-        work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats, comm=self)
+        """In-place MAX of ``t`` over the group (a small message: the control group). Call on every rank."""
+        return self.control_all_reduce(t, "max")
+
+    def all_gather_objects(self, obj: object) -> list:
+        """Every rank's picklable ``obj``, in rank order (blocking; small objects, rare paths; the
+        control group). Unlike ``dist.all_gather_object`` this needs no NumPy."""
+        if self.control is None:
+            return [pickle.loads(pickle.dumps(obj))]
+        data = pickle.dumps(obj)
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        sizes = self._control_gather(size)
+        longest = max(int(s) for s in sizes)
+        mine = torch.zeros(longest, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        everything = self._control_gather(mine)
+        return [pickle.loads(bytes(t[: int(n)].tolist())) for t, n in zip(everything, sizes)]
+
+    def same_everywhere(self, description: Sequence[object], device: torch.device | None = None) -> bool:
+        """True on every rank when ``description`` is equal on all ranks: one small all-gather on the
+        control group (``device`` is not used; kept for callers)."""
+        if self.control is None:
+            return True
+        digest = hashlib.sha256(repr(list(description)).encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
+        gathered = self._control_gather(mine)
+        return all(bool((g == mine).all()) for g in gathered)
 
     def broadcast(self, t: Tensor, src: int = 0) -> Pending:
         """Broadcast ``t`` in place from group rank ``src``. Call on every rank."""

@@ -97,3 +97,29 @@ def require() -> None:
     if missing:
         raise RuntimeError(f"shardopt needs {', '.join(missing)}, which torch {torch.__version__} does not have; "
                            f"install torch {TESTED} (the versions shardopt is tested with, see setup.cfg)")
+
+
+def group_timeout(group: Any) -> "datetime.timedelta":
+    """The timeout ``group`` was made with, for shardopt's control group over the same ranks: its
+    backend's ``options._timeout`` (gloo's or NCCL's). Where that is missing, torch's documented
+    default of 30 minutes: the control group's messages then wait that long before torch gives up."""
+    import datetime
+
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return datetime.timedelta(minutes=30)
+
+
+def default_store() -> Any:
+    """The default group's store, from which shardopt makes its control group under a prefix of its
+    own: ``torch.distributed.distributed_c10d._get_default_store``. Where it is missing (None),
+    the control group comes from ``new_group(use_local_synchronization=True)``, which names a
+    group by how many groups each rank holds: ranks of one optimizer that belong to different
+    numbers of other groups (subgroups made on some ranks only) would then wait for each other."""
+    import torch.distributed.distributed_c10d as c10d
+
+    get = getattr(c10d, "_get_default_store", None)
+    return None if get is None else get()

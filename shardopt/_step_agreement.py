@@ -20,6 +20,33 @@ from shardopt._collectives import Comm
 from shardopt._step_message import StepMessage
 
 
+ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
+
+
+def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | None = None) -> None:
+    """Agree that every rank of ``comm``'s group is in ``call`` (a name of ``_agreement.CALLS``
+    that every rank must make alike, e.g. ``"save_checkpoint"``): one all-reduce of the step's
+    shape on the control group, before anything else of the call. Raises RuntimeError on every
+    rank when some rank is in another call (it meets this message with its own); TimeoutError on
+    this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None): the
+    other ranks are elsewhere (in a collective of their own, or in other work), and this rank's
+    control group can no longer be used (see _collectives [Note: shardopt's own control group]).
+    Every rank."""
+    header = StepMessage.tag(call_header(call, lost_round)).pack(torch.device("cpu"))
+
+    def late(waited: float) -> Exception:
+        why = (f"rank {comm.rank} of {comm.world_size}: {call}() waited {waited:g} s for the other ranks to call "
+               f"it too. {call}() must be called on every rank of the optimizer's group, at the same point (each rank "
+               "writes or reads its own shard), not under `if rank == 0:`; where one rank legitimately arrives later "
+               f"(it does work of its own first), pass a larger timeout= to {call}() or to the optimizer")
+        comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
+                     "(the last complete checkpoint is intact)")
+        return TimeoutError(why)
+
+    comm.control_all_reduce(header, deadline=ENTRY_TIMEOUT if deadline is None else deadline, late=late).wait()
+    check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
+
+
 class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""

@@ -39,6 +39,7 @@ from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         data_checksums, latest_checkpoint, list_checkpoints, read_manifest, temp_path,
                                         verify_data, write_json)
 from shardopt._collectives import Comm, ProcessGroup
+from shardopt._step_agreement import ENTRY_TIMEOUT, enter
 from shardopt._version import __version__
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
@@ -139,17 +140,21 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
     }
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None) -> str:
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None,
+                    timeout: float | None = None) -> str:
     """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
 
     Every rank of the optimizer's group must call it; each writes only its own shard, in parallel.
+    A rank waits at most ``timeout`` seconds (default: the optimizer's ``timeout``, else 60) for the
+    others to call it too, then raises TimeoutError naming the call; a rank in another optimizer
+    call raises RuntimeError on every rank.
     ``path`` must be on a filesystem that every rank sees. The checkpoint appears at ``path`` only
     once complete (an existing one there is replaced); a save that fails or is killed leaves
     ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = os.fspath(path)
     comm: Comm = opt._comm
-    settle(opt)
+    settle(opt, "save_checkpoint", timeout)
     try:
         entries, aliases = _entries(model, opt)
         manifest, error = _manifest(opt, model, entries, aliases), None
@@ -289,7 +294,7 @@ def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str
 
 
 def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = None, *,
-                    process_group: ProcessGroup = None) -> Any:
+                    process_group: ProcessGroup = None, timeout: float | None = None) -> Any:
     """Load the checkpoint at ``path`` into ``model`` and, if given, ``opt`` (a ``ShardedAdamW``
     at any world size, bucket size, stage or master-weight mode); returns the ``extra`` object
     saved with it (or None).
@@ -298,11 +303,15 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     Each rank reads only what its new shard needs (plus the non-sharded state); without ``opt``
     every rank reads the whole model. A partial or corrupt checkpoint raises FileNotFoundError or
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
-    mismatching parameter; either is raised on every rank."""
+    mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
+    (default: the optimizer's ``timeout``, else 60) for the others to call it too, then raises
+    TimeoutError naming the call."""
     path = os.fspath(path)
-    comm: Comm = opt._comm if opt is not None else Comm(process_group)
-    if opt is not None:
-        settle(opt)
+    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=timeout or ENTRY_TIMEOUT)
+    if opt is None:
+        enter(comm, "load_checkpoint", deadline=timeout)
+    else:
+        settle(opt, "load_checkpoint", timeout)
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
     try:
         marker = check_complete(path)

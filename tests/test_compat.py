@@ -148,3 +148,13 @@ def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_
     n = len(list(model.parameters()))
     assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) == 2 * n  # the old ones stayed
     _trains_like_adamw(model, opt, 3)
+
+
+def test_the_control_groups_timeout_is_its_parents_or_torchs_default():
+    import datetime
+    from types import SimpleNamespace
+
+    made = datetime.timedelta(seconds=77)
+    parent = SimpleNamespace(_get_backend=lambda device: SimpleNamespace(options=SimpleNamespace(_timeout=made)))
+    assert _compat.group_timeout(parent) == made
+    assert _compat.group_timeout(object()) == datetime.timedelta(minutes=30)  # where the backend is hidden

@@ -50,6 +50,19 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "(checkpoint.py, _checkpoint_files.py, _checkpoint_adamw.py, _rank_state.py)",
     ("shardopt/_collectives.py", "Pending.wait_landed", "raise"):
         "re-raises torch's own error from Work.wait() when it is not a timeout",
+    ("shardopt/_collectives.py", "Pending.wait_landed", "late"):
+        "the TimeoutError that its issuer built for a call's entry (_step_agreement.enter's late), collected there",
+    ("shardopt/_collectives.py", "Comm._control", "RuntimeError"):
+        "the text given to Comm.give_up (_step_agreement.enter's late), collected there",
+    ("shardopt/_checkpoint_adamw.py", "settle", "RuntimeError"):
+        "rounds.fail(str(e)) with the text of _step_agreement.enter's error (check_calls in _agreement.py, or its "
+        "TimeoutError), collected there",
+    ("shardopt/_checkpoint_files.py", "commit", "raise"):
+        "re-raises the OSError of a rename that failed for another reason than another process having made it",
+    ("shardopt/_collectives.py", "control_group", "raise"):
+        "re-raises torch's own error from making the gloo group when it is not a timeout",
+    ("shardopt/_checkpoint_adamw.py", "settle", "raise"):
+        "re-raises _step_agreement.enter's RuntimeError (check_calls, _agreement.py) or TimeoutError, collected there",
     ("shardopt/_reducer.py", "GradReducer._refuse", "RuntimeError"):
         "the message its callers pass (GradReducer.arrive, GradReducer._late), collected at those calls, "
         "plus '; the step was not taken'",
