@@ -19,8 +19,26 @@ to ``PATH`` in one ``rename``. So:
   rank on its share of the files, before anything is modified) refuses a tensor file whose
   content no longer matches its CRC, so flipped bytes of the same size are caught;
 * overwriting an existing ``PATH`` moves the old one to ``PATH.old-TOKEN`` just before the
-  final rename and deletes it just after: if the process dies between the two renames, the old
-  checkpoint survives there (``missing_checkpoint_message`` points at it).
+  final rename and deletes it just after. See [Note: a kill between the renames of a commit].
+
+[Note: a kill between the renames of a commit]
+A directory cannot replace a non-empty one in one ``rename``, so an overwrite has an instant at
+which ``PATH`` does not exist: after ``PATH -> PATH.old-TOKEN``, before ``PATH.tmp-TOKEN -> PATH``.
+A process killed there leaves two complete checkpoints under names that are not checkpoints.
+``recover(PATH)`` finishes such a commit: where ``PATH`` is missing and a complete ``PATH.tmp-*``
+or ``PATH.old-*`` exists, it renames the new one (a complete ``tmp``: its marker was written
+before the first rename), or else the old one, to ``PATH``. ``list_checkpoints``,
+``latest_checkpoint``, ``load_checkpoint`` and ``save_checkpoint`` run it first, so at every
+instant a process can be killed, the names they find hold a complete checkpoint. It is safe from
+several processes at once (every rank of a restarted job lists the same directory): each step is
+one ``rename``, which fails when its source is gone or ``PATH`` exists (another process was
+first), and a failed one is taken as that. Where the rename cannot be made (a read-only
+directory), the complete leftover itself is listed and loaded. A save that commits also finds
+commits that are in flight from another process's view: its own final rename, done by another
+process, counts as done (the marker names its token). The next successful save removes the
+leftovers of interrupted saves: every ``*.tmp-*`` and ``*.old-*`` beside its ``PATH`` that no
+save is writing (older than this save), and that is not the only copy of a checkpoint. Two jobs
+must not save into one directory at once.
 """
 from __future__ import annotations
 
@@ -29,6 +47,7 @@ import json
 import os
 import re
 import shutil
+import time
 import zlib
 from typing import Any
 
@@ -129,9 +148,10 @@ def check_replaceable(path: str) -> None:
     raise FileExistsError(f"{path} exists and is not a shardopt checkpoint; refusing to replace it")
 
 
-def commit(tmp: str, path: str, token: str, crcs: dict[str, int] | None = None) -> None:
-    """Mark ``tmp`` complete (with every rank's ``data_checksums``, merged) and rename it to
-    ``path``. Rank 0 only, after every rank has written.
+def commit(tmp: str, path: str, token: str, crcs: dict[str, int] | None = None, started: float | None = None) -> None:
+    """Mark ``tmp`` complete (with every rank's ``data_checksums``, merged), rename it to ``path``
+    and remove the leftovers of earlier interrupted saves beside it that are older than
+    ``started`` (``time.time()`` when this save began). Rank 0 only, after every rank has written.
 
     See [Note: a checkpoint is complete only when its marker says so]."""
     files = {}
@@ -142,16 +162,90 @@ def commit(tmp: str, path: str, token: str, crcs: dict[str, int] | None = None) 
     if DCP_METADATA not in files or MANIFEST not in files:
         raise RuntimeError(f"checkpoint {tmp} lacks {DCP_METADATA} or {MANIFEST} after every rank finished writing")
     sha = {name: _sha256(os.path.join(tmp, name)) for name in _HASHED if name in files}
-    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "files": files, "sha256": sha, "crc32": crcs or {}})
+    recover(path)  # an earlier commit to path that a kill interrupted is finished first (tmp is not complete yet)
+    write_json(os.path.join(tmp, MARKER), {"format": FORMAT, "files": files, "sha256": sha, "crc32": crcs or {},
+                                           "token": token})
     _fsync_dir(tmp)
     old = None
     if os.path.exists(path):
         old = f"{path}.old-{token}"
         os.rename(path, old)
-    os.rename(tmp, path)
+    try:
+        os.rename(tmp, path)
+    except FileNotFoundError:  # another process's recover() made this rename: see the Note
+        if _token(path) != token:
+            raise
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+    remove_leftovers(os.path.dirname(os.path.abspath(path)), time.time() if started is None else started)
+
+
+def _token(path: str) -> str | None:
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            return json.load(f).get("token")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def _leftovers(path: str) -> list[str]:
+    """The ``*.tmp-*`` and ``*.old-*`` directories beside ``path`` left by saves to it, by name."""
+    parent, base = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return []
+    return sorted(os.path.join(parent, n) for n in os.listdir(parent)
+                  if n.startswith(base + ".") and _TEMP.fullmatch(n[len(base):]) and os.path.isdir(os.path.join(parent, n)))
+
+
+def _saved_step(path: str) -> int:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return int(json.load(f).get("step", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return -1
+
+
+def recover(path: str) -> str | None:
+    """Where the checkpoint of ``path`` is after finishing a commit to ``path`` that a kill
+    interrupted between its renames: ``path`` itself, or (where the rename cannot be made) the
+    complete leftover that holds it; None where there is none. Local; safe from several processes
+    at once. See [Note: a kill between the renames of a commit]."""
+    if os.path.isdir(path):
+        return path
+    complete = [c for c in _leftovers(path) if is_complete(c)]
+    if not complete:
+        return None
+    # The save being committed (tmp) before the checkpoint it replaces (old); then the newest step.
+    chosen = max(complete, key=lambda c: (".tmp-" in os.path.basename(c), _saved_step(c), c))
+    try:
+        os.rename(chosen, path)
+        _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    except OSError:
+        pass  # another process was first, or the directory cannot be written
+    return path if os.path.isdir(path) else chosen
+
+
+def remove_leftovers(parent: str, before: float) -> list[str]:
+    """Remove from ``parent`` the ``*.tmp-*`` / ``*.old-*`` directories of interrupted saves last
+    changed before ``before`` (seconds since the epoch) that hold no checkpoint found nowhere else
+    (incomplete ones, and complete ones beside their committed checkpoint); returns their paths.
+    Local: rank 0 of a save that just committed."""
+    removed = []
+    for name in sorted(os.listdir(parent)):
+        full, m = os.path.join(parent, name), _TEMP.search(name)
+        if m is None or not os.path.isdir(full):
+            continue
+        try:
+            if os.path.getmtime(full) >= before:
+                continue  # a save in flight (another job's): not ours to touch
+        except OSError:
+            continue
+        if is_complete(full) and recover(os.path.join(parent, name[:m.start()])) in (None, full):
+            continue  # the only copy of that checkpoint
+        shutil.rmtree(full, ignore_errors=True)
+        removed.append(full)
+    return removed
 
 
 def missing_checkpoint_message(path: str) -> str:
@@ -226,14 +320,23 @@ def is_complete(path: str) -> bool:
 def list_checkpoints(root: str) -> list[str]:
     """Complete checkpoints directly under ``root``, oldest first (by saved step, then name).
 
-    Interrupted saves (``*.tmp-*``), leftovers of overwrites (``*.old-*``) and anything without a
-    valid marker are skipped. Local; no communication."""
+    A commit that a kill interrupted between its renames is finished first (see [Note: a kill
+    between the renames of a commit]); then interrupted saves (``*.tmp-*``), leftovers of
+    overwrites (``*.old-*``) and anything without a valid marker are skipped. Local; no
+    communication; every rank may call it at once."""
     if not os.path.isdir(root):
         return []
+    held = set()  # leftovers that hold a checkpoint they could not be renamed back to
+    for name in sorted(os.listdir(root)):
+        m = _TEMP.search(name)
+        if m is not None and not os.path.exists(os.path.join(root, name[:m.start()])):
+            where = recover(os.path.join(root, name[:m.start()]))
+            if where is not None and _TEMP.search(where):
+                held.add(os.path.basename(where))
     found = []
     for name in os.listdir(root):
         full = os.path.join(root, name)
-        if _TEMP.search(name) or not os.path.isdir(full) or not is_complete(full):
+        if (_TEMP.search(name) and name not in held) or not os.path.isdir(full) or not is_complete(full):
             continue
         try:
             with open(os.path.join(full, MANIFEST)) as f:

@@ -25,6 +25,7 @@ import dataclasses
 import math
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -36,8 +37,8 @@ from shardopt._checkpoint_adamw import full_state_dict, load_full_state_dict, se
 from shardopt._checkpoint_dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
 from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable, commit,
-                                        data_checksums, latest_checkpoint, list_checkpoints, read_manifest, temp_path,
-                                        verify_data, write_json)
+                                        data_checksums, latest_checkpoint, list_checkpoints, read_manifest, recover,
+                                        temp_path, verify_data, write_json)
 from shardopt._collectives import Comm, ProcessGroup
 from shardopt._step_agreement import ENTRY_TIMEOUT, enter
 from shardopt._version import __version__
@@ -170,7 +171,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
         raise ValueError(f"save_checkpoint got different paths on different ranks: {paths[0]!r} on rank 0, "
                          f"{paths[other]!r} on rank {other}; every rank must pass the same path, on a filesystem "
                          "they all see (build it once, e.g. on rank 0, and broadcast it)")
-    token = agreed[0][0]
+    token, started = agreed[0][0], time.time()
     tmp = temp_path(path, token)
     try:
         os.makedirs(tmp, exist_ok=True)
@@ -199,7 +200,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     every = agree(comm, error, crcs)
     if comm.rank == 0:  # every rank's files are written: DCP's last step gathered them all
         try:
-            commit(tmp, path, token, {k: v for mine in every for k, v in mine.items()})
+            commit(tmp, path, token, {k: v for mine in every for k, v in mine.items()}, started)
         except (OSError, RuntimeError) as e:
             error = e
     agree(comm, error)
@@ -314,6 +315,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         settle(opt, "load_checkpoint", timeout)
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
     try:
+        path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
         manifest = read_manifest(path, marker)
         verify_data(path, marker, comm.rank, comm.world_size)  # each rank its share of the tensor files

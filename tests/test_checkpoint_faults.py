@@ -1,0 +1,300 @@
+"""Tier 2: checkpoints under kills and under the DDP habit of saving on rank 0 only.
+
+Catches two ways a run was lost or hung:
+
+* a process killed while it commits a checkpoint over an existing one (between moving the old
+  one aside and renaming the new one in) left two complete checkpoints under names that
+  ``latest_checkpoint`` skipped, so a restart began again from step 0. Each test run is killed
+  with ``os._exit`` at one rename or file move of the commit, in real gloo ranks of their own;
+  the next run must find a checkpoint at the same path, equal to one of the two saves, and the
+  next save must remove what the kill left.
+* ``save_checkpoint`` / ``load_checkpoint`` on rank 0 only: gloo aborted the process (SIGABRT) on
+  collectives of different sizes, or both ranks waited out the group's 30-minute timeout in a
+  ``dist.barrier()``. Every rank that made the call must raise a Python exception naming it within
+  seconds, the others an error too when they go on training, and no rank may die by a signal.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import json
+import multiprocessing as mp
+import os
+import time
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardopt
+from models import batch, make_model
+
+WORLD = 2
+
+
+def _spawn(target, root: str, *args, timeout: float = 90.0) -> list[int | None]:
+    """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes."""
+    ctx = _context()
+    store = os.path.join(root, f"store-{time.monotonic_ns()}")
+    procs = [ctx.Process(target=_main, args=(target, r, store, root, args), daemon=True) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(deadline - time.monotonic(), 0.1))
+    codes = [p.exitcode for p in procs]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return codes
+
+
+def _context():
+    """Fresh processes forked from one server that imported torch and shardopt once (a spawned
+    process would take seconds to import them, for each of the many runs here)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "shardopt", "models"])
+    return ctx
+
+
+def _main(target, rank: int, store: str, root: str, args: tuple) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        result = target(rank, root, *args)
+    except BaseException:  # noqa: BLE001 - reported to the test, which decides
+        result = {"traceback": traceback.format_exc()}
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)  # results are written; collectives a refused call left in flight need no teardown
+
+
+def _results(root: str) -> list[dict]:
+    out = []
+    for r in range(WORLD):
+        with open(os.path.join(root, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _train(model, opt, steps) -> None:
+    for step in steps:
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+
+
+def _state(model, opt) -> dict[str, list]:
+    fsd = opt.full_state_dict()
+    state = {k: v.tolist() for k, v in model.state_dict().items()}
+    if dist.get_rank() == 0:
+        state.update({f"{i}.{k}": v.tolist() for i, s in fsd["state"].items() for k, v in s.items() if k != "step"})
+    return state
+
+
+# -- a kill at each rename or file move of a commit over an existing checkpoint -------------------
+MOVES = ("replace", "rename", "rmtree")  # the marker's os.replace, the two os.rename, shutil.rmtree of the old one
+
+
+class _KillAt:
+    """Stands in for ``os`` or ``shutil`` inside ``_checkpoint_files`` while a commit runs: the
+    process dies (``os._exit``) before its ``at``-th move, or after the last one (``at`` = -1)."""
+
+    count = 0
+
+    def __init__(self, real, at: int) -> None:
+        self._real, self._at = real, at
+
+    def __getattr__(self, name: str):
+        attr = getattr(self._real, name)
+        if name not in MOVES:
+            return attr
+
+        def move(*args, **kwargs):
+            _KillAt.count += 1
+            if _KillAt.count == self._at:
+                os._exit(17)
+            out = attr(*args, **kwargs)
+            if self._at == -1 and name == "rmtree":
+                os._exit(17)
+            return out
+
+        return move
+
+
+def killed_commit_case(rank: int, root: str, at: int) -> dict:
+    import shardopt._checkpoint_files as files
+    import shardopt.checkpoint as ck
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, stage=2)
+    path = os.path.join(root, "latest")
+    _train(model, opt, range(1))
+    first = _state(model, opt)
+    shardopt.save_checkpoint(path, model, opt)
+    _train(model, opt, range(1, 2))
+    second = _state(model, opt)
+    if rank == 0:
+        with open(os.path.join(root, "saves.json"), "w") as f:
+            json.dump([first, second], f)
+        commit = ck.commit
+
+        def commit_then_die(*args, **kwargs):
+            files.os, files.shutil = _KillAt(os, at), _KillAt(files.shutil, at)
+            commit(*args, **kwargs)
+
+        ck.commit = commit_then_die
+    shardopt.save_checkpoint(path, model, opt)  # rank 0 dies inside; rank 1 then fails in the last agreement
+    return {"survived": True}
+
+
+def load_case(rank: int, root: str, names: list[str]) -> dict:
+    """The next run, for each killed run's directory under ``root``: find, load, save again."""
+    out = {}
+    for name in names:
+        where = os.path.join(root, name)
+        model = make_model(seed=9)
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, stage=1)
+        found = shardopt.latest_checkpoint(where)
+        shardopt.load_checkpoint(found, model, opt)
+        state = _state(model, opt)
+        listed = shardopt.list_checkpoints(where)
+        shardopt.save_checkpoint(found, model, opt)  # the next successful save removes what the kill left
+        dist.barrier()
+        out[name] = {"found": found, "listed": listed, "state": state, "left": sorted(os.listdir(where))}
+    return out
+
+
+KILLS = {"marker": 1, "old-aside": 2, "new-in": 3, "old-removed": 4, "after": -1}  # the move the kill comes before
+
+
+def test_a_kill_at_each_move_of_a_commit_leaves_a_checkpoint_the_next_run_finds(tmp_path):
+    left_by_kill, saves = {}, {}
+    for name, at in KILLS.items():
+        root = str(tmp_path / name)
+        os.makedirs(root)
+        codes = _spawn(killed_commit_case, root, at)
+        assert codes[0] == 17, (name, codes, _results(root) if os.path.exists(os.path.join(root, "rank1.json")) else None)
+        assert codes[1] is not None and codes[1] >= 0, (name, codes)  # rank 1 ended by itself, not by a signal
+        saves[name] = json.load(open(os.path.join(root, "saves.json")))
+        left_by_kill[name] = sorted(n for n in os.listdir(root) if ".tmp-" in n or ".old-" in n)
+        for f in glob.glob(os.path.join(root, "rank*.json")) + glob.glob(os.path.join(root, "store-*")):
+            os.remove(f)
+    root = str(tmp_path)
+    codes = _spawn(load_case, root, list(KILLS))
+    got = _results(root)
+    assert codes == [0, 0] and "traceback" not in got[0] and "traceback" not in got[1], (codes, got)
+    for name, at in KILLS.items():
+        path = os.path.join(root, name, "latest")
+        for rank in range(WORLD):
+            r = got[rank][name]
+            assert r["found"] == path and r["listed"] == [path], (name, rank, r["found"], r["listed"], left_by_kill[name])
+        full = {**got[1][name]["state"], **got[0][name]["state"]}  # rank 0 adds the optimizer's state
+        assert full in saves[name], (name, left_by_kill[name])  # equal to one of the two saves
+        if at == 1:  # killed before the new checkpoint was complete: the old one
+            assert full == saves[name][0], name
+        if at in (3, 4, -1):  # the new one was complete and the old one moved aside: the new one
+            assert full == saves[name][1], name
+        leftovers = [n for n in got[0][name]["left"] if ".tmp-" in n or ".old-" in n]
+        assert leftovers == [], (name, left_by_kill[name], got[0][name]["left"])
+    assert left_by_kill["old-aside"] and left_by_kill["new-in"], left_by_kill  # the kills did leave work behind
+
+
+def test_an_interrupted_commit_is_recovered_once_when_every_rank_lists_at_once(tmp_path):
+    """Both leftovers complete, the path missing (a kill between the two renames); two processes
+    list the directory at the same instant: both find the new checkpoint under its own name."""
+    from shardopt._checkpoint_files import MANIFEST, MARKER, list_checkpoints
+
+    root = tmp_path / "ckpt"
+    for name, step in (("latest.old-aaaa", 1), ("latest.tmp-aaaa", 2)):
+        d = root / name
+        d.mkdir(parents=True)
+        (d / MANIFEST).write_text(json.dumps({"format": "shardopt.checkpoint.v1", "step": step}))
+        (d / ".metadata").write_text("m")
+        files = {MANIFEST: (d / MANIFEST).stat().st_size, ".metadata": 1}
+        (d / MARKER).write_text(json.dumps({"format": "shardopt.checkpoint.v1", "files": files}))
+    ctx = mp.get_context("fork")
+    with ctx.Pool(2) as pool:
+        listed = pool.map(list_checkpoints, [str(root)] * 2)
+    assert listed == [[str(root / "latest")]] * 2, listed
+    assert json.loads((root / "latest" / MANIFEST).read_text())["step"] == 2
+    assert sorted(os.listdir(root)) == ["latest", "latest.old-aaaa"]
+
+
+# -- checkpoint calls on rank 0 only ------------------------------------------------------------
+def rank0_only_case(rank: int, root: str, call: str, then: str) -> dict:
+    model = make_model(seed=5)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=3)
+    path = os.path.join(root, "ckpt")
+    _train(model, opt, range(1))
+    shardopt.save_checkpoint(path, model, opt)  # every rank: a checkpoint to load
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            if call == "save":
+                shardopt.save_checkpoint(path, model, opt)
+            elif call == "load":
+                shardopt.load_checkpoint(path, model, opt)
+            else:
+                shardopt.load_checkpoint(path, make_model(seed=6), timeout=3)
+        if then == "train" or rank == 0:
+            if then == "barrier":
+                dist.barrier()
+            else:
+                _train(model, opt, range(1, 3))
+        else:
+            dist.barrier()
+    except (RuntimeError, TimeoutError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+        if then == "barrier":
+            dist.barrier()  # the caller goes on to the barrier the others wait in
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+@pytest.mark.parametrize("call,then", [("save", "train"), ("load", "train"), ("save", "barrier"),
+                                       ("weights", "barrier")])
+def test_a_checkpoint_call_on_rank_0_only_raises_naming_it(tmp_path, call, then):
+    root = str(tmp_path)
+    codes = _spawn(rank0_only_case, root, call, then)
+    assert codes == [0, 0], (codes, os.listdir(root))  # no rank killed by a signal, none hung
+    got = _results(root)
+    name = "save_checkpoint()" if call == "save" else "load_checkpoint()"
+    assert "traceback" not in got[0] and "traceback" not in got[1], got
+    assert name in got[0].get("error", ""), got[0]
+    assert "every rank" in got[0]["error"], got[0]
+    assert got[0]["seconds"] < 60, got[0]  # not the group's timeout
+    if then == "train":  # the others meet the call with their next backward pass or step
+        assert name in got[1].get("error", "") and "RuntimeError" in got[1]["error"], got[1]
+        assert "RuntimeError" in got[0]["error"], got[0]
+    else:  # the caller gave up after the optimizer's timeout (3 s) and went on to the barrier
+        assert "TimeoutError" in got[0]["error"] and "waited 3 s" in got[0]["error"], got[0]
+        assert "error" not in got[1] and got[1]["seconds"] < 60, got[1]
+
+
+def without_default_store_case(rank: int, root: str) -> dict:
+    import shardopt._collectives as collectives
+
+    collectives.default_store = lambda: None  # as on a torch that does not expose it: new_group's group
+    model = make_model(seed=5)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(1))
+    out = {"own_group": opt._comm.control is not None}
+    try:
+        if rank == 0:
+            shardopt.save_checkpoint(os.path.join(root, "ckpt"), model, opt)
+        _train(model, opt, range(1, 3))
+    except RuntimeError as e:
+        out["error"] = str(e)
+    return out
+
+
+def test_without_the_default_store_the_control_group_still_keeps_the_calls_apart(tmp_path):
+    root = str(tmp_path)
+    assert _spawn(without_default_store_case, root) == [0, 0]
+    for rank, got in enumerate(_results(root)):
+        assert got.get("own_group") and "save_checkpoint()" in got.get("error", ""), (rank, got)
