@@ -56,6 +56,7 @@ the bucket order) still spans every rank of the mesh, so every decision is the s
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import hashlib
@@ -196,6 +197,8 @@ class ControlGroup:
 
 _CONTROL: dict[tuple[int, tuple[int, ...]], ControlGroup] = {}
 _MADE: dict[tuple[int, ...], int] = {}  # control groups made for each set of ranks, in this process
+# Freed while the interpreter still runs, as any group is, not among the last objects torn down.
+atexit.register(_CONTROL.clear)
 
 
 def control_group(group: ProcessGroup, connect: float | None = None) -> ControlGroup:
@@ -215,6 +218,8 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     found = _CONTROL.get(key)
     if found is not None and found.world is world:
         return found
+    for old in [k for k, c in _CONTROL.items() if c.world is not world]:  # made under a destroyed default group
+        del _CONTROL[old]
     timeout, store = group_timeout(parent), default_store()
     wait = timeout if connect is None else datetime.timedelta(seconds=connect)
     try:

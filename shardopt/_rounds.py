@@ -253,7 +253,8 @@ class Rounds:
             queue_at_end_of_backward(_EndOfBackward(self, self.opened))
         if self.comm.world_size > 1:
             self._tag_lost = self.lost_round  # what this tag says, for its check
-            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(self._device)
+            # on the host: the control group is gloo (no device sync inside a backward hook)
+            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(torch.device("cpu"))
             self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
         if self.order is None:
             self._agree_order()

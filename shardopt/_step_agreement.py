@@ -28,7 +28,8 @@ def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | 
     that every rank must make alike, e.g. ``"save_checkpoint"``): one all-reduce of the step's
     shape on the control group, before anything else of the call. Raises RuntimeError on every
     rank when some rank is in another call (it meets this message with its own); TimeoutError on
-    this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None): the
+    this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None;
+    ``math.inf``: as long as a step waits, the comm's timeout or else the group's own): the
     other ranks are elsewhere (in a collective of their own, or in other work), and this rank's
     control group can no longer be used (see _collectives [Note: shardopt's own control group]).
     Every rank."""
@@ -43,7 +44,9 @@ def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | 
                      "(the last complete checkpoint is intact)")
         return TimeoutError(why)
 
-    comm.control_all_reduce(header, deadline=ENTRY_TIMEOUT if deadline is None else deadline, late=late).wait()
+    if deadline is None:
+        deadline = ENTRY_TIMEOUT
+    comm.control_all_reduce(header, deadline=None if math.isinf(deadline) else deadline, late=late).wait()
     check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
 
 

@@ -146,9 +146,10 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
 
     Every rank of the optimizer's group must call it; each writes only its own shard, in parallel.
-    A rank waits at most ``timeout`` seconds (default: the optimizer's ``timeout``, else 60) for the
-    others to call it too, then raises TimeoutError naming the call; a rank in another optimizer
-    call raises RuntimeError on every rank.
+    A rank waits at most ``timeout`` seconds (default: the optimizer's ``timeout``, else 60;
+    ``math.inf``: as long as a step would) for the others to call it too, then raises
+    TimeoutError naming the call; a rank in another optimizer call raises RuntimeError on every
+    rank.
     ``path`` must be on a filesystem that every rank sees. The checkpoint appears at ``path`` only
     once complete (an existing one there is replaced); a save that fails or is killed leaves
     ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
@@ -305,10 +306,10 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     every rank reads the whole model. A partial or corrupt checkpoint raises FileNotFoundError or
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
     mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
-    (default: the optimizer's ``timeout``, else 60) for the others to call it too, then raises
-    TimeoutError naming the call."""
+    (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
+    others to call it too, then raises TimeoutError naming the call."""
     path = os.fspath(path)
-    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=timeout or ENTRY_TIMEOUT)
+    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=_connect(timeout))
     if opt is None:
         enter(comm, "load_checkpoint", deadline=timeout)
     else:
@@ -362,6 +363,13 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         if opt is not None:
             _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
     return extra
+
+
+def _connect(timeout: float | None) -> float | None:
+    """Seconds a weights-only load waits for the other ranks to join the control group (None: the group's own)."""
+    if timeout is None:
+        return ENTRY_TIMEOUT
+    return None if math.isinf(timeout) else timeout
 
 
 def _read_extra(path: str) -> Any:

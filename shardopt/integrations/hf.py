@@ -18,6 +18,7 @@ and set as for AdamW. It owns what differs from a plain Trainer:
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from typing import Any
@@ -120,7 +121,9 @@ class ShardedTrainer(Trainer):
         opt = self.sharded_optimizer
         if opt is None:
             return super()._save_optimizer_and_scheduler(output_dir)
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt)  # every rank
+        # Every rank; rank 0 arrives after writing the model's weights alone (Trainer.save_model), which
+        # may take minutes: wait as long as a step would, not the checkpoint's default entry deadline.
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt, timeout=math.inf)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
