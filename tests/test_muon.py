@@ -1,8 +1,9 @@
 """ShardedMuon on real gloo ranks against torch.optim.Muon + torch.optim.AdamW in one process.
 
 Every Muon matrix is owned whole by one rank; with the same data on every rank the averaged
-gradient is the local one, so the Muon matrices must come out bit for bit as torch's at any world
-size and stage. The AdamW parameters follow ShardedAdamW's fused AdamW (within test_parity's bound).
+gradient is the local one, so the Muon matrices and the AdamW parameters must come out bit for bit
+as torch's at any world size and stage. Clipping breaks that for the AdamW parameters by an ulp:
+the norm over shards cannot be summed in torch's order.
 """
 from __future__ import annotations
 
@@ -80,7 +81,18 @@ def test_muon_matrices_are_torch_muon_bit_for_bit(pools, world_size):
                 results = pool.run(muon_case, stage, nesterov, adjust, True, None)
                 for equal, worst, adamw_worst in results:
                     assert equal, (stage, nesterov, adjust, worst)
-                    assert adamw_worst <= 2e-6, (stage, nesterov, adjust, adamw_worst)
+                    assert adamw_worst == 0.0, (stage, nesterov, adjust, adamw_worst)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_same_data_with_clipping_is_torch_to_the_clip_coefficients_last_bit(pools, world_size):
+    """Measured at 1, 2 and 4 ranks, both stages: the Muon matrices still torch's bit for bit (the
+    clip coefficient's last bit vanishes in bf16 Newton-Schulz), the AdamW parameters at most
+    6e-8 (an ulp of numbers below 1) from torch's; the bound allows two ulps of O(1) numbers."""
+    pool = pools(world_size)
+    for stage in (1, 2):
+        for _, worst, adamw_worst in pool.run(muon_case, stage, True, "original", True, 0.05):
+            assert worst <= 1e-5 and adamw_worst <= 2.5e-7, (stage, worst, adamw_worst)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -152,7 +164,7 @@ def test_hybrid_mesh_matches_torch_muon(pools):
     pool = pools(4)
     for stage in (1, 2):
         for equal, adamw_worst in pool.run(hybrid_case, stage):
-            assert equal and adamw_worst <= 2e-6, (stage, adamw_worst)
+            assert equal and adamw_worst == 0.0, (stage, adamw_worst)
 
 
 def estimate_case(stage: int) -> tuple[dict, dict]:

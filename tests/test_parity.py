@@ -3,11 +3,15 @@
 Catches wrong shard/bucket index math, wrong gradient averaging, lost updates of parameters cut
 by shard boundaries, mishandled tied/unused/frozen parameters, param-group mix-ups, and state
 that does not survive a state_dict round trip. Each rank trains on different data; the reference
-sees every rank's data and averages the gradients itself.
+sees every rank's data and averages the gradients itself. With the same data on every rank the
+averaged gradient is the local one, exactly, and the weights must be torch.optim.AdamW's bit for
+bit, with either kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
+import os
 
 import pytest
 import torch
@@ -61,6 +65,43 @@ def test_fp32_matches_adamw(pools, world_size):
         for cap in (1e-5, 25.0):  # a bucket per parameter, and one bucket for everything
             worst = pool.run(fp32_parity_case, stage, cap)
             assert max(worst) <= 2e-6, (stage, cap, worst)
+
+
+def same_data_case(stage: int, kernel: str) -> list[str]:
+    """Six steps on rank 0's data on every rank, against torch.optim.AdamW's single-tensor CPU step;
+    the names of the parameters that are not bit for bit torch's. With the fused kernel torch's
+    steps take a correctly rounded sqrt, as the compiled kernel does (tests/correct_sqrt.py)."""
+    from correct_sqrt import correctly_rounded_sqrt
+
+    os.environ["SHARDOPT_KERNEL"] = kernel  # "fused": a compile or self-check failure raises
+    try:
+        model = make_model(seed=1)
+        ref_model = copy.deepcopy(model)
+        opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                    stage=stage, bucket_cap_mb=1e-4)
+        ref_opt = torch.optim.AdamW(param_groups(ref_model), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1,
+                                    foreach=False)
+        for step in range(6):
+            opt.zero_grad()
+            opt.backward(model(batch(0, step)))
+            opt.step()
+            for p, g in zip(ref_model.parameters(), _reference_grads(ref_model, 1, step)):
+                p.grad = g if p.requires_grad else None
+            with correctly_rounded_sqrt() if kernel == "fused" else contextlib.nullcontext():
+                ref_opt.step()
+        return [name for (name, p), q in zip(model.named_parameters(), ref_model.parameters())
+                if not torch.equal(p.detach(), q.detach())]
+    finally:
+        os.environ["SHARDOPT_KERNEL"] = "reference"
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_same_data_is_torch_adamw_bit_for_bit(pools, world_size):
+    pool = pools(world_size)
+    for kernel in ("reference", "fused"):
+        for stage in (1, 2):
+            for differ in pool.run(same_data_case, stage, kernel):
+                assert not differ, (kernel, stage, differ)
 
 
 def bf16_recipe_case(stage: int) -> int:

@@ -1,5 +1,6 @@
-"""Four additions to inductor's CPU code generator: a vectorised 32-bit bitcast, wider loops for
-shardopt's fused kernels, fast 8-bit moves and conversions in those loops, and a cheap counter.
+"""Five additions to inductor's CPU code generator: a vectorised 32-bit bitcast, wider loops for
+shardopt's fused kernels, fast 8-bit moves and conversions in those loops, a cheap counter, and
+the fused multiply-adds that make the kernels round as eager ``torch.addcmul`` and ``torch.lerp`` do.
 
 [Note: vector bitcast] Inductor's vectorised C++ has no vector form of ``to_dtype_bitcast``
 (``Tensor.view(torch.int32)`` on fp32 values inside a compiled graph, and back): it stores the
@@ -47,6 +48,25 @@ plus ``arange(0, stride)``, whose lanes are constants the compiler folds into on
 same lanes (two's-complement wrap-around either way), one broadcast and one add. Per 16M
 elements on one AVX-512 core, the bf16 stochastic step with bf16 moments 11.0 -> 10.1 ms.
 
+[Note: fused multiply-add] torch.optim.AdamW's CPU step rounds its moments once per fused
+multiply-add: ATen's CPU kernels of ``addcmul`` and ``lerp`` (the AVX2 and AVX-512 builds) compute
+``self + value * t1 * t2`` as ``fma(value * t1, t2, self)`` and ``start + w * (end - start)`` as
+``fma(w, end - start, start)`` (``fma(w - 1, end - start, end)`` for ``|w| >= 0.5``), in the
+vector body and the scalar tail alike (measured). Inductor's CPU code rounds the product and the
+sum apart: it compiles C++ with ``-ffp-contract=off``; torch 2.13 lowers ``addcmul`` (and ``lerp``,
+decomposed into it) to a multiply and an add on CPU (to a fused multiply-add on GPUs only), and
+torch 2.9 decomposes both ops into multiplies and adds before lowering. Each of those is an ulp off torch's ``exp_avg`` or
+``exp_avg_sq`` now and then, and within six steps 1-2 ulps off its weights. So, inside
+:func:`fused_kernels`, for fp32 on CPU: inductor's decompositions of ``aten.addcmul`` and
+``aten.lerp.Tensor`` step aside (``NotImplemented``), and the two ops lower to ``ops.fma`` in
+eager's order, which inductor's CPU code already emits as ``std::fma`` (scalar) and
+``at::vec::fmadd`` (one instruction per vector on AVX2 and AVX-512). This is for exactness, not
+speed, so it is installed on its own (a torch laid out otherwise for the other additions may
+still take it); where it is not in place, the self-check finds the moments differ from eager and
+the kernels fall back to the reference (_self_check [Note: self-check]). The compiled sqrt is
+the CPU's correctly rounded instruction, which eager's need not be (MKL's): see
+docs/semantics.md for what is bit for bit with torch.optim.AdamW.
+
 [Note: scoped to shardopt's kernels] The methods are replaced once, before the first fused
 kernel compiles, but every replacement emits its own code only while a fused kernel of shardopt
 compiles (the context variable :func:`fused_kernels` sets) and calls inductor's own method
@@ -65,13 +85,15 @@ from collections.abc import Iterator
 import torch
 
 _ours = contextvars.ContextVar("shardopt_fused_kernel", default=False)  # see [Note: scoped to shardopt's kernels]
-_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False}
-_VERSION = 5  # bump when the generated code changes
+_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "fma": None}
+_VERSION = 6  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
 def install() -> bool:
-    """Install the vector bitcast (idempotent); True if it is in place. Call on any rank."""
+    """Install the additions (idempotent); True if the vector bitcast is in place. Call on any rank."""
+    if _state["fma"] is None:
+        _state["fma"] = _install_fma()
     if _state["tried"]:
         return _state["installed"]
     _state["tried"] = True
@@ -170,6 +192,75 @@ def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen modu
 
     _replace(kernel_type, {"arange": arange}, originals)
     _state["counter"] = True
+
+
+def _install_fma() -> bool:
+    """See [Note: fused multiply-add]; False (nothing installed) on a torch laid out otherwise."""
+    try:
+        from torch._inductor import decomposition, lowering
+        from torch._inductor.codegen import cpp
+        from torch._inductor.ir import Pointwise
+        from torch._inductor.virtualized import ops
+        from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND
+
+        tables = (decomposition.decompositions, decomposition.select_decomp_table())
+        transform_args, fallback, lowerings = lowering.transform_args, lowering.fallback_handler, lowering.lowerings
+        if not all("fma" in t.__dict__ for t in (cpp.CppOverrides, cpp.CppVecOverrides)):
+            return False  # ops.fma would be a multiply and an add
+    except (ImportError, AttributeError):
+        return False
+    aten = torch.ops.aten
+    promote = ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+
+    def ours(*tensors) -> bool:  # noqa: ANN002 - fake tensors (decomposing) or IR nodes (lowering)
+        def cpu_fp32(t) -> bool:  # noqa: ANN001
+            if isinstance(t, torch.Tensor):
+                return t.device.type == "cpu" and t.dtype == torch.float32
+            device = getattr(t, "get_device", lambda: None)()
+            return device is not None and device.type == "cpu" and t.get_dtype() == torch.float32
+        return _ours.get() and all(cpu_fp32(t) for t in tensors)
+
+    def step_aside(original):  # noqa: ANN001, ANN202 - a decomposition
+        def decompose(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            return NotImplemented if ours(*args[:3]) else original(*args, **kwargs)
+        decompose.__wrapped__ = original  # type: ignore[attr-defined]
+        return decompose
+
+    def pointwise(args: list, body):  # noqa: ANN001, ANN202 - three fp32 IR nodes, broadcast together
+        args, _ = transform_args(args, {}, True, promote, False)
+        loaders = [a.make_loader() for a in args]
+        return Pointwise.create(device=args[0].get_device(), dtype=args[0].get_dtype(), ranges=args[0].get_size(),
+                                inner_fn=lambda idx: body(*(load(idx) for load in loaders)))
+
+    def addcmul(self, tensor1, tensor2, *, value=1):  # noqa: ANN001, ANN202 - aten.addcmul's signature
+        if not (ours(self, tensor1, tensor2) and isinstance(value, (int, float))):
+            return originals[aten.addcmul.default](self, tensor1, tensor2, value=value)
+
+        def body(a, t1, t2):  # noqa: ANN001, ANN202 - eager: (value * t1) * t2 + a, one rounding
+            return ops.fma(t1 if value == 1 else ops.mul(ops.constant(value, torch.float32), t1), t2, a)
+        return pointwise([self, tensor1, tensor2], body)
+
+    def lerp(start, end, weight):  # noqa: ANN001, ANN202 - aten.lerp.Tensor's signature
+        if not ours(start, end, weight):
+            return originals[aten.lerp.Tensor](start, end, weight)
+
+        def body(s, e, w):  # noqa: ANN001, ANN202 - ATen's lerp_vec: coefficient and base by |w| < 0.5
+            small = ops.lt(ops.abs(w), ops.constant(0.5, torch.float32))
+            coeff = ops.where(small, w, ops.sub(w, ops.constant(1.0, torch.float32)))
+            return ops.fma(coeff, ops.sub(e, s), ops.where(small, s, e))
+        return pointwise([start, end, weight], body)
+
+    replacements = {aten.addcmul.default: addcmul, aten.lerp.Tensor: lerp}
+    # an op without a lowering of its own (decomposed) falls back as inductor would, should one reach it
+    originals = {op: lowerings.get(op) or fallback(op, add_to_fallback_set=False) for op in replacements}
+    for table in {id(t): t for t in tables}.values():  # select_decomp_table() may return the first itself
+        for op in replacements:
+            if op in table:
+                table[op] = step_aside(table[op])
+    for op, fn in replacements.items():
+        fn.__wrapped__ = originals[op]  # type: ignore[attr-defined]
+        lowerings[op] = fn
+    return True
 
 
 def _per_vector(op: str, dst: str, x: object) -> str:
@@ -303,6 +394,7 @@ def compile_options() -> dict:
 
         def uuid(self) -> str:
             return (f"shardopt-vector-bitcast-{int(installed())}-wide-{int(_state['wide'])}"
-                    f"-bytes-{_state['bytes'] or 'no'}-counter-{int(_state['counter'])}-{_VERSION}")
+                    f"-bytes-{_state['bytes'] or 'no'}-counter-{int(_state['counter'])}"
+                    f"-fma-{int(bool(_state['fma']))}-{_VERSION}")
 
     return {"post_grad_custom_post_pass": _CodegenTag()}

@@ -6,13 +6,15 @@ simplifies a rounding round trip (``x - float(fp16(x))`` folded to 0, as inducto
 on some torch builds before the fix for folded fp32 -> fp16 -> fp32 casts) would make the fp16
 remainder lose its residual, silently: the weights would still train, only less exactly. So the
 codecs every master and moment mode is built from (the bf16 remainder, the fp16 residual,
-stochastic rounding to bf16 and fp16, the bf16 moments) are compiled once per device with the
-fused kernels' own options and compared with eager on hard cases: random bit patterns, exact
-ties, subnormals, the edges of fp16's range, infinities and NaNs. The remainders are also
-checked in the form the fused step writes them (:func:`remainders_in_place`: the 16-bit weight
-read from an input, changed and written back into it, the remainder stored beside it), since a
-code generator can keep a codec exact as a new output and still fold it when the rounded value
-is stored in place (inductor's CPU code did so for fp16 on torch 2.10 to 2.12). A kernel call
+stochastic rounding to bf16 and fp16, the bf16 moments), and AdamW's moments every step computes
+(``lerp`` and ``addcmul``, which eager rounds once per fused multiply-add: see _cpu_codegen
+[Note: fused multiply-add]), are compiled once per device with the fused kernels' own options
+and compared with eager on hard cases: random bit patterns, exact ties, subnormals, the edges of
+fp16's range, infinities and NaNs. The remainders are also checked in the form the fused step
+writes them (:func:`remainders_in_place`: the 16-bit weight read from an input, changed and
+written back into it, the remainder stored beside it), since a code generator can keep a codec
+exact as a new output and still fold it when the rounded value is stored in place (inductor's
+CPU code did so for fp16 on torch 2.10 to 2.12). A kernel call
 that runs a codec which differs (:func:`codecs_used`: the fp16 remainder mode's step, say) makes
 its :class:`shardopt.kernels.Kernels` use the reference kernels, with one warning naming the codec
 and the torch version; the modes built from codecs that agree stay fused. About a second, once per
@@ -27,10 +29,10 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from shardopt.kernels import codecs
+from shardopt.kernels import codecs, reference
 
 NAMES = ("bf16 weight", "bf16 remainder", "fp16 weight", "fp16 residual", "stochastic bf16", "stochastic fp16",
-         "bf16 moments", "bf16 remainder written in place", "fp16 residual written in place")
+         "bf16 moments", "AdamW moments", "bf16 remainder written in place", "fp16 residual written in place")
 
 
 def hard_cases(n: int = 1 << 14, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
@@ -48,12 +50,24 @@ def hard_cases(n: int = 1 << 14, device: torch.device | str = "cpu") -> tuple[Te
 
 
 def all_codecs(x: Tensor, bits: Tensor) -> tuple[Tensor, ...]:
-    """Every codec on ``x`` (int32 outputs where a conversion to int16 would make the loop scalar)."""
+    """Every codec on ``x`` (int32 outputs where a conversion to int16 would make the loop scalar),
+    then AdamW's new moments (exp_avg and exp_avg_sq, one tensor) with ``x`` as the gradient."""
     hi, lo = codecs.encode_bf16_bits(x)
     finite16 = torch.where(x.abs() <= 65504, x, torch.zeros_like(x))  # the fp16 residual's domain
     p, q = codecs.encode_fp16_residual(finite16)
     return (hi, lo, p, q, codecs.stochastic_round(x, torch.bfloat16, bits),
-            codecs.stochastic_round(x, torch.float16, bits), codecs.stochastic_round_bf16(x, bits))
+            codecs.stochastic_round(x, torch.float16, bits), codecs.stochastic_round_bf16(x, bits),
+            torch.cat(adam_moments(x, bits)))
+
+
+def adam_moments(g: Tensor, bits: Tensor) -> tuple[Tensor, Tensor]:
+    """The step's moments from gradient ``g``, old moments of about its size made from ``bits``,
+    and the betas of a language model (see reference.adam_moments and _cpu_codegen [Note: fused
+    multiply-add]: a compiler that rounds the products and sums apart differs here)."""
+    s = reference.make_scalars(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=2, grad_scale=1.0,
+                               device=g.device)
+    u = bits.float() * 2.0**-16 + 0.5  # in [0.5, 1.5)
+    return reference.adam_moments(g, g.roll(1) * u, g.roll(2) * g.roll(2) * u, s)
 
 
 def remainders_in_place(weights: tuple[Tensor, Tensor], delta: Tensor, rems: tuple[Tensor, Tensor]) -> None:
@@ -122,14 +136,17 @@ _WEIGHT_CODECS = {  # step function -> the codecs it writes its 16-bit weight wi
 
 def codecs_used(reference_fn: Callable, args: tuple, kwargs: dict) -> tuple[str, ...]:
     """The checked codecs (of :data:`NAMES`) that ``reference_fn(*args, **kwargs)`` runs, read from
-    its arguments: the 16-bit weight it writes (``param``, or ``param_out`` of the fp32 master) and
-    its moments (bf16 ones are stored with stochastic rounding). None for the gradient statistics."""
+    its arguments: AdamW's moments (every step and the 8-bit scan), the 16-bit weight it writes
+    (``param``, or ``param_out`` of the fp32 master) and its stored moments (bf16 ones are stored
+    with stochastic rounding). None for the gradient statistics."""
+    if reference_fn.__name__ == "moment8_scan":
+        return ("AdamW moments",)
     by_dtype = _WEIGHT_CODECS.get(reference_fn.__name__)
     if by_dtype is None:
         return ()
     given = inspect.signature(reference_fn).bind(*args, **kwargs).arguments
     weight = given.get("param", given.get("param_out"))
-    used = by_dtype.get(weight.dtype, ()) if isinstance(weight, torch.Tensor) else ()
+    used = ("AdamW moments", *(by_dtype.get(weight.dtype, ()) if isinstance(weight, torch.Tensor) else ()))
     m = given.get("m")
     if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16:
         used += ("bf16 moments",)

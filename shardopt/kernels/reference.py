@@ -76,9 +76,12 @@ def moment_ratio_bound(beta1: float, beta2: float) -> float:
 
 
 def adam_moments(g: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, Tensor]:
-    """The new (exp_avg, exp_avg_sq) from the fp32 scaled gradient ``g`` and the fp32 moments."""
+    """The new (exp_avg, exp_avg_sq) from the fp32 scaled gradient ``g`` and the fp32 moments,
+    rounded as torch.optim.AdamW's ``lerp_`` and ``mul_(beta2).addcmul_(g, g, value=1 - beta2)``
+    round them: ``exp_avg_sq`` is ``fma((1 - beta2) * g, g, beta2 * v)``, one rounding for the
+    sum (see _cpu_codegen [Note: fused multiply-add] for the compiled form)."""
     one_minus_beta1, beta2, one_minus_beta2 = s[1], s[2], s[3]
-    return torch.lerp(m, g, one_minus_beta1), v * beta2 + one_minus_beta2 * g * g
+    return torch.lerp(m, g, one_minus_beta1), torch.addcmul(v * beta2, one_minus_beta2 * g, g)
 
 
 def adamw_math(w: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, Tensor, Tensor]:
