@@ -110,11 +110,15 @@ class ShardedMuon(ShardedAdamW):
         if group.get("use_muon", True) is False:
             return "adamw"
         if not self._shapes_checked:  # after the ranks agreed on the parameters: raises on every rank alike
+            k = 0  # the position in param-group order, as param_names numbers unnamed parameters
             for gi, g in enumerate(self.param_groups):
-                for p in g["params"] if g.get("use_muon", True) is not False else ():
-                    if p.requires_grad and p.dim() != 2:
-                        raise ValueError(f"ShardedMuon: {self._names[id(p)]} (param group {gi}) has shape "
-                                         f"{tuple(p.shape)}; Muon updates 2-D matrices only: put it in a param group "
+                for j, p in enumerate(g["params"]):
+                    if g.get("use_muon", True) is not False and p.requires_grad and p.dim() != 2:
+                        # named here, not by self._names, whose name of an unnamed one holds its group and shape too
+                        label = repr(g["param_names"][j]) if g.get("param_names") else f"#{k}"
+                        raise ValueError(f"ShardedMuon: {label} (param group {gi}) has shape {tuple(p.shape)}; "
+                                         "Muon updates 2-D matrices only: put it in a param group "
                                          "with \"use_muon\": False (AdamW)")
+                    k += 1
             self._shapes_checked = True
         return "muon"

@@ -32,6 +32,16 @@ def test_a_parameter_that_is_not_a_matrix_in_a_muon_group_is_named():
         shardopt.ShardedMuon(model.named_parameters())
 
 
+def test_the_error_names_the_parameter_its_group_and_its_shape_once():
+    """Named or not, the parameter is named once, then its param group and its shape, once each."""
+    mats = [torch.nn.Parameter(torch.randn(4, 4)), torch.nn.Parameter(torch.randn(2, 4, 4))]
+    tail = '; Muon updates 2-D matrices only: put it in a param group with "use_muon": False (AdamW)'
+    for params, label in ((mats, "#1"), ([("w", mats[0]), ("experts", mats[1])], "'experts'")):
+        with pytest.raises(ValueError) as raised:
+            shardopt.ShardedMuon(params)
+        assert str(raised.value) == f"ShardedMuon: {label} (param group 0) has shape (2, 4, 4){tail}"
+
+
 @pytest.mark.parametrize("kwargs", [dict(master_weights="exact"), dict(moments="8bit"), dict(momentum=1.0),
                                     dict(adjust_lr_fn="rms"), dict(ns_steps=0)])
 def test_unsupported_or_invalid_arguments_raise(kwargs):
