@@ -33,11 +33,12 @@ from models import batch, make_model
 WORLD = 2
 
 
-def _spawn(target, root: str, *args, timeout: float = 90.0) -> list[int | None]:
-    """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes."""
+def _spawn(target, root: str, *args, timeout: float = 90.0, linger: bool = False) -> list[int | None]:
+    """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes.
+    ``linger``: each rank stays up until every rank has written its result (see ``_main``)."""
     ctx = _context()
     store = os.path.join(root, f"store-{time.monotonic_ns()}")
-    procs = [ctx.Process(target=_main, args=(target, r, store, root, args), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger), daemon=True) for r in range(WORLD)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -58,7 +59,7 @@ def _context():
     return ctx
 
 
-def _main(target, rank: int, store: str, root: str, args: tuple) -> None:
+def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
@@ -69,6 +70,12 @@ def _main(target, rank: int, store: str, root: str, args: tuple) -> None:
         result = {"traceback": traceback.format_exc()}
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    # With linger, stay up until every rank has its result: an exit would reset the connections a
+    # peer may still be reading a refused call's message from.
+    deadline = time.monotonic() + (30 if linger else 0)
+    while time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(root, f"rank{r}.json")) for r in range(WORLD)):
+        time.sleep(0.05)
     os._exit(0)  # results are written; collectives a refused call left in flight need no teardown
 
 
@@ -253,6 +260,11 @@ def rank0_only_case(rank: int, root: str, call: str, then: str) -> dict:
         if then == "barrier":
             dist.barrier()  # the caller goes on to the barrier the others wait in
     out["seconds"] = time.perf_counter() - start
+    if then == "barrier":  # then every rank trains on: the message left in flight is never paired silently
+        try:
+            _train(model, opt, range(3, 4))
+        except RuntimeError as e:
+            out["after"] = str(e)
     return out
 
 
@@ -260,7 +272,7 @@ def rank0_only_case(rank: int, root: str, call: str, then: str) -> dict:
                                        ("weights", "barrier")])
 def test_a_checkpoint_call_on_rank_0_only_raises_naming_it(tmp_path, call, then):
     root = str(tmp_path)
-    codes = _spawn(rank0_only_case, root, call, then)
+    codes = _spawn(rank0_only_case, root, call, then, linger=True)
     assert codes == [0, 0], (codes, os.listdir(root))  # no rank killed by a signal, none hung
     got = _results(root)
     name = "save_checkpoint()" if call == "save" else "load_checkpoint()"
@@ -274,6 +286,8 @@ def test_a_checkpoint_call_on_rank_0_only_raises_naming_it(tmp_path, call, then)
     else:  # the caller gave up after the optimizer's timeout (3 s) and went on to the barrier
         assert "TimeoutError" in got[0]["error"] and "waited 3 s" in got[0]["error"], got[0]
         assert "error" not in got[1] and got[1]["seconds"] < 60, got[1]
+        assert name in got[0].get("after", ""), got[0]  # this rank's later calls refuse, naming why
+        assert name in got[1].get("after", ""), got[1]  # the others meet that message with their next one
 
 
 def without_default_store_case(rank: int, root: str) -> dict:
