@@ -189,7 +189,7 @@ def _flat_group(mesh: Any) -> ProcessGroup:
 class ControlGroup:
     """shardopt's gloo group over one set of ranks (see [Note: shardopt's own control group])."""
 
-    group: Any  # a gloo process group (c10d's object: its collectives are called as methods)
+    group: Any  # a gloo process group (its collectives are called as methods: it may be torch's or ours)
     world: Any  # the default group it was made under (kept alive, so that its id stays unique)
     timeout: datetime.timedelta  # each message's own limit: the optimizer's group's timeout
     broken: str = ""  # once a rank gave up waiting on a message: why; every later use raises it
@@ -207,10 +207,13 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     optimizer's construction, or a weights-only ``load_checkpoint``). ``connect``: seconds to wait
     for the other ranks to connect (default: ``group``'s timeout); TimeoutError past that.
 
-    The gloo group is made from the default store under a prefix of shardopt's own, named by the
-    ranks and how many were made for them before. (``new_group(use_local_synchronization=True)``
-    would name it by how many groups this process holds, which differs between ranks that belong
-    to different subgroups: they would wait for each other under different names.)"""
+    Over every rank of the job it is ``new_group``'s: every rank makes it at the same point, so
+    torch names it alike everywhere and tears it down in ``destroy_process_group`` with its own.
+    Over a subgroup it is made from the default store under a prefix of shardopt's own, named by
+    the ranks and how many were made for them before: ``new_group`` would need every rank of the
+    job, and ``new_group(use_local_synchronization=True)`` names a group by how many groups the
+    process holds, which differs between ranks that belong to different subgroups (they would wait
+    for each other under different names)."""
     world = dist.group.WORLD
     parent = group if group is not None else world
     ranks = tuple(dist.get_process_group_ranks(parent))
@@ -223,9 +226,10 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     timeout, store = group_timeout(parent), default_store()
     wait = timeout if connect is None else datetime.timedelta(seconds=connect)
     try:
-        if store is None:  # see _compat.default_store
+        if ranks == tuple(range(dist.get_world_size())):  # every rank is here: torch's own group, torch's lifetime
+            made = dist.new_group(list(ranks), backend="gloo", timeout=wait)
+        elif store is None:  # see _compat.default_store
             made = dist.new_group(list(ranks), backend="gloo", timeout=wait, use_local_synchronization=True)
-            made = made._get_backend(torch.device("cpu"))
         else:
             n = _MADE[ranks] = _MADE.get(ranks, -1) + 1
             prefix = dist.PrefixStore(f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/", store)

@@ -33,12 +33,14 @@ from models import batch, make_model
 WORLD = 2
 
 
-def _spawn(target, root: str, *args, timeout: float = 90.0, linger: bool = False) -> list[int | None]:
+def _spawn(target, root: str, *args, timeout: float = 90.0, linger: bool = False,
+           world: int = WORLD) -> list[int | None]:
     """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes.
     ``linger``: each rank stays up until every rank has written its result (see ``_main``)."""
     ctx = _context()
     store = os.path.join(root, f"store-{time.monotonic_ns()}")
-    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger), daemon=True) for r in range(WORLD)]
+    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger, world), daemon=True)
+             for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -59,10 +61,10 @@ def _context():
     return ctx
 
 
-def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool) -> None:
+def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool, world: int) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, WORLD), rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=300))
     try:
         result = target(rank, root, *args)
@@ -74,14 +76,14 @@ def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool) -
     # peer may still be reading a refused call's message from.
     deadline = time.monotonic() + (30 if linger else 0)
     while time.monotonic() < deadline and not all(
-            os.path.exists(os.path.join(root, f"rank{r}.json")) for r in range(WORLD)):
+            os.path.exists(os.path.join(root, f"rank{r}.json")) for r in range(world)):
         time.sleep(0.05)
     os._exit(0)  # results are written; collectives a refused call left in flight need no teardown
 
 
-def _results(root: str) -> list[dict]:
+def _results(root: str, world: int = WORLD) -> list[dict]:
     out = []
-    for r in range(WORLD):
+    for r in range(world):
         with open(os.path.join(root, f"rank{r}.json")) as f:
             out.append(json.load(f))
     return out
@@ -294,8 +296,11 @@ def without_default_store_case(rank: int, root: str) -> dict:
     import shardopt._collectives as collectives
 
     collectives.default_store = lambda: None  # as on a torch that does not expose it: new_group's group
+    pair = dist.new_group([0, 1])  # an optimizer over some ranks of the job (rank 2 only watches)
+    if rank == 2:
+        return {}
     model = make_model(seed=5)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, process_group=pair)
     _train(model, opt, range(1))
     out = {"own_group": opt._comm.control is not None}
     try:
@@ -309,6 +314,6 @@ def without_default_store_case(rank: int, root: str) -> dict:
 
 def test_without_the_default_store_the_control_group_still_keeps_the_calls_apart(tmp_path):
     root = str(tmp_path)
-    assert _spawn(without_default_store_case, root) == [0, 0]
-    for rank, got in enumerate(_results(root)):
+    assert _spawn(without_default_store_case, root, world=3) == [0, 0, 0]
+    for rank, got in enumerate(_results(root, world=3)[:2]):
         assert got.get("own_group") and "save_checkpoint()" in got.get("error", ""), (rank, got)

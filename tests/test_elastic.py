@@ -26,6 +26,7 @@ import time
 import pytest
 import torch
 
+from launch import GLOO_EXIT_RACE, note_retry
 from shardopt._checkpoint_files import MARKER
 from shardopt.checkpoint import latest_checkpoint
 from shardopt.convert import convert_checkpoint
@@ -135,6 +136,17 @@ EXAMPLE = [os.path.join(ROOT, "examples", "train_gpt.py"), "--n-layer", "1", "--
 
 
 def test_elastic_restart_resumes_bit_for_bit(tmp_path):
+    for attempt in range(2):
+        try:
+            return _restart_resumes_bit_for_bit(tmp_path / str(attempt))
+        except AssertionError as e:  # gloo aborted a finished process at exit: see tests/launch.py
+            if attempt or GLOO_EXIT_RACE not in str(e):
+                raise
+            note_retry("tests/test_elastic.py (restart)")
+
+
+def _restart_resumes_bit_for_bit(tmp_path) -> None:
+    tmp_path.mkdir()
     corpus = tmp_path / "corpus.txt"  # small and fixed: both runs must read the same bytes
     corpus.write_text(" ".join(str(i * i % 9973) for i in range(40000)))
     straight, restarted = str(tmp_path / "straight"), str(tmp_path / "restarted")
