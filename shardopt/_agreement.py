@@ -114,12 +114,9 @@ def agree_on_params(opt: Any, comm: Any, names: dict[int, str],
         frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(opt.param_groups)
                   for p in g["params"] if id(p) not in tracked]
         desc.append(("frozen", frozen))  # broadcast at construction: must match too
-        device = trainable[0][0].device
     except (TypeError, ValueError) as e:
-        trainable, error, desc, device = [], e, [("error", type(e).__name__, str(e))], torch.device("cpu")
-    if comm.backend == "nccl" and device.type != "cuda":
-        device = torch.device("cuda", torch.cuda.current_device())
-    if comm.same_everywhere(desc, device) and error is None:
+        trainable, error, desc = [], e, [("error", type(e).__name__, str(e))]
+    if comm.same_everywhere(desc) and error is None:
         return trainable
     raise_first_difference(comm.all_gather_objects(desc), comm.rank)
 

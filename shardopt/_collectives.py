@@ -126,7 +126,7 @@ class Pending:
             try:
                 w.wait(**limit)
             except RuntimeError as e:
-                if timeout is None or ("imeout" not in str(e) and "imed out" not in str(e)):
+                if timeout is None or not _timed_out(e):
                     raise
                 if self.late is not None:
                     raise self.late(timeout) from None
@@ -145,6 +145,11 @@ class Pending:
             follow_up.wait()
             return None
         return follow_up
+
+
+def _timed_out(e: RuntimeError) -> bool:
+    """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
+    return "imeout" in str(e) or "imed out" in str(e)
 
 
 def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
@@ -190,12 +195,12 @@ class ControlGroup:
     """shardopt's gloo group over one set of ranks (see [Note: shardopt's own control group])."""
 
     group: Any  # a gloo process group (its collectives are called as methods: it may be torch's or ours)
-    world: Any  # the default group it was made under (kept alive, so that its id stays unique)
+    world: Any  # the default group it was made under
     timeout: datetime.timedelta  # each message's own limit: the optimizer's group's timeout
     broken: str = ""  # once a rank gave up waiting on a message: why; every later use raises it
 
 
-_CONTROL: dict[tuple[int, tuple[int, ...]], ControlGroup] = {}
+_CONTROL: dict[tuple[int, ...], ControlGroup] = {}  # by the global ranks it spans, under one default group
 _MADE: dict[tuple[int, ...], int] = {}  # control groups made for each set of ranks, in this process
 # Freed while the interpreter still runs, as any group is, not among the last objects torn down.
 atexit.register(_CONTROL.clear)
@@ -217,12 +222,10 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     world = dist.group.WORLD
     parent = group if group is not None else world
     ranks = tuple(dist.get_process_group_ranks(parent))
-    key = (id(world), ranks)
-    found = _CONTROL.get(key)
-    if found is not None and found.world is world:
-        return found
-    for old in [k for k, c in _CONTROL.items() if c.world is not world]:  # made under a destroyed default group
-        del _CONTROL[old]
+    if any(c.world is not world for c in _CONTROL.values()):  # made under a destroyed default group
+        _CONTROL.clear()
+    if ranks in _CONTROL:
+        return _CONTROL[ranks]
     timeout, store = group_timeout(parent), default_store()
     wait = timeout if connect is None else datetime.timedelta(seconds=connect)
     try:
@@ -235,12 +238,12 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
             prefix = dist.PrefixStore(f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/", store)
             made = dist.ProcessGroupGloo(prefix, ranks.index(dist.get_rank()), len(ranks), wait)
     except RuntimeError as e:
-        if "imeout" not in str(e) and "imed out" not in str(e):
+        if not _timed_out(e):
             raise
         raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
                            f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
                            "must build the optimizer (or call a weights-only load_checkpoint) at the same point") from None
-    found = _CONTROL[key] = ControlGroup(made, world, timeout)
+    found = _CONTROL[ranks] = ControlGroup(made, world, timeout)
     return found
 
 
@@ -308,12 +311,12 @@ class Comm:
                        deadline=deadline, late=late)
 
     def _control_gather(self, t: Tensor) -> list[Tensor]:
-        """Every rank's ``t`` (a CPU tensor of the same shape everywhere), through the control group."""
-        out = [[torch.empty_like(t) for _ in range(self.world_size)]]
-        opts = dist.AllgatherOptions()
-        opts.timeout = self.control.timeout
-        self._control().allgather(out, [t], opts).wait()
-        return out[0]
+        """Every rank's ``t`` (a CPU tensor of the same shape everywhere): each rank's row of a
+        summed table, zeros elsewhere, through ``control_all_reduce`` (rare, small messages)."""
+        table = torch.zeros((self.world_size, *t.shape), dtype=t.dtype)
+        table[self.rank] = t
+        self.control_all_reduce(table).wait()
+        return list(table)
 
     def give_up(self, why: str) -> None:
         """This rank stopped waiting for a control message (it stays in flight): every later use of
@@ -343,9 +346,9 @@ class Comm:
         everything = self._control_gather(mine)
         return [pickle.loads(bytes(t[: int(n)].tolist())) for t, n in zip(everything, sizes)]
 
-    def same_everywhere(self, description: Sequence[object], device: torch.device | None = None) -> bool:
+    def same_everywhere(self, description: Sequence[object]) -> bool:
         """True on every rank when ``description`` is equal on all ranks: one small all-gather on the
-        control group (``device`` is not used; kept for callers)."""
+        control group."""
         if self.control is None:
             return True
         digest = hashlib.sha256(repr(list(description)).encode()).digest()
@@ -357,30 +360,6 @@ class Comm:
         """Broadcast ``t`` in place from group rank ``src``. Call on every rank."""
         work = dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)
         return Pending(self._count([work]), stats=self.stats, comm=self)
-
-    def all_gather_objects(self, obj: object) -> list:
-        """Every rank's picklable ``obj``, in rank order (blocking; small objects, rare paths).
-
-        Unlike ``dist.all_gather_object`` this needs no NumPy."""
-        data = pickle.dumps(obj)
-        device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
-        size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
-        longest = max(int(s) for s in sizes)
-        mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
-        everything = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everything, mine, group=self.group)
-        return [pickle.loads(bytes(t[: int(n)].cpu().tolist())) for t, n in zip(everything, sizes)]
-
-    def same_everywhere(self, description: Sequence[object], device: torch.device) -> bool:
-        """True on every rank when ``description`` is equal on all ranks: one small all-gather."""
-        digest = hashlib.sha256(repr(list(description)).encode()).digest()
-        mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device)
-        gathered = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(gathered, mine, group=self.group)
-        return all(bool((g == mine).all()) for g in gathered)
 
     @contextlib.contextmanager
     def during(self, call: str) -> Iterator[None]:

@@ -27,8 +27,7 @@ def sync_module_states(module: torch.nn.Module, *, src: int = 0, process_group: 
             seen.add(id(t))
             tensors.append(t)
     desc = [(tuple(t.shape), str(t.dtype)) for t in tensors]
-    device = torch.device("cuda", torch.cuda.current_device()) if comm.backend == "nccl" else torch.device("cpu")
-    if not comm.same_everywhere(desc, device):
+    if not comm.same_everywhere(desc):
         raise ValueError(f"sync_module_states: the module's parameters and buffers differ across ranks in number, "
                          f"shape or dtype (this rank has {len(desc)}); build the same model on every rank")
     groups: dict[tuple, list[torch.Tensor]] = {}
