@@ -338,12 +338,9 @@ def list_checkpoints(root: str) -> list[str]:
         full = os.path.join(root, name)
         if (_TEMP.search(name) and name not in held) or not os.path.isdir(full) or not is_complete(full):
             continue
-        try:
-            with open(os.path.join(full, MANIFEST)) as f:
-                step = int(json.load(f).get("step", 0))
-        except (OSError, ValueError, TypeError):
-            continue
-        found.append((step, name, full))
+        step = _saved_step(full)
+        if step >= 0:
+            found.append((step, name, full))
     return [full for _, _, full in sorted(found)]
 
 

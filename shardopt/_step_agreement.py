@@ -23,6 +23,14 @@ from shardopt._step_message import StepMessage
 ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
 
 
+def entry_deadline(timeout: float | None) -> float | None:
+    """Seconds a rank waits for the others to enter a call: ``timeout``, ``ENTRY_TIMEOUT`` when
+    None; None (the comm's timeout, else the group's own, as a step waits) for ``math.inf``."""
+    if timeout is None:
+        return ENTRY_TIMEOUT
+    return None if math.isinf(timeout) else timeout
+
+
 def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | None = None) -> None:
     """Agree that every rank of ``comm``'s group is in ``call`` (a name of ``_agreement.CALLS``
     that every rank must make alike, e.g. ``"save_checkpoint"``): one all-reduce of the step's
@@ -44,9 +52,7 @@ def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | 
                      "(the last complete checkpoint is intact)")
         return TimeoutError(why)
 
-    if deadline is None:
-        deadline = ENTRY_TIMEOUT
-    comm.control_all_reduce(header, deadline=None if math.isinf(deadline) else deadline, late=late).wait()
+    comm.control_all_reduce(header, deadline=entry_deadline(deadline), late=late).wait()
     check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
 
 

@@ -40,7 +40,7 @@ from shardopt._checkpoint_files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         data_checksums, latest_checkpoint, list_checkpoints, read_manifest, recover,
                                         temp_path, verify_data, write_json)
 from shardopt._collectives import Comm, ProcessGroup
-from shardopt._step_agreement import ENTRY_TIMEOUT, enter
+from shardopt._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
@@ -309,7 +309,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
     others to call it too, then raises TimeoutError naming the call."""
     path = os.fspath(path)
-    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=_connect(timeout))
+    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
     if opt is None:
         enter(comm, "load_checkpoint", deadline=timeout)
     else:
@@ -363,13 +363,6 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         if opt is not None:
             _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
     return extra
-
-
-def _connect(timeout: float | None) -> float | None:
-    """Seconds a weights-only load waits for the other ranks to join the control group (None: the group's own)."""
-    if timeout is None:
-        return ENTRY_TIMEOUT
-    return None if math.isinf(timeout) else timeout
 
 
 def _read_extra(path: str) -> Any:

@@ -508,20 +508,30 @@ def test_the_codecs_compile_bit_for_bit_on_this_torch():
     assert _self_check.differences("cpu") == folded()
 
 
+def _compiler_that(change):
+    """Stands in for ``_self_check._compiled``: a compiler whose codecs are eager's with ``change``
+    applied to the list of their outputs (what a compiler that gets one codec wrong returns)."""
+    from shardopt.kernels import _self_check
+
+    def compiled():
+        def run(x, bits):
+            out = list(_self_check.all_codecs(x, bits))
+            change(out, bits)
+            return tuple(out)
+        return run, _self_check.remainders_in_place
+    return compiled
+
+
 def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monkeypatch):
     """A code generator that folds x - float(fp16(x)) to zero is caught before the first fused
     step: shardopt warns once, naming the codec and the torch version, and steps with the
     reference kernels, bit for bit (with SHARDOPT_KERNEL=fused it raises instead)."""
     from shardopt.kernels import Kernels, _self_check
 
-    def folding_compiler():  # what such a compiler would return for the codecs
-        def run(x, bits):
-            out = list(_self_check.all_codecs(x, bits))
-            out[3] = torch.zeros_like(out[3])  # the fp16 residual, lost
-            return tuple(out)
-        return run, _self_check.remainders_in_place
+    def lose_the_fp16_residual(out, bits):
+        out[3] = torch.zeros_like(out[3])
 
-    monkeypatch.setattr(_self_check, "_compiled", folding_compiler)
+    monkeypatch.setattr(_self_check, "_compiled", _compiler_that(lose_the_fp16_residual))
     _self_check.differences.cache_clear()
     try:
         monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
@@ -548,14 +558,10 @@ def test_a_compiler_that_rounds_the_moments_twice_gets_the_reference_kernels(mon
     (with SHARDOPT_KERNEL=fused it raises instead)."""
     from shardopt.kernels import Kernels, _self_check
 
-    def rounding_twice():  # what such a compiler would return: exp_avg_sq an ulp off in places
-        def run(x, bits):
-            out = list(_self_check.all_codecs(x, bits))
-            out[7] = torch.where(bits.repeat(2) % 7 == 0, torch.nextafter(out[7], torch.tensor(float("inf"))), out[7])
-            return tuple(out)
-        return run, _self_check.remainders_in_place
+    def round_exp_avg_sq_twice(out, bits):  # an ulp off in places
+        out[7] = torch.where(bits.repeat(2) % 7 == 0, torch.nextafter(out[7], torch.tensor(float("inf"))), out[7])
 
-    monkeypatch.setattr(_self_check, "_compiled", rounding_twice)
+    monkeypatch.setattr(_self_check, "_compiled", _compiler_that(round_exp_avg_sq_twice))
     _self_check.differences.cache_clear()
     try:
         monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
