@@ -314,6 +314,6 @@ def without_default_store_case(rank: int, root: str) -> dict:
 
 def test_without_the_default_store_the_control_group_still_keeps_the_calls_apart(tmp_path):
     root = str(tmp_path)
-    assert _spawn(without_default_store_case, root, world=3) == [0, 0, 0]
+    assert _spawn(without_default_store_case, root, world=3, linger=True) == [0, 0, 0]  # rank 2 waits for the pair
     for rank, got in enumerate(_results(root, world=3)[:2]):
         assert got.get("own_group") and "save_checkpoint()" in got.get("error", ""), (rank, got)
