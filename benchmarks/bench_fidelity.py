@@ -37,7 +37,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig, load_bytes  # noqa: E402
-from shardopt._layout import Range  # noqa: E402
+from shardopt.core._layout import Range  # noqa: E402
 from shardopt.kernels import codecs, make_scalars, reference, select  # noqa: E402
 from shardopt.master import make_master  # noqa: E402
 

@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from shardopt._layout import Range  # noqa: E402
+from shardopt.core._layout import Range  # noqa: E402
 from shardopt.kernels import codecs, make_scalars, select  # noqa: E402
 from shardopt.moments import make_moments  # noqa: E402
 

@@ -4,7 +4,7 @@ Categories (all in bytes, on one rank):
 ``params`` 16-bit (or fp32) model weights, replicated; ``grads`` gradient storage (stage 1: full,
 stage 2: this rank's shard); ``master`` fp32 master shard (none for fp32 parameters, whose shard
 is its own master); ``exp_avg`` / ``exp_avg_sq`` Adam moments, sharded (fp32, bf16, or 8-bit codes
-plus their block scales: see ``shardopt.moments``); ``extra`` other
+plus their block scales: see ``shardopt.update._moments``); ``extra`` other
 per-element state of the master-weight mode (e.g. remainders); ``buffers`` communication
 buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumulation
 (high-water mark). ``peak`` holds each category's high-water mark since the optimizer was built

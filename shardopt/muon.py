@@ -13,9 +13,9 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from shardopt._config import check_param_group
+from shardopt.core._config import check_param_group
 from shardopt.kernels.muon_reference import NS_COEFFICIENTS
-from shardopt.moments import MUON_MOMENTS
+from shardopt.update._moments import MUON_MOMENTS
 from shardopt.optimizer import ShardedAdamW
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")

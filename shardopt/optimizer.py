@@ -12,22 +12,22 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from shardopt._agreement import agree_on_params
-from shardopt._collectives import Comm, CommStats, ProcessGroup
-from shardopt._compat import require as require_torch_internals
-from shardopt._config import ShardConfig, check_hyperparameters, check_param_group, param_names
-from shardopt._gather_wait import in_flight, landed, watch_gathers
-from shardopt._gathers import WeightGathers
-from shardopt._held_bytes import HeldTotal
-from shardopt._inspect import OptimizerView
-from shardopt._ownership import Lifetime, remove_freed_hooks, take_over
-from shardopt._rounds import Rounds
-from shardopt._sharded_buffer import build_buffers
-from shardopt._skips import SkipWatch
-from shardopt._state_dict import OptimizerStateDict
-from shardopt._step_agreement import StepAgreement
-from shardopt._usage_checks import UsageChecks, watch_for_ddp
-from shardopt.loss_scale import LossScaler, make_scaler
+from shardopt.step._agreement import agree_on_params
+from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
+from shardopt.core._compat import require as require_torch_internals
+from shardopt.core._config import ShardConfig, check_hyperparameters, check_param_group, param_names
+from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
+from shardopt.comm._gathers import WeightGathers
+from shardopt.reduce._held_bytes import HeldTotal
+from shardopt.view import OptimizerView
+from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
+from shardopt.reduce._rounds import Rounds
+from shardopt.update._sharded_buffer import build_buffers
+from shardopt.step._skips import SkipWatch
+from shardopt.checkpoint._state_dict import OptimizerStateDict
+from shardopt.step._step_agreement import StepAgreement
+from shardopt.step._usage_checks import UsageChecks, watch_for_ddp
+from shardopt.step._loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
@@ -326,7 +326,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
 
     def inspect(self) -> OptimizerView:
         """A read-only view of what this optimizer holds on this rank: ranks, buffers and their
-        layout, shards, master weights, moments, rounds (see ``shardopt._inspect``). Local."""
+        layout, shards, master weights, moments, rounds (see ``shardopt.view``). Local."""
         return OptimizerView(self)
 
     def memory_report(self) -> MemoryReport:

@@ -33,8 +33,8 @@ import torch.distributed as dist
 
 import shardopt
 from models import batch, make_model, param_groups
-from shardopt._checkpoint_dcp import boxes
-from shardopt._layout import Range
+from shardopt.checkpoint._dcp import boxes
+from shardopt.core._layout import Range
 from shardopt.checkpoint import (full_state_dict, latest_checkpoint, list_checkpoints, load_checkpoint,
                                  load_full_state_dict, save_checkpoint)
 from shardopt.convert import convert_checkpoint

@@ -135,7 +135,7 @@ class _KillAt:
 
 
 def killed_commit_case(rank: int, root: str, at: int) -> dict:
-    import shardopt._checkpoint_files as files
+    import shardopt.checkpoint._files as files
     import shardopt.checkpoint as ck
 
     model = make_model(seed=4)
@@ -215,7 +215,7 @@ def test_a_kill_at_each_move_of_a_commit_leaves_a_checkpoint_the_next_run_finds(
 def test_an_interrupted_commit_is_recovered_once_when_every_rank_lists_at_once(tmp_path):
     """Both leftovers complete, the path missing (a kill between the two renames); two processes
     list the directory at the same instant: both find the new checkpoint under its own name."""
-    from shardopt._checkpoint_files import MANIFEST, MARKER, list_checkpoints
+    from shardopt.checkpoint._files import MANIFEST, MARKER, list_checkpoints
 
     root = tmp_path / "ckpt"
     for name, step in (("latest.old-aaaa", 1), ("latest.tmp-aaaa", 2)):
@@ -293,7 +293,7 @@ def test_a_checkpoint_call_on_rank_0_only_raises_naming_it(tmp_path, call, then)
 
 
 def without_default_store_case(rank: int, root: str) -> dict:
-    import shardopt._collectives as collectives
+    import shardopt.comm._collectives as collectives
 
     collectives.default_store = lambda: None  # as on a torch that does not expose it: new_group's group
     pair = dist.new_group([0, 1])  # an optimizer over some ranks of the job (rank 2 only watches)

@@ -1,4 +1,4 @@
-"""Tier 1, one process: each torch internal of shardopt._compat removed on the pinned torch, and
+"""Tier 1, one process: each torch internal of shardopt.core._compat removed on the pinned torch, and
 its fallback checked: the same training result as torch.optim.AdamW where a slower path exists,
 a clear error at construction naming the torch version where none does.
 """
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt import _compat
+from shardopt.core import _compat
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 
@@ -66,7 +66,7 @@ def test_checkpoint_reads_match_dcp_resharding(seed):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorProperties, TensorStorageMetadata
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    from shardopt._checkpoint_dcp import read_items
+    from shardopt.checkpoint._dcp import read_items
 
     g = torch.Generator().manual_seed(seed)
     shape = tuple(int(x) for x in torch.randint(1, 7, (1 + seed % 3,), generator=g))
@@ -137,7 +137,7 @@ def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_
     once, and the next optimizer over the same parameters trains as torch.optim.AdamW does."""
     import gc
 
-    from shardopt import _ownership
+    from shardopt.core import _ownership
 
     monkeypatch.setattr(_ownership, "hook_dicts", lambda params: [])
     model = _net()

@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from launch import GLOO_EXIT_RACE, note_retry
-from shardopt._checkpoint_files import MARKER
+from shardopt.checkpoint._files import MARKER
 from shardopt.checkpoint import latest_checkpoint
 from shardopt.convert import convert_checkpoint
 

@@ -267,7 +267,7 @@ def test_the_data_parallel_part_of_a_larger_mesh(pools):
 
 
 def submesh_without_flatten_case() -> dict:
-    """submesh_case with DeviceMesh._flatten() removed (see shardopt._compat.flat_mesh_group)."""
+    """submesh_case with DeviceMesh._flatten() removed (see shardopt.core._compat.flat_mesh_group)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     flatten = DeviceMesh._flatten

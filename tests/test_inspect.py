@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt._layout import Range
-from shardopt._rounds import RoundState
+from shardopt.core._layout import Range
+from shardopt.reduce._rounds import RoundState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 

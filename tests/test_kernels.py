@@ -14,7 +14,7 @@ import warnings
 import pytest
 import torch
 
-from shardopt._layout import Range
+from shardopt.core._layout import Range
 from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.master import make_master
 

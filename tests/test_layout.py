@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from shardopt._flat import FlatParams
-from shardopt._layout import Range, build_layout
+from shardopt.core._flat import FlatParams
+from shardopt.core._layout import Range, build_layout
 
 SHAPES = {
     "one": [(1,)],

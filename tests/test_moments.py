@@ -21,7 +21,7 @@ import torch.distributed as dist
 import shardopt
 from models import batch, make_model
 from test_kernels import _ulps
-from shardopt._layout import Range, build_layout
+from shardopt.core._layout import Range, build_layout
 from shardopt.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from shardopt.kernels import codecs, make_scalars, reference, select
 from shardopt.kernels.reference import MOMENT_BLOCK

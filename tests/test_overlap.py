@@ -156,7 +156,7 @@ def test_comm_counters_add_up(pools):
 
 
 def test_a_handle_is_waited_once():
-    from shardopt._collectives import Pending
+    from shardopt.comm._collectives import Pending
 
     kept = torch.ones(3)
     p = Pending([], keep_alive=[kept])

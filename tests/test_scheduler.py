@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt._reducer import ParamState
-from shardopt._rounds import RoundState
+from shardopt.reduce._reducer import ParamState
+from shardopt.reduce._rounds import RoundState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 

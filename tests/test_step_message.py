@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from shardopt._agreement import call_header, hyper_code, hyperparameters
-from shardopt._step_message import StepMessage
-from shardopt._usage_checks import Findings, UsageChecks
+from shardopt.step._agreement import call_header, hyper_code, hyperparameters
+from shardopt.step._step_message import StepMessage
+from shardopt.step._usage_checks import Findings, UsageChecks
 
 
 def test_a_message_reads_back_what_was_packed():

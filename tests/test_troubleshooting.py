@@ -42,50 +42,50 @@ REPORTERS = {"_refuse": 2, "fail": 0}
 # category; "raise" for a bare re-raise, the expression for ``raise e`` and ``raise kind(...)``)
 # -> where the text of a raise or report that the collector cannot resolve comes from.
 UNRESOLVED: dict[tuple[str, str, str], str] = {
-    ("shardopt/_agreement.py", "raise_first_difference", "kind"):
+    ("shardopt/step/_agreement.py", "raise_first_difference", "kind"):
         "a construction error of some rank (trainable_params in _config.py, collected there), raised on every "
         "rank, with 'on rank …:' in front on the others",
-    ("shardopt/_checkpoint_files.py", "agree", "error"):
+    ("shardopt/checkpoint/_files.py", "agree", "error"):
         "re-raises this rank's own exception, whose message is collected where its caller raised it "
         "(checkpoint.py, _checkpoint_files.py, _checkpoint_adamw.py, _rank_state.py)",
-    ("shardopt/_collectives.py", "Pending.wait_landed", "raise"):
+    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "raise"):
         "re-raises torch's own error from Work.wait() when it is not a timeout",
-    ("shardopt/_collectives.py", "Pending.wait_landed", "late"):
+    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "late"):
         "the TimeoutError that its issuer built for a call's entry (_step_agreement.enter's late), collected there",
-    ("shardopt/_collectives.py", "Comm._control", "RuntimeError"):
+    ("shardopt/comm/_collectives.py", "Comm._control", "RuntimeError"):
         "the text given to Comm.give_up (_step_agreement.enter's late), collected there",
-    ("shardopt/_checkpoint_adamw.py", "settle", "RuntimeError"):
+    ("shardopt/checkpoint/_adamw.py", "settle", "RuntimeError"):
         "rounds.fail(str(e)) with the text of _step_agreement.enter's error (check_calls in _agreement.py, or its "
         "TimeoutError), collected there",
-    ("shardopt/_checkpoint_files.py", "commit", "raise"):
+    ("shardopt/checkpoint/_files.py", "commit", "raise"):
         "re-raises the OSError of a rename that failed for another reason than another process having made it",
-    ("shardopt/_collectives.py", "control_group", "raise"):
+    ("shardopt/comm/_collectives.py", "control_group", "raise"):
         "re-raises torch's own error from making the gloo group when it is not a timeout",
-    ("shardopt/_checkpoint_adamw.py", "settle", "raise"):
+    ("shardopt/checkpoint/_adamw.py", "settle", "raise"):
         "re-raises _step_agreement.enter's RuntimeError (check_calls, _agreement.py) or TimeoutError, collected there",
-    ("shardopt/_reducer.py", "GradReducer._refuse", "RuntimeError"):
+    ("shardopt/reduce/_reducer.py", "GradReducer._refuse", "RuntimeError"):
         "the message its callers pass (GradReducer.arrive, GradReducer._late), collected at those calls, "
         "plus '; the step was not taken'",
-    ("shardopt/_rounds.py", "Rounds.settle", "RuntimeError"):
+    ("shardopt/reduce/_rounds.py", "Rounds.settle", "RuntimeError"):
         "why_broken, the text given to Rounds.fail: a check_calls message (_agreement.py) or 'a round of "
         "gradient reductions failed on this rank: …' (Rounds.finish_round), both collected",
-    ("shardopt/_rounds.py", "Rounds._wait_tag", "RuntimeError"):
+    ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "RuntimeError"):
         "fail(str(e)) with the text of check_calls's RuntimeError, collected in _agreement.py",
-    ("shardopt/_rounds.py", "Rounds._wait_tag", "raise"):
+    ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "raise"):
         "re-raises check_calls's RuntimeError, collected in _agreement.py",
-    ("shardopt/_rounds.py", "Rounds.finish_round", "raise"):
+    ("shardopt/reduce/_rounds.py", "Rounds.finish_round", "raise"):
         "re-raises what a bucket's collective raised: the TimeoutError of _collectives.py, check_calls's "
         "RuntimeError (_agreement.py), or torch's own error",
-    ("shardopt/_step_agreement.py", "StepAgreement.exchange", "RuntimeError"):
+    ("shardopt/step/_step_agreement.py", "StepAgreement.exchange", "RuntimeError"):
         "rounds.fail(str(e)) with the text of check_calls's RuntimeError, collected in _agreement.py",
-    ("shardopt/_step_agreement.py", "StepAgreement.exchange", "raise"):
+    ("shardopt/step/_step_agreement.py", "StepAgreement.exchange", "raise"):
         "re-raises check_calls's RuntimeError, collected in _agreement.py",
-    ("shardopt/_usage_checks.py", "UsageChecks._raise_if", "RuntimeError"):
+    ("shardopt/step/_usage_checks.py", "UsageChecks._raise_if", "RuntimeError"):
         "the first problem of some rank, collected where it is reported (_usage_checks.py, _binding.py, "
         "_reducer.py), with 'on rank …:' in front on the others",
-    ("shardopt/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
+    ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
         "problems[0] from ParamBinding.check, collected in _binding.py",
-    ("shardopt/checkpoint.py", "save_checkpoint", "raise"):
+    ("shardopt/checkpoint/__init__.py", "save_checkpoint", "raise"):
         "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",
@@ -517,17 +517,17 @@ def _find(messages: list[Message], file: str, kind: str, fragment: str) -> Messa
 def test_the_collector_is_not_vacuous() -> None:
     messages = collected().messages
     assert len(messages) >= 120, len(messages)
-    sparse = _find(messages, "shardopt/_reducer.py", "TypeError", "got a sparse gradient; ShardedAdamW needs dense")
-    _find(messages, "shardopt/_checkpoint_files.py", "ValueError", "is corrupt: … does not match the checksum")
+    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; ShardedAdamW needs dense")
+    _find(messages, "shardopt/checkpoint/_files.py", "ValueError", "is corrupt: … does not match the checksum")
     # a module-level constant through .format(), both branches of a conditional
-    _find(messages, "shardopt/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
-    _find(messages, "shardopt/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by ShardedAdamW under")
+    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
+    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by ShardedAdamW under")
     # a warning; a constant formatted with a known keyword; a problem reported at the next step
-    _find(messages, "shardopt/_usage_checks.py", "UserWarning", "loss.backward() ran without the loss scale")
-    _find(messages, "shardopt/_usage_checks.py", "RuntimeError", "a second time, into gradients that stage 2 keeps")
-    _find(messages, "shardopt/_usage_checks.py", "RuntimeError", "was replaced by a tensor after backward")
+    _find(messages, "shardopt/step/_usage_checks.py", "UserWarning", "loss.backward() ran without the loss scale")
+    _find(messages, "shardopt/step/_usage_checks.py", "RuntimeError", "a second time, into gradients that stage 2 keeps")
+    _find(messages, "shardopt/step/_usage_checks.py", "RuntimeError", "was replaced by a tensor after backward")
     # a helper's return value (missing_checkpoint_message), with its local += suffixes
-    files = "shardopt/_checkpoint_files.py"
+    files = "shardopt/checkpoint/_files.py"
     _find(messages, files, "FileNotFoundError", "no checkpoint at …: the directory does not exist")
     _find(messages, files, "FileNotFoundError", "an overwrite was interrupted and left")
     _find(messages, "shardopt/estimate/__main__.py", "stderr", "error: --world-size must be >= 1")

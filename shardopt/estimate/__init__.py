@@ -7,7 +7,7 @@ step. It needs no process group; ``python -m shardopt.estimate`` prints its tabl
 
 [Note: padding]
 Each parameter starts at a multiple of 8 elements and the flat buffer is padded to a multiple of
-``world_size * 8`` (``shardopt._layout``). With the parameter shapes the padded size is computed
+``world_size * 8`` (``shardopt.core._layout``). With the parameter shapes the padded size is computed
 by the layout code itself, so the estimate equals the measured bytes; without them the model is
 treated as one tensor, which undercounts by less than 8 elements per parameter tensor.
 
@@ -56,12 +56,12 @@ from typing import Sequence
 
 import torch
 
-from shardopt._buffer_model import replay_buffers
-from shardopt._layout import DEFAULT_ALIGNMENT, build_layout
-from shardopt._muon_packing import owned_layout
-from shardopt._rounds import MAX_INFLIGHT
-from shardopt.master import STRATEGIES
-from shardopt.moments import MOMENTS, MUON_MOMENTS, moment_alignment
+from shardopt.reduce._buffer_model import replay_buffers
+from shardopt.core._layout import DEFAULT_ALIGNMENT, build_layout
+from shardopt.update._muon_packing import owned_layout
+from shardopt.reduce._rounds import MAX_INFLIGHT
+from shardopt.update._master import STRATEGIES
+from shardopt.update._moments import MOMENTS, MUON_MOMENTS, moment_alignment
 from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes
 
 __all__ = ["MemoryEstimate", "estimate_memory", "DTYPES", "BACKENDS"]
@@ -84,7 +84,7 @@ class MemoryEstimate:
     stage: int
     master_weights: str
     param_dtype: torch.dtype
-    moments: str  # how the Adam moments are stored (see shardopt.moments)
+    moments: str  # how the Adam moments are stored (see shardopt.update._moments)
     padded_numel: int  # elements of the flat buffer, padding included
     params: int
     grads: int

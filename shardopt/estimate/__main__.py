@@ -19,8 +19,8 @@ import re
 import sys
 
 from shardopt.estimate import BACKENDS, DTYPES, MemoryEstimate, estimate_memory
-from shardopt.master import STRATEGIES
-from shardopt.moments import MOMENTS
+from shardopt.update._master import STRATEGIES
+from shardopt.update._moments import MOMENTS
 
 GIB = 2.0**30
 _SUFFIX = {"": 1, "k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from shardopt.integrations._accelerate_state import CHECKPOINT_DIR, SavedState
 from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
-from shardopt.loss_scale import LossScaler
+from shardopt.step._loss_scale import LossScaler
 from shardopt.optimizer import ShardedAdamW
 
 # free_memory also covers clear(), which Accelerate defines as self.free_memory().

@@ -62,7 +62,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
     raise ImportError("shardopt.integrations.lightning needs PyTorch Lightning: pip install shardopt[lightning] "
                       "(or pip install lightning)") from e
 
-from shardopt import sync_module_states
+from shardopt.comm._module_sync import sync_module_states
 from shardopt.integrations._convert import from_torch, is_torch_pair_member, retarget_scheduler
 from shardopt.integrations._lightning_conf import merge_torch_pair
 from shardopt.optimizer import ShardedAdamW

@@ -96,7 +96,7 @@ def adamw_math(w: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tup
     return w, m, v
 
 
-# -- moments: fp32, bf16 or 8-bit (see shardopt.moments) -----------------------------------
+# -- moments: fp32, bf16 or 8-bit (see shardopt.update._moments) -----------------------------------
 def _per_block(x: Tensor, like: Tensor) -> Tensor:
     """One value per block (``nb`` elements) -> the same value on each element of the block, shaped
     as ``like``: 1-D (``nb * MOMENT_BLOCK``) or 2-D (``nb, MOMENT_BLOCK``).

@@ -1,0 +1,405 @@
+"""Checkpoints of a model trained with ``ShardedAdamW``: every rank saves its own shard in parallel,
+and a checkpoint loads at any world size, bucket size, stage or master-weight mode.
+
+What a checkpoint holds (``PATH/``):
+
+* ``__<rank>_0.distcp`` and ``.metadata``: the tensors, through ``torch.distributed.checkpoint``,
+  one key per model state-dict entry and per optimizer tensor, by fully qualified name, with
+  shape, dtype and chunk offsets (see ``checkpoint._dcp``);
+* ``shardopt.json``: step, skipped steps, param-group hyperparameters, loss-scaler state,
+  optimizer settings and the parameter table (name, shape, dtype, place in the flat buffer);
+* ``extra.pt``: the caller's ``extra`` object, if any (e.g. the LR scheduler's state);
+* ``complete.json``: written last; see [Note: a checkpoint is complete only when its marker says so].
+
+[Note: what is stored for the master weights]
+Master-weight strategies keep different things (an fp32 copy, a 16-bit remainder, nothing). A
+checkpoint stores what they all decode to: the fp32 master (``MasterWeights.fp32()``), per
+parameter, plus both fp32 moments. For fp32 parameters the master *is* the weight, so only the
+``model.`` key is written. Loading hands each rank's new shard of the fp32 master to
+``load_state_tensors`` of whatever strategy is configured now, which re-encodes it and writes the
+model's weights. For ``remainder`` this is exact: weight and remainder are the fp32 master.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
+from shardopt.checkpoint._dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
+                                      write_blocks)
+from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable, commit,
+                                        data_checksums, latest_checkpoint, list_checkpoints, read_manifest, recover,
+                                        temp_path, verify_data, write_json)
+from shardopt.comm._collectives import Comm, ProcessGroup
+from shardopt.step._step_agreement import enter, entry_deadline
+from shardopt._version import __version__
+
+__all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
+           "save_checkpoint"]
+
+
+@dataclass
+class _Entry:
+    """One model state-dict entry, and where ShardedAdamW keeps it if it shards it."""
+
+    key: str
+    tensor: Tensor  # the model's tensor, detached (a sharded parameter's is a view of the flat buffer)
+    where: tuple[Any, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
+
+
+def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, str]]:
+    """The model's state-dict entries (each tensor once) and the aliases of tied ones. Local."""
+    where = {id(p): (b, i) for b in (opt._buffers if opt is not None else []) for i, p in enumerate(b.flat.params)}
+    entries, aliases, first = [], {}, {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        if not isinstance(t, Tensor):
+            raise TypeError(f"model state-dict entry {key!r} is a {type(t).__name__}, not a tensor; checkpoints "
+                            "hold tensors only (pass other state through extra=)")
+        if id(t) in first:
+            aliases[key] = first[id(t)]
+            continue
+        first[id(t)] = key
+        entries.append(_Entry(key, t.detach(), where.pop(id(t), None)))
+    if where:
+        b, i = next(iter(where.values()))
+        raise ValueError(f"{len(where)} parameters that the optimizer updates are not in the model's state dict "
+                         f"(the first has shape {b.layout.params[i].shape}); pass the model the optimizer was "
+                         "built for")
+    return entries, aliases
+
+
+def _group_keys(opt: Any, model: torch.nn.Module) -> list[list[str]]:
+    """For each param group, the state-dict key of each of its parameters."""
+    key_of = {}
+    for key, t in model.state_dict(keep_vars=True).items():
+        key_of.setdefault(id(t), key)
+    out = []
+    for gi, g in enumerate(opt.param_groups):
+        missing = [tuple(p.shape) for p in g["params"] if id(p) not in key_of]
+        if missing:
+            raise ValueError(f"param group {gi} has a parameter of shape {missing[0]} that is not in the model")
+        out.append([key_of[id(p)] for p in g["params"]])
+    return out
+
+
+def _jsonable(v: Any, where: str) -> Any:
+    if isinstance(v, (tuple, list)):
+        return [_jsonable(x, where) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x, f"{where}[{k!r}]") for k, x in v.items()}
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, torch.dtype):
+        return str(v)
+    if isinstance(v, Tensor) and v.numel() == 1:
+        return v.item()
+    raise TypeError(f"{where} is a {type(v).__name__}; checkpoints keep numbers, strings, lists and dicts here")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str]) -> dict:
+    tensors = {}
+    for e in entries:
+        info: dict[str, Any] = {"shape": list(e.tensor.shape), "dtype": _dtype_name(e.tensor.dtype),
+                                "sharded": e.where is not None}
+        if e.where is not None:
+            b, i = e.where
+            span = b.layout.params[i]
+            info["master"] = (MODEL if b.dtype == torch.float32 else MASTER) + e.key
+            info["buffer"] = opt._buffers.index(b)
+            info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
+            info["rule"] = b.rule  # which moments it has: AdamW's two, or Muon's momentum buffer
+            if b.lag[i]:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
+                info["step"] = opt._step - b.lag[i]
+        tensors[e.key] = info
+    groups = []
+    for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model))):
+        hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k != "params"}
+        groups.append({**hp, "params": keys})
+    cfg = opt.config
+    config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
+    return {
+        "format": FORMAT, "shardopt_version": __version__, "torch_version": torch.__version__,
+        "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
+        "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
+        "loss_scaler": _jsonable(opt._scaler.state_dict(), "loss scaler state"),
+        "param_groups": groups,
+        "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in opt._buffers],
+        "tensors": tensors, "aliases": aliases,
+    }
+
+
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None,
+                    timeout: float | None = None) -> str:
+    """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
+
+    Every rank of the optimizer's group must call it; each writes only its own shard, in parallel.
+    A rank waits at most ``timeout`` seconds (default: the optimizer's ``timeout``, else 60;
+    ``math.inf``: as long as a step would) for the others to call it too, then raises
+    TimeoutError naming the call; a rank in another optimizer call raises RuntimeError on every
+    rank.
+    ``path`` must be on a filesystem that every rank sees. The checkpoint appears at ``path`` only
+    once complete (an existing one there is replaced); a save that fails or is killed leaves
+    ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
+    returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
+    path = os.fspath(path)
+    comm: Comm = opt._comm
+    settle(opt, "save_checkpoint", timeout)
+    try:
+        entries, aliases = _entries(model, opt)
+        manifest, error = _manifest(opt, model, entries, aliases), None
+        check_replaceable(path)
+        if comm.rank == 0 and extra is not None:
+            _check_loadable(extra)
+    except (TypeError, ValueError, FileExistsError) as e:
+        error = e
+    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path)))
+    paths = [where for _, where in agreed]
+    if len(set(paths)) > 1:
+        other = next(r for r, where in enumerate(paths) if where != paths[0])
+        raise ValueError(f"save_checkpoint got different paths on different ranks: {paths[0]!r} on rank 0, "
+                         f"{paths[other]!r} on rank {other}; every rank must pass the same path, on a filesystem "
+                         "they all see (build it once, e.g. on rank 0, and broadcast it)")
+    token, started = agreed[0][0], time.time()
+    tmp = temp_path(path, token)
+    try:
+        os.makedirs(tmp, exist_ok=True)
+        if comm.rank == 0:
+            write_json(os.path.join(tmp, MANIFEST), manifest)
+            if extra is not None:
+                with open(os.path.join(tmp, EXTRA), "wb") as f:
+                    torch.save(extra, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+        error = None
+    except OSError as e:
+        error = e
+    agree(comm, error)
+    try:
+        write_blocks(tmp, _blocks_to_save(entries, comm), comm.group)
+    except RuntimeError:
+        if comm.rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    crcs, error = {}, None
+    try:
+        crcs = data_checksums(tmp, comm.rank)  # this rank's files, while they are still in the page cache
+    except OSError as e:
+        error = e
+    every = agree(comm, error, crcs)
+    if comm.rank == 0:  # every rank's files are written: DCP's last step gathered them all
+        try:
+            commit(tmp, path, token, {k: v for mine in every for k, v in mine.items()}, started)
+        except (OSError, RuntimeError) as e:
+            error = e
+    agree(comm, error)
+    return path
+
+
+def _check_loadable(extra: Any) -> None:
+    """Refuse, before anything is written, an ``extra`` that ``load_checkpoint`` could not read
+    back (it loads with ``weights_only=True``: tensors, numbers, strings, containers)."""
+    import io
+    import pickle
+
+    buf = io.BytesIO()
+    torch.save(extra, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"extra= holds an object that load_checkpoint cannot read back with torch.load("
+                         f"weights_only=True) ({first}); store tensors, numbers, strings and containers of them "
+                         "(e.g. a numpy RNG state as a list or a tensor)") from None
+
+
+def _pieces(b: Any, rank: int) -> dict[int, Any]:
+    return {piece.param: piece for piece in b.layout.shard_pieces(rank)}
+
+
+def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
+    """What this rank writes: its shard, once per shard (by the ranks of the first replica), and
+    on rank 0 the tensors every rank holds whole."""
+    blocks: list[Block] = []
+    rank = comm.shard_rank
+    pieces: dict[int, dict[int, Any]] = {}
+    masters: dict[int, Tensor] = {}
+    moments: dict[int, tuple[Tensor, Tensor]] = {}
+    for e in entries:
+        if e.where is None:
+            if comm.rank == 0:  # replicated on every rank: one copy is enough
+                blocks.append(whole(MODEL + e.key, e.tensor))
+            continue
+        b, i = e.where
+        if comm.replica != 0:  # the first replica's ranks write the shards
+            continue
+        if id(b) not in pieces:
+            pieces[id(b)], masters[id(b)] = _pieces(b, rank), b.master.fp32()
+            moments[id(b)] = b.moments.fp32()  # stored as fp32 whatever the moments mode
+        piece = pieces[id(b)].get(i)
+        if piece is None:
+            continue
+        shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
+        blocks += blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
+        if b.dtype != torch.float32:
+            blocks += blocks_of(MASTER + e.key, shape, r, masters[id(b)][local])
+        for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+            blocks += blocks_of(key + e.key, shape, r, moment[local])
+    return blocks
+
+
+def _moment_keys(rule: str) -> tuple[str, ...]:
+    """The DCP key prefixes of a rule's moments, in ``Moments.fp32()`` order."""
+    return (MOMENTUM,) if rule == "muon" else (EXP_AVG, EXP_AVG_SQ)
+
+
+def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: Any,
+                   model: torch.nn.Module, path: str) -> None:
+    """Raise ValueError naming the first parameter where the checkpoint and the model differ."""
+    saved = manifest["tensors"]
+    mine = {e.key for e in entries}
+    for e in entries:
+        s = saved.get(e.key)
+        if s is None:
+            raise ValueError(f"parameter {e.key!r} of the model is not in checkpoint {path}"
+                             + (f" (there it is tied to {manifest['aliases'][e.key]!r})" if e.key in manifest["aliases"]
+                                else "; is it a checkpoint of another model?"))
+        if tuple(s["shape"]) != tuple(e.tensor.shape):
+            raise ValueError(f"parameter {e.key!r} has shape {tuple(s['shape'])} in checkpoint {path} but "
+                             f"{tuple(e.tensor.shape)} in this model; is it a checkpoint of another model?")
+    for key in saved:
+        if key not in mine:
+            raise ValueError(f"checkpoint {path} has parameter {key!r}, which this model lacks"
+                             + (f" (here it is tied to {aliases[key]!r})" if key in aliases else ""))
+    if opt is None:
+        return
+    groups = manifest["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"checkpoint {path} has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
+    for gi, (g, keys) in enumerate(zip(groups, _group_keys(opt, model))):
+        for a, b in zip(g["params"] + [None] * len(keys), keys + [None] * len(g["params"])):
+            if a != b:
+                raise ValueError(f"param group {gi} differs from checkpoint {path}: parameter {b!r} here, {a!r} there")
+
+
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = None, *,
+                    process_group: ProcessGroup = None, timeout: float | None = None) -> Any:
+    """Load the checkpoint at ``path`` into ``model`` and, if given, ``opt`` (a ``ShardedAdamW``
+    at any world size, bucket size, stage or master-weight mode); returns the ``extra`` object
+    saved with it (or None).
+
+    Every rank of the optimizer's group (of ``process_group`` when ``opt`` is None) must call it.
+    Each rank reads only what its new shard needs (plus the non-sharded state); without ``opt``
+    every rank reads the whole model. A partial or corrupt checkpoint raises FileNotFoundError or
+    ValueError naming the file; a checkpoint of another model raises ValueError naming the first
+    mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
+    (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
+    others to call it too, then raises TimeoutError naming the call."""
+    path = os.fspath(path)
+    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
+    if opt is None:
+        enter(comm, "load_checkpoint", deadline=timeout)
+    else:
+        settle(opt, "load_checkpoint", timeout)
+        opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
+    try:
+        path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
+        marker = check_complete(path)
+        manifest = read_manifest(path, marker)
+        verify_data(path, marker, comm.rank, comm.world_size)  # each rank its share of the tensor files
+        entries, aliases = _entries(model, opt)
+        _check_matches(manifest, entries, aliases, opt, model, path)
+        extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
+        error = None
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        error = e
+    agree(comm, error)
+    staging: dict[int, Tensor] = {}
+    blocks: list[Block] = []
+    with torch.no_grad():
+        moments: dict[int, tuple[Tensor, Tensor]] = {}  # fp32, encoded into the moments mode once read
+        for b in opt._buffers if opt is not None else []:
+            staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
+            moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(2))
+        pieces = {id(b): _pieces(b, comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
+        for e in entries:
+            s = manifest["tensors"][e.key]
+            if math.prod(s["shape"]) == 0:
+                continue
+            if e.where is None:
+                # Same dtype: the stored weights, bit for bit; another dtype: from the fp32 master if kept.
+                same = s["dtype"] == _dtype_name(e.tensor.dtype)
+                blocks.append(whole(MODEL + e.key if same else s.get("master", MODEL + e.key), e.tensor))
+                continue
+            b, i = e.where
+            piece = pieces[id(b)].get(i)
+            if piece is None:
+                continue
+            shape, r, local = tuple(s["shape"]), piece.param_range, piece.local_range.as_slice()
+            blocks += blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
+            # Moments of the rule it was saved with; none when it was frozen, or saved under the
+            # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
+            if s["sharded"] and s.get("rule", "adamw") == b.rule:
+                for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+                    blocks += blocks_of(key + e.key, shape, r, moment[local])
+        read_blocks(path, blocks, comm.group)
+        for b in opt._buffers if opt is not None else []:
+            b.moments.load_(*moments[id(b)])
+        for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write
+            torch.autograd.graph.increment_version(e.tensor)
+        if opt is not None:
+            _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
+    return extra
+
+
+def _read_extra(path: str) -> Any:
+    import pickle
+
+    extra_path = os.path.join(path, EXTRA)
+    if not os.path.exists(extra_path):
+        return None
+    try:
+        return torch.load(extra_path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{extra_path} cannot be read back with torch.load(weights_only=True) ({first}); nothing "
+                         "was loaded") from None
+
+
+def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
+    """``model_keys``: (id of buffer, index in it) -> state-dict key of that parameter."""
+    for b in opt._buffers:
+        b.master.load_state_tensors({"master": staging[id(b)]})  # also writes this rank's weight shard
+    for pending in [b.gather_params() for b in opt._buffers]:
+        pending.wait()
+    for g, saved in zip(opt.param_groups, manifest["param_groups"]):
+        for k, v in saved.items():
+            if k != "params":
+                g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
+    opt._step = int(manifest["step"])
+    opt.skipped_steps = int(manifest["skipped_steps"])
+    for b in opt._buffers:
+        for i in range(len(b.lag)):
+            saved = manifest["tensors"].get(model_keys.get((id(b), i), ""), {})
+            b.lag[i] = opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step
+        b.binding.record()  # the loaded master weights are the authority, not what was written before
+    opt._scaler.load_state_dict(manifest["loss_scaler"])
+    seed = manifest["config"].get("seed")
+    if seed is not None and hasattr(opt.config, "seed") and seed != opt.config.seed:
+        # Stochastic rounding draws from (seed, step, element offset): the saved seed continues the same stream.
+        opt.config = dataclasses.replace(opt.config, seed=seed)
+        for b in opt._buffers:
+            b.master.seed = seed

@@ -1,0 +1,256 @@
+"""Export to and import from ``torch.optim.AdamW``'s own state-dict format, one parameter at a time.
+
+The format: ``{"state": {i: {"step": 0-d fp32 tensor, "exp_avg": T, "exp_avg_sq": T}},
+"param_groups": [{lr, betas, ..., "params": [i, ...]}]}`` with parameters numbered in param-group
+order, as ``torch.optim.Optimizer.state_dict`` numbers them. It holds no master weights: a plain
+AdamW updates the model's weights themselves. ``consolidate_state_dict`` adds one more top-level
+key, ``"shardopt"``, which ``torch.optim.AdamW.load_state_dict`` ignores: the fp32 master weights
+of 16-bit parameters (by parameter number) and the loss scaler, so that a resume through this
+format is as exact as one through ``save_checkpoint``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from shardopt.checkpoint._files import agree
+from shardopt.core._layout import Range
+from shardopt.step._step_agreement import enter
+
+
+def adamw_defaults() -> dict[str, Any]:
+    return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
+
+
+def settle(opt: Any, call: str, timeout: float | None = None) -> None:
+    """Check that every rank is in ``call`` (``_step_agreement.enter``, waiting ``timeout`` seconds
+    for them: by default the optimizer's timeout, else ``ENTRY_TIMEOUT``), wait for weight
+    all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
+    into the model from outside as master weights; refuse an optimizer whose ranks fell out of
+    step. Every rank."""
+    rounds = getattr(opt, "_rounds", None)
+    if rounds is not None:
+        rounds.settle()  # see _rounds [Note: a round that did not end]
+    if timeout is None:
+        timeout = getattr(getattr(opt, "config", None), "timeout", None)
+    try:
+        enter(opt._comm, call, lost_round=rounds is not None and rounds.lost_round, deadline=timeout)
+    except (RuntimeError, TimeoutError) as e:
+        if rounds is not None:
+            rounds.fail(str(e))
+        raise
+    finish = getattr(opt, "finish_param_gather", None)
+    if finish is not None:
+        finish()
+    checks = getattr(opt, "_checks", None)
+    if checks is not None:
+        checks.take_outside_writes()
+
+
+def _locations(opt: Any) -> dict[int, tuple[Any, int]]:
+    return {id(p): (b, i) for b in opt._buffers for i, p in enumerate(b.flat.params)}
+
+
+def _param_pieces(b: Any, i: int) -> list[Range]:
+    """Each rank's piece of parameter ``i`` of buffer ``b``, as ranges within the flattened parameter."""
+    span = b.layout.params[i].global_range
+    return [span.intersect(b.layout.shard_range(r)).relative_to(span.start) for r in range(b.layout.world_size)]
+
+
+def _keeps_master(opt: Any, b: Any) -> bool:
+    """Whether buffer ``b`` holds master weights that its 16-bit weights do not already encode."""
+    return b.dtype != torch.float32 and opt.config.master_weights in ("fp32", "remainder")
+
+
+def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str, Any]:
+    """``opt``'s state in ``torch.optim.AdamW``'s format, on rank ``to`` (``{}`` on other ranks);
+    with ``extras``, also the ``"shardopt"`` entry (master weights of 16-bit parameters, loss scaler).
+
+    Every rank must call it. Gathered one parameter at a time: besides the result on rank ``to``
+    (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
+    Parameters with ``requires_grad=False`` get no state, as in AdamW."""
+    comm = opt._comm
+    settle(opt, "full_state_dict")
+    keep = comm.rank == to
+    where, defaults = _locations(opt), adamw_defaults()
+    state: dict[int, dict[str, Tensor]] = {}
+    masters: dict[int, Tensor] = {}
+    shards = {id(b): b.master.fp32() for b in opt._buffers if extras and _keeps_master(opt, b)}
+    # fp32, whatever the moments mode; a Muon buffer's one moment is its momentum buffer
+    decoded = {id(b): b.moments.fp32()[:1] if b.rule == "muon" else b.moments.fp32() for b in opt._buffers}
+    groups, index = [], 0
+    for g in opt.param_groups:
+        ids = []
+        for p in g["params"]:
+            if id(p) in where:
+                b, i = where[id(p)]
+                moments = [_gather(b, i, t, comm) for t in decoded[id(b)]]
+                shape = b.layout.params[i].shape
+                if id(b) in shards:
+                    master = _gather(b, i, shards[id(b)], comm)
+                    if keep:
+                        masters[index] = master.view(shape).cpu()
+                steps = opt._step - b.lag[i]
+                if keep and steps > 0 and b.rule == "muon":  # torch.optim.Muon's state
+                    state[index] = {"momentum_buffer": moments[0].view(shape).cpu()}
+                elif keep and steps > 0:  # AdamW has no state for a parameter it never updated
+                    state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
+                                    "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
+            ids.append(index)
+            index += 1
+        muon = g.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
+        groups.append({**({} if muon else defaults), **{k: v for k, v in g.items() if k != "params"}, "params": ids})
+    if not keep:
+        return {}
+    out: dict[str, Any] = {"state": state, "param_groups": groups}
+    if extras:
+        out["shardopt"] = {"master": masters, "loss_scaler": opt._scaler.state_dict(),
+                           "skipped_steps": opt.skipped_steps, "seed": opt.config.seed}
+    return out
+
+
+def _gather(b: Any, i: int, shard: Tensor, comm: Any) -> Tensor:
+    """Parameter ``i``'s slice of the flat fp32 state ``shard`` (this rank's shard), whole on every rank."""
+    span = b.layout.params[i].global_range
+    pieces = _param_pieces(b, i)
+    out = torch.zeros(span.size, dtype=torch.float32, device=shard.device)
+    mine = pieces[comm.shard_rank]
+    if mine.size:
+        local = Range(span.start + mine.start, span.start + mine.end).relative_to(b.shard_range.start)
+        out[mine.as_slice()] = shard[local.as_slice()]
+    comm.all_gather_inplace(out, pieces).wait()
+    return out
+
+
+def _header(sd: dict[str, Any]) -> dict[str, Any]:
+    """The structure of an AdamW state dict (no tensor data), validated."""
+    if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
+        raise ValueError("expected a torch.optim.AdamW state dict with 'state' and 'param_groups' on rank 0, got "
+                         f"{type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}")
+    groups = []
+    for gi, g in enumerate(sd["param_groups"]):
+        for flag in ("amsgrad", "maximize"):
+            if g.get(flag):
+                raise ValueError(f"param group {gi} has {flag}=True, which ShardedAdamW does not implement")
+        groups.append(dict(g))
+    state = {}
+    for idx, s in sd["state"].items():
+        if "momentum_buffer" in s:  # torch.optim.Muon's state (ShardedMuon); no step count
+            state[int(idx)] = (tuple(s["momentum_buffer"].shape), tuple(s["momentum_buffer"].shape), None)
+            continue
+        missing = {"exp_avg", "exp_avg_sq", "step"} - set(s)
+        if missing:
+            raise ValueError(f"state of parameter #{idx} lacks {sorted(missing)}")
+        state[int(idx)] = (tuple(s["exp_avg"].shape), tuple(s["exp_avg_sq"].shape), float(s["step"]))
+    extra = sd.get("shardopt") or {}
+    masters = {int(k): tuple(v.shape) for k, v in (extra.get("master") or {}).items()}
+    return {"param_groups": groups, "state": state, "master": masters,
+            "loss_scaler": extra.get("loss_scaler"), "skipped_steps": int(extra.get("skipped_steps", 0)),
+            "seed": extra.get("seed")}
+
+
+def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+    """Load a ``torch.optim.AdamW``-format state dict (``full_state_dict``'s output, or a plain
+    AdamW's) into ``opt`` at any world size.
+
+    Every rank must call it; rank 0's ``state_dict`` is used (others may pass ``{}``) and sent one
+    parameter at a time. Restores both moments, the step (the largest per-parameter step) and the
+    param-group hyperparameters; parameters without state start with zero moments. AdamW keeps no
+    master weights, so the master weights are set from the model's current weights (load those
+    on every rank, before or after), except where the dict carries ``consolidate_state_dict``'s
+    ``"shardopt"`` entry: its fp32 master weights and loss scaler are restored exactly."""
+    comm = opt._comm
+    settle(opt, "load_full_state_dict")
+    header, error = None, None
+    if comm.rank == 0:
+        try:
+            header = _header(state_dict)
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            error = ValueError(str(e))
+    header = agree(comm, error, header)[0]
+    where = _locations(opt)
+    numbered = [p for g in opt.param_groups for p in g["params"]]
+    try:
+        _check_structure(opt, header, numbered)
+        error = None
+    except ValueError as e:
+        error = e
+    agree(comm, error)
+    with torch.no_grad():
+        # fp32 moments to fill (the stored ones for fp32 moments), encoded at the end
+        moments = {id(b): tuple(torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
+                                for _ in range(2)) for b in opt._buffers}
+        masters = {id(b): b.flat.slice(b.shard_range).float() for b in opt._buffers}  # from the weights
+        for idx in sorted(set(header["state"]) | set(header["master"])):
+            p = numbered[idx]
+            if id(p) not in where:
+                continue  # frozen here: AdamW state for it is ignored
+            b, i = where[id(p)]
+            keys = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq")
+            names = list(zip(keys, moments[id(b)])) if idx in header["state"] else []
+            if idx in header["master"] and b.dtype != torch.float32:
+                names.append(("master", masters[id(b)]))
+            for name, shard in names:
+                full = torch.empty(b.layout.params[i].numel, dtype=torch.float32, device=shard.device)
+                if comm.rank == 0:
+                    src = state_dict["shardopt"]["master"][idx] if name == "master" else state_dict["state"][idx][name]
+                    full.copy_(src.reshape(-1))
+                comm.broadcast(full, src=0).wait()
+                span = b.layout.params[i].global_range
+                mine = span.intersect(b.shard_range)  # global range
+                if mine.size:
+                    local, in_param = mine.relative_to(b.shard_range.start), mine.relative_to(span.start)
+                    shard[local.as_slice()] = full[in_param.as_slice()]
+        for b in opt._buffers:
+            b.moments.load_(*moments[id(b)])
+            b.master.load_state_tensors({"master": masters[id(b)]})
+        for pending in [b.gather_params() for b in opt._buffers]:
+            pending.wait()
+    ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())
+    for g, saved in zip(opt.param_groups, header["param_groups"]):
+        for k, v in saved.items():
+            if k != "params" and (k in ours or k not in adamw_only):
+                g[k] = tuple(v) if k == "betas" else v
+    steps = [s for _, _, s in header["state"].values() if s is not None]
+    opt._step = int(max(steps)) if steps else 0
+    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items() if s is not None}
+    for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
+        b.lag = [0 if b.rule == "muon" else opt._step - step_of.get(id(p), 0) for p in b.flat.params]
+        b.binding.record()
+    if header["loss_scaler"] is not None:
+        opt._scaler.load_state_dict(header["loss_scaler"])
+        opt.skipped_steps = header["skipped_steps"]
+    if header["seed"] is not None:  # the stochastic-rounding stream goes on where it was
+        opt.config = dataclasses.replace(opt.config, seed=int(header["seed"]))
+        for b in opt._buffers:
+            b.master.seed = opt.config.seed
+
+
+def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:
+    groups = header["param_groups"]
+    if len(groups) != len(opt.param_groups):
+        raise ValueError(f"state dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
+    for gi, (g, mine) in enumerate(zip(groups, opt.param_groups)):
+        if len(g["params"]) != len(mine["params"]):
+            raise ValueError(f"param group {gi} has {len(g['params'])} parameters in the state dict, "
+                             f"{len(mine['params'])} in this optimizer")
+    for idx, shape in sorted(header["master"].items()):
+        if not 0 <= idx < len(numbered) or tuple(numbered[idx].shape) != shape:
+            raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
+                             "optimizer does not have; was it saved for another model?")
+    rule = {id(p): b.rule for b in opt._buffers for p in b.flat.params}
+    for idx, (shape, shape_sq, step) in sorted(header["state"].items()):
+        if not 0 <= idx < len(numbered):
+            raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")
+        saved_rule, ours = "adamw" if step is not None else "muon", rule.get(id(numbered[idx]))
+        if ours is not None and saved_rule != ours:
+            raise ValueError(f"state dict has {'Muon' if saved_rule == 'muon' else 'AdamW'} state for parameter #{idx}, "
+                             f"which this optimizer updates with {'Muon' if ours == 'muon' else 'AdamW'}; give "
+                             "each param group the rule it was saved with (\"use_muon\")")
+        want = tuple(numbered[idx].shape)
+        if shape != want or shape_sq != want:
+            raise ValueError(f"state of parameter #{idx} has shape {shape}, this optimizer's parameter #{idx} has "
+                             f"shape {want}; was it saved for another model or other param groups?")

@@ -1,0 +1,168 @@
+"""Turn a sharded shardopt checkpoint into plain PyTorch state dicts, in one process, no ranks.
+
+    python -m shardopt.convert CKPT_DIR OUT.pt [--fp32-weights]
+
+``OUT.pt`` holds ``{"model": <model state dict>, "optim": <torch.optim.AdamW state dict>}``:
+
+    sd = torch.load("OUT.pt")
+    model.load_state_dict(sd["model"])
+    opt = torch.optim.AdamW(<the same param groups>); opt.load_state_dict(sd["optim"])
+
+A ShardedMuon checkpoint gives ``torch.optim.Muon``'s keys and state (``momentum_buffer``) for its
+Muon groups and AdamW's for its ``"use_muon": False`` groups; ``split_by_rule(sd["optim"])`` cuts it
+into the state dicts of a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` over those groups.
+
+The model's weights keep their saved dtype (tied parameters appear under each of their names);
+``--fp32-weights`` writes every floating-point tensor in fp32, trained parameters as their fp32
+master weights, to continue in fp32 with a plain AdamW.
+
+[Note: streaming conversion]
+The converter never holds the whole state in memory. Every output tensor is backed by its own
+memory-mapped scratch file (``torch.from_file(shared=True)``) next to ``OUT.pt``; DCP reads the
+checkpoint chunk by chunk straight into those mappings, and ``torch.save`` then streams them into
+``OUT.pt``. Besides the page cache, which the kernel can always write back and drop, memory stays
+at about one saved chunk (at most the largest parameter). Scratch space on disk is the size of
+the output; it is removed at the end, and ``OUT.pt`` appears only once complete.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shutil
+import tempfile
+from typing import Any, Sequence
+
+import torch
+
+from shardopt.checkpoint._adamw import adamw_defaults  # noqa: F401 (also for callers)
+from shardopt.checkpoint._dcp import EXP_AVG, EXP_AVG_SQ, MODEL, MOMENTUM, Block, read_blocks, whole
+from shardopt.checkpoint._files import read_manifest
+
+
+def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, *, fp32_weights: bool = False) -> None:
+    """Write the checkpoint at ``ckpt_dir`` as ``{"model": ..., "optim": ...}`` to ``out_path``.
+
+    Needs no process group; memory stays near the size of the largest parameter (see
+    [Note: streaming conversion]). Raises like ``load_checkpoint`` on a partial or corrupt
+    checkpoint."""
+    ckpt_dir, out_path = os.fspath(ckpt_dir), os.fspath(out_path)
+    manifest = read_manifest(ckpt_dir)
+    out_dir = os.path.dirname(os.path.abspath(out_path))
+    scratch = tempfile.mkdtemp(prefix=os.path.basename(out_path) + ".scratch-", dir=out_dir)
+    try:
+        model, optim, blocks = _skeleton(manifest, scratch, fp32_weights)
+        read_blocks(ckpt_dir, blocks, no_dist=True)
+        partial = out_path + ".partial"
+        torch.save({"model": model, "optim": optim}, partial)
+        del model, optim, blocks
+        os.replace(partial, out_path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _skeleton(manifest: dict, scratch: str, fp32_weights: bool) -> tuple[dict, dict, list[Block]]:
+    """The output state dicts, every tensor a memory-mapped scratch file, and the blocks to fill."""
+    blocks: list[Block] = []
+    counter = iter(range(1 << 62))
+
+    def scratch_tensor(key: str, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+        n = math.prod(shape)
+        t = torch.from_file(os.path.join(scratch, str(next(counter))), shared=True, size=max(n, 1), dtype=dtype)
+        t = t[:n].view(shape)
+        if n:
+            blocks.append(whole(key, t))
+        return t
+
+    model: dict[str, torch.Tensor] = {}
+    for key, s in manifest["tensors"].items():
+        dtype = getattr(torch, s["dtype"])
+        if fp32_weights and dtype.is_floating_point:  # the master where kept, else an exact upcast
+            model[key] = scratch_tensor(s.get("master", MODEL + key), s["shape"], torch.float32)
+        else:
+            model[key] = scratch_tensor(MODEL + key, s["shape"], dtype)
+    for alias, key in manifest["aliases"].items():
+        model[alias] = model[key]
+
+    state: dict[int, dict[str, Any]] = {}
+    groups, index, defaults = [], 0, adamw_defaults()
+    for g in manifest["param_groups"]:
+        ids = []
+        for key in g["params"]:
+            s = manifest["tensors"][key]
+            steps = s.get("step", manifest["step"])  # its own step count, when it had no gradient in some
+            if s["sharded"] and s.get("rule") == "muon":  # torch.optim.Muon's state
+                state[index] = {"momentum_buffer": scratch_tensor(MOMENTUM + key, s["shape"], torch.float32)}
+            elif s["sharded"] and steps > 0:  # AdamW has no state for a parameter it never updated
+                state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
+                                "exp_avg": scratch_tensor(EXP_AVG + key, s["shape"], torch.float32),
+                                "exp_avg_sq": scratch_tensor(EXP_AVG_SQ + key, s["shape"], torch.float32)}
+            ids.append(index)
+            index += 1
+        hp = {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in g.items() if k != "params"}
+        muon = hp.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
+        groups.append({**({} if muon else defaults), **hp, "params": ids})
+    return model, {"state": state, "param_groups": groups}, blocks
+
+
+def split_by_rule(optim: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A ShardedMuon optimizer state dict (from ``convert_checkpoint``) as two torch state dicts:
+    ``torch.optim.Muon``'s (its Muon groups) and ``torch.optim.AdamW``'s (its ``"use_muon": False``
+    groups), each numbered from 0 in its groups' order. No ranks."""
+    out = []
+    for muon in (True, False):
+        ids: dict[int, int] = {}
+        groups, state = [], {}
+        for g in optim["param_groups"]:
+            if (g.get("use_muon", False) is not False) != muon:
+                continue
+            params = []
+            for pid in g["params"]:
+                ids[pid] = len(ids)
+                params.append(ids[pid])
+                if pid in optim["state"]:
+                    state[ids[pid]] = optim["state"][pid]
+            groups.append({**{k: v for k, v in g.items() if k not in ("params", "use_muon")}, "params": params})
+        out.append({"state": state, "param_groups": groups})
+    return out[0], out[1]
+
+
+def join_by_rule(muon: dict[str, Any], adamw: dict[str, Any], use_muon: Sequence[bool] | None = None) -> dict[str, Any]:
+    """The state dicts of a ``torch.optim.Muon`` and a ``torch.optim.AdamW`` as one that
+    ``ShardedMuon.load_state_dict`` takes, the inverse of :func:`split_by_rule`. ``use_muon[i]``
+    says whether the ShardedMuon's param group ``i`` is a Muon group (taken in order from ``muon``)
+    or an AdamW one (from ``adamw``); default: the Muon groups first. No ranks."""
+    if use_muon is None:
+        use_muon = [True] * len(muon["param_groups"]) + [False] * len(adamw["param_groups"])
+    if sum(use_muon) != len(muon["param_groups"]) or len(use_muon) - sum(use_muon) != len(adamw["param_groups"]):
+        raise ValueError(f"use_muon names {sum(use_muon)} Muon and {len(use_muon) - sum(use_muon)} AdamW groups; the "
+                         f"state dicts have {len(muon['param_groups'])} and {len(adamw['param_groups'])}")
+    sources = {True: iter(muon["param_groups"]), False: iter(adamw["param_groups"])}
+    groups, state, n = [], {}, 0  # n: the next parameter number, in param-group order as torch numbers them
+    for is_muon in use_muon:
+        sd, g = (muon if is_muon else adamw), next(sources[is_muon])
+        params = list(range(n, n + len(g["params"])))
+        state.update({new: sd["state"][pid] for new, pid in zip(params, g["params"]) if pid in sd["state"]})
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "use_muon": is_muon, "params": params})
+        n += len(params)
+    return {"state": state, "param_groups": groups}
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m shardopt.convert", description=__doc__.split("\n")[0])
+    p.add_argument("ckpt_dir", help="a checkpoint directory written by shardopt.save_checkpoint")
+    p.add_argument("out", help="output file (torch.save format)")
+    p.add_argument("--fp32-weights", action="store_true",
+                   help="write floating-point tensors in fp32, parameters as their fp32 master weights")
+    args = p.parse_args(argv)
+    try:
+        convert_checkpoint(args.ckpt_dir, args.out, fp32_weights=args.fp32_weights)
+    except (FileNotFoundError, ValueError) as e:  # partial, corrupt or missing: say which file, no traceback
+        p.exit(1, f"{p.prog}: error: {e}\n")
+    manifest = read_manifest(args.ckpt_dir)
+    print(f"wrote {args.out}: {len(manifest['tensors'])} model tensors, step {manifest['step']}, "
+          f"{os.path.getsize(args.out) / 2**20:,.1f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Which ShardedAdamW trains a parameter.
+
+[Note: one optimizer per parameter] A ShardedAdamW hooks every parameter it trains (its reducer
+takes each gradient as autograd produces it, stage 2 leaving a placeholder in ``p.grad``). A
+second optimizer built over the same parameters, as frameworks do on every ``fit`` or after a
+learning-rate finder, must not find the first one still taking the gradients: building it takes
+the parameters over, and the first is released (hooks removed, its last gathers waited for) and
+refuses further steps. The registry holds weak references only, and nothing is stored on the
+parameters themselves, so models still pickle and deep-copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Iterable
+
+from torch import Tensor
+
+from shardopt.core._compat import hook_dicts
+
+# id(parameter) -> (weak parameter, weak optimizer); keyed by id because tensors compare elementwise.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+# [Note: hooks of a freed optimizer]
+# Every hook a ShardedAdamW installs holds its state weakly and does nothing once the optimizer is
+# freed. The garbage collector never removes them: a collection may run while torch.compile traces
+# a module call, whose guards read the global hook dict (a hook removed there breaks the
+# compilation), and a handle found in the garbage has lost its weak reference to its dict anyway.
+# They are removed at the next safe point instead: the next optimizer's construction (the global
+# hooks, and the parameter hooks of the parameters it takes over) and every step().
+def owned_hook(fn: Callable, ref: weakref.ref) -> Callable:
+    """Mark ``fn``, a hook that works for the object behind ``ref``, as removable once it is gone."""
+    fn.shardopt_alive = lambda: ref() is not None  # type: ignore[attr-defined]
+    return fn
+
+
+def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
+    """Remove the global forward pre-hooks of freed optimizers, and their hooks on ``params`` (see
+    [Note: hooks of a freed optimizer]). Local; call outside compiled code."""
+    for hooks in hook_dicts(params):
+        for key, fn in list(hooks.items()):
+            alive = getattr(fn, "shardopt_alive", None)
+            if alive is not None and not alive():
+                del hooks[key]
+
+
+def take_over(opt: Any, params: Iterable[Tensor]) -> None:
+    """Make ``opt`` the optimizer of ``params``, releasing any other ShardedAdamW that trained
+    one of them. Local (every rank builds its optimizers the same way)."""
+    previous: dict[int, Any] = {}
+    for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+        del _OWNERS[key]  # parameters or optimizers gone
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        old = entry[1]() if entry is not None and entry[0]() is p else None
+        if old is not None and old is not opt:
+            previous[id(old)] = old
+        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+    for old in previous.values():
+        old._release("superseded: a newer ShardedAdamW was built over the same parameters and trains them now")
+
+
+_NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
+            "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
+            "a new ShardedAdamW over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
+            "the optimizer use opt.state_dict() or shardopt.save_checkpoint")
+
+
+class Lifetime:
+    """The end of a ShardedAdamW's life: ``close``, being superseded (``take_over``), being
+    collected, and copies refused. A mixin over the optimizer's own attributes."""
+
+    def close(self) -> None:
+        """Stop training: wait for the last weight gathers, remove every hook this optimizer put on
+        the parameters and modules; ``step`` and ``backward`` then raise. Building another
+        ShardedAdamW over the same parameters does this to the old one. Local."""
+        self._release("closed")
+
+    def _release(self, why: str) -> None:
+        if self.__dict__.get("_closed") is not None:
+            return
+        self.finish_param_gather()
+        self._remove_hooks()
+        self._closed = why
+
+    def _remove_hooks(self) -> None:
+        # self.__dict__, not attribute lookup: a wrapper that imitates this class (LightningOptimizer)
+        # must not remove the hooks of the optimizer it wraps when it is collected.
+        rounds = self.__dict__.get("_rounds")
+        if rounds is not None:
+            rounds.release()
+        for name in ("_gather_hook", "_ddp_watch"):
+            hook = self.__dict__.get(name)
+            if hook is not None:
+                hook.remove()
+                self.__dict__[name] = None
+
+    def __deepcopy__(self, memo: dict) -> None:
+        raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))
+
+    def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
+        raise TypeError(_NO_COPY.format(how="copying or pickling"))
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            then = "train with the newer one" if self._closed.startswith("superseded") else \
+                "build a new ShardedAdamW over the parameters to train them again"
+            raise RuntimeError(f"this ShardedAdamW is {self._closed}; {then}")
+
+    def __del__(self) -> None:
+        # Dropped with weight gathers in flight (a local of a function that returned right after
+        # step()): wait for them, or gloo aborts the process at exit with collectives still running.
+        with contextlib.suppress(Exception):
+            gathers = self.__dict__.get("_gathers")
+            if gathers is not None:
+                gathers.wait_quietly()
+        # Its hooks stay until the next safe point (see [Note: hooks of a freed optimizer]).

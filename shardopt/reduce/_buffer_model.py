@@ -1,0 +1,104 @@
+"""The one model of communication buffers, used by ``memory_report().predicted`` and by
+``shardopt.estimate``: staging and receive buffers replayed bucket by bucket as ``_reducer`` and
+``_rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from shardopt.core._layout import FlatLayout, Range, receive_chunks
+from shardopt.reduce._rounds import MAX_INFLIGHT
+
+
+def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None, *, stage: int, gloo: bool,
+                   psize: int, hybrid: bool = False) -> tuple[int, int]:
+    """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
+    gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
+    end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``hybrid``: the
+    state is also replicated, so each reduction of a non-empty piece is followed by a cross-replica
+    all-reduce, which on gloo holds the fp32 partial sum (see ``_collectives`` [Note: hybrid sharding])."""
+    numels = [b.global_range.size for b in layout.buckets]
+    receives = []  # per bucket, the elements each of its collectives receives on this rank
+    follows = []  # per bucket and collective: bytes its cross-replica follow-up holds, None: no follow-up
+    acc = max(psize, 4)  # gloo sums in fp32 (fp64 for fp64 gradients)
+    for b in layout.buckets:
+        pieces = [r.relative_to(b.global_range.start) if r.size else Range(0, 0)
+                  for r in layout.bucket_shard_ranges(b.index)]
+        if not gloo:
+            receives.append([0])  # NCCL's reduce-scatter writes into the gradient shard
+            follows.append([0 if hybrid else None])
+            continue
+        chunks = receive_chunks(pieces)
+        receives.append([layout.world_size * c[rank].size for c in chunks] or [0])
+        follows.append([acc * c[rank].size if hybrid else None for c in chunks] or [0 if hybrid else None])
+    members = [b.params for b in layout.buckets]
+    return _replay(numels, receives, follows, members, arrival, stage=stage, psize=psize)
+
+
+class _Buffers:
+    """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
+
+    def __init__(self, numels: Sequence[int], receives: Sequence[Sequence[int]],
+                 follows: Sequence[Sequence[int | None]], *, stage: int, psize: int) -> None:
+        self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
+        self.recv_bytes = [[m * psize for m in r] for r in receives]  # per bucket, per collective
+        self.follows = follows
+        self.staging: dict[int, int] = {}
+        # (bucket, bytes held, its last collective, bytes of its follow-up or None, is a follow-up)
+        self.inflight: list[tuple[int, int, bool, int | None, bool]] = []
+        self.follow_ups = 0
+        self.live = self.peak = 0
+
+    def _note(self) -> None:
+        self.peak = max(self.peak, sum(self.staging.values()) + self.live)
+
+    def fill(self, b: int) -> None:
+        """A gradient of bucket ``b`` arrives: its staging buffer exists from now on (stage 2)."""
+        if self.staging_bytes[b] and b not in self.staging:
+            self.staging[b] = self.staging_bytes[b]
+            self._note()
+
+    def launch(self, b: int) -> None:
+        self.fill(b)
+        for j, nbytes in enumerate(self.recv_bytes[b]):
+            self.live += nbytes
+            self.inflight.append((b, nbytes, j == len(self.recv_bytes[b]) - 1, self.follows[b][j], False))
+            self._note()
+            while len(self.inflight) - self.follow_ups > MAX_INFLIGHT:
+                self.complete()
+
+    def complete(self) -> None:
+        b, nbytes, last, follow, is_follow = self.inflight.pop(0)
+        self.follow_ups -= is_follow
+        self.live -= nbytes
+        if last:
+            self.staging.pop(b, None)
+        if follow is not None:  # the cross-replica all-reduce, to the back of the queue (see _rounds)
+            self.live += follow
+            self.inflight.append((b, follow, False, None, True))
+            self.follow_ups += 1
+
+
+def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], follows: Sequence[Sequence[int | None]],
+            members: Sequence[Sequence[int]], arrival: Sequence[int] | None, **kw: int) -> tuple[int, int]:
+    """Peak bytes of communication buffers on one rank over a backward pass whose gradients arrive
+    in ``arrival`` order (buffer indices; None: buffer order), each bucket launched once it is
+    complete and every bucket that completed before it has been launched (the agreed order is a
+    guess of this arrival order), and the most one bucket holds."""
+    buf = _Buffers(numels, receives, follows, **kw)
+    bucket_of = {i: b for b, m in enumerate(members) for i in m}
+    waiting = [len(m) for m in members]
+    for i in dict.fromkeys(arrival if arrival is not None else sorted(bucket_of)):  # a repeat counts once
+        b = bucket_of[i]
+        buf.fill(b)
+        waiting[b] -= 1
+        if waiting[b] == 0:
+            buf.launch(b)
+    for b in range(len(numels)):  # buckets without parameters launch at the end
+        if waiting[b] > 0 or not members[b]:
+            buf.launch(b)
+    while buf.inflight:
+        buf.complete()
+    slack = max((s + max(r) + max((f or 0 for f in fs), default=0)
+                 for s, r, fs in zip(buf.staging_bytes, buf.recv_bytes, follows)), default=0)
+    return buf.peak, slack

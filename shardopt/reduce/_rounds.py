@@ -1,0 +1,364 @@
+"""Backward passes as rounds of bucket reductions, over every flat buffer of one optimizer.
+
+Owns the order in which bucket collectives are issued, the rounds' bookkeeping (which round is
+open, which backward pass it belongs to, whether it ended), and the small tag that starts each
+round. The reducers (one per flat buffer) own the gradients and issue a bucket's collective
+when asked; this module decides when.
+
+[Note: launch order]
+Collectives must be issued in the same order on every rank, and buckets should be reduced in the
+order their gradients become ready, which the layout cannot know (param groups interleave layers).
+The order is fixed before the first backward pass: until the first round opens, a global forward
+pre-hook notes where each parameter is first used (``ForwardOrder``), and gradients become ready
+roughly in the reverse of that order, so a bucket is expected complete when its earliest-used
+parameter gets its gradient. When the first round opens, every rank takes rank 0's guess (one
+small broadcast, after the round's tag). A wrong guess costs memory (a complete bucket waits for
+the ones before it in the order), never correctness: every round launches the buckets in the
+agreed order, each from the hook that completes it once every bucket before it was launched, and
+the rest when backward ends, by a callback queued on the autograd engine, which then waits for
+every reduction of that backward. Each backward pass is thus one *round* in which every bucket is
+reduced exactly once, in the agreed order, on every rank. Several rounds between two steps
+accumulate correctly (see ``_reducer``).
+
+A parameter that this backward pass will not reach on this rank (``torch._C._will_engine_execute_
+node`` of its gradient accumulator, asked when the round opens) counts as ready at once, so a
+parameter unused on one rank (a branch, an expert) holds back nothing there. Not a parameter that
+may get its gradient from a backward pass nested in this one (``torch.utils.checkpoint`` with
+``use_reentrant=True``, whose outer pass does not show the inner one's parameters): one whose
+module ran its forward with gradients disabled before the first backward (a reentrant checkpoint
+runs its forward so), or that once got a gradient in a nested pass, and none at all once some
+pass ran nested in another. Those wait for their gradient or for the end of the outer pass, the
+plain slow path. A parameter counted ready that gets a gradient anyway is refused at the step on
+every rank (the reducer keeps it for the step).
+
+The order spans every flat buffer (one per dtype): with two buffers and rank-dependent routing
+(an expert or a branch used on one rank only), per-buffer orders would interleave differently
+on each rank and pair one buffer's reduction with the other's.
+
+[Note: a round that did not end]
+A backward pass that raises (and is caught) never runs the engine's callback: its round stops
+after some of its buckets were issued, while the other ranks issued all of them and wait for the
+rest. The callback object's finalizer tells the two apart: it is collected without having run.
+The next call that meets such a round (the next backward, ``zero_grad``, ``clip_grad_norm_``,
+``step``) issues the rest of that round, so that every rank has issued the same collectives,
+and remembers that this rank lost a round. Every round then starts with a *tag*: an all-reduce
+of the same shape as the one ``clip_grad_norm_`` and ``step`` start with, carrying which call
+this rank is in and whether it lost a round since the last step (see ``_agreement``
+[Note: ranks in different calls]). A rank that skipped its step after a lost round meets the
+others' step with its next round's tag; a rank that lost a round among several meets the others'
+tags: either way every rank sees the difference and raises, within the round, and the optimizer
+refuses every later call with the same message. A backward that raised on every rank alike is
+no error: the ranks still agree. A backward pass nested in another (``torch.utils.checkpoint``
+with ``use_reentrant=True``) that starts while the outer pass's round is open joins that round;
+one whose hooks come first opens a round of its own, which ends with it: correct, but each such
+segment then reduces every bucket once more (``use_reentrant=False`` avoids it). A parameter that
+gets a second gradient in one round (used inside and outside such a checkpoint) counts once; see
+``_reducer`` for that second gradient.
+"""
+from __future__ import annotations
+
+import enum
+import weakref
+from typing import Callable, Sequence
+
+import torch
+
+from shardopt.step._agreement import call_header, check_calls
+from shardopt.comm._collectives import Comm, Pending
+from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
+from shardopt.reduce._forward_order import ForwardOrder
+from shardopt.core._ownership import owned_hook
+from shardopt.step._step_message import StepMessage
+
+MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
+
+
+class RoundState(enum.Enum):
+    """Where this rank's round of bucket reductions is. ``Rounds._to`` makes every transition."""
+
+    IDLE = "idle"  # no round open: between backward passes, or inside one under no_sync
+    OPEN = "open"  # a backward pass is reducing; its end-of-backward callback is queued on the engine
+    LOST = "lost"  # that backward pass raised: the engine dropped the callback without running it
+    FLUSHING = "flushing"  # launching the buckets left and waiting for every reduction of the round
+    BROKEN = "broken"  # the ranks fell apart: every later call raises ``Rounds.why_broken``
+
+
+_NEXT = {  # the transitions a round may make, each with its reason at the place that makes it
+    RoundState.IDLE: {RoundState.OPEN},
+    RoundState.OPEN: {RoundState.FLUSHING, RoundState.LOST},
+    RoundState.LOST: {RoundState.FLUSHING},
+    RoundState.FLUSHING: {RoundState.IDLE},
+    RoundState.BROKEN: set(),
+}
+
+
+class _EndOfBackward:
+    """Queued on the autograd engine when a round opens; runs when that backward pass ends.
+
+    Only the engine holds it: when the engine drops it without running it (the backward pass
+    raised), its finalizer marks the round it opened LOST."""
+
+    def __init__(self, rounds: "Rounds", opened: int) -> None:
+        self._rounds, self._opened, self._ran = weakref.ref(rounds), opened, [False]
+        weakref.finalize(self, _dropped, self._rounds, opened, self._ran)
+
+    def __call__(self) -> None:
+        self._ran[0] = True
+        rounds = self._rounds()
+        if rounds is not None and rounds.opened == self._opened and rounds.state is RoundState.OPEN:
+            rounds.finish_round()  # OPEN -> FLUSHING -> IDLE: the backward pass ended
+
+
+def _dropped(ref: "weakref.ref[Rounds]", opened: int, ran: list[bool]) -> None:
+    rounds = ref()
+    if rounds is not None and not ran[0] and rounds.opened == opened and rounds.state is RoundState.OPEN:
+        rounds._to(RoundState.LOST)  # OPEN -> LOST: the backward pass raised; settle() finishes the round
+
+
+class Rounds:
+    """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
+
+    Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
+    that clip_grad_norm_ and step start with (see _agreement [Note: ranks in different calls])."""
+
+    def __init__(self, reducers: Sequence, comm: Comm) -> None:
+        self.reducers, self.comm = list(reducers), comm
+        self._device = self.reducers[0].flat.device
+        self.buckets = [(k, b) for k, r in enumerate(self.reducers) for b in range(r.num_buckets)]
+        self._index = {kb: i for i, kb in enumerate(self.buckets)}
+        self._size = [self.reducers[k].bucket_size(b) for k, b in self.buckets]
+        self._hooks = []
+        for k, r in enumerate(self.reducers):
+            # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
+            self._hooks += [p.register_post_accumulate_grad_hook(
+                owned_hook(torch.compiler.disable(self._make_hook(k, i)), weakref.ref(self)))
+                for i, p in enumerate(r.flat.params)]
+        self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), from rank 0 in round 1
+        self._forward = ForwardOrder([r.flat.params for r in self.reducers])  # until then, the guess
+        self._gradless = False  # some parameter was used only in forwards without gradients
+        self.require_sync = True  # False under no_sync
+        self.sync_backward = True  # require_sync when the backward seen last started
+        self.state = RoundState.IDLE
+        self.opened = 0  # rounds opened since construction (tells a stale end-of-backward callback apart)
+        self.lost_round = False  # a round of this rank was LOST since the last step: what the next tags say
+        self.why_broken = ""  # once BROKEN: why the ranks can no longer train together
+        self.rounds = 0  # rounds completed since zero_grad
+        self.total_rounds = 0  # rounds completed since construction
+        self._task: int | None = None  # autograd graph task of the backward pass seen last
+        self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
+        self.nested = False  # the hook running now is in a backward pass nested in that one
+        self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._pos = 0  # next position in self.order to launch
+        self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
+        self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
+        self._tag_pending: Pending | None = None
+        self._tag_lost = False
+        self._tag_sum: torch.Tensor | None = None
+
+    # -- entry points ---------------------------------------------------------------------
+    def _make_hook(self, k: int, index: int) -> Callable[[torch.Tensor], None]:
+        # Weakly: the parameter holds its hooks, and autograd's accumulator (held by the reducer) holds
+        # the parameter from C++, where the garbage collector cannot follow. A strong reference would
+        # close a cycle it cannot free: the optimizer's state would outlive the optimizer.
+        ref, at = weakref.ref(self), self._index
+
+        def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
+            rounds = ref()
+            if rounds is None:  # the optimizer was freed; its hooks go with it
+                return
+            reducer = rounds.reducers[k]
+            sync = rounds.on_hook()
+            if reducer.arrive(index, param, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
+                rounds._count(at[(k, reducer.bucket_of(index))])
+
+        return hook
+
+    def release(self) -> None:
+        """Stop taking gradients: remove the hooks from the parameters. Local."""
+        self._forward.stop()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def on_hook(self) -> bool:
+        """From every gradient hook, before the reducer looks at the gradient: opens a round at the
+        first hook of a backward pass. True when this backward pass reduces (not under no_sync)."""
+        task = graph_task_id()
+        if task != self._task:
+            self._task = task
+            if self.state is not RoundState.OPEN:  # not nested in the open round
+                self.settle()
+                self._round_task = task
+                for r in self.reducers:
+                    r.begin_backward()
+                self.sync_backward = self.require_sync
+                if self.sync_backward:
+                    self._open()
+            self.nested = task != self._round_task
+            self.nesting_seen |= self.nested
+        return self.sync_backward
+
+    def settle(self) -> None:
+        """Before anything that must follow a complete round: raise if the ranks fell apart, and
+        finish a round whose backward pass raised (see [Note: a round that did not end]). Every
+        rank that has such a round must call it; it issues nothing otherwise."""
+        if self.state is RoundState.BROKEN:
+            raise RuntimeError(self.why_broken)
+        if self.state is RoundState.LOST:
+            self.lost_round = True
+            self.finish_round()
+
+    def _to(self, state: RoundState) -> None:
+        """The one place a round changes state; BROKEN is reached from anywhere (``fail``)."""
+        assert state is RoundState.BROKEN or state in _NEXT[self.state], (self.state, state)
+        self.state = state
+
+    def fail(self, why: str) -> None:
+        """The ranks can no longer train together (a check of the tags or a collective failed):
+        every later call raises ``why``. The first reason is kept. Local."""
+        if self.state is not RoundState.BROKEN:
+            self.why_broken = why
+            self._to(RoundState.BROKEN)  # any -> BROKEN
+
+    def before_step(self) -> None:
+        """At clip_grad_norm_ and step: settle, then run a round if none ran since zero_grad
+        (gradients assigned by hand). Every rank."""
+        self.settle()
+        if self.rounds == 0:
+            self._open(queue=False)
+            # A rank alone here (it dropped averaged gradients with opt.zero_grad()) meets the others'
+            # step with this tag: raise before issuing bucket collectives that no rank would match.
+            self._wait_tag()
+            self.finish_round()
+
+    def zero_grad(self) -> None:
+        """Forget the rounds since the last zero_grad; settles first. Local unless a round was lost."""
+        self.settle()
+        self.rounds = 0
+
+    def stepped(self) -> None:
+        self.lost_round = False
+
+    # -- a round --------------------------------------------------------------------------
+    def _open(self, queue: bool = True) -> None:
+        """IDLE -> OPEN: the first hook of a backward pass (``queue``: its end runs finish_round), or
+        clip_grad_norm_/step with gradients assigned by hand (finished at once)."""
+        self._to(RoundState.OPEN)
+        self.opened += 1
+        if queue:
+            queue_at_end_of_backward(_EndOfBackward(self, self.opened))
+        if self.comm.world_size > 1:
+            self._tag_lost = self.lost_round  # what this tag says, for its check
+            # on the host: the control group is gloo (no device sync inside a backward hook)
+            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(torch.device("cpu"))
+            self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
+        if self.order is None:
+            self._agree_order()
+        if queue and not self.nesting_seen and (self.total_rounds or not self._gradless):
+            # Inside a backward pass: parameters it will not reach hold nothing back.
+            for k, r in enumerate(self.reducers):
+                for b in r.unreached():
+                    self._count(self._index[(k, b)])
+
+    def _agree_order(self) -> None:
+        """The first round: every rank takes rank 0's guess of the launch order (see [Note: launch
+        order]); the tag is checked first, so that a rank in another call raises before the
+        broadcast. Every rank."""
+        self._wait_tag()
+        guess = self._forward.bucket_order([[b.params for b in r.flat.layout.buckets] for r in self.reducers])
+        self._forward.stop()
+        gradless = self._forward.gradless
+        self._gradless = any(map(any, gradless))  # then the first round counts nothing ahead
+        for k, r in enumerate(self.reducers):
+            r.note_forward_use(gradless[k])
+        order = torch.tensor([self._index[kb] for kb in guess], dtype=torch.int64)
+        if self.comm.world_size > 1:
+            order = order.to(self._device)
+            self.comm.broadcast(order, src=0).wait()
+        self.order = order.cpu().tolist()
+        for k, r in enumerate(self.reducers):
+            r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
+
+    def _count(self, i: int) -> None:
+        """One more parameter of bucket ``i`` is in; launch what is ready, in order."""
+        self._ready[i] += 1
+        self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        order, ready, size = self.order, self._ready, self._size
+        while self._pos < len(order) and ready[order[self._pos]] >= size[order[self._pos]]:
+            k, b = self.buckets[order[self._pos]]
+            if self.nesting_seen and self.reducers[k].may_nest(b):
+                return  # the plain slow path: reduced when the outer backward pass ends (see [Note: launch order])
+            self._launch(order[self._pos])
+            self._pos += 1
+
+    def _launch(self, i: int) -> None:
+        k, b = self.buckets[i]
+        self._issue(k, *self.reducers[k].launch(b), i)
+
+    def _issue(self, k: int, parts: list[Callable[[], Pending]], after: Callable[[], None] | None,
+               i: int | None) -> None:
+        """Issue one bucket's collectives (reducer ``k``); ``i``: the bucket whose staging goes when
+        the last lands."""
+        for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
+            last = j == len(parts) - 1
+            self._inflight.append((issue(), after if last else None, i if last else None))
+            self.reducers[k].held.buffers_grew()
+            # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
+            while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
+                self._complete_oldest()
+
+    def _wait_tag(self) -> None:
+        if self._tag_pending is None:
+            return
+        pending, self._tag_pending = self._tag_pending, None
+        pending.wait()
+        try:
+            check_calls(StepMessage.reduced(self._tag_sum).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+        except RuntimeError as e:
+            self.fail(str(e))
+            raise
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest collective in flight. A reduction that starts a follow-up (the
+        cross-replica all-reduce of hybrid sharding) frees its staging now; the follow-up goes to
+        the back of the queue and carries what runs once the bucket's gradient is complete."""
+        self._wait_tag()
+        pending, after, i = self._inflight.pop(0)
+        if pending.overlap:
+            self._follow_ups -= 1
+        follow = pending.wait_landed()
+        if i is not None:  # the bucket's last collective: its staging was read
+            k, b = self.buckets[i]
+            self.reducers[k].landed(b)
+        if follow is not None:
+            self._inflight.append((follow, after, None))
+            self._follow_ups += 1
+            return
+        if after is not None:
+            after()
+
+    def finish_round(self) -> None:
+        """Launch every bucket not yet launched in this round, in order, and wait for all; runs
+        at the end of each backward pass. Every rank."""
+        self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
+        try:
+            for i in self.order[self._pos:]:
+                self._launch(i)
+            while self._inflight:
+                self._complete_oldest()
+            self._wait_tag()
+        except BaseException as e:
+            self.fail(f"a round of gradient reductions failed on this rank: {e}")
+            raise
+        self._to(RoundState.IDLE)  # FLUSHING -> IDLE: every bucket of the round landed
+        self.rounds += 1
+        self.total_rounds += 1
+        self._reset()
+        for r in self.reducers:
+            r.end_round()

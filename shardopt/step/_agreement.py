@@ -1,0 +1,205 @@
+"""What every rank must build and call alike, and how a difference is reported.
+
+The construction check gathers one description per rank (an error, or the settings followed by
+the parameters); ``raise_first_difference`` turns the first difference into a ValueError that
+names it with rank 0's and the other rank's values, raised on every rank alike.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Any
+
+import torch
+
+from shardopt.core._config import trainable_params
+from shardopt.step._step_message import CALL_LEN, HYPER_LEN
+from shardopt.step._loss_scale import make_scaler
+
+# [Note: ranks in different calls]
+# clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
+# gradient reductions (its tag; see _rounds [Note: a round that did not end]) and every call that
+# every rank must make alike (a checkpoint's save or load, a full state dict's gathering or
+# loading). One rank in clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with
+# another rank's step, a rank that skipped a step with the others' step, a rank saving under
+# ``if rank == 0:`` with the others' next backward pass: the norm, the clipping, the gradients or
+# the checkpoint would silently mix, or gloo would abort the process on buffers of different
+# sizes. Each rank adds a header to that all-reduce: one slot per call, 1 in its own call's slot
+# and 0 elsewhere, then whether it lost a round since the last step (a backward pass that raised
+# there) as (a, -a). Summed, each slot counts the ranks in that call; maxed, it says whether any
+# rank is in it (and max(a), max(-a) tell whether the ranks agree on a). So every rank sees the
+# same difference, names the other call, and raises.
+CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
+         "load_full_state_dict")  # one slot each in the header, in this order
+_CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
+               "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
+               "full_state_dict": "full_state_dict() (or consolidate_state_dict(), state_dict())",
+               "load_full_state_dict": "load_full_state_dict() (or load_state_dict())"}
+assert CALL_LEN == len(CALLS) + 2, "_step_message.CALL_LEN: one slot per call, then (a, -a)"
+
+
+def call_header(call: str, lost_round: bool) -> list[float]:
+    """This rank's header (see [Note: ranks in different calls])."""
+    a = float(lost_round)
+    return [float(c == call) for c in CALLS] + [a, -a]
+
+
+def _every_rank_calls(call: str) -> bool:
+    return call not in ("clip_grad_norm_", "step", "backward")
+
+
+def check_calls(header: list[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
+    """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
+    every rank in ``call`` with the same ``lost_round``. Every rank, with the same ``header``."""
+    a = float(lost_round)
+    n = 1 if maxed else world_size
+    slots = dict(zip(CALLS, header[:len(CALLS)]))
+    others = [c for c in CALLS if c != call and slots[c] > 0]
+    same_call = slots[call] == n and not others
+    same_loss = header[-2] == n * a and header[-1] == -n * a
+    if same_call and same_loss:
+        return
+    lost = ""
+    if not same_loss:
+        who = "this rank's backward pass" if lost_round else (
+            "the backward pass of another rank" if maxed else f"the backward pass of {int(header[-2])} of {world_size} ranks")
+        lost = (f"{who} raised after its gradient reductions had started, and training went on there, so the ranks "
+                "no longer hold the same gradients; let such an exception end training on every rank, or catch it on "
+                "every rank alike (then zero_grad() and go on)")
+    if same_call:
+        raise RuntimeError(f"ranks fell out of step: {lost}")
+    other = _CALL_NAMES[others[0]] if others else "another call"
+    alone = next((c for c in (call, *others) if _every_rank_calls(c)), None)
+    if alone is not None:
+        hint = (f"{alone}() must be called on every rank of the optimizer's group, at the same point (each rank writes "
+                f"or reads its own shard): call it on every rank, not under `if rank == 0:`")
+    elif {call, *others} == {"clip_grad_norm_", "step"}:
+        hint = ("call clip_grad_norm_ and step on every rank, in the same order (to log the norm on one rank, call "
+                "clip_grad_norm_ everywhere and log its result there)")
+    else:
+        hint = ("a rank skipped step() or ran more backward passes than the others, e.g. it caught an exception "
+                "from its backward pass and went on to the next batch, or it alone called opt.zero_grad() between "
+                "backward and step, which drops the averaged gradients there; call backward, clip_grad_norm_, "
+                "zero_grad and step alike on every rank")
+    raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[call]}, another rank "
+                       f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
+
+def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
+    """What must be equal on every rank besides the parameters: the sharding settings, every
+    group's hyperparameters and the loss scaler (each shapes the collectives or the math). Local."""
+    c = opt.config
+    scaler = make_scaler(loss_scale, dtypes)
+    return {"stage": c.stage, "master_weights": c.master_weights, "moments": c.moments, "bucket_cap_mb": c.bucket_cap_mb,
+            "accumulate_dtype": str(c.accumulate_dtype), "reduce_dtype": str(c.reduce_dtype),
+            "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
+            "max_consecutive_skips": c.max_consecutive_skips,
+            "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
+            "loss_scale": (type(scaler).__name__, scaler.state_dict()),
+            **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
+               for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
+
+
+def agree_on_params(opt: Any, comm: Any, names: dict[int, str],
+                    loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
+    """(parameter, param-group index) of ``opt``'s trainable parameters, validated on every rank and
+    compared across ranks with one small collective; any problem, local or a mismatch, raises on
+    every rank (never a hang). Parameters are compared by (group, shape, dtype) and, when named
+    parameters were given, by name; two same-shape parameters swapped on one rank without names
+    cannot be told apart. Every rank, at construction."""
+    try:
+        trainable, error = trainable_params(opt.param_groups), None
+        named = any(g.get("param_names") for g in opt.param_groups)
+        desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]
+        desc.insert(0, ("settings", sorted(settings(opt, comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
+        tracked = {id(p) for p, _ in trainable}
+        frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(opt.param_groups)
+                  for p in g["params"] if id(p) not in tracked]
+        desc.append(("frozen", frozen))  # broadcast at construction: must match too
+    except (TypeError, ValueError) as e:
+        trainable, error, desc = [], e, [("error", type(e).__name__, str(e))]
+    if comm.same_everywhere(desc) and error is None:
+        return trainable
+    raise_first_difference(comm.all_gather_objects(desc), comm.rank)
+
+
+def raise_first_difference(every: list[list], rank: int) -> None:
+    """Raise, on every rank alike, the first difference between rank 0's description and another
+    rank's (``every``: each rank's ``[("settings", items), params..., ("frozen", params)]``, or
+    ``[("error", kind, message)]``)."""
+    for r, other in enumerate(every):
+        if other and other[0][0] == "error":
+            kind = TypeError if other[0][1] == "TypeError" else ValueError
+            raise kind(other[0][2] if r == rank else f"on rank {r}: {other[0][2]}")
+    for r, other in enumerate(every):
+        ours, theirs = dict(every[0][0][1]), dict(other[0][1])
+        for key in sorted(set(ours) | set(theirs)):
+            if ours.get(key) != theirs.get(key):
+                raise ValueError(f"ShardedAdamW settings differ across ranks: {key} is {ours.get(key)!r} on rank 0 "
+                                 f"but {theirs.get(key)!r} on rank {r}; build the optimizer with the same "
+                                 "arguments on every rank")
+    every = [other[1:] for other in every]
+    ref = every[0]
+    for r, other in enumerate(every):
+        if other == ref:
+            continue
+        for kind, mine, theirs in (("trainable", ref[:-1], other[:-1]), ("frozen", ref[-1][1], other[-1][1])):
+            for i, (a, b) in enumerate(zip(mine, theirs)):
+                if a != b:
+                    raise ValueError(
+                        f"parameter sets differ across ranks: {kind} parameter #{i} is (group, shape, dtype"
+                        f"{', name' if len(a) > 3 else ''})={a} on rank 0 but {b} on rank {r}; build the same model "
+                        "and pass the same parameters in the same order, with the same requires_grad, on every rank")
+            if len(mine) != len(theirs):
+                raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {kind} parameters, "
+                                 f"rank {r} has {len(theirs)}; build the same model on every rank")
+    raise AssertionError("unreachable: descriptions differ but no difference found")
+
+
+# [Note: hyperparameters that differ across ranks]
+# A hyperparameter changed on one rank only (``ReduceLROnPlateau.step(local_val_loss)``, a
+# schedule driven by a rank-local count) trains each shard with its own value: the replicas stay
+# equal, so nothing downstream can see it. The step's all-reduce therefore also carries a 32-bit
+# digest of every group's lr, betas, eps and weight_decay, cut into 4-bit chunks d (values 0..15),
+# each sent as (d, d*d) when summed and (d, -d) when maxed. A chunk is equal on every rank exactly
+# when sum(d) == n*d and sum(d*d) == n*d*d on this rank (the sum of (d_r - d)^2 over ranks is
+# then 0), so every rank sees a difference alike; the sums stay below 2**24, exact in fp32, up to
+# 74,000 ranks. The ranks then exchange their values (only on that error path) to name the group,
+# the key and both values.
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
+              "adjust_lr_fn")  # AdamW's, then Muon's
+HYPER_CHUNKS = HYPER_LEN // 2  # 4-bit chunks of the 32-bit digest
+
+
+def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
+    """(group index, key, value as plain floats) of every hyperparameter the update reads. Local."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, (tuple, list)):
+            return tuple(plain(x) for x in v)
+        return repr(v) if v is None or isinstance(v, str) else float(v)  # adjust_lr_fn is a name or None
+    return [(gi, k, plain(g[k])) for gi, g in enumerate(param_groups) for k in HYPER_KEYS if k in g]
+
+
+def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
+    """This rank's ``StepMessage.hyper`` (see [Note: hyperparameters that differ across ranks])."""
+    digest = zlib.crc32(repr(values).encode())
+    chunks = [float((digest >> (4 * j)) & 15) for j in range(HYPER_CHUNKS)]
+    return chunks + [-d if maxed else d * d for d in chunks]
+
+
+def check_hyperparameters_agree(reduced: list[float], values: list[tuple[int, str, Any]], comm: Any,
+                                maxed: bool) -> None:
+    """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
+    or maxed) shows a hyperparameter that differs across ranks, naming the first one. Every rank."""
+    mine = hyper_code(values, maxed)
+    n = 1 if maxed else comm.world_size
+    if all(r == n * m for r, m in zip(reduced, mine)):
+        return
+    every = comm.all_gather_objects(values)
+    for r, theirs in enumerate(every):
+        for (gi, key, ours), (_, _, other) in zip(every[0], theirs):
+            if ours != other:
+                raise ValueError(
+                    f"hyperparameters differ across ranks at this step: param group {gi} {key} is {ours!r} on rank 0 "
+                    f"but {other!r} on rank {r}, so each rank would update its shard with its own value. Change "
+                    "hyperparameters alike on every rank (e.g. give ReduceLROnPlateau.step a metric averaged over "
+                    "ranks with torch.distributed.all_reduce)")
+    raise ValueError("hyperparameters differ across ranks at this step (the param groups differ in number)")

@@ -1,0 +1,111 @@
+"""The step's one all-reduce, from what each rank puts in to what every rank does with the sum.
+
+``clip_grad_norm_`` and ``step`` each start with it. Each rank finishes its reduction round, runs
+its local usage checks and packs a :class:`StepMessage` (inf/NaN count, norm, which call it is in,
+check flags, hyperparameter digest); after the all-reduce every rank reads the same reduced
+message and takes the same decisions from it (raise, take written weights, skip parameters
+without gradients), so no rank-local value decides whether a rank issues a collective.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from shardopt.step._agreement import call_header, check_calls, check_hyperparameters_agree, hyper_code, hyperparameters
+from shardopt.comm._collectives import Comm
+from shardopt.step._step_message import StepMessage
+
+
+ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
+
+
+def entry_deadline(timeout: float | None) -> float | None:
+    """Seconds a rank waits for the others to enter a call: ``timeout``, ``ENTRY_TIMEOUT`` when
+    None; None (the comm's timeout, else the group's own, as a step waits) for ``math.inf``."""
+    if timeout is None:
+        return ENTRY_TIMEOUT
+    return None if math.isinf(timeout) else timeout
+
+
+def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | None = None) -> None:
+    """Agree that every rank of ``comm``'s group is in ``call`` (a name of ``_agreement.CALLS``
+    that every rank must make alike, e.g. ``"save_checkpoint"``): one all-reduce of the step's
+    shape on the control group, before anything else of the call. Raises RuntimeError on every
+    rank when some rank is in another call (it meets this message with its own); TimeoutError on
+    this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None;
+    ``math.inf``: as long as a step waits, the comm's timeout or else the group's own): the
+    other ranks are elsewhere (in a collective of their own, or in other work), and this rank's
+    control group can no longer be used (see _collectives [Note: shardopt's own control group]).
+    Every rank."""
+    header = StepMessage.tag(call_header(call, lost_round)).pack(torch.device("cpu"))
+
+    def late(waited: float) -> Exception:
+        why = (f"rank {comm.rank} of {comm.world_size}: {call}() waited {waited:g} s for the other ranks to call "
+               f"it too. {call}() must be called on every rank of the optimizer's group, at the same point (each rank "
+               "writes or reads its own shard), not under `if rank == 0:`; where one rank legitimately arrives later "
+               f"(it does work of its own first), pass a larger timeout= to {call}() or to the optimizer")
+        comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
+                     "(the last complete checkpoint is intact)")
+        return TimeoutError(why)
+
+    comm.control_all_reduce(header, deadline=entry_deadline(deadline), late=late).wait()
+    check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
+
+
+class StepAgreement:
+    """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
+    (``rounds``) and usage checks (``checks``) over ``comm``."""
+
+    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm) -> None:
+        self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
+        self.device = self.buffers[0].flat.device
+
+    def local_grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
+        """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
+        gradient shards, 0-d fp32 on the device (no sync). ``None``: the count only. Local; a query."""
+        nonfinite, norm = (torch.zeros((), dtype=torch.float32, device=self.device) for _ in range(2))
+        if self.comm.replica != 0:  # replicas hold the same shards (hybrid sharding): count each once
+            return nonfinite, norm
+        for b in self.buffers:
+            bad, n = b.grad_stats(norm_type)
+            nonfinite += bad
+            norm = torch.maximum(norm, n) if norm_type is not None and math.isinf(norm_type) else norm + n
+        return nonfinite, norm
+
+    def exchange(self, param_groups: list[dict], loss_scale: float, norm_type: float | None,
+                 caller: str) -> tuple[bool, float]:
+        """(any inf/NaN gradient on any rank, global norm of the scaled gradient): finish this
+        rank's round, all-reduce the step message, check that every rank is in ``caller`` (see
+        _agreement [Note: ranks in different calls]) with the same hyperparameters, and apply the
+        usage checks' reduced flags (``loss_scale``: the scale the gradients carry). Every rank;
+        the weight gathers of the last step must have landed."""
+        self.rounds.before_step()
+        checks = self.checks
+        found = checks.local()
+        maxed = norm_type is not None and math.isinf(norm_type)
+        start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
+        hyper = hyperparameters(param_groups)
+        lost = self.rounds.lost_round
+        mine = StepMessage(*self.local_grad_stats(norm_type), call=call_header(caller, lost),
+                           checks=checks.flags(found), hyper=hyper_code(hyper, maxed))
+        checks.seconds += time.perf_counter() - start
+        packed = mine.pack(self.device)
+        (self.comm.all_reduce_max if maxed else self.comm.all_reduce_sum)(packed).wait()
+        got = StepMessage.reduced(packed)
+        try:
+            check_calls(got.call, caller, lost, self.comm.world_size, maxed)
+        except RuntimeError as e:
+            self.rounds.fail(str(e))
+            raise
+        start = time.perf_counter()
+        check_hyperparameters_agree(got.hyper, hyper, self.comm, maxed)
+        checks.seconds += time.perf_counter() - start
+        checks.apply(found, got.checks, loss_scale)
+        found_inf = got.nonfinite > 0 or not math.isfinite(got.norm)
+        if norm_type is None or maxed:
+            return found_inf, got.norm
+        return found_inf, got.norm ** (1.0 / norm_type)

@@ -1,0 +1,239 @@
+"""The per-step checks that keep ordinary torch usage from silently corrupting training.
+
+Owns: what changed on this rank since the last step behind the optimizer's back (parameters
+re-bound or written from outside, parameters unfrozen that were frozen at construction, backward
+passes that skipped ``opt.backward``), how those findings ride in the step's one all-reduce as
+numbers, and what every rank does once they are summed over ranks (raise everywhere, take
+written weights as master weights, skip parameters no rank has a gradient for, pick the loss
+scale the gradients carry). See docs/design.md, "Ordinary torch usage is followed or refused".
+"""
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from shardopt.comm._collectives import Comm
+from shardopt.core._compat import compiled_inner
+
+log = logging.getLogger("shardopt")
+
+
+@dataclass
+class Findings:
+    """What one rank found; ``flags()`` turns it into the numbers that are summed over ranks."""
+
+    written: list[list[int]]  # per buffer: indices of parameters written from outside
+    problems: list[str]  # messages of problems that stop training
+    scaled: int = 0  # backward passes since the last step that ran inside opt.backward
+    unscaled: int = 0  # ... and that did not
+    used: list[list[bool]] = field(default_factory=list)  # per buffer: got a gradient on this rank
+    regraded: bool = False  # averaged gradients were zeroed or replaced on this rank since their round
+
+
+class UsageChecks:
+    """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed flags."""
+
+    def __init__(self, buffers: Sequence[Any], untracked: Sequence[torch.nn.Parameter],
+                 names: dict[int, str], comm: Comm) -> None:
+        self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
+        self._all_used = [[True] * len(b.flat.params) for b in self.buffers]  # never modified
+        self.used: list[list[bool]] = self._all_used  # per buffer: some rank has a gradient (read-only lists)
+        self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
+        self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
+        self.late_problems: list[str] = []  # found outside a check (a write racing a gather), reported at the next
+        self._warned_unscaled = False
+        self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
+
+    def local(self) -> Findings:
+        """Re-bind, notice writes and zeroing, collect problems. Local; no communication."""
+        start = time.perf_counter()
+        found = Findings(written=[], problems=self.late_problems, regraded=self.zeroed_after_round)
+        self.late_problems, self.zeroed_after_round = [], False
+        for b in self.buffers:
+            found.problems += b.reducer.problems
+            b.reducer.problems = []
+            found.regraded |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
+            for i in b.reducer.replaced:
+                found.problems.append(
+                    f"p.grad of parameter {b.binding.names[i]} was replaced by a tensor after backward. With "
+                    "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
+                    "assigned after backward cannot be averaged any more: assign it before backward (it is then "
+                    "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
+            b.reducer.replaced = []
+            written, problems = b.binding.check()
+            found.written.append(written)
+            found.problems += problems
+            found.scaled += b.reducer.scaled_backwards
+            found.unscaled += b.reducer.unscaled_backwards
+            found.used.append(list(b.reducer.used))
+        for p in self.untracked:
+            if p.requires_grad and p.grad is not None:
+                found.problems.append(
+                    f"parameter {self.names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
+                    "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
+                    "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
+                    "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
+        self.seconds += time.perf_counter() - start
+        return found
+
+    def note_gathered(self, b: Any, params: Sequence[int]) -> None:
+        """An overlapped all-gather of ``params`` of buffer ``b`` just landed: a parameter written
+        from outside before it did lost that write to it. Noted for the next check. Local."""
+        for i in b.binding.raced(params):
+            self.late_problems.append(
+                f"parameter {b.binding.names[i]} was written through a tensor sharing its storage (a view or .data "
+                "taken before step()) while ShardedAdamW(overlap_param_gather=True) was still gathering the weights of "
+                "the last step into the model, which overwrote the write: call opt.finish_param_gather() before writing "
+                "weights into the model that way (writes through the parameters themselves wait by themselves)")
+
+    def take_outside_writes(self) -> None:
+        """Only the written-weights part of the checks, as small collectives: before a checkpoint
+        or an export reads the master weights. Every rank."""
+        found = Findings(written=[], problems=[])
+        for b in self.buffers:
+            written, problems = b.binding.check()
+            found.written.append(written)
+            found.problems += problems
+            found.used.append(self._all_used[len(found.used)])
+        head = torch.tensor([len(found.problems), sum(map(len, found.written))], dtype=torch.float32,
+                            device=self.buffers[0].flat.device)
+        self.comm.all_reduce_max(head).wait()
+        n_problems, n_written = head.tolist()
+        self._raise_if(n_problems, found)
+        if n_written > 0:
+            for b, changed in zip(self.buffers, self._exchange_bitmaps(found)[1]):
+                if changed:
+                    b.take_model_weights(changed)
+
+    def _raise_if(self, n_problems: float, found: Findings) -> None:
+        if n_problems > 0:
+            every = self.comm.all_gather_objects(found.problems)
+            rank, first = next((r, msgs[0]) for r, msgs in enumerate(every) if msgs)
+            raise RuntimeError(first if rank == self.comm.rank else f"on rank {rank}: {first}")
+
+    # [Note: gradients changed on some ranks only]
+    # Once a round has averaged the gradients, every rank holds its shard of the same average.
+    # Zeroing or replacing them (``model.zero_grad()``, ``p.grad = None``, stage 1's ``p.grad = t``)
+    # on every rank alike is torch's behaviour and followed. On some ranks only, the shards would
+    # stop being parts of one gradient and the replicas would be trained with different ones
+    # (DDP's replicas would diverge), so every rank raises, naming the ranks that changed them.
+    def _raise_regraded(self, found: Findings) -> None:
+        ranks = [r for r, did in enumerate(self.comm.all_gather_objects(found.regraded)) if did]
+        raise RuntimeError(
+            f"gradients were zeroed on some ranks only (rank {', '.join(map(str, ranks))}: model.zero_grad(), "
+            "opt.zero_grad(), p.grad = None, p.grad.zero_() or p.grad replaced) after backward had averaged them "
+            "over the ranks, e.g. between clip_grad_norm_ and step: the ranks would update their shards with "
+            "different gradients. Zero gradients on every rank alike (or before backward)")
+
+    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[int]]]:
+        """Per buffer: which parameters have a gradient on some rank, and the indices of those
+        written from outside on some rank: one all-reduce (MAX) of two bitmaps. Every rank."""
+        parts = []
+        for used, written in zip(found.used, found.written):
+            changed = torch.zeros(len(used), dtype=torch.float32)
+            changed[written] = 1.0
+            parts += [torch.tensor(used, dtype=torch.float32), changed]
+        maps = torch.cat(parts).to(self.buffers[0].flat.device)
+        self.comm.all_reduce_max(maps).wait()
+        used_out, written_out, offset = [], [], 0
+        for b in self.buffers:
+            n = len(b.flat.params)
+            used_out.append((maps[offset:offset + n] > 0).tolist())
+            written_out.append(torch.nonzero(maps[offset + n:offset + 2 * n] > 0).view(-1).tolist())
+            offset += 2 * n
+        return used_out, written_out
+
+    def refresh_local(self) -> None:
+        """This rank's shard of the master follows the weights written on this rank, without
+        communication (for ``state_dict``, which one rank may call alone); the next step still
+        takes rank 0's values everywhere. Local."""
+        for b in self.buffers:
+            written, problems = b.binding.check()
+            if problems:
+                raise RuntimeError(problems[0])
+            b.refresh_master(written)
+
+    @staticmethod
+    def flags(found: Findings) -> list[float]:
+        """``StepMessage.checks``, 7 numbers: problems, scaled and unscaled backward passes, parameters without a
+        gradient on this rank, parameters written from outside, and whether averaged gradients
+        were zeroed or replaced here, as (yes, no): summed or maxed, both are positive exactly when
+        some ranks did and some did not (see [Note: gradients changed on some ranks only]). The
+        bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
+        not_used = sum(len(u) - sum(u) for u in found.used)
+        return [len(found.problems), found.scaled, found.unscaled, not_used, sum(map(len, found.written)),
+                float(found.regraded), float(not found.regraded)]
+
+    def apply(self, found: Findings, summed: Sequence[float], loss_scale: float) -> None:
+        """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
+        start = time.perf_counter()
+        n_problems, scaled, unscaled, not_used, n_written, regraded, kept = summed
+        self._raise_if(n_problems, found)
+        if regraded > 0 and kept > 0:
+            self._raise_regraded(found)
+        if not_used > 0 or n_written > 0:  # some parameter lacks a gradient on some rank, or was written
+            self.used, written = self._exchange_bitmaps(found)
+        else:  # the usual step: every parameter has a gradient everywhere, nothing was written
+            self.used, written = self._all_used, [[] for _ in self.buffers]
+        for b, changed in zip(self.buffers, written):
+            if changed:
+                log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
+                         "rank 0's values become the master weights", len(changed))
+                b.take_model_weights(changed)
+        self.grad_scale = loss_scale
+        if loss_scale != 1.0 and unscaled > 0:
+            if scaled > 0:
+                raise RuntimeError(
+                    f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
+                    f"scale {loss_scale:g}) and some through loss.backward() (unscaled), on this or another rank, so "
+                    "the summed gradient has no single scale; call opt.backward(loss) for every backward pass")
+            self.grad_scale = 1.0
+            if not self._warned_unscaled:
+                self._warned_unscaled = True
+                warnings.warn(
+                    f"loss.backward() ran without the loss scale ({loss_scale:g}, dynamic loss scaling for fp16 "
+                    "parameters); the gradients are taken as unscaled, but small fp16 gradients underflow to zero: "
+                    "call opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=4)
+        self.seconds += time.perf_counter() - start
+
+
+DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but ShardedAdamW reduces the "
+               "gradients itself (DDP would reduce them a second time{what}). Train the bare model: with "
+               "transformers.Trainer use shardopt.integrations.hf.ShardedTrainer, with Accelerate "
+               "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...), with Lightning "
+               "shardopt.integrations.lightning.ShardedStrategy")
+
+
+def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.RemovableHandle":
+    """A global module forward pre-hook that looks at the first module called whose parameters
+    include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
+    one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and
+    is gone before a compiled module is traced. A DDP wrapper gets a warning in stage 1 (the
+    results are right, the communication doubled) and an error in stage 2 (DDP would write full
+    gradients into ``p.grad``), alike on every rank, since every rank runs the same forward."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    handle: list = []
+
+    def hook(module: torch.nn.Module, args: object) -> None:
+        if torch.compiler.is_compiling():
+            return  # torch.compile's wrapper was looked at eagerly (see _gather_wait [Note: compiled models])
+        if not any(id(p) in param_ids for p in module.parameters()):
+            return  # another model: keep watching
+        handle[0].remove()
+        inner = module
+        while compiled_inner(inner) is not None:  # torch.compile's wrapper
+            inner = compiled_inner(inner)
+        if not isinstance(inner, DistributedDataParallel):
+            return
+        if stage == 2:
+            raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
+        warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
+
+    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(hook))
+    return handle[0]

@@ -1,0 +1,195 @@
+"""Moment strategies: how this rank stores the two Adam moments of its shard.
+
+Beside the master-weight strategies (``shardopt.update._master``): each wraps this rank's ``exp_avg`` and
+``exp_avg_sq`` behind one interface. ``operands`` gives the kernels what they read and write over
+a local range (a tensor, or a (codes, scales) pair), ``fp32`` decodes them, ``load_`` encodes
+them from fp32 (a checkpoint always holds the decoded fp32 moments, so it loads into any mode).
+Bytes per element, sharded, both moments together:
+
+``fp32``  8     two fp32 tensors (``torch.optim.AdamW``'s state)
+``bf16``  4     two bf16 tensors; ``exp_avg`` rounded to nearest, ``exp_avg_sq`` stochastically
+                (see kernels.reference [Note: 16-bit moments])
+``8bit``  2.125 one byte per element per moment plus one fp32 scale per block of 64 elements per
+                moment; blocks in the flat buffer's global coordinates, never across two parameters
+                (see kernels.reference [Note: 8-bit moments])
+
+Every mode is elementwise or block-wise in global coordinates, with random bits keyed by the
+global element offset, so the moments (and the weights) do not depend on the number of ranks.
+"""
+from __future__ import annotations
+
+import abc
+
+import torch
+from torch import Tensor
+
+from shardopt.core._config import MOMENT_FORMATS
+from shardopt.core._layout import Range
+from shardopt.kernels import Kernels
+from shardopt.kernels.reference import MOMENT_BLOCK, Scalars, decode_moment8, encode_moment8
+
+
+class Moments(abc.ABC):
+    """Base: this rank's two Adam moments over ``numel`` elements of its shard."""
+
+    name = ""
+    alignment = 1  # elements: parameters and shard boundaries are aligned to it in the flat buffer
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        self.numel, self.device = numel, device
+
+    @abc.abstractmethod
+    def operands(self, r: Range) -> tuple[object, object]:
+        """(exp_avg, exp_avg_sq) operands of the step kernels over local range ``r``."""
+
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+        """The operands of this step over local range ``r`` (``grad``: its slice of the gradient
+        shard), after any pass the step needs first. Local."""
+        return self.operands(r)
+
+    @abc.abstractmethod
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        """(exp_avg, exp_avg_sq) of the whole shard as fp32: the stored tensors for ``fp32``
+        (writes go through), decoded copies otherwise."""
+
+    @abc.abstractmethod
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        """Store fp32 moments of the whole shard (1-D, ``numel`` elements)."""
+
+    @abc.abstractmethod
+    def tensors(self) -> dict[str, Tensor]:
+        """The stored tensors by name (for this rank's own state dict, restored bit for bit)."""
+
+    @property
+    def exp_avg_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if not k.startswith("exp_avg_sq"))
+
+    @property
+    def exp_avg_sq_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if k.startswith("exp_avg_sq"))
+
+
+class _Dense(Moments):
+    dtype = torch.float32
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, device)
+        self.exp_avg = torch.zeros(numel, dtype=self.dtype, device=device)  # 1D, this rank's shard
+        self.exp_avg_sq = torch.zeros(numel, dtype=self.dtype, device=device)
+
+    def operands(self, r: Range) -> tuple[object, object]:
+        return self.exp_avg[r.as_slice()], self.exp_avg_sq[r.as_slice()]
+
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        return self.exp_avg.float(), self.exp_avg_sq.float()
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        self.exp_avg.copy_(exp_avg)  # nearest: a checkpoint's moments, not a running sum
+        self.exp_avg_sq.copy_(exp_avg_sq)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+
+class FP32Moments(_Dense):
+    name = "fp32"
+
+
+class BF16Moments(_Dense):
+    name = "bf16"
+    dtype = torch.bfloat16
+
+
+class Int8Moments(Moments):
+    name = "8bit"
+    alignment = MOMENT_BLOCK
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, device)
+        if numel % MOMENT_BLOCK:
+            raise ValueError(f"an 8-bit moment shard must be a whole number of {MOMENT_BLOCK}-element blocks, "
+                             f"got {numel} elements")
+        blocks = numel // MOMENT_BLOCK
+        self.m_codes = torch.zeros(numel, dtype=torch.int8, device=device)  # exp_avg / scale * 127
+        self.m_scales = torch.zeros(blocks, dtype=torch.float32, device=device)  # per block: max |exp_avg|
+        self.v_codes = torch.zeros(numel, dtype=torch.uint8, device=device)  # sqrt(exp_avg_sq) / scale * 255
+        self.v_scales = torch.zeros(blocks, dtype=torch.float32, device=device)  # per block: max sqrt(exp_avg_sq)
+
+    def operands(self, r: Range) -> tuple[object, object]:
+        if r.start % MOMENT_BLOCK or r.size % MOMENT_BLOCK:
+            raise ValueError(f"8-bit moments update whole {MOMENT_BLOCK}-element blocks, got range {r}")
+        s, b = r.as_slice(), slice(r.start // MOMENT_BLOCK, r.end // MOMENT_BLOCK)
+        return (self.m_codes[s], self.m_scales[b]), (self.v_codes[s], self.v_scales[b])
+
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+        # Two passes (see kernels.reference.moment8_scan): the new blocks' maxima, then the step.
+        m, v = self.operands(r)
+        m_max, v_max = kernels.moment8_scan(grad, m, v, s)
+        return (*m, m_max), (*v, v_max)
+
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        m, v = decode_moment8(self.m_codes, self.m_scales, self.v_codes, self.v_scales)
+        return m, v
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        (mq, ms), (vq, vs) = encode_moment8(exp_avg.float(), exp_avg_sq.float(), None)
+        self.m_codes.copy_(mq)
+        self.m_scales.copy_(ms)
+        self.v_codes.copy_(vq)
+        self.v_scales.copy_(vs)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"exp_avg_codes": self.m_codes, "exp_avg_scales": self.m_scales,
+                "exp_avg_sq_codes": self.v_codes, "exp_avg_sq_scales": self.v_scales}
+
+
+class MuonMomentum(Moments):
+    """Muon's one moment, the ``momentum_buffer`` of the matrices this rank owns (padding stays
+    zero): fp32, 4 bytes per owned element, or with ``moments="bf16"`` bf16, 2 bytes, rounded to
+    nearest after each step as bf16 ``exp_avg`` is (elementwise, so independent of the number of
+    ranks). It fills the interface's first moment; the second is empty."""
+
+    def __init__(self, numel: int, device: torch.device, name: str = "fp32") -> None:
+        super().__init__(numel, device)
+        self.name = name  # one of MUON_MOMENTS, checked by ShardedMuon
+        self.buffer = torch.zeros(numel, dtype=MUON_MOMENTS[name], device=device)  # 1D, this rank's shard
+
+    def operands(self, r: Range) -> tuple[object, object]:
+        return self.buffer[r.as_slice()], None
+
+    def read(self, r: Range) -> Tensor:
+        """The momentum over local range ``r`` as fp32: the stored tensor itself in fp32 (writes go
+        through), a decoded copy in bf16, to be stored back with ``write_``. Local."""
+        return self.buffer[r.as_slice()].float()
+
+    def write_(self, r: Range, value: Tensor) -> None:
+        """Store ``read(r)``'s tensor after the step changed it (bf16: rounded to nearest). Local."""
+        stored = self.buffer[r.as_slice()]
+        if value.data_ptr() != stored.data_ptr():
+            stored.copy_(value.reshape(-1))
+
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        return self.buffer.float(), self.buffer.new_zeros(0, dtype=torch.float32)
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        self.buffer.copy_(exp_avg)
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {"momentum_buffer": self.buffer}
+
+
+MUON_MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # how Muon's momentum can be stored
+MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "8bit": Int8Moments}
+assert tuple(MOMENTS) == MOMENT_FORMATS, "one strategy per format core._config accepts"
+
+
+def make_moments(name: str, numel: int, device: torch.device) -> Moments:
+    """The strategy called ``name`` over ``numel`` shard elements."""
+    if name not in MOMENTS:
+        raise ValueError(f"unknown moments={name!r}; choose one of {sorted(MOMENTS)}")
+    return MOMENTS[name](numel, device)
+
+
+def moment_alignment(name: str) -> int:
+    """Elements the flat-buffer layout must align parameters and shard boundaries to for ``name``."""
+    return MOMENTS[name].alignment if name in MOMENTS else 1

@@ -1,0 +1,293 @@
+"""``ShardedAdamW.inspect()``: a read-only view of what one optimizer holds on this rank.
+
+For tests, benchmarks and debugging: it names the optimizer's state without reaching into its
+private attributes. Every property is read when asked (the view follows the optimizer as it
+trains), is local to this rank and issues no collective, so any rank may read it at any time.
+
+Properties have no setters. Sequences are tuples and mappings read-only; tensors are the ones the
+optimizer holds, not copies (a copy of the state would double its memory): read them, never write
+them. Element counts are elements of the buffer's dtype; byte counts are bytes.
+
+Views hold the optimizer (and its buffers) weakly, so keeping one (in a hook, a logger) does not
+keep the optimizer alive; reading one after the optimizer was collected raises ``ReferenceError``.
+"""
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from shardopt.comm._collectives import Pending
+from shardopt.core._layout import FlatLayout, Range
+from shardopt.reduce._reducer import ParamState
+from shardopt.reduce._rounds import RoundState
+from shardopt.update._muon_packing import MuonPacking
+from shardopt.update._sharded_buffer import ShardedBuffer
+
+
+def _alive(ref: weakref.ref) -> Any:
+    obj = ref()
+    if obj is None:
+        raise ReferenceError("the ShardedAdamW this view reads was collected")
+    return obj
+
+
+class BufferView:
+    """One flat buffer (the parameters of one dtype and device) and this rank's state for it."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, buffer: ShardedBuffer) -> None:
+        self._ref = weakref.ref(buffer)
+
+    def __repr__(self) -> str:
+        if self._ref() is None:
+            return "BufferView(<collected>)"
+        return (f"BufferView(dtype={self.dtype}, params={len(self.params)}, numel={self.numel}, "
+                f"shard_range={self.shard_range})")
+
+    @property
+    def _buf(self) -> ShardedBuffer:
+        return _alive(self._ref)
+
+    # -- layout ----------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' (and the flat buffer's) dtype."""
+        return self._buf.flat.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """Where the parameters, and this rank's state for them, live."""
+        return self._buf.flat.device
+
+    @property
+    def layout(self) -> FlatLayout:
+        """Where each parameter, bucket and shard lies in the flat buffer (frozen; see ``_layout``)."""
+        return self._buf.layout
+
+    @property
+    def numel(self) -> int:
+        """Elements of the whole flat buffer, padding included (a multiple of the shard group size)."""
+        return self._buf.layout.numel
+
+    @property
+    def param_numel(self) -> int:
+        """Elements that belong to parameters (the buffer without its padding)."""
+        return self._buf.layout.param_numel
+
+    @property
+    def shard_numel(self) -> int:
+        """Elements of every rank's shard (all shards are equal)."""
+        return self._buf.layout.shard_numel
+
+    @property
+    def shard_range(self) -> Range:
+        """This rank's shard, as a range of elements of the flat buffer."""
+        return self._buf.shard_range
+
+    @property
+    def params(self) -> tuple[torch.nn.Parameter, ...]:
+        """The parameters in buffer order (``layout.params[i]`` places ``params[i]``)."""
+        return tuple(self._buf.flat.params)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """How messages name each parameter, in buffer order."""
+        return tuple(self._buf.binding.names)
+
+    # -- weights -----------------------------------------------------------------------------
+    @property
+    def weights(self) -> Tensor:
+        """The flat buffer itself (1-D, ``numel`` elements); every parameter is a view of it."""
+        return self._buf.flat.data
+
+    @property
+    def shard_weights(self) -> Tensor:
+        """This rank's shard of ``weights`` (a view, ``shard_numel`` elements)."""
+        return self._buf.flat.slice(self._buf.shard_range)
+
+    @property
+    def master_weights(self) -> str:
+        """The master-weight mode used (``"fp32"`` for fp32 parameters, whatever was asked)."""
+        return self._buf.master.name
+
+    @property
+    def master_copy(self) -> Tensor | None:
+        """The fp32 master copy of this rank's shard (1-D, ``shard_numel`` elements) when one is held
+        apart from the weights: 16-bit parameters with ``master_weights="fp32"``; else None."""
+        master = self._buf.master
+        return master.master if getattr(master, "owns_copy", False) else None
+
+    @property
+    def master_fp32(self) -> Tensor:
+        """The master weights of this rank's shard as fp32 (1-D, ``shard_numel`` elements): the held
+        tensor when there is one (fp32 master, or fp32 parameters), else a decoded copy."""
+        return self._buf.master.fp32()
+
+    @property
+    def moments(self) -> str:
+        """The moment format: ``"fp32"``, ``"bf16"`` or ``"8bit"``."""
+        return self._buf.moments.name
+
+    @property
+    def rule(self) -> str:
+        """The update rule of this buffer's parameters: ``"adamw"`` or ``"muon"``."""
+        return self._buf.rule
+
+    @property
+    def muon_packing(self) -> MuonPacking | None:
+        """For a Muon buffer, which rank owns each matrix (indexed as ``params``), the padding
+        (elements) and the Newton-Schulz work per rank; None for AdamW."""
+        return getattr(self._buf, "packing", None)
+
+    @property
+    def moment_tensors(self) -> Mapping[str, Tensor]:
+        """The Adam moments of this rank's shard as stored, by name (``exp_avg``, ``exp_avg_sq``; for
+        8-bit the codes and per-block scales)."""
+        return types.MappingProxyType(self._buf.moments.tensors())
+
+    # -- gradients ----------------------------------------------------------------------------
+    @property
+    def flat_grad(self) -> Tensor | None:
+        """Stage 1: the whole flat gradient (1-D, ``numel`` elements; the ``.grad`` are views of
+        it). Stage 2: None."""
+        return self._buf.reducer.flat_grad
+
+    @property
+    def grad_shard(self) -> Tensor | None:
+        """Stage 2: this rank's shard of the averaged gradient (1-D, ``shard_numel``). Stage 1: None."""
+        return self._buf.reducer.grad_shard
+
+    @property
+    def local_grad(self) -> Tensor:
+        """This rank's shard of the averaged gradient, either stage (1-D, ``shard_numel``). In stage
+        2, after several rounds since ``zero_grad``, reading it rounds their fp32 sum into
+        ``grad_shard`` first, as ``step`` does."""
+        return self._buf.reducer.local_grad()
+
+    # -- buckets and rounds -----------------------------------------------------------------
+    @property
+    def bucket_order(self) -> tuple[int, ...] | None:
+        """Buckets in the launch order the ranks agreed on; None until the first backward pass."""
+        order = self._buf.reducer.order
+        return None if order is None else tuple(order)
+
+    @property
+    def forward_order(self) -> tuple[int, ...]:
+        """Buckets in the order the forward pass uses them (the order ``step`` updates and gathers)."""
+        return tuple(self._buf.reducer.forward_order)
+
+    @property
+    def may_nest(self) -> tuple[bool, ...]:
+        """Per bucket: it holds a parameter used only inside reentrant checkpoints, so its reduction
+        waits for the end of the outer backward pass."""
+        reducer = self._buf.reducer
+        return tuple(reducer.may_nest(b) for b in range(reducer.num_buckets))
+
+    @property
+    def param_states(self) -> tuple[ParamState, ...]:
+        """Per parameter, in buffer order: where its gradient is in the open round."""
+        return tuple(self._buf.reducer.state)
+
+
+class OptimizerView:
+    """A read-only view of one ``ShardedAdamW`` on this rank (see the module docstring). Any rank
+    may read any property at any time: local, no collective."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # a ShardedAdamW (one floor up)
+        self._ref = weakref.ref(optimizer)
+
+    def __repr__(self) -> str:
+        opt = self._ref()
+        if opt is None:
+            return "OptimizerView(<collected>)"
+        return (f"OptimizerView(rank={self.rank}, world_size={self.world_size}, stage={self.stage}, "
+                f"buffers={self.buffers})")
+
+    @property
+    def _opt(self) -> Any:
+        return _alive(self._ref)
+
+    # -- ranks ---------------------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        """This rank in the optimizer's process group."""
+        return self._opt._comm.rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the optimizer's process group (all data-parallel ranks)."""
+        return self._opt._comm.world_size
+
+    @property
+    def shard_rank(self) -> int:
+        """This rank within its shard group (the ranks one copy of the state is split over)."""
+        return self._opt._comm.shard_rank
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks in a shard group (``world_size`` unless hybrid sharding)."""
+        return self._opt._comm.shard_size
+
+    @property
+    def replica(self) -> int:
+        """Which copy of the state this rank's shard group holds (0 unless hybrid sharding)."""
+        return self._opt._comm.replica
+
+    @property
+    def replicas(self) -> int:
+        """Copies of the state: shard groups (1 unless hybrid sharding)."""
+        return self._opt._comm.replicas
+
+    # -- configuration and state -----------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        """1: gradients whole on every rank; 2: each rank keeps its shard of the gradient."""
+        return self._opt.config.stage
+
+    @property
+    def buffers(self) -> tuple[BufferView, ...]:
+        """One view per flat buffer (per parameter dtype and device), in the optimizer's order."""
+        return tuple(BufferView(b) for b in self._opt._buffers)
+
+    @property
+    def step_count(self) -> int:
+        """Steps taken (skipped steps not counted)."""
+        return self._opt._step
+
+    @property
+    def scaler_state(self) -> dict[str, Any]:
+        """The loss scaler's ``state_dict()`` (a fresh dict: writing it changes nothing)."""
+        return self._opt._scaler.state_dict()
+
+    @property
+    def held_bytes(self) -> int:
+        """Gradient and communication-buffer bytes this rank holds now, over every buffer."""
+        return self._opt._held.now()
+
+    @property
+    def gather_handles(self) -> tuple[Pending, ...]:
+        """The weight all-gathers ``step`` started that were not waited for yet."""
+        return tuple(self._opt._gathers.handles())
+
+    # -- rounds of gradient reductions -----------------------------------------------------
+    @property
+    def round_state(self) -> RoundState:
+        """Where this rank's round of bucket reductions is (``IDLE`` between backward passes)."""
+        return self._opt._rounds.state
+
+    @property
+    def total_rounds(self) -> int:
+        """Rounds of reductions completed since construction."""
+        return self._opt._rounds.total_rounds
+
+    @property
+    def lost_round(self) -> bool:
+        """A backward pass raised inside a round since the last step (the round was finished later)."""
+        return self._opt._rounds.lost_round
