@@ -20,16 +20,19 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
 
-test: setup
+test: setup  # lint-imports first: an upward import between folders or an import circle fails (setup.cfg, [importlinter])
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q
 
-test-fast: setup  # the unit tier: nothing outside the test process, under a minute
+test-fast: setup  # the layers (lint-imports), then the unit tier: nothing outside the test process, under a minute
+	$(VENV)/bin/lint-imports --no-logo
 	$(PY) -m pytest -q -m unit -n 2
 
 test-floor:  # the unit tier on the floor torch (a 1.4 GB download the first time: PyPI's torch is a CUDA build)
 	@test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)
 	@$(FLOOR_VENV)/bin/python -m pip install -q "$(FLOOR_TORCH)" -e '.[test,hf,lightning]'
 	$(FLOOR_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(FLOOR_VENV)/bin/lint-imports --no-logo
 	$(FLOOR_VENV)/bin/python -m pytest -q -m unit -n 2 -p no:cacheprovider
 
 docs: setup  # the site in site/, strict: a broken link, anchor or page fails
