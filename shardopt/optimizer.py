@@ -20,6 +20,7 @@ from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
 from shardopt.comm._gathers import WeightGathers
 from shardopt.reduce._held_bytes import HeldTotal
 from shardopt.view import OptimizerView
+from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
@@ -98,7 +99,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
             if p.device == self._buffers[0].flat.device:
                 self._comm.broadcast(p.detach(), src=0).wait()
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
-        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm)
+        # id(param) -> its record (core._records): the one index by parameter, for hooks that get a parameter
+        self._record_of = {id(r.param): r for b in self._buffers for r in b.records}
+        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm)
@@ -114,9 +117,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self.skipped_steps = 0
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
-        # Weight all-gathers still in flight, by (buffer, bucket): see _gathers, _gather_wait [Note: overlapped gather].
-        self._gathers = WeightGathers([b.bucket_params for b in self._buffers], self._on_landed(),
-                                      {k: (i, b) for i, buf in enumerate(self._buffers) for k, b in buf.bucket_of_param.items()})
+        # Weight all-gathers still in flight, in their buckets' records: see comm._gathers, comm._gather_wait.
+        self._gathers = WeightGathers(self._on_landed(), self._record_of)
         self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
@@ -213,8 +215,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf
         self._rounds.stepped()
-        self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.stepped() for b in self._buffers)
+        self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.check_seconds for b in self._buffers)
         self._checks.seconds = 0.0
+        for b in self._buffers:
+            b.reducer.stepped()
         if found_inf:
             self.skipped_steps += 1
             attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
@@ -228,11 +232,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         grad_scale = coef / self._checks.grad_scale
         # See ShardedBuffer.update: each bucket's all-gather runs while the next bucket is updated.
         start = time.perf_counter()
-        for i, (b, used) in enumerate(zip(self._buffers, self._checks.used)):
-            for bucket, pending in b.update(self._step, grad_scale, self.param_groups, used):
-                self._gathers.started((i, bucket), pending)
+        for b in self._buffers:
+            for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
+                self._gathers.started(bucket, pending)
                 if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
-                    in_flight(self._gathers, (i, bucket), b.bucket_params(bucket))
+                    in_flight(self._gathers, bucket)
         waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
@@ -247,20 +251,20 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         """Names of the parameters whose averaged gradient has an inf/NaN on some rank. Every rank."""
         flags = torch.cat([b.nonfinite_params() for b in self._buffers])
         self._comm.all_reduce_max(flags).wait()
-        names = [n for b in self._buffers for n in b.binding.names]
+        names = [r.name for b in self._buffers for r in b.records]
         return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
 
-    def _on_landed(self) -> Callable[[tuple[int, int], list[torch.nn.Parameter]], None]:
+    def _on_landed(self) -> Callable[[BucketRecord], None]:
         """What a waited gather tells (overlap_param_gather only): its parameters are of their own
         class again, and writes to them while it was in flight are checked. Holds no reference to
         this optimizer, so that dropping it waits for its gathers at once (see __del__)."""
         if not self.config.overlap_param_gather:
-            return lambda key, params: None
+            return lambda bucket: None
         buffers, checks = self._buffers, self._checks
 
-        def on_landed(key: tuple[int, int], params: list[torch.nn.Parameter]) -> None:
-            landed(params)
-            checks.note_gathered(buffers[key[0]], buffers[key[0]].layout.buckets[key[1]].params)
+        def on_landed(bucket: BucketRecord) -> None:
+            landed([r.param for r in bucket.params])
+            checks.note_gathered(buffers[bucket.buffer], bucket.params)
         return on_landed
 
     def finish_param_gather(self) -> None:
@@ -270,11 +274,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
 
     def pending_param_buckets(self) -> list[tuple[int, int]]:
         """(buffer, bucket) pairs whose all-gather has not been waited on yet."""
-        return list(self._gathers)
+        return [(b.buffer, b.index) for b in self._gathers]
 
     def bucket_of(self, param: torch.nn.Parameter) -> tuple[int, int] | None:
         """(buffer, bucket) holding ``param``, or None for parameters this optimizer does not train."""
-        return self._gathers.key_of.get(id(param))
+        r = self._record_of.get(id(param))
+        return None if r is None else (r.bucket.buffer, r.bucket.index)
 
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -299,9 +304,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         """The parameters whose dtype or device changed since this optimizer laid them out (a
         ``model.to(...)`` or a framework's precision conversion after construction), one line each:
         ``"name: built as DTYPE on DEVICE, now DTYPE on DEVICE"``. Local; ``step`` refuses them."""
-        return [f"{name}: built as {b.flat.dtype} on {b.flat.device}, now {p.dtype} on {p.device}"
-                for b in self._buffers for name, p in zip(b.binding.names, b.flat.params)
-                if p.dtype != b.flat.dtype or p.device != b.flat.device]
+        return [f"{r.name}: built as {b.flat.dtype} on {b.flat.device}, now {r.param.dtype} on {r.param.device}"
+                for b in self._buffers for r in b.records
+                if r.param.dtype != b.flat.dtype or r.param.device != b.flat.device]
 
     def refresh_master_weights(self) -> None:
         """Take the model's current weights as the master weights (rank 0's values, on every rank).
@@ -311,7 +316,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self.finish_param_gather()
         self._checks.take_outside_writes()  # re-binds, and raises on every rank if it cannot
         for b in self._buffers:
-            b.take_model_weights(range(len(b.flat.params)))
+            b.take_model_weights(b.records)
 
     # -- reporting -----------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from shardopt.comm._collectives import Pending
 from shardopt.core._layout import FlatLayout, Range
-from shardopt.reduce._reducer import ParamState
+from shardopt.core._records import ParamState
 from shardopt.reduce._rounds import RoundState
 from shardopt.update._muon_packing import MuonPacking
 from shardopt.update._sharded_buffer import ShardedBuffer
@@ -97,7 +97,7 @@ class BufferView:
     @property
     def names(self) -> tuple[str, ...]:
         """How messages name each parameter, in buffer order."""
-        return tuple(self._buf.binding.names)
+        return tuple(r.name for r in self._buf.records)
 
     # -- weights -----------------------------------------------------------------------------
     @property
@@ -174,24 +174,23 @@ class BufferView:
     def bucket_order(self) -> tuple[int, ...] | None:
         """Buckets in the launch order the ranks agreed on; None until the first backward pass."""
         order = self._buf.reducer.order
-        return None if order is None else tuple(order)
+        return None if order is None else tuple(b.index for b in order)
 
     @property
     def forward_order(self) -> tuple[int, ...]:
         """Buckets in the order the forward pass uses them (the order ``step`` updates and gathers)."""
-        return tuple(self._buf.reducer.forward_order)
+        return tuple(b.index for b in self._buf.reducer.forward_order)
 
     @property
     def may_nest(self) -> tuple[bool, ...]:
         """Per bucket: it holds a parameter used only inside reentrant checkpoints, so its reduction
         waits for the end of the outer backward pass."""
-        reducer = self._buf.reducer
-        return tuple(reducer.may_nest(b) for b in range(reducer.num_buckets))
+        return tuple(b.may_nest for b in self._buf.buckets)
 
     @property
     def param_states(self) -> tuple[ParamState, ...]:
         """Per parameter, in buffer order: where its gradient is in the open round."""
-        return tuple(self._buf.reducer.state)
+        return tuple(r.state for r in self._buf.records)
 
 
 class OptimizerView:

@@ -36,7 +36,7 @@ MAX_ALTERNATIVES = 64  # a guard against combinatorial growth of conditional mes
 # Errors found on one rank are raised at the next step on every rank: a message goes into a list
 # named ``*problems`` (``.append(msg)``), or through these methods (position of the message among
 # the call's arguments), and is raised as a RuntimeError later.
-REPORTERS = {"_refuse": 2, "fail": 0}
+REPORTERS = {"_refuse": 1, "fail": 0}
 
 # (file under the repository root, enclosing function's qualified name, exception class or warning
 # category; "raise" for a bare re-raise, the expression for ``raise e`` and ``raise kind(...)``)
@@ -84,7 +84,7 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "the first problem of some rank, collected where it is reported (_usage_checks.py, _binding.py, "
         "_reducer.py), with 'on rank …:' in front on the others",
     ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
-        "problems[0] from ParamBinding.check, collected in _binding.py",
+        "problems[0] from ParamBinding.changes, collected in _binding.py",
     ("shardopt/checkpoint/__init__.py", "save_checkpoint", "raise"):
         "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):

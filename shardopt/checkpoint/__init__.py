@@ -121,8 +121,8 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
             info["buffer"] = opt._buffers.index(b)
             info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
             info["rule"] = b.rule  # which moments it has: AdamW's two, or Muon's momentum buffer
-            if b.lag[i]:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
-                info["step"] = opt._step - b.lag[i]
+            if b.records[i].lag:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
+                info["step"] = opt._step - b.records[i].lag
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model))):
@@ -392,9 +392,9 @@ def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], mod
     opt._step = int(manifest["step"])
     opt.skipped_steps = int(manifest["skipped_steps"])
     for b in opt._buffers:
-        for i in range(len(b.lag)):
-            saved = manifest["tensors"].get(model_keys.get((id(b), i), ""), {})
-            b.lag[i] = opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step
+        for r in b.records:
+            saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
+            r.lag = opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step
         b.binding.record()  # the loaded master weights are the authority, not what was written before
     opt._scaler.load_state_dict(manifest["loss_scaler"])
     seed = manifest["config"].get("seed")

@@ -93,7 +93,7 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
                     master = _gather(b, i, shards[id(b)], comm)
                     if keep:
                         masters[index] = master.view(shape).cpu()
-                steps = opt._step - b.lag[i]
+                steps = opt._step - b.records[i].lag
                 if keep and steps > 0 and b.rule == "muon":  # torch.optim.Muon's state
                     state[index] = {"momentum_buffer": moments[0].view(shape).cpu()}
                 elif keep and steps > 0:  # AdamW has no state for a parameter it never updated
@@ -218,7 +218,8 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     opt._step = int(max(steps)) if steps else 0
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items() if s is not None}
     for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
-        b.lag = [0 if b.rule == "muon" else opt._step - step_of.get(id(p), 0) for p in b.flat.params]
+        for r in b.records:
+            r.lag = 0 if b.rule == "muon" else opt._step - step_of.get(id(r.param), 0)
         b.binding.record()
     if header["loss_scaler"] is not None:
         opt._scaler.load_state_dict(header["loss_scaler"])

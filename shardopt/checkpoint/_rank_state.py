@@ -32,7 +32,7 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
              "param_shapes": [span.shape for span in b.layout.params],
              **{k: v.clone() for k, v in b.master.state_tensors().items()},
-             **{k: v.clone() for k, v in b.moments.tensors().items()}, "lag": list(b.lag)}
+             **{k: v.clone() for k, v in b.moments.tensors().items()}, "lag": [r.lag for r in b.records]}
             for b in opt._buffers
         ],
     }
@@ -76,7 +76,8 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
         for k, t in b.moments.tensors().items():
             t.copy_(saved[k])
         b.master.load_state_tensors(saved)
-        b.lag = [int(x) for x in saved.get("lag", [0] * len(b.lag))]
+        for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
+            r.lag = int(lag)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update(saved)
     opt._step = int(sd["step"])

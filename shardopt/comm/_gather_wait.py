@@ -36,11 +36,12 @@ from typing import Any, Callable, Iterable
 import torch
 
 from shardopt.core._compat import compiled_inner, disable_torch_function_subclass
-from shardopt.comm._gathers import Key, WeightGathers
+from shardopt.comm._gathers import WeightGathers
+from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import owned_hook
 
 _in_flight = False  # some parameter's gather is in flight (read by the traced hook: a guard)
-_landing: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}  # id(param) -> (its WeightGathers, bucket key)
+_landing: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (its WeightGathers, its bucket), weakly
 _restore: dict[type, type] = {}  # in-flight class -> the parameter's own class
 _in_flight_class: dict[type, type] = {}  # the parameter's own class -> its in-flight class
 _optimizers: "weakref.WeakSet" = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
@@ -86,18 +87,20 @@ def _class_in_flight(cls: type) -> type:
 
 
 def _land(p: torch.Tensor) -> None:
-    ref, key = _landing.get(id(p), (None, None))
+    ref, bucket_ref = _landing.get(id(p), (None, None))
     gathers = ref() if ref is not None else None
-    if gathers is None or not gathers.wait(key):  # waiting calls landed() for the bucket's parameters
+    bucket = bucket_ref() if bucket_ref is not None else None
+    if gathers is None or bucket is None or not gathers.wait(bucket):  # waiting calls landed() for the bucket's parameters
         landed([p])
 
 
-def in_flight(gathers: WeightGathers, key: Key, params: Iterable[torch.nn.Parameter]) -> None:
-    """The gather ``key`` of ``gathers`` holding ``params`` was issued. Local."""
+def in_flight(gathers: WeightGathers, bucket: BucketRecord) -> None:
+    """The gather of ``bucket`` (of ``gathers``) was issued. Local."""
     global _in_flight
-    ref = weakref.ref(gathers)
-    for p in params:
-        _landing[id(p)] = (ref, key)
+    ref, bucket_ref = weakref.ref(gathers), weakref.ref(bucket)
+    for r in bucket.params:
+        p = r.param
+        _landing[id(p)] = (ref, bucket_ref)
         p.__class__ = _class_in_flight(type(p))
     _in_flight = True
 
@@ -135,8 +138,8 @@ def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle"
         if o is None:
             return
         if module not in seen:  # once per module
-            seen[module] = any(id(p) in o.key_of for p in module.parameters())
-            if any(id(p) in o.key_of for p in module.parameters(recurse=False)):
+            seen[module] = any(id(p) in o.record_of for p in module.parameters())
+            if any(id(p) in o.record_of for p in module.parameters(recurse=False)):
                 module.register_state_dict_pre_hook(_finish_before_state_dict(ref))
         if not o:
             return
@@ -145,9 +148,9 @@ def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle"
                 o.finish()
             return
         for p in module.parameters(recurse=False):
-            key = o.key_of.get(id(p))
-            if key is not None:
-                o.wait(key)
+            r = o.record_of.get(id(p))
+            if r is not None:
+                o.wait(r.bucket)
 
     atexit.register(_finish_at_exit, ref)
     return torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, ref))

@@ -7,56 +7,56 @@ gather is waited for exactly once, here.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, Sequence
-
-import torch
+from typing import Callable, Iterator
 
 from shardopt.comm._collectives import Pending
-
-Key = tuple[int, int]  # (flat buffer, bucket)
+from shardopt.core._records import BucketRecord, ParamRecord
 
 
 class WeightGathers:
-    """The gathers in flight of one optimizer, by (buffer, bucket). Local: the collectives were
-    issued by step() on every rank; waiting is each rank's own."""
+    """The gathers in flight of one optimizer: each bucket record holds its own (``gather``); this
+    keeps the order they were started in. Local: the collectives were issued by step() on every
+    rank; waiting is each rank's own."""
 
-    def __init__(self, bucket_params: Sequence[Callable[[int], list[torch.nn.Parameter]]],
-                 on_landed: Callable[[Key, list[torch.nn.Parameter]], None], key_of: dict[int, Key]) -> None:
-        self._bucket_params = list(bucket_params)  # per buffer: bucket -> its parameters
-        self._on_landed = on_landed  # told each waited gather's key and parameters
-        self._pending: dict[Key, Pending] = {}
-        self.key_of = key_of  # id(param) -> its key, for every trained parameter
+    def __init__(self, on_landed: Callable[[BucketRecord], None], record_of: dict[int, ParamRecord]) -> None:
+        self._on_landed = on_landed  # told each waited gather's bucket
+        self._started: list[BucketRecord] = []  # buckets whose gather is in flight, in the order started
+        self.record_of = record_of  # id(param) -> its record, for every trained parameter (the optimizer's one index)
 
-    def started(self, key: Key, pending: Pending) -> None:
-        """The gather of ``key`` was issued."""
-        self._pending[key] = pending
+    def started(self, bucket: BucketRecord, pending: Pending) -> None:
+        """The gather of ``bucket`` was issued."""
+        bucket.gather = pending
+        self._started.append(bucket)
 
-    def wait(self, key: Key) -> bool:
-        """Wait for the gather of ``key`` if it is in flight; True if it was."""
-        pending = self._pending.pop(key, None)
+    def wait(self, bucket: BucketRecord) -> bool:
+        """Wait for the gather of ``bucket`` if it is in flight; True if it was."""
+        pending = bucket.gather
         if pending is None:
             return False
+        bucket.gather = None
+        self._started.remove(bucket)
         pending.wait()
-        self._on_landed(key, self._bucket_params[key[0]](key[1]))
+        self._on_landed(bucket)
         return True
 
     def finish(self) -> None:
         """Wait for every gather in flight, in the order they were started."""
-        for key in list(self._pending):
-            self.wait(key)
+        for bucket in list(self._started):
+            self.wait(bucket)
 
     def wait_quietly(self) -> None:
         """Wait for every gather without telling anyone (an optimizer being collected)."""
-        for pending in self._pending.values():
+        for bucket in self._started:
+            pending, bucket.gather = bucket.gather, None
             pending.wait()
-        self._pending.clear()
+        self._started.clear()
 
     def handles(self) -> list[Pending]:
         """The handles in flight (for tests that check they were waited for)."""
-        return list(self._pending.values())
+        return [b.gather for b in self._started]
 
-    def __iter__(self) -> Iterator[Key]:
-        return iter(list(self._pending))
+    def __iter__(self) -> Iterator[BucketRecord]:
+        return iter(list(self._started))
 
     def __bool__(self) -> bool:
-        return bool(self._pending)
+        return bool(self._started)

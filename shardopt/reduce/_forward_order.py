@@ -2,7 +2,7 @@
 before the first backward (see ``_rounds`` [Note: launch order]).
 
 Owns a global module forward pre-hook, removed when the first round opens, that notes for each
-trainable parameter the position of its first use and whether its module ran its forward with
+trainable parameter, in its record, the position of its first use and whether its module ran its forward with
 gradients disabled (as a reentrant checkpoint runs it). Local; no communication.
 """
 from __future__ import annotations
@@ -14,16 +14,14 @@ from typing import Any, Sequence
 import torch
 
 from shardopt.core._ownership import owned_hook
+from shardopt.core._records import BucketRecord, ParamRecord
 
 
 class ForwardOrder:
-    """First uses of the parameters of one optimizer's flat buffers (one list per buffer)."""
+    """First uses of the parameters of one optimizer, written into their records."""
 
-    def __init__(self, params: Sequence[Sequence[torch.nn.Parameter]]) -> None:
-        self._where = {id(p): (k, i) for k, ps in enumerate(params) for i, p in enumerate(ps)}
-        self.first_use: list[list[int | None]] = [[None] * len(ps) for ps in params]  # per buffer and parameter
-        self._without: list[list[bool]] = [[False] * len(ps) for ps in params]  # a forward ran without gradients
-        self._with: list[list[bool]] = [[False] * len(ps) for ps in params]  # ... and with them
+    def __init__(self, record_of: dict[int, ParamRecord]) -> None:
+        self._record_of = record_of  # id(param) -> its record: the optimizer's one index by parameter
         self._uses = 0
         ref = weakref.ref(self)  # the global hook must not keep the optimizer's state alive
 
@@ -40,14 +38,16 @@ class ForwardOrder:
         """``module`` is about to run its forward. Local."""
         grad = torch.is_grad_enabled()
         for p in module.parameters(recurse=False):
-            where = self._where.get(id(p))
-            if where is None:
+            r = self._record_of.get(id(p))
+            if r is None:
                 continue
-            k, i = where
-            if self.first_use[k][i] is None:
-                self.first_use[k][i] = self._uses
+            if r.first_use is None:
+                r.first_use = self._uses
                 self._uses += 1
-            (self._with if grad else self._without)[k][i] = True
+            if grad:
+                r.forward_with_grad = True
+            else:
+                r.forward_without_grad = True
 
     def stop(self) -> None:
         """Remove the hook (idempotent). Local."""
@@ -55,24 +55,16 @@ class ForwardOrder:
             self._handle.remove()
             self._handle = None
 
-    @property
-    def gradless(self) -> list[list[bool]]:
-        """Per buffer and parameter: used only in forwards that ran with gradients disabled, as
-        inside a reentrant checkpoint, so its gradient may come from a nested backward pass."""
-        return [[o and not w for o, w in zip(without, with_)] for without, with_ in zip(self._without, self._with)]
-
-    def bucket_order(self, buckets: Sequence[Sequence[Sequence[int]]]) -> list[tuple[int, int]]:
-        """(buffer, bucket) pairs in the order backward is expected to complete them, given each
-        buffer's buckets as lists of parameter indices: a bucket is complete when its earliest-used
-        parameter gets its gradient, and gradients come in the reverse of first use. Buckets with
-        no parameter seen, or one seen only without gradients (which may wait for the end of
-        backward), come last, in buffer and index order. Local."""
-        gradless = self.gradless
-
-        def key(kb: tuple[int, int]) -> tuple[float, int, int]:
-            k, b = kb
-            if any(gradless[k][i] for i in buckets[k][b]):
-                return (math.inf, k, b)
-            uses = [self.first_use[k][i] for i in buckets[k][b] if self.first_use[k][i] is not None]
-            return (-min(uses) if uses else math.inf, k, b)
-        return sorted(((k, b) for k, bs in enumerate(buckets) for b in range(len(bs))), key=key)
+    @staticmethod
+    def bucket_order(buckets: Sequence[BucketRecord]) -> list[BucketRecord]:
+        """``buckets`` (of every flat buffer) in the order backward is expected to complete them: a
+        bucket is complete when its earliest-used parameter gets its gradient, and gradients come in
+        the reverse of first use. Buckets with no parameter seen, or one seen only without gradients
+        (``may_nest``: it may wait for the end of backward), come last, in buffer and index order.
+        A question, once the records hold their first uses and ``gradless``. Local."""
+        def key(b: BucketRecord) -> tuple[float, int, int]:
+            if b.may_nest:
+                return (math.inf, b.buffer, b.index)
+            uses = [r.first_use for r in b.params if r.first_use is not None]
+            return (-min(uses) if uses else math.inf, b.buffer, b.index)
+        return sorted(buckets, key=key)

@@ -100,3 +100,24 @@ class GradPlaceholder(Tensor):
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by ShardedAdamW stage 2)"
+
+
+def pending_of(grad: Tensor | None) -> Tensor | None:
+    """The gradient autograd accumulated into ``p.grad`` last: a placeholder's ``pending`` part,
+    else ``grad`` itself. A question (``take_pending`` takes it). With ``is_placeholder``, the one
+    place that tells a placeholder by its type: after ``module.to(...)`` ``p.grad`` may be a
+    converted placeholder that no record placed."""
+    return grad.pending if isinstance(grad, GradPlaceholder) else grad
+
+
+def take_pending(grad: Tensor | None) -> Tensor | None:
+    """``pending_of(grad)``, taken out of the placeholder."""
+    if isinstance(grad, GradPlaceholder):
+        pending, grad.pending = grad.pending, None
+        return pending
+    return grad
+
+
+def is_placeholder(grad: Tensor | None) -> bool:
+    """``grad`` is a placeholder (its parameter's own or a converted one)."""
+    return isinstance(grad, GradPlaceholder)

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from shardopt.core._records import ParamRecord
+
 
 class HeldBytes:
     """One reducer's bytes: its gradient storage, the ``.grad`` tensors autograd holds until they
@@ -18,34 +20,35 @@ class HeldBytes:
     def __init__(self, grad_bytes: int, buffer_bytes: Callable[[bool], int]) -> None:
         self.grad_bytes = grad_bytes  # the flat gradient (stage 1) or the gradient shard (stage 2), bytes
         self._buffer_bytes = buffer_bytes  # staging, fp32 sums and (True) the Comm's receive buffers now, bytes
-        self._loose: dict[int, int] = {}  # .grad kept across no_sync backward passes, bytes by parameter
-        self._loose_total = 0
+        self._loose_total = 0  # .grad kept across no_sync backward passes (ParamRecord.kept_bytes), bytes
         self._pending = 0  # the .grad autograd just produced, until taken, bytes
         self.grad_peak = 0  # high-water mark of grad_bytes + loose + pending, bytes
         self.buffer_peak = 0  # high-water mark of buffer_bytes(True), bytes
         self.on_change: Callable[[], None] = lambda: None  # told when the bytes held may have grown
 
-    def produced(self, index: int, nbytes: int, keep: bool) -> None:
+    def produced(self, r: ParamRecord, nbytes: int, keep: bool) -> None:
         """Autograd produced a ``.grad`` of ``nbytes`` (0: it is the storage itself) for parameter
-        ``index``; held until taken, or across ``no_sync`` passes when ``keep``."""
+        ``r``; held until taken, or across ``no_sync`` passes when ``keep``."""
         if keep and nbytes:
-            self._loose_total += nbytes - self._loose.get(index, 0)
-            self._loose[index] = nbytes
-        self._pending = 0 if index in self._loose else nbytes
+            self._loose_total += nbytes - r.kept_bytes
+            r.kept_bytes = nbytes
+        self._pending = 0 if r.kept_bytes else nbytes
         self.grad_peak = max(self.grad_peak, self.grad_bytes + self._loose_total + self._pending)
         self.on_change()
 
-    def unkeep(self, index: int) -> None:
-        """Parameter ``index``'s kept ``.grad`` is being taken."""
-        self._loose_total -= self._loose.pop(index, 0)
+    def unkeep(self, r: ParamRecord) -> None:
+        """Parameter ``r``'s kept ``.grad`` is being taken."""
+        self._loose_total -= r.kept_bytes
+        r.kept_bytes = 0
 
     def taken(self) -> None:
         """The ``.grad`` produced last is gone (moved into a buffer or a sum)."""
         self._pending = 0
 
-    def forget(self) -> None:
-        """Gradients zeroed: no ``.grad`` is kept any more."""
-        self._loose.clear()
+    def forget(self, records: Sequence[ParamRecord]) -> None:
+        """Gradients zeroed: no ``.grad`` of ``records`` is kept any more."""
+        for r in records:
+            r.kept_bytes = 0
         self._loose_total = 0
 
     def buffers_grew(self) -> None:

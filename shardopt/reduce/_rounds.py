@@ -68,6 +68,7 @@ from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
 from shardopt.reduce._forward_order import ForwardOrder
 from shardopt.core._ownership import owned_hook
+from shardopt.core._records import BucketRecord, ParamRecord
 from shardopt.step._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
@@ -121,20 +122,19 @@ class Rounds:
     Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
     that clip_grad_norm_ and step start with (see _agreement [Note: ranks in different calls])."""
 
-    def __init__(self, reducers: Sequence, comm: Comm) -> None:
+    def __init__(self, reducers: Sequence, comm: Comm, record_of: dict[int, ParamRecord]) -> None:
         self.reducers, self.comm = list(reducers), comm
         self._device = self.reducers[0].flat.device
-        self.buckets = [(k, b) for k, r in enumerate(self.reducers) for b in range(r.num_buckets)]
-        self._index = {kb: i for i, kb in enumerate(self.buckets)}
-        self._size = [self.reducers[k].bucket_size(b) for k, b in self.buckets]
-        self._hooks = []
+        self.buckets: list[BucketRecord] = [b for r in self.reducers for b in r.buckets]  # every buffer's
+        for i, b in enumerate(self.buckets):
+            b.position = i
         for k, r in enumerate(self.reducers):
-            # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-            self._hooks += [p.register_post_accumulate_grad_hook(
-                owned_hook(torch.compiler.disable(self._make_hook(k, i)), weakref.ref(self)))
-                for i, p in enumerate(r.flat.params)]
-        self.order: list[int] | None = None  # agreed launch order (indices into self.buckets), from rank 0 in round 1
-        self._forward = ForwardOrder([r.flat.params for r in self.reducers])  # until then, the guess
+            for rec in r.records:
+                # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
+                rec.hook = rec.param.register_post_accumulate_grad_hook(
+                    owned_hook(torch.compiler.disable(self._make_hook(k, rec.index)), weakref.ref(self)))
+        self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
+        self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
         self.require_sync = True  # False under no_sync
         self.sync_backward = True  # require_sync when the backward seen last started
@@ -151,9 +151,9 @@ class Rounds:
         self._reset()
 
     def _reset(self) -> None:
-        self._ready = [0] * len(self.buckets)
         self._pos = 0  # next position in self.order to launch
-        self._inflight: list[tuple[Pending, Callable[[], None] | None, int | None]] = []  # oldest first; bucket on its last
+        # oldest first: (collective, what runs once the bucket's reduction is complete, the bucket on its last)
+        self._inflight: list[tuple[Pending, Callable[[], None] | None, BucketRecord | None]] = []
         self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
         self._tag_pending: Pending | None = None
         self._tag_lost = False
@@ -164,25 +164,29 @@ class Rounds:
         # Weakly: the parameter holds its hooks, and autograd's accumulator (held by the reducer) holds
         # the parameter from C++, where the garbage collector cannot follow. A strong reference would
         # close a cycle it cannot free: the optimizer's state would outlive the optimizer.
-        ref, at = weakref.ref(self), self._index
+        # The record too is found through the rounds: it holds the accumulator.
+        ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
             rounds = ref()
             if rounds is None:  # the optimizer was freed; its hooks go with it
                 return
             reducer = rounds.reducers[k]
+            rec = reducer.records[index]
             sync = rounds.on_hook()
-            if reducer.arrive(index, param, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
-                rounds._count(at[(k, reducer.bucket_of(index))])
+            if reducer.arrive(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
+                rounds._count(rec.bucket)
 
         return hook
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
         self._forward.stop()
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
+        for r in self.reducers:
+            for rec in r.records:
+                if rec.hook is not None:
+                    rec.hook.remove()
+                    rec.hook = None
 
     def on_hook(self) -> bool:
         """From every gradient hook, before the reducer looks at the gradient: opens a round at the
@@ -260,55 +264,52 @@ class Rounds:
             self._agree_order()
         if queue and not self.nesting_seen and (self.total_rounds or not self._gradless):
             # Inside a backward pass: parameters it will not reach hold nothing back.
-            for k, r in enumerate(self.reducers):
-                for b in r.unreached():
-                    self._count(self._index[(k, b)])
+            for r in self.reducers:
+                for rec in r.unreached():
+                    r.mark_absent(rec)
+                    self._count(rec.bucket)
 
     def _agree_order(self) -> None:
         """The first round: every rank takes rank 0's guess of the launch order (see [Note: launch
         order]); the tag is checked first, so that a rank in another call raises before the
         broadcast. Every rank."""
         self._wait_tag()
-        guess = self._forward.bucket_order([[b.params for b in r.flat.layout.buckets] for r in self.reducers])
         self._forward.stop()
-        gradless = self._forward.gradless
-        self._gradless = any(map(any, gradless))  # then the first round counts nothing ahead
-        for k, r in enumerate(self.reducers):
-            r.note_forward_use(gradless[k])
-        order = torch.tensor([self._index[kb] for kb in guess], dtype=torch.int64)
+        for r in self.reducers:
+            r.note_forward_use()
+        self._gradless = any(rec.gradless for r in self.reducers for rec in r.records)  # the first round counts nothing ahead
+        guess = self._forward.bucket_order(self.buckets)
+        order = torch.tensor([b.position for b in guess], dtype=torch.int64)
         if self.comm.world_size > 1:
             order = order.to(self._device)
             self.comm.broadcast(order, src=0).wait()
-        self.order = order.cpu().tolist()
+        self.order = [self.buckets[i] for i in order.cpu().tolist()]
         for k, r in enumerate(self.reducers):
-            r.order = [b for kk, b in (self.buckets[i] for i in self.order) if kk == k]
+            r.order = [b for b in self.order if b.buffer == k]
 
-    def _count(self, i: int) -> None:
-        """One more parameter of bucket ``i`` is in; launch what is ready, in order."""
-        self._ready[i] += 1
+    def _count(self, b: BucketRecord) -> None:
+        """One more parameter of bucket ``b`` is in; launch what is ready, in order."""
+        b.ready += 1
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        order, ready, size = self.order, self._ready, self._size
-        while self._pos < len(order) and ready[order[self._pos]] >= size[order[self._pos]]:
-            k, b = self.buckets[order[self._pos]]
-            if self.nesting_seen and self.reducers[k].may_nest(b):
+        order = self.order
+        while self._pos < len(order) and order[self._pos].complete:
+            b = order[self._pos]
+            if self.nesting_seen and b.may_nest:
                 return  # the plain slow path: reduced when the outer backward pass ends (see [Note: launch order])
-            self._launch(order[self._pos])
+            self._launch(b)
             self._pos += 1
 
-    def _launch(self, i: int) -> None:
-        k, b = self.buckets[i]
-        self._issue(k, *self.reducers[k].launch(b), i)
+    def _launch(self, b: BucketRecord) -> None:
+        self._issue(b, *self.reducers[b.buffer].launch(b))
 
-    def _issue(self, k: int, parts: list[Callable[[], Pending]], after: Callable[[], None] | None,
-               i: int | None) -> None:
-        """Issue one bucket's collectives (reducer ``k``); ``i``: the bucket whose staging goes when
-        the last lands."""
+    def _issue(self, b: BucketRecord, parts: list[Callable[[], Pending]], after: Callable[[], None] | None) -> None:
+        """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
         for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
             last = j == len(parts) - 1
-            self._inflight.append((issue(), after if last else None, i if last else None))
-            self.reducers[k].held.buffers_grew()
+            self._inflight.append((issue(), after if last else None, b if last else None))
+            self.reducers[b.buffer].held.buffers_grew()
             # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
             while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
                 self._complete_oldest()
@@ -329,13 +330,12 @@ class Rounds:
         cross-replica all-reduce of hybrid sharding) frees its staging now; the follow-up goes to
         the back of the queue and carries what runs once the bucket's gradient is complete."""
         self._wait_tag()
-        pending, after, i = self._inflight.pop(0)
+        pending, after, b = self._inflight.pop(0)
         if pending.overlap:
             self._follow_ups -= 1
         follow = pending.wait_landed()
-        if i is not None:  # the bucket's last collective: its staging was read
-            k, b = self.buckets[i]
-            self.reducers[k].landed(b)
+        if b is not None:  # the bucket's last collective: its staging was read
+            self.reducers[b.buffer].landed(b)
         if follow is not None:
             self._inflight.append((follow, after, None))
             self._follow_ups += 1
@@ -348,8 +348,8 @@ class Rounds:
         at the end of each backward pass. Every rank."""
         self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
         try:
-            for i in self.order[self._pos:]:
-                self._launch(i)
+            for b in self.order[self._pos:]:
+                self._launch(b)
             while self._inflight:
                 self._complete_oldest()
             self._wait_tag()

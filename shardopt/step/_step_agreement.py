@@ -85,7 +85,8 @@ class StepAgreement:
         the weight gathers of the last step must have landed."""
         self.rounds.before_step()
         checks = self.checks
-        found = checks.local()
+        found = checks.local(checks.follow())  # follow what changed behind the optimizer's back, then ask
+        checks.forget()  # reported once: by this step's message
         maxed = norm_type is not None and math.isinf(norm_type)
         start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
         hyper = hyperparameters(param_groups)

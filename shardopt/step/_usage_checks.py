@@ -27,50 +27,62 @@ log = logging.getLogger("shardopt")
 class Findings:
     """What one rank found; ``flags()`` turns it into the numbers that are summed over ranks."""
 
-    written: list[list[int]]  # per buffer: indices of parameters written from outside
+    written: list[list[Any]]  # per buffer: records (core._records.ParamRecord) of parameters written from outside
     problems: list[str]  # messages of problems that stop training
     scaled: int = 0  # backward passes since the last step that ran inside opt.backward
     unscaled: int = 0  # ... and that did not
-    used: list[list[bool]] = field(default_factory=list)  # per buffer: got a gradient on this rank
+    used: list[list[bool]] = field(default_factory=list)  # per buffer, in buffer order: got a gradient on this rank
     regraded: bool = False  # averaged gradients were zeroed or replaced on this rank since their round
 
 
 class UsageChecks:
-    """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed flags."""
+    """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
+    flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer, a floor up):
+    their records, reducer and binding are read."""
 
     def __init__(self, buffers: Sequence[Any], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
-        self._all_used = [[True] * len(b.flat.params) for b in self.buffers]  # never modified
-        self.used: list[list[bool]] = self._all_used  # per buffer: some rank has a gradient (read-only lists)
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
         self.late_problems: list[str] = []  # found outside a check (a write racing a gather), reported at the next
         self._warned_unscaled = False
         self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
 
-    def local(self) -> Findings:
-        """Re-bind, notice writes and zeroing, collect problems. Local; no communication."""
+    def follow(self) -> bool:
+        """Before the step's findings: follow what changed on this rank behind the optimizer's back
+        (stage 1's ``p.grad`` set to None or replaced, gradients zeroed by hand, parameters given
+        new storage of their own kind). True if averaged gradients were zeroed or replaced. Local."""
         start = time.perf_counter()
-        found = Findings(written=[], problems=self.late_problems, regraded=self.zeroed_after_round)
-        self.late_problems, self.zeroed_after_round = [], False
+        regraded = False
+        for b in self.buffers:
+            regraded |= b.reducer.follow_views()
+            regraded |= b.reducer.apply_zeroing(at_step=True)
+            b.binding.rebind(b.binding.changes()[1])
+        self.seconds += time.perf_counter() - start
+        return regraded
+
+    def local(self, regraded: bool = False) -> Findings:
+        """What this rank found since the last step (after ``follow``): writes, problems, gradients.
+        A question: ``forget`` clears what it reported once the step acted on it. Local; no communication."""
+        start = time.perf_counter()
+        found = Findings(written=[], problems=list(self.late_problems), regraded=self.zeroed_after_round or regraded)
         for b in self.buffers:
             found.problems += b.reducer.problems
-            b.reducer.problems = []
-            found.regraded |= b.reducer.observe_zeroing(at_step=True) or bool(b.reducer.replaced)
-            for i in b.reducer.replaced:
+            replaced = [r for r in b.records if r.replaced]
+            found.regraded |= bool(replaced)
+            for r in replaced:
                 found.problems.append(
-                    f"p.grad of parameter {b.binding.names[i]} was replaced by a tensor after backward. With "
+                    f"p.grad of parameter {r.name} was replaced by a tensor after backward. With "
                     "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
                     "assigned after backward cannot be averaged any more: assign it before backward (it is then "
                     "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
-            b.reducer.replaced = []
-            written, problems = b.binding.check()
+            written, _, problems = b.binding.changes()
             found.written.append(written)
             found.problems += problems
             found.scaled += b.reducer.scaled_backwards
             found.unscaled += b.reducer.unscaled_backwards
-            found.used.append(list(b.reducer.used))
+            found.used.append([r.used for r in b.records])
         for p in self.untracked:
             if p.requires_grad and p.grad is not None:
                 found.problems.append(
@@ -81,12 +93,20 @@ class UsageChecks:
         self.seconds += time.perf_counter() - start
         return found
 
-    def note_gathered(self, b: Any, params: Sequence[int]) -> None:
-        """An overlapped all-gather of ``params`` of buffer ``b`` just landed: a parameter written
+    def forget(self) -> None:
+        """The step acted on what ``local`` found: clear the problems and replacements it reported. Local."""
+        self.late_problems, self.zeroed_after_round = [], False
+        for b in self.buffers:
+            b.reducer.problems = []
+            for r in b.records:
+                r.replaced = False
+
+    def note_gathered(self, b: Any, records: Sequence[Any]) -> None:
+        """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
         from outside before it did lost that write to it. Noted for the next check. Local."""
-        for i in b.binding.raced(params):
+        for r in b.binding.raced(records):
             self.late_problems.append(
-                f"parameter {b.binding.names[i]} was written through a tensor sharing its storage (a view or .data "
+                f"parameter {r.name} was written through a tensor sharing its storage (a view or .data "
                 "taken before step()) while ShardedAdamW(overlap_param_gather=True) was still gathering the weights of "
                 "the last step into the model, which overwrote the write: call opt.finish_param_gather() before writing "
                 "weights into the model that way (writes through the parameters themselves wait by themselves)")
@@ -96,10 +116,10 @@ class UsageChecks:
         or an export reads the master weights. Every rank."""
         found = Findings(written=[], problems=[])
         for b in self.buffers:
-            written, problems = b.binding.check()
+            written, problems = b.binding.follow()
             found.written.append(written)
             found.problems += problems
-            found.used.append(self._all_used[len(found.used)])
+            found.used.append([True] * len(b.records))
         head = torch.tensor([len(found.problems), sum(map(len, found.written))], dtype=torch.float32,
                             device=self.buffers[0].flat.device)
         self.comm.all_reduce_max(head).wait()
@@ -130,21 +150,21 @@ class UsageChecks:
             "over the ranks, e.g. between clip_grad_norm_ and step: the ranks would update their shards with "
             "different gradients. Zero gradients on every rank alike (or before backward)")
 
-    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[int]]]:
-        """Per buffer: which parameters have a gradient on some rank, and the indices of those
+    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[Any]]]:
+        """Per buffer: which parameters have a gradient on some rank, and the records of those
         written from outside on some rank: one all-reduce (MAX) of two bitmaps. Every rank."""
         parts = []
         for used, written in zip(found.used, found.written):
             changed = torch.zeros(len(used), dtype=torch.float32)
-            changed[written] = 1.0
+            changed[[r.index for r in written]] = 1.0
             parts += [torch.tensor(used, dtype=torch.float32), changed]
         maps = torch.cat(parts).to(self.buffers[0].flat.device)
         self.comm.all_reduce_max(maps).wait()
         used_out, written_out, offset = [], [], 0
         for b in self.buffers:
-            n = len(b.flat.params)
+            n = len(b.records)
             used_out.append((maps[offset:offset + n] > 0).tolist())
-            written_out.append(torch.nonzero(maps[offset + n:offset + 2 * n] > 0).view(-1).tolist())
+            written_out.append([b.records[i] for i in torch.nonzero(maps[offset + n:offset + 2 * n] > 0).view(-1).tolist()])
             offset += 2 * n
         return used_out, written_out
 
@@ -153,7 +173,7 @@ class UsageChecks:
         communication (for ``state_dict``, which one rank may call alone); the next step still
         takes rank 0's values everywhere. Local."""
         for b in self.buffers:
-            written, problems = b.binding.check()
+            written, problems = b.binding.follow()
             if problems:
                 raise RuntimeError(problems[0])
             b.refresh_master(written)
@@ -177,9 +197,15 @@ class UsageChecks:
         if regraded > 0 and kept > 0:
             self._raise_regraded(found)
         if not_used > 0 or n_written > 0:  # some parameter lacks a gradient on some rank, or was written
-            self.used, written = self._exchange_bitmaps(found)
+            trained, written = self._exchange_bitmaps(found)
+            for b, flags in zip(self.buffers, trained):
+                for r, t in zip(b.records, flags):
+                    r.trained = t
         else:  # the usual step: every parameter has a gradient everywhere, nothing was written
-            self.used, written = self._all_used, [[] for _ in self.buffers]
+            written = [[] for _ in self.buffers]
+            for b in self.buffers:
+                for r in b.records:
+                    r.trained = True
         for b, changed in zip(self.buffers, written):
             if changed:
                 log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "

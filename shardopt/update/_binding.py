@@ -28,6 +28,7 @@ import torch
 
 from shardopt.core._compat import version
 from shardopt.core._flat import FlatParams
+from shardopt.core._records import ParamRecord
 
 
 def warn_layout_change(names: Sequence[str], when: str) -> None:
@@ -43,58 +44,73 @@ def warn_layout_change(names: Sequence[str], when: str) -> None:
 
 
 class ParamBinding:
-    """Watches the parameters of one :class:`FlatParams` buffer."""
+    """Watches the parameters of one :class:`FlatParams` buffer through their records."""
 
-    def __init__(self, flat: FlatParams, names: Sequence[str]) -> None:
-        self.flat = flat
-        self.names = list(names)  # how error messages name each parameter, in buffer order
-        self._ptr = [p.data_ptr() for p in flat.params]
-        self._version = [version(p) for p in flat.params]
-        self._rebound: set[int] = set()  # re-bound since record: written, though their versions did not move
+    def __init__(self, flat: FlatParams, records: Sequence[ParamRecord]) -> None:
+        self.flat, self.records = flat, list(records)
+        for r in self.records:
+            r.ptr = r.param.data_ptr()  # its view of the flat buffer
+        self.record()
 
     def record(self) -> None:
         """Take the parameters' current values as seen (after the optimizer took them). Local."""
-        self._version = [version(p) for p in self.flat.params]
-        self._rebound = set()
+        for r in self.records:
+            r.version, r.rebound = version(r.param), False
 
-    def raced(self, indices: Sequence[int]) -> list[int]:
-        """Those of ``indices`` written since ``record`` (see ``UsageChecks.note_gathered``). Local."""
-        return [i for i in indices if version(self.flat.params[i]) != self._version[i]]
+    def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
+        """Those of ``records`` written since ``record`` (see ``UsageChecks.note_gathered``). A question. Local."""
+        return [r for r in records if version(r.param) != r.version]
 
-    def check(self) -> tuple[list[int], list[str]]:
-        """Re-bind parameters given new storage of the same kind; return the indices of parameters
-        whose values changed from outside since ``record`` and a message for each parameter that
-        can no longer be followed. Local; no communication."""
-        written: list[int] = []
+    def _unchanged(self) -> bool:
+        dtype = self.flat.dtype
+        return all(not r.rebound and r.param.data_ptr() == r.ptr and version(r.param) == r.version
+                   and r.param.dtype is dtype for r in self.records)
+
+    def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]:
+        """(parameters whose values changed from outside since ``record``, parameters given new
+        storage of the same shape, dtype and device, which ``rebind`` follows; a message for each
+        parameter that can no longer be followed). A question. Local; no communication."""
+        written: list[ParamRecord] = []
+        rebind: list[ParamRecord] = []
         problems: list[str] = []
+        if self._unchanged():
+            return written, rebind, problems  # the usual step: nothing changed
         flat = self.flat
-        dtype = flat.dtype
-        if (not self._rebound and [p.data_ptr() for p in flat.params] == self._ptr
-                and [version(p) for p in flat.params] == self._version and all(p.dtype is dtype for p in flat.params)):
-            return written, problems  # the usual step: nothing changed
-        relaid = []
-        for i, p in enumerate(flat.params):
-            if p.data_ptr() == self._ptr[i] and p.dtype == flat.dtype:
-                if version(p) != self._version[i] or i in self._rebound:
-                    written.append(i)
+        for r in self.records:
+            p = r.param
+            if p.data_ptr() == r.ptr and p.dtype == flat.dtype:
+                if version(p) != r.version or r.rebound:
+                    written.append(r)
                 continue
-            span = flat.layout.params[i]
-            if tuple(p.shape) == span.shape and p.dtype == flat.dtype and p.device == flat.device:
-                view = flat.param_view(flat.data, i)
-                with torch.no_grad():
-                    view.copy_(p.detach())
-                if not p.is_contiguous():
-                    relaid.append(self.names[i])
-                p.data = view
-                self._rebound.add(i)
-                written.append(i)
+            if tuple(p.shape) == r.span.shape and p.dtype == flat.dtype and p.device == flat.device:
+                rebind.append(r)
                 continue
-            was = f"{span.shape} {flat.dtype} on {flat.device}"
+            was = f"{r.span.shape} {flat.dtype} on {flat.device}"
             now = f"{tuple(p.shape)} {p.dtype} on {p.device}"
             problems.append(
-                f"parameter {self.names[i]} is now {now} but was {was} when ShardedAdamW was built: model.to(dtype), "
+                f"parameter {r.name} is now {now} but was {was} when ShardedAdamW was built: model.to(dtype), "
                 ".half(), .float(), .to(device) or p.data = t after building the optimizer gave it new storage that "
                 "the optimizer's flat buffers, master weights and moments cannot follow. Convert or move the model "
                 "first, then build ShardedAdamW (to continue a run, save_checkpoint before and load_checkpoint after)")
+        return written, rebind, problems
+
+    def rebind(self, records: Sequence[ParamRecord]) -> None:
+        """Copy the values of ``records`` (given new storage of their own kind) into the flat buffer
+        and make each parameter a view of it again; each then counts as written. Local."""
+        relaid = []
+        for r in records:
+            p, view = r.param, self.flat.param_view(self.flat.data, r.index)
+            with torch.no_grad():
+                view.copy_(p.detach())
+            if not p.is_contiguous():
+                relaid.append(r.name)
+            p.data = view
+            r.rebound = True
         warn_layout_change(relaid, "after a model.to(memory_format=...) or p.data = t")
-        return written, problems
+
+    def follow(self) -> tuple[list[ParamRecord], list[str]]:
+        """``changes()``, with the re-bindable parameters re-bound: (every parameter written from
+        outside, problems). An action. Local."""
+        written, rebind, problems = self.changes()
+        self.rebind(rebind)
+        return sorted(written + rebind, key=lambda r: r.index), problems

@@ -16,6 +16,7 @@ from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
 from shardopt.core._flat import FlatParams
 from shardopt.core._layout import build_layout
+from shardopt.core._records import BucketRecord, ParamRecord, build_records
 from shardopt.reduce._reducer import GradReducer
 from shardopt.reduce._buffer_model import replay_buffers
 from shardopt.update._muon_packing import owned_layout
@@ -30,7 +31,7 @@ class ShardedBuffer:
     """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
-                 config: ShardConfig, names: Sequence[str], rule: str = "adamw") -> None:
+                 config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0) -> None:
         self.comm, self.config, self.rule = comm, config, rule
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
@@ -42,49 +43,40 @@ class ShardedBuffer:
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))
-        self.group_of = list(group_of)  # param-group index of each parameter, in buffer order
         warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
         self.flat = FlatParams(params, self.layout)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard_range = self.layout.shard_range(comm.shard_rank)
-        # Per parameter: steps it was left out of because no rank had a gradient for it, so that
-        # its own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is
-        # the optimizer's step minus its lag.
-        self.lag = [0] * len(params)
-        self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys
-        self._all_used_keys = tuple((g, 0) for g in self.group_of)
+        # One record per parameter and per bucket (see core._records [Note: the records]). A record's
+        # lag counts the steps it was left out of because no rank had a gradient for it, so that its
+        # own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is the
+        # optimizer's step minus its lag.
+        self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index)
+        self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
                                   global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
         self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device, config.moments) if rule == "muon" else \
             make_moments(config.moments, self.layout.shard_numel, self.flat.device)
-        self.reducer = GradReducer(self.flat, comm, config.stage, config.accumulate_dtype, config.reduce_dtype)
-        # Per bucket, each rank's global range of it: the pieces its all-gather assembles.
-        self._gather_pieces = [self.layout.bucket_shard_ranges(b.index) for b in self.layout.buckets]
-        self._in_shard = self.layout.bucket_local_ranges(comm.shard_rank)  # per bucket, its part of the shard
-        self.bucket_of_param = {id(p): self.reducer.bucket_of(i) for i, p in enumerate(self.flat.params)}
-        self.binding = ParamBinding(self.flat, names)  # names: how messages call each parameter
-        self.reducer.names = self.binding.names
-        self._local_piece = self.layout.local_ranges(comm.shard_rank)
+        self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
+                                   config.accumulate_dtype, config.reduce_dtype)
+        self.binding = ParamBinding(self.flat, self.records)
 
     @property
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
 
-    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict],
-               used: Sequence[bool]) -> list[tuple[int, Pending]]:
+    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """AdamW on this rank's shard, then the all-gather of the new weights, bucket by bucket in
         the order the forward pass uses them: a bucket's gather is started as soon as its part of
         the shard is updated, so it runs while the next bucket is updated. Returns the gathers in
         flight, by bucket. One kernel call per run of parameters with the same param group and
-        step count within a bucket. ``used[i]``: some rank has a gradient for parameter ``i``; the
+        step count within a bucket. Parameters whose record is not ``trained`` (no rank has a gradient); the
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
         if self.rule == "muon":
-            return self._update_muon(step, grad_scale, param_groups, used)
+            return self._update_muon(step, grad_scale, param_groups)
         grad = self.reducer.local_grad()
-        all_used = all(used)
-        keys = self._all_used_keys if all_used and not any(self.lag) else tuple(
-            (g, lag) if u else None for g, lag, u in zip(self.group_of, self.lag, used))
+        keys = tuple((r.group, r.lag) if r.trained else None for r in self.records)
         segments = self._segments.get(keys)
         if segments is None:
             if len(self._segments) > 8:
@@ -102,17 +94,16 @@ class ShardedBuffer:
         gathers = []
         for b in self.reducer.forward_order:
             for key, whole in segments:
-                r = whole.intersect(self._in_shard[b])
+                r = whole.intersect(b.local)
                 if r.size:
                     s, gr = scalars[key], grad[r.as_slice()]
                     self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels), s, step - key[1])
             gathers.append((b, self._gather(b)))
-        if not all_used:
-            self.lag = [lag + (not u) for lag, u in zip(self.lag, used)]
+        for r in self.records:
+            r.lag += not r.trained
         return gathers
 
-    def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict],
-                     used: Sequence[bool]) -> list[tuple[int, Pending]]:
+    def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
         step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
         and the mode encodes the result; AdamW's lag bookkeeping does not apply (Muon keeps no step
@@ -120,11 +111,11 @@ class ShardedBuffer:
         grad = self.reducer.local_grad()
         gathers = []
         for b in self.reducer.forward_order:
-            for i in self.layout.buckets[b].params:
-                r = self._local_piece.get(i)
-                if r is None or not used[i]:
+            for rec in b.params:
+                r = rec.local
+                if r is None or not rec.trained:
                     continue
-                shape, hp = self.layout.params[i].shape, param_groups[self.group_of[i]]
+                shape, hp = rec.span.shape, param_groups[rec.group]
                 g = grad[r.as_slice()].view(shape).float()
                 if grad_scale != 1.0:
                     g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
@@ -151,42 +142,39 @@ class ShardedBuffer:
         s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
         return (~torch.isfinite(s)).float(), s
 
-    def bucket_params(self, bucket: int) -> list[torch.nn.Parameter]:
-        """The parameters of bucket ``bucket``."""
-        return [self.flat.params[i] for i in self.layout.buckets[bucket].params]
-
     def nonfinite_params(self) -> Tensor:
         """1D fp32, one flag per parameter in buffer order: 1 where this rank's part of its averaged
         gradient holds an inf/NaN. Local."""
         grad = self.reducer.local_grad()
-        flags = torch.zeros(len(self.flat.params), dtype=torch.float32, device=self.flat.device)
-        for i, r in self._local_piece.items():
-            flags[i] = (~torch.isfinite(grad[r.as_slice()])).any().float()
+        flags = torch.zeros(len(self.records), dtype=torch.float32, device=self.flat.device)
+        for r in self.records:
+            if r.local is not None:
+                flags[r.index] = (~torch.isfinite(grad[r.local.as_slice()])).any().float()
         return flags
 
-    def take_model_weights(self, indices: Sequence[int]) -> None:
-        """Make rank 0's current weights of parameters ``indices`` the master weights on every rank
-        (see _binding [Note: parameters changed behind the optimizer's back]). Every rank."""
-        pending = [self.comm.broadcast(self.flat.slice(r), src=0) for r in self.layout.param_runs(indices)]
+    def take_model_weights(self, records: Sequence[ParamRecord]) -> None:
+        """Make rank 0's current weights of the parameters of ``records`` the master weights on every
+        rank (see update._binding [Note: parameters changed behind the optimizer's back]). Every rank."""
+        pending = [self.comm.broadcast(self.flat.slice(r), src=0)
+                   for r in self.layout.param_runs([rec.index for rec in records])]
         for p in pending:
             p.wait()
-        self.refresh_master(indices)
+        self.refresh_master(records)
         self.binding.record()
 
-    def refresh_master(self, indices: Sequence[int]) -> None:
-        """Make this rank's weights of parameters ``indices`` the master weights of its shard. Local."""
-        for i in indices:
-            r = self._local_piece.get(i)
-            if r is not None:
-                self.master.refresh_(r)
+    def refresh_master(self, records: Sequence[ParamRecord]) -> None:
+        """Make this rank's weights of ``records`` the master weights of its shard. Local."""
+        for r in records:
+            if r.local is not None:
+                self.master.refresh_(r.local)
 
-    def gather_buckets(self) -> list[tuple[int, Pending]]:
+    def gather_buckets(self) -> list[tuple[BucketRecord, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's
         weights), one bucket at a time in the order the forward pass uses them. Every rank."""
         return [(b, self._gather(b)) for b in self.reducer.forward_order]
 
-    def _gather(self, bucket: int) -> Pending:
-        return self.comm.all_gather_inplace(self.flat.data, self._gather_pieces[bucket])
+    def _gather(self, b: BucketRecord) -> Pending:
+        return self.comm.all_gather_inplace(self.flat.data, b.gather_pieces)
 
     def gather_params(self) -> Pending:
         """All buckets' all-gathers as one handle. Every rank."""
@@ -201,7 +189,8 @@ class ShardedBuffer:
                                   moments=self.moments.name, rule=self.rule)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
-        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, self.reducer.arrival or None,
+        arrival = [r.index for r in self.reducer.arrival] or None
+        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival,
                                                  stage=self.config.stage, gloo=self.comm.backend != "nccl",
                                                  psize=self.flat.data.element_size(),
                                                  hybrid=self.comm.hybrid)
@@ -228,10 +217,10 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
     for p, gi in trainable:
         by_kind.setdefault((p.dtype, rule_of(gi)), []).append((p, gi))
     buffers = []
-    for (_, rule), entries in by_kind.items():
+    for k, ((_, rule), entries) in enumerate(by_kind.items()):
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
-                                     names=[names[id(p)] for p, _ in entries], rule=rule))
+                                     names=[names[id(p)] for p, _ in entries], rule=rule, index=k))
     return buffers

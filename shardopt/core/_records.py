@@ -1,0 +1,230 @@
+"""The two records that carry the optimizer's state: one per parameter, one per bucket.
+
+[Note: the records]
+Everything shardopt knows about one parameter sits in its :class:`ParamRecord`, and everything
+about one bucket (a run of whole parameters that is reduced and gathered together) in its
+:class:`BucketRecord`. They are built once per flat buffer, from its layout (:func:`build_records`),
+and every other part reads and changes them: the scheduler and the reducer (``reduce/``) move a
+parameter's gradient through its round, the step's checks (``step/``) read what each parameter
+got and whether it was written from outside, the update (``update/``) reads each parameter's
+shard range, param group and lag, and starts each bucket's weight gather. No list or dict indexed
+by parameter or bucket lives anywhere else in those paths; the orders (the agreed launch order,
+the order gradients arrived in) are lists of records.
+
+A field that has states has an enum, and each enum changes in one guarded method, as
+``Rounds._to`` does for a round: :meth:`ParamRecord.to` for :class:`ParamState`,
+:meth:`ParamRecord.place` for :class:`GradSlot`, :meth:`BucketRecord.to` for :class:`BucketState`.
+Asking a record a question (``holds``, ``may_nest``, ``written``) never changes it.
+
+The life of a gradient through them (stage 2; stage 1 all-reduces into its view of the flat
+gradient instead)::
+
+    backward: autograd accumulates p.grad ──hook──▶ ParamRecord  WAITING ─▶ TAKEN  (copied into
+                                                    │                        its bucket's staging)
+                                                    └▶ bucket.ready += 1
+    every parameter of the bucket in, and every bucket before it in the launch order launched:
+        BucketRecord  WAITING ─▶ LAUNCHED (reduce-scatter of staging into this rank's shard part)
+                               ─▶ LANDED  (staging freed)
+    end of backward: every record back to WAITING; p.grad = the placeholder (GradSlot.PLACEHOLDER)
+    step: each record's shard range (local) is updated, then each bucket's all-gather starts
+          (BucketRecord.gather) and is waited for before the next forward uses its weights.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from shardopt.core._layout import FlatLayout, ParamSpan, Range
+
+
+class ParamState(enum.Enum):
+    """Where one parameter's gradient is in the open round; the round's end sets every one WAITING."""
+
+    WAITING = "waiting"  # nothing taken in this round yet
+    TAKEN = "taken"  # its gradient (or zero) is in its bucket; another one in this round is a second gradient
+    ABSENT = "absent"  # this backward pass will not reach it: counted in at once; a gradient for it is refused
+
+
+_PARAM_NEXT = {
+    ParamState.WAITING: {ParamState.TAKEN, ParamState.ABSENT, ParamState.WAITING},
+    ParamState.TAKEN: {ParamState.WAITING},
+    ParamState.ABSENT: {ParamState.TAKEN, ParamState.WAITING},
+}
+
+
+class GradSlot(enum.Enum):
+    """What the optimizer last put in ``p.grad`` (the user may have changed it since: see
+    :meth:`ParamRecord.holds`)."""
+
+    OWN = "own"  # nothing of the optimizer's: None, autograd's tensor, or (stage 1) its view of the flat gradient
+    PLACEHOLDER = "placeholder"  # stage 2 after a round: the storage-less placeholder; the values are in the shard
+    ACCUMULATING = "accumulating"  # the placeholder stands for a 16-bit gradient summed in fp32 under no_sync
+
+
+class Holds(enum.Enum):
+    """What ``p.grad`` holds now, as :meth:`ParamRecord.holds` reads it."""
+
+    NONE = "none"  # p.grad is None
+    VIEW = "view"  # stage 1: the parameter's own view of the flat gradient
+    PLACEHOLDER = "placeholder"  # the parameter's placeholder, as placed
+    ZEROED = "zeroed"  # the placeholder, zeroed (p.grad.zero_()) since it was placed
+    TENSOR = "tensor"  # another tensor: autograd's new gradient, or one assigned by hand
+
+
+class Reach(enum.Enum):
+    """How a backward pass reaches the parameter (see reduce._rounds [Note: launch order])."""
+
+    DIRECT = "direct"  # the outer pass shows it: counted ready at once where that pass will not reach it
+    NESTED = "nested"  # its gradient may come from a pass nested in the outer one: never counted ahead
+
+
+class BucketState(enum.Enum):
+    """Where one bucket's reduction is in the open round; the round's end sets every one WAITING."""
+
+    WAITING = "waiting"  # gradients coming in (``ready`` counts them)
+    LAUNCHED = "launched"  # staged and its collectives issued
+    LANDED = "landed"  # its reduction arrived; staging freed
+
+
+_BUCKET_NEXT = {
+    BucketState.WAITING: {BucketState.LAUNCHED},
+    BucketState.LAUNCHED: {BucketState.LANDED},
+    BucketState.LANDED: {BucketState.WAITING},
+}
+
+
+@dataclass(eq=False)
+class ParamRecord:
+    """One trained parameter: where it lies, where its gradient is, what it was bound to."""
+
+    index: int  # position in its flat buffer
+    param: torch.nn.Parameter
+    name: str  # how messages name it
+    group: int  # its param group's index
+    span: ParamSpan  # shape and global range in the flat buffer
+    local: Range | None  # this rank's part of it, relative to the start of this rank's shard; None: no part
+    bucket: BucketRecord = field(init=False, repr=False)
+    at: slice = field(init=False, repr=False)  # its elements within its bucket (a bucket-sized buffer)
+    accumulator: Any = None  # autograd's gradient accumulator, held so that autograd keeps using this one
+    placeholder: Tensor | None = None  # its stage-2 / no_sync placeholder (reduce._grad_placeholder)
+    state: ParamState = ParamState.WAITING
+    slot: GradSlot = GradSlot.OWN
+    used: bool = False  # got a gradient on this rank since its gradient was last zeroed
+    reach: Reach = Reach.DIRECT
+    gradless: bool = False  # before the first round, used only in forwards without gradients
+    arrived: bool = False  # its gradient arrived in the first round (the arrival order lists it)
+    replaced: bool = False  # stage 2: p.grad replaced by a tensor after backward; reported at the step
+    trained: bool = True  # some rank has a gradient for it at this step: the update touches it (step._usage_checks)
+    hook: Any = None  # the handle of its post-accumulate-grad hook (reduce._rounds)
+    kept_bytes: int = 0  # its .grad kept across no_sync backward passes, bytes
+    first_use: int | None = None  # position of its first use in the forwards before the first round
+    forward_with_grad: bool = False  # its module ran a forward with gradients enabled then
+    forward_without_grad: bool = False  # ... and with gradients disabled
+    ptr: int = 0  # data_ptr of its storage when last bound
+    version: int = 0  # its version counter when its value was last taken
+    rebound: bool = False  # re-bound to the flat buffer since then: written, though its version did not move
+    lag: int = 0  # steps it was left out of (no rank had a gradient): its step count is the optimizer's minus this
+
+    def to(self, state: ParamState) -> None:
+        """The one place ``state`` changes."""
+        assert state in _PARAM_NEXT[self.state], (self.name, self.state, state)
+        self.state = state
+
+    def place(self, slot: GradSlot) -> None:
+        """The one place ``slot`` changes: what the optimizer just put in ``p.grad``. The placeholder
+        knows whether it stands for an fp32 sum, for the message it raises when its values are read."""
+        self.slot = slot
+        if self.placeholder is not None:
+            self.placeholder.accumulating = slot is GradSlot.ACCUMULATING
+
+    def holds(self) -> Holds:
+        """What ``p.grad`` holds now. A question: changes nothing."""
+        g = self.param.grad
+        if g is None:
+            return Holds.NONE
+        if g is self.placeholder:
+            return Holds.ZEROED if g.zeroed else Holds.PLACEHOLDER
+        if self.bucket.view_of(self) is not None and g.data_ptr() == self.bucket.view_of(self).data_ptr():
+            return Holds.VIEW
+        return Holds.TENSOR
+
+    @property
+    def seen_placeholder(self) -> Tensor | None:
+        """The placeholder when ``p.grad`` still is it (the gradient autograd added to it is
+        ``pending``); else None."""
+        g = self.param.grad
+        return g if g is not None and g is self.placeholder else None
+
+
+@dataclass(eq=False)
+class BucketRecord:
+    """One bucket of one flat buffer: reduced together in backward, gathered together after a step."""
+
+    index: int  # position in its flat buffer's buckets
+    buffer: int  # which flat buffer of the optimizer
+    params: tuple[ParamRecord, ...]
+    global_range: Range  # its elements of the flat buffer, padding up to the next bucket included
+    local: Range  # this rank's part of it, relative to the start of this rank's shard (may be empty)
+    pieces: tuple[Range, ...]  # each rank's part of it, relative to the bucket start: how its reduction is cut
+    gather_pieces: tuple[Range, ...]  # each rank's global range of it: what its weight all-gather assembles
+    position: int = -1  # its place among every bucket of the optimizer (reduce._rounds)
+    ready: int = 0  # parameters in for the open round
+    state: BucketState = BucketState.WAITING
+    staging: Tensor | None = None  # stage 2: 1D, grad dtype, the bucket's gradients while it is reduced
+    grad_view: Tensor | None = None  # stage 1: 1D, its part of the flat gradient
+    gather: Any = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
+
+    def to(self, state: BucketState) -> None:
+        """The one place ``state`` changes."""
+        assert state in _BUCKET_NEXT[self.state], (self.buffer, self.index, self.state, state)
+        self.state = state
+
+    @property
+    def size(self) -> int:
+        """Parameters in it."""
+        return len(self.params)
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter of it is in for the open round. A question."""
+        return self.ready >= len(self.params)
+
+    @property
+    def may_nest(self) -> bool:
+        """Some parameter was used only inside reentrant checkpoints: its gradients may come from
+        several nested backward passes, so the bucket waits for the end of the outer one."""
+        return any(p.gradless for p in self.params)
+
+    def view_of(self, p: ParamRecord) -> Tensor | None:
+        """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None."""
+        if self.grad_view is None:
+            return None
+        return self.grad_view[p.at].view(p.span.shape)
+
+
+def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],
+                  layout: FlatLayout, shard_rank: int, buffer: int) -> tuple[list[ParamRecord], list[BucketRecord]]:
+    """The records of one flat buffer laid out by ``layout``, seen from ``shard_rank``. Local."""
+    shard = layout.shard_range(shard_rank)
+    records = []
+    for i, (p, name, g, span) in enumerate(zip(params, names, groups, layout.params)):
+        mine = span.global_range.intersect(shard)
+        local = mine.relative_to(shard.start) if mine.size else None
+        records.append(ParamRecord(index=i, param=p, name=name, group=g, span=span, local=local))
+    buckets = []
+    for b in layout.buckets:
+        mine = b.global_range.intersect(shard)
+        local = mine.relative_to(shard.start) if mine.size else Range(0, 0)
+        bucket = BucketRecord(index=b.index, buffer=buffer, params=tuple(records[i] for i in b.params),
+                              global_range=b.global_range, local=local,
+                              pieces=tuple(layout.bucket_pieces(b.index)),
+                              gather_pieces=tuple(layout.bucket_shard_ranges(b.index)))
+        for r in bucket.params:
+            r.bucket = bucket
+            r.at = r.span.global_range.relative_to(b.global_range.start).as_slice()
+        buckets.append(bucket)
+    return records, buckets
