@@ -22,7 +22,7 @@ from torch import Tensor
 
 from shardopt.comm._collectives import Pending
 from shardopt.core._layout import FlatLayout, Range
-from shardopt.core._records import ParamState
+from shardopt.core._records import BucketRecord, ParamRecord, ParamState
 from shardopt.reduce._rounds import RoundState
 from shardopt.update._muon_packing import MuonPacking
 from shardopt.update._sharded_buffer import ShardedBuffer
@@ -186,6 +186,17 @@ class BufferView:
         """Per bucket: it holds a parameter used only inside reentrant checkpoints, so its reduction
         waits for the end of the outer backward pass."""
         return tuple(b.may_nest for b in self._buf.buckets)
+
+    @property
+    def records(self) -> tuple[ParamRecord, ...]:
+        """One record per parameter, in buffer order: everything the optimizer keeps about it (see
+        ``core._records`` [Note: the records]). The optimizer's own objects: read, never write."""
+        return tuple(self._buf.records)
+
+    @property
+    def buckets(self) -> tuple[BucketRecord, ...]:
+        """One record per bucket, in buffer order (``layout.buckets[i]`` is ``buckets[i]``)."""
+        return tuple(self._buf.buckets)
 
     @property
     def param_states(self) -> tuple[ParamState, ...]:
