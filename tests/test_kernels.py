@@ -62,7 +62,7 @@ def test_fused_step_is_torch_adamw_with_a_correctly_rounded_sqrt():
     tests/correct_sqrt.py); the moments equal torch's as they are, whatever its sqrt."""
     from correct_sqrt import correctly_rounded_sqrt  # imported here: this file also runs as a script
 
-    fused = select("fused")
+    fused = select("fused", dtype=torch.float32, master="fp32", moments="fp32")
     for n in (1, 17, 257, 4099):
         want, got = _torch_adamw_and(fused.step_fp32, n, torch_context=correctly_rounded_sqrt)
         for name, a, b in zip(("weight", "exp_avg", "exp_avg_sq"), want, got):
@@ -72,7 +72,7 @@ def test_fused_step_is_torch_adamw_with_a_correctly_rounded_sqrt():
 
 def _run(mode: str, dtype: torch.dtype, n: int, impl: str, steps: int = 3) -> dict:
     """A few steps of one master-weight mode over an n-element shard with the ``impl`` kernels."""
-    return _run_with(select(impl), mode, dtype, n, steps)
+    return _run_with(select(impl, dtype=dtype, master=mode, moments="fp32"), mode, dtype, n, steps)
 
 
 def _run_with(kernels, mode: str, dtype: torch.dtype, n: int, steps: int = 3) -> dict:  # noqa: ANN001
@@ -106,7 +106,7 @@ def test_fused_matches_reference(mode, dtype):
     from correct_sqrt import correctly_rounded_sqrt  # imported here: this file also runs as a script
 
     for n in (1, 17, 4099):
-        kernels = select("fused")
+        kernels = select("fused", dtype=dtype, master=mode, moments="fp32")
         ref, fused = _run(mode, dtype, n, "reference"), _run_with(kernels, mode, dtype, n)
         assert torch.allclose(ref["m"], fused["m"], rtol=1e-6, atol=1e-7)
         assert torch.allclose(ref["v"], fused["v"], rtol=1e-6, atol=1e-9)
@@ -148,14 +148,15 @@ def test_fused_moments_are_the_reference_bit_for_bit(moments):
                 s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=step,
                                  grad_scale=0.25)
                 m, v = mom.operands(Range(0, n))
-                want, got = reference.moment8_scan(g, m, v, s), select("fused").moment8_scan(g, m, v, s)
+                fused = select("fused", dtype=torch.bfloat16, master="fp32", moments="8bit")
+                want, got = reference.moment8_scan(g, m, v, s), fused.moment8_scan(g, m, v, s)
                 assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), (n, step)
             continue
         for mode, dtype in [("fp32", torch.float32)] + [(m, torch.bfloat16) for m in
                                                          ("fp32", "remainder", "stochastic", "none")]:
             stored = {}
             for impl in ("reference", "fused"):
-                kernels = select(impl)
+                kernels = select(impl, dtype=dtype, master=mode, moments=moments)
                 torch.manual_seed(n)
                 strategy = make_master(mode, torch.randn(n).to(dtype), kernels=kernels, seed=7, global_offset=1000)
                 mom = make_moments(moments, n, torch.device("cpu"))
@@ -419,7 +420,7 @@ def test_small_updates_lost_without_master_kept_with_it():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_gradient_statistics_match_fp64(dtype):
     """The step's inf/NaN test and the clipping norm, compiled, against the same sums in fp64."""
-    fused = select("fused")
+    fused = select("fused", dtype=dtype, master="fp32", moments="fp32")
     gen = torch.Generator().manual_seed(5)
     g = (torch.randn(300_001, generator=gen) * torch.logspace(-6, 2, 300_001)).to(dtype)
     exact = g.double()
@@ -522,22 +523,24 @@ def _compiler_that(change):
     return compiled
 
 
+def _lose_the_fp16_residual(out, bits):
+    """A change for :func:`_compiler_that`: x - float(fp16(x)) folded to zero."""
+    out[3] = torch.zeros_like(out[3])
+
+
 def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monkeypatch):
     """A code generator that folds x - float(fp16(x)) to zero is caught before the first fused
     step: shardopt warns once, naming the codec and the torch version, and steps with the
     reference kernels, bit for bit (with SHARDOPT_KERNEL=fused it raises instead)."""
-    from shardopt.kernels import Kernels, _self_check
+    from shardopt.kernels import _self_check
 
-    def lose_the_fp16_residual(out, bits):
-        out[3] = torch.zeros_like(out[3])
-
-    monkeypatch.setattr(_self_check, "_compiled", _compiler_that(lose_the_fp16_residual))
+    monkeypatch.setattr(_self_check, "_compiled", _compiler_that(_lose_the_fp16_residual))
     _self_check.differences.cache_clear()
     try:
         monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
         got = _run("remainder", torch.float16, 4099, "reference")
-        kernels = Kernels("fused")
         with pytest.warns(RuntimeWarning, match=rf"torch {re.escape(torch.__version__)}.*fp16 residual.*reference kernel"):
+            kernels = select(dtype=torch.float16, master="remainder", moments="fp32")
             fell_back = _run_with(kernels, "remainder", torch.float16, 4099)
         assert kernels.name == "reference"
         for key in ("m", "v", "param", "rem"):
@@ -546,7 +549,7 @@ def test_a_compiler_that_drops_the_fp16_residual_gets_the_reference_kernels(monk
             assert torch.equal(a, b), key
         monkeypatch.setenv("SHARDOPT_KERNEL", "fused")
         with pytest.raises(RuntimeError, match="fp16 residual"):
-            _run_with(Kernels("fused"), "remainder", torch.float16, 17)
+            _run_with(select(dtype=torch.float16, master="remainder", moments="fp32"), "remainder", torch.float16, 17)
     finally:
         _self_check.differences.cache_clear()  # the next user checks the real compiler
 
@@ -556,7 +559,7 @@ def test_a_compiler_that_rounds_the_moments_twice_gets_the_reference_kernels(mon
     multiply-add]) the compiled moments round products and sums apart, an ulp off eager now and
     then: the self-check names them, and every mode steps with the reference kernels, bit for bit
     (with SHARDOPT_KERNEL=fused it raises instead)."""
-    from shardopt.kernels import Kernels, _self_check
+    from shardopt.kernels import _self_check
 
     def round_exp_avg_sq_twice(out, bits):  # an ulp off in places
         out[7] = torch.where(bits.repeat(2) % 7 == 0, torch.nextafter(out[7], torch.tensor(float("inf"))), out[7])
@@ -567,15 +570,15 @@ def test_a_compiler_that_rounds_the_moments_twice_gets_the_reference_kernels(mon
         monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
         for mode, dtype in (("fp32", torch.float32), ("stochastic", torch.bfloat16)):
             got = _run(mode, dtype, 257, "reference")
-            kernels = Kernels("fused")
             with pytest.warns(RuntimeWarning, match=rf"torch {re.escape(torch.__version__)}.*AdamW moments"):
+                kernels = select(dtype=dtype, master=mode, moments="fp32")
                 fell_back = _run_with(kernels, mode, dtype, 257)
             assert kernels.name == "reference"
             for key in got:
                 assert torch.equal(got[key], fell_back[key]), (mode, key)
         monkeypatch.setenv("SHARDOPT_KERNEL", "fused")
         with pytest.raises(RuntimeError, match="AdamW moments"):
-            _run_with(Kernels("fused"), "none", torch.bfloat16, 17)
+            _run_with(select(dtype=torch.bfloat16, master="none", moments="fp32"), "none", torch.bfloat16, 17)
     finally:
         _self_check.differences.cache_clear()
 
@@ -605,7 +608,7 @@ def test_a_compiler_that_folds_the_fp16_residual_leaves_the_other_modes_fused(mo
     """The fallback is as narrow as the fault: with the fp16 residual folded, the modes that do not
     write it keep the fused kernels (bit for bit what they compute with a clean check) without a
     warning, while the fp16 remainder mode falls back (the test above)."""
-    from shardopt.kernels import Kernels, _self_check
+    from shardopt.kernels import _self_check
 
     want = _run(mode, dtype, 4099, "fused")  # the real self-check: nothing differs for these modes
     def in_place_folding(weights, delta, rems):
@@ -616,9 +619,9 @@ def test_a_compiler_that_folds_the_fp16_residual_leaves_the_other_modes_fused(mo
     monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
     _self_check.differences.cache_clear()
     try:
-        kernels = Kernels("fused")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            kernels = select(dtype=dtype, master=mode, moments="fp32")
             got = _run_with(kernels, mode, dtype, 4099)
         assert kernels.name == "fused"
         assert not [w for w in caught if "shardopt" in str(w.message)], [str(w.message) for w in caught]
@@ -629,6 +632,111 @@ def test_a_compiler_that_folds_the_fp16_residual_leaves_the_other_modes_fused(mo
             assert torch.equal(a, b), key
     finally:
         _self_check.differences.cache_clear()
+
+
+def _recording_kernels(seen: set):
+    """Kernels that run the reference and add to ``seen`` what _self_check.codecs_used finds in each call."""
+    import types
+
+    from shardopt.kernels import STEP_NAMES, _self_check
+
+    def recorded(fn):
+        def run(*args, **kwargs):
+            seen.update(_self_check.codecs_used(fn, args, kwargs))
+            return fn(*args, **kwargs)
+        return run
+    return types.SimpleNamespace(name="reference", **{k: recorded(getattr(reference, k)) for k in STEP_NAMES})
+
+
+def test_the_codecs_of_a_buffer_are_the_codecs_its_calls_run():
+    """_self_check.codecs_run (a table of dtype, master mode and moments format) names exactly the
+    codecs that codecs_used finds in the real strategies' kernel calls, for every combination; a fact
+    left out stands for all of its values."""
+    from shardopt.core._config import MASTER_MODES, MOMENT_FORMATS
+    from shardopt.kernels import _self_check
+    from shardopt.moments import make_moments
+
+    n = reference.MOMENT_BLOCK * 3
+    found = {}
+    for mode in MASTER_MODES:
+        for dtype in DTYPES:
+            for moments in MOMENT_FORMATS:
+                seen: set = set()
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # fp32 weights with another mode: the fp32 master, with a warning
+                    strategy = make_master(mode, torch.randn(n).to(dtype), kernels=_recording_kernels(seen), seed=1)
+                mom = make_moments(moments, n, torch.device("cpu"))
+                g = torch.randn(n).to(dtype)
+                s = make_scalars(lr=1e-3, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_scale=1.0)
+                strategy.update_(Range(0, n), g, *mom.prepare(Range(0, n), g, s, strategy.kernels), s, 1)
+                found[mode, dtype, moments] = seen
+                want = _self_check.codecs_run(mode, dtype, moments)
+                assert set(want) == seen and len(want) == len(seen), (mode, dtype, moments, want, seen)
+    assert set(_self_check.codecs_run(None, None, None)) == set().union(*found.values()) == set(_self_check.NAMES)
+    assert set(_self_check.codecs_run("remainder", None, "fp32")) == set().union(
+        *(found["remainder", d, "fp32"] for d in DTYPES))
+
+
+def test_the_kernels_are_chosen_when_the_buffer_is_built(monkeypatch):
+    """A Kernels object holds plain functions from construction on, and the self-check runs then:
+    with a compiler that folds the fp16 residual, an fp16 remainder buffer's kernels are the
+    reference ones (with the warning) before any step, while a bf16 remainder buffer's stay fused."""
+    import types
+
+    from shardopt.kernels import STEP_NAMES, Kernels, _self_check
+
+    assert "__getattr__" not in vars(Kernels)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    monkeypatch.setattr(_self_check, "_compiled", _compiler_that(_lose_the_fp16_residual))
+    _self_check.differences.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            kept = select(dtype=torch.bfloat16, master="remainder", moments="bf16")
+        assert not [w for w in caught if "shardopt" in str(w.message)], [str(w.message) for w in caught]
+        assert kept.name == "fused" and _self_check.differences.cache_info().currsize == 1
+        with pytest.warns(RuntimeWarning, match="fp16 residual"):
+            fell_back = select(dtype=torch.float16, master="remainder", moments="fp32")
+        assert fell_back.name == "reference"
+        for name in STEP_NAMES:
+            assert type(getattr(kept, name)) is types.FunctionType and name in vars(kept), name
+            assert getattr(fell_back, name) is getattr(reference, name), name
+            assert getattr(kept, name) is not getattr(reference, name), name
+        muon = select(dtype=torch.float16, master="remainder", moments="fp32", rule="muon")
+        assert muon.name == "fused" and muon.codecs == ()  # runs no step: only the gradient statistics
+    finally:
+        _self_check.differences.cache_clear()
+
+
+def test_a_fused_kernel_that_fails_to_compile_falls_back_to_the_reference(monkeypatch):
+    """torch.compile raising at a fused function's first call: one warning, that call and every
+    later one runs the reference (the object's functions are the reference ones from then on, and
+    a caller that kept the fused one gets the reference too); with SHARDOPT_KERNEL=fused it raises."""
+    from shardopt.kernels import STEP_NAMES, fused
+
+    def no_compiler(name):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(fused, "_compiled", no_compiler)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
+    assert kernels.name == "fused"
+    kept = kernels.step_fp32
+    (w, m, v), (w_ref, m_ref, v_ref) = [(torch.ones(8), torch.zeros(8), torch.zeros(8)) for _ in range(2)]
+    s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_scale=1.0)
+    g = torch.full((8,), 0.5)
+    with pytest.warns(RuntimeWarning, match=r"torch.compile of the fused update failed \(RuntimeError: no C\+\+"):
+        kernels.step_fp32(w, g, m, v, s, None)
+    reference.step_fp32(w_ref, g, m_ref, v_ref, s, None)
+    assert kernels.name == "reference" and all(getattr(kernels, k) is getattr(reference, k) for k in STEP_NAMES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning, no second compile
+        kept(w, g, m, v, s, None)
+    reference.step_fp32(w_ref, g, m_ref, v_ref, s, None)
+    assert torch.equal(w, w_ref) and torch.equal(m, m_ref) and torch.equal(v, v_ref)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "fused")
+    with pytest.raises(RuntimeError, match="no C\\+\\+ compiler"):
+        select(dtype=torch.float32, master="fp32", moments="fp32").grad_max(g)
 
 
 _WITHOUT_ADDITIONS = r"""

@@ -48,7 +48,8 @@ def _hard_gradient(n: int, step: int) -> torch.Tensor:
 def _run(master: str, moments: str, n: int, impl: str, steps: int = 3) -> dict:
     torch.manual_seed(1)
     w0 = torch.randn(n) * 0.5
-    strategy = make_master(master, w0.to(torch.bfloat16), kernels=select(impl), seed=7, global_offset=1024)
+    kernels = select(impl, dtype=torch.bfloat16, master=master, moments=moments)
+    strategy = make_master(master, w0.to(torch.bfloat16), kernels=kernels, seed=7, global_offset=1024)
     strategy.load_state_tensors({"master": w0})
     mom = make_moments(moments, n, torch.device("cpu"))
     for step in range(1, steps + 1):
@@ -105,7 +106,8 @@ def test_fused_step_allocates_no_full_length_temporaries(monkeypatch):
     with torch._inductor.config.patch(force_disable_caches=True):
         for moments in ("bf16", "8bit"):
             for n in (64 * 4099, 64 * 5003):  # the second length compiles the dynamic-shape kernel
-                strategy = make_master("fp32", torch.randn(n).to(torch.bfloat16), kernels=select("fused"))
+                kernels = select("fused", dtype=torch.bfloat16, master="fp32", moments=moments)
+                strategy = make_master("fp32", torch.randn(n).to(torch.bfloat16), kernels=kernels)
                 mom = make_moments(moments, n, torch.device("cpu"))
                 g = torch.randn(n).to(torch.bfloat16)
                 s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1, grad_scale=1.0)

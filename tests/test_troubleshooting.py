@@ -89,11 +89,9 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",
-    ("shardopt/kernels/__init__.py", "Kernels.__getattr__", "AttributeError"):
-        "the attribute name only, as Python's own AttributeError for a missing attribute",
-    ("shardopt/kernels/__init__.py", "Kernels.__getattr__.fn", "raise"):
-        "with SHARDOPT_KERNEL=fused, re-raises torch.compile's own error or the self-check's RuntimeError "
-        "(collected in Kernels._self_check_failed)",
+    ("shardopt/kernels/__init__.py", "Kernels._compile_failed", "error"):
+        "with SHARDOPT_KERNEL=fused, re-raises torch.compile's own error (from a fused function's first call, "
+        "fused.with_fallback, or from the self-check at construction)",
 }
 
 

@@ -1,19 +1,21 @@
 """The update math: ``reference`` (plain PyTorch, the oracle) and ``fused`` (the same code compiled).
 
-:func:`select` picks the implementation: the environment variable ``SHARDOPT_KERNEL`` forces
-``fused`` or ``reference``; otherwise (``auto``) the fused path is used and, should compilation
-fail or the compiled code differ from the reference in a codec a call runs (see
-:mod:`shardopt.kernels._self_check`), the reference with a warning.
+:func:`select` picks the implementation, once, for one sharded buffer: the environment variable
+``SHARDOPT_KERNEL`` forces ``fused`` or ``reference``; otherwise (``auto``) the fused path is used
+unless the compiled code differs from the reference in a codec that buffer's step runs (see
+:mod:`shardopt.kernels._self_check`), and the reference is used instead, with a warning. Should
+compilation itself fail at a kernel's first call, the object goes over to the reference then (see
+fused [Note: compile failure]).
 """
 from __future__ import annotations
 
 import os
-import types
 import warnings
+from typing import Iterable
 
 import torch
 
-from shardopt.kernels import reference
+from shardopt.kernels import _self_check, reference
 from shardopt.kernels.codecs import round_to_dtype
 from shardopt.kernels.reference import adamw_update_, make_scalars
 
@@ -24,78 +26,78 @@ STEP_NAMES = ("step_fp32", "step_remainder", "step_stochastic", "step_none", "mo
 
 
 class Kernels:
-    """The step functions and gradient statistics of one implementation (one object per sharded
-    buffer, so per master mode, weight dtype and moments); a fused one falls back to the reference
-    (with one warning) the first time compilation fails or a call needs a codec this torch's
-    compiler gets wrong."""
+    """The step functions and gradient statistics of one sharded buffer (one object per buffer, so
+    per master mode, weight dtype, moments and device), chosen at construction: each name of
+    :data:`STEP_NAMES` is an attribute holding a plain function, the fused one or the reference
+    one, and ``name`` says which ("fused" or "reference").
 
-    def __init__(self, name: str) -> None:
+    ``Kernels("fused", codecs, device)`` runs the self-check for ``codecs`` (the codecs the buffer's
+    step runs, see _self_check.codecs_run; every codec when left out) on ``device`` and takes the
+    reference, with one warning, when one of them differs (a RuntimeError under
+    ``SHARDOPT_KERNEL=fused``). A compile failure at a fused function's first call moves the object
+    to the reference then (see fused [Note: compile failure])."""
+
+    def __init__(self, name: str, codecs: Iterable[str] = _self_check.NAMES,
+                 device: torch.device | str = "cpu") -> None:
+        self.codecs = tuple(codecs)  # the checked codecs this buffer's step runs
+        self.device = str(device)
+        self._use("fused" if name == "fused" and self._codecs_compile_exactly() else "reference")
+
+    def _use(self, name: str) -> None:
+        """Bind every step function to implementation ``name``."""
         self.name = name
-        self._impl: types.ModuleType = reference
         if name == "fused":
-            from shardopt.kernels import fused
+            from shardopt.kernels import fused  # imports the compiler's machinery: only when used
 
-            self._impl = fused
-
-    def __getattr__(self, step_name: str):  # noqa: ANN204 - first use of a step function; cached below
-        if step_name not in STEP_NAMES:
-            raise AttributeError(step_name)
-        if self._impl is reference:
-            fn = getattr(reference, step_name)
+            for step_name in STEP_NAMES:
+                setattr(self, step_name, fused.with_fallback(step_name, self._compile_failed))
         else:
-            fused_fn, reference_fn = getattr(self._impl, step_name), getattr(reference, step_name)
-            checked = []  # the first call passed the self-check: one buffer's calls run the same codecs
+            for step_name in STEP_NAMES:
+                setattr(self, step_name, getattr(reference, step_name))
 
-            def fn(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
-                if self._impl is reference:  # an earlier compile failed, or the self-check
-                    return reference_fn(*args, **kwargs)
-                try:
-                    if not checked:
-                        if self._self_check_failed(reference_fn, args, kwargs):
-                            return reference_fn(*args, **kwargs)
-                        checked.append(True)
-                    return fused_fn(*args, **kwargs)
-                except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
-                    if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
-                        raise
-                    warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(e).__name__}: {e}); "
-                                  "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
-                                  RuntimeWarning, stacklevel=2)
-                    self._impl, self.name = reference, "reference"
-                    return reference_fn(*args, **kwargs)
-
-        self.__dict__[step_name] = fn  # later lookups find it without building a wrapper per call
-        return fn
-
-    def _self_check_failed(self, reference_fn: types.FunctionType, args: tuple, kwargs: dict) -> bool:
-        """Whether this fused call runs a codec that this device's compiled code does not compute
-        bit for bit as eager does (see _self_check [Note: self-check]); if so, this object uses the
-        reference from now on, with one warning (an error with SHARDOPT_KERNEL=fused)."""
-        from shardopt.kernels import _self_check
-
-        used = _self_check.codecs_used(reference_fn, args, kwargs)
-        if not used:
+    def _codecs_compile_exactly(self) -> bool:
+        """Whether this device's compiled code computes every codec of ``self.codecs`` bit for bit
+        as eager does (see _self_check [Note: self-check]); if not, warns once (raises with
+        SHARDOPT_KERNEL=fused). A compile failure here is handled as at a kernel's first call."""
+        try:
+            bad = _self_check.failing(self.codecs, self.device)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
+            self._compile_failed(e)
             return False
-        device = next((str(a.device) for a in args if isinstance(a, torch.Tensor)), "cpu")
-        bad = next((name for name in _self_check.differences(device) if name in used), None)
         if bad is None:
-            return False
+            return True
         message = (f"shardopt: torch {torch.__version__}'s compiler does not compute the {bad} codec bit for bit "
-                   f"as written on {device}, so the fused update could lose precision silently; these "
+                   f"as written on {self.device}, so the fused update could lose precision silently; these "
                    "parameters use the reference kernel (slower, exact). torch 2.13 compiles every codec exactly "
                    "(see the README's install section); SHARDOPT_KERNEL=reference skips the check")
         if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
             raise RuntimeError(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
-        self._impl, self.name = reference, "reference"
-        return True
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
+        return False
+
+    def _compile_failed(self, error: Exception) -> None:
+        """torch.compile raised ``error``: re-raise it with SHARDOPT_KERNEL=fused, else warn once and
+        use the reference from now on."""
+        if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
+            raise error
+        warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(error).__name__}: {error}); "
+                      "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
+                      RuntimeWarning, stacklevel=4)
+        self._use("reference")
 
 
-def select(choice: str | None = None) -> Kernels:
-    """``choice`` or ``$SHARDOPT_KERNEL``: "fused", "reference" or "auto" (fused with fallback)."""
+def select(choice: str | None = None, *, dtype: torch.dtype | None = None, master: str | None = None,
+           moments: str | None = None, device: torch.device | str = "cpu", rule: str = "adamw") -> Kernels:
+    """The kernels of one sharded buffer. ``choice`` or ``$SHARDOPT_KERNEL``: "fused", "reference"
+    or "auto" (fused, unless the self-check or compiling fails). ``dtype`` (its weights'),
+    ``master`` (its master-weight mode) and ``moments`` (its moments format) name the codecs its
+    step runs, which the self-check covers on ``device``; one left out stands for every value
+    (a wider check). ``rule="muon"``: the buffer takes no AdamW step (Muon's update is eager), only
+    the gradient statistics, which run no codec."""
     choice = choice or os.environ.get("SHARDOPT_KERNEL", "auto")
     if choice not in ("auto", "fused", "reference"):
         raise ValueError(f"SHARDOPT_KERNEL must be 'auto', 'fused' or 'reference', got {choice!r}")
     if choice == "auto" and not hasattr(torch, "compile"):
         choice = "reference"
-    return Kernels("reference" if choice == "reference" else "fused")
+    codecs = () if rule == "muon" else _self_check.codecs_run(master, dtype, moments)
+    return Kernels("reference" if choice == "reference" else "fused", codecs, device)

@@ -14,17 +14,22 @@ fp16's range, infinities and NaNs. The remainders are also checked in the form t
 writes them (:func:`remainders_in_place`: the 16-bit weight read from an input, changed and
 written back into it, the remainder stored beside it), since a code generator can keep a codec
 exact as a new output and still fold it when the rounded value is stored in place (inductor's
-CPU code did so for fp16 on torch 2.10 to 2.12). A kernel call
-that runs a codec which differs (:func:`codecs_used`: the fp16 remainder mode's step, say) makes
-its :class:`shardopt.kernels.Kernels` use the reference kernels, with one warning naming the codec
-and the torch version; the modes built from codecs that agree stay fused. About a second, once per
-process and device, on the first fused call that runs a codec.
+CPU code did so for fp16 on torch 2.10 to 2.12). A buffer whose step runs a codec which differs
+(:func:`codecs_run`: the fp16 remainder mode's, say) gets the reference kernels when its
+:class:`shardopt.kernels.Kernels` is built, with one warning naming the codec and the torch
+version; the buffers built from codecs that agree stay fused. About a second, once per process
+and device, when the first fused kernels that run a codec are built.
+
+[Note: codecs of a buffer] Which codecs a buffer's step runs follows from what the buffer is made
+of: its weight dtype, its master-weight mode and its moments format (:func:`codecs_run`, a table).
+:func:`codecs_used` reads the same from one kernel call's arguments; tests/test_kernels.py runs
+every combination through the real strategies and checks that the two agree.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 from torch import Tensor
@@ -151,3 +156,35 @@ def codecs_used(reference_fn: Callable, args: tuple, kwargs: dict) -> tuple[str,
     if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16:
         used += ("bf16 moments",)
     return used
+
+
+_STEP_OF_MODE = {"fp32": "step_fp32", "remainder": "step_remainder", "stochastic": "step_stochastic",
+                 "none": "step_none"}  # master-weight mode -> its step function (see update._master)
+_MOMENTS_CODECS = {"fp32": (), "bf16": ("bf16 moments",), "8bit": ()}  # moments format -> its stored codec
+_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def codecs_run(master: str | None, dtype: torch.dtype | None, moments: str | None) -> tuple[str, ...]:
+    """The checked codecs (of :data:`NAMES`, in that order) that the step of a buffer of ``dtype``
+    weights, master-weight mode ``master`` and moments format ``moments`` runs (see [Note: codecs of
+    a buffer]). A fact given as None stands for every value it can take: the codecs of all of them.
+    AdamW's moments every step runs (the 8-bit scan too); fp32 weights run no weight codec in any
+    mode (they are their own master)."""
+    used = {"AdamW moments"}
+    for mode in _STEP_OF_MODE if master is None else (master,):
+        by_dtype = _WEIGHT_CODECS[_STEP_OF_MODE[mode]]
+        for weight_dtype in _WEIGHT_DTYPES if dtype is None else (dtype,):
+            used.update(by_dtype.get(weight_dtype, ()))
+    for fmt in _MOMENTS_CODECS if moments is None else (moments,):
+        used.update(_MOMENTS_CODECS[fmt])
+    return tuple(name for name in NAMES if name in used)
+
+
+def failing(codecs: Iterable[str], device: str) -> str | None:
+    """The first of ``codecs`` that this torch compiles differently from eager on ``device``, or
+    None; runs the check (:func:`differences`, cached) only when ``codecs`` is not empty. Raises
+    what compiling raises."""
+    codecs = tuple(codecs)
+    if not codecs:
+        return None
+    return next((name for name in differences(device) if name in codecs), None)

@@ -5,11 +5,20 @@ call compile for its exact shape and a second shape switch to a shape-generic ke
 segments of a shard (one per param group) cost at most two compiles per mode and dtype.
 On CPU, :mod:`shardopt.kernels._cpu_codegen` vectorises the codecs' bitcasts and, for these
 kernels only, runs two vectors per loop iteration with fast 8-bit moves and conversions.
-Compilation is lazy; if it fails, :func:`shardopt.kernels.select` falls back to the reference.
+Compilation is lazy: a kernel compiles on its first call.
+
+[Note: compile failure] Whether the compiler works shows only when it first runs (no C++ compiler,
+no Triton, an unsupported torch). A :class:`shardopt.kernels.Kernels` that chose the fused path
+therefore holds each fused function through :func:`with_fallback`: a plain function that calls the
+compiled kernel and, if that raises, hands the error to the object's ``on_failure`` (which warns
+once and rebinds every function of the object to the reference, or re-raises under
+``SHARDOPT_KERNEL=fused``) and returns the reference's result. The wrapper remembers the failure,
+so a caller that kept it runs the reference from then on too, without compiling again.
 """
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
 
@@ -65,3 +74,24 @@ def grad_max(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
 
 def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
     return _call("grad_norm_power", args, kwargs)
+
+
+def with_fallback(name: str, on_failure: Callable[[Exception], None]) -> Callable:
+    """The fused function ``name`` (one of ``shardopt.kernels.STEP_NAMES``), run as the reference
+    for good once it has raised, after ``on_failure(error)`` (see [Note: compile failure])."""
+    fused_fn, reference_fn = globals()[name], getattr(reference, name)
+    failed = False
+
+    def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the kernel's own signature and result
+        nonlocal failed
+        if not failed:
+            try:
+                return fused_fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
+                on_failure(e)
+                failed = True
+        return reference_fn(*args, **kwargs)
+
+    run.__name__ = name
+    run.__doc__ = reference_fn.__doc__
+    return run

@@ -41,7 +41,10 @@ class MasterWeights(abc.ABC):
                  seed: int = 0) -> None:
         self.param_shard = param_shard  # 1D, param dtype, view of the flat param buffer (this rank's shard)
         self.global_offset = global_offset  # element offset of the shard in the flat buffer
-        self.kernels = kernels or select()
+        # The buffer's kernels (see kernels.select); made here from what this strategy knows when not
+        # given, with the moments format unknown (so checked for every format).
+        self.kernels = kernels if kernels is not None else select(dtype=param_shard.dtype, master=self.name,
+                                                                  device=param_shard.device)
         self.seed = seed
 
     @abc.abstractmethod

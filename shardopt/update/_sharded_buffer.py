@@ -54,7 +54,9 @@ class ShardedBuffer:
         self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index)
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
-                                  global_offset=self.shard_range.start, kernels=select(), seed=config.seed)
+                                  global_offset=self.shard_range.start, seed=config.seed,
+                                  kernels=select(dtype=self.flat.dtype, master=config.master_weights,
+                                                 moments=config.moments, device=self.flat.device, rule=rule))
         self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device, config.moments) if rule == "muon" else \
             make_moments(config.moments, self.layout.shard_numel, self.flat.device)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
