@@ -20,9 +20,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
 
-test: setup  # lint-imports first: an upward import between folders or an import circle fails (setup.cfg, [importlinter])
+test: setup  # lint-imports first: an upward import between folders or an import circle fails (setup.cfg, [importlinter]);
+	# then the unit tier on both cores, then the tiers that start processes of their own, one at a time
 	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m unit -n 2
+	$(PY) -m pytest -q -m "not unit"
 
 test-fast: setup  # the layers (lint-imports), then the unit tier: nothing outside the test process, under a minute
 	$(VENV)/bin/lint-imports --no-logo
