@@ -125,6 +125,13 @@ class ShardSum(enum.Enum):
     SUMMED = "summed"  # several rounds: their fp32 sum is in accum_shard; grad_shard holds it rounded
 
 
+_SUM_NEXT = {  # FRESH never becomes SUMMED: the fp32 sum starts at a second round
+    ShardSum.FRESH: {ShardSum.FRESH, ShardSum.HELD},
+    ShardSum.HELD: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED},
+    ShardSum.SUMMED: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED},
+}
+
+
 class ShardGrads(_Store):
     """Stage 2: this rank's shard of the averaged gradient, and staging for buckets in flight.
 
@@ -146,6 +153,11 @@ class ShardGrads(_Store):
         self.accum_shard = None  # 1D fp32: the sum of several rounds since zero_grad (state SUMMED)
         self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         self.sum = ShardSum.FRESH
+
+    def _to(self, state: ShardSum) -> None:
+        """The one place ``sum`` changes after construction."""
+        assert state in _SUM_NEXT[self.sum], (self.sum, state)
+        self.sum = state
 
     @property
     def nbytes(self) -> int:
@@ -223,9 +235,9 @@ class ShardGrads(_Store):
             if at_step:
                 self.grad_shard.zero_()
                 if self.sum is ShardSum.SUMMED:
-                    self.sum = ShardSum.HELD
+                    self._to(ShardSum.HELD)  # SUMMED -> HELD: the sum went with the zeroing
             else:
-                self.sum = ShardSum.FRESH  # the next reduction overwrites the whole shard
+                self._to(ShardSum.FRESH)  # the next reduction overwrites the whole shard
             return
         for r in cleared:
             if r.local is not None:
@@ -238,12 +250,12 @@ class ShardGrads(_Store):
         assert all(b.staging is None for b in self.buckets), "staging left behind after a round"
         if self.accum_shard is not None:  # rounded once per round from the fp32 sum of the rounds so far
             self.grad_shard.copy_(self.accum_shard)
-            self.sum = ShardSum.SUMMED
+            self._to(ShardSum.SUMMED)
         else:
-            self.sum = ShardSum.HELD
+            self._to(ShardSum.HELD)
 
     def zero(self) -> None:
-        self.sum = ShardSum.FRESH  # the next round overwrites every element of grad_shard
+        self._to(ShardSum.FRESH)  # the next round overwrites every element of grad_shard
         self.accum_shard = None
 
     def local_grad(self) -> Tensor:
