@@ -100,3 +100,19 @@ def test_asking_changes_nothing() -> None:
         rec.holds()
     assert [r.slot for r in view.records] == [GradSlot.PLACEHOLDER] * len(view.records)
     opt.close()
+
+
+def test_no_table_by_parameter_or_bucket_outside_the_records() -> None:
+    """tools/count_tables.py over this tree: in the reduction, step and update paths, every list or
+    dict held as an attribute and indexed by parameter or bucket holds the records (or the
+    parameters) themselves; a new parallel table fails here."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "tools", "count_tables.py")
+    spec = importlib.util.spec_from_file_location("count_tables", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    _, per, holders = tool.count(os.path.join(os.path.dirname(__file__), ".."))
+    assert [p for p in per if p not in holders] == []
+    assert holders  # the tool still finds the records' own lists: it looks where it should

@@ -56,7 +56,7 @@ from typing import Sequence
 
 import torch
 
-from shardopt.reduce._buffer_model import replay_buffers
+from shardopt.memory._buffer_model import replay_buffers
 from shardopt.core._layout import DEFAULT_ALIGNMENT, build_layout
 from shardopt.update._muon_packing import owned_layout
 from shardopt.reduce._rounds import MAX_INFLIGHT
@@ -291,7 +291,8 @@ def estimate_memory(
             arrival = [position[i] for i in arrival]
         ranks = [rank] if rank is not None else (range(shard) if gloo else [0])
         (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize,
-                                                       hybrid=replicas > 1), r) for r in ranks)
+                                                       hybrid=replicas > 1, max_inflight=MAX_INFLIGHT), r)
+                                    for r in ranks)
     else:
         if num_params is None:
             raise ValueError("give num_params or param_shapes")

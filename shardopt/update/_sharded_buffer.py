@@ -18,7 +18,8 @@ from shardopt.core._flat import FlatParams
 from shardopt.core._layout import build_layout
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
 from shardopt.reduce._reducer import GradReducer
-from shardopt.reduce._buffer_model import replay_buffers
+from shardopt.reduce._rounds import MAX_INFLIGHT
+from shardopt.memory._buffer_model import replay_buffers
 from shardopt.update._muon_packing import owned_layout
 from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
@@ -195,7 +196,7 @@ class ShardedBuffer:
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival,
                                                  stage=self.config.stage, gloo=self.comm.backend != "nccl",
                                                  psize=self.flat.data.element_size(),
-                                                 hybrid=self.comm.hybrid)
+                                                 hybrid=self.comm.hybrid, max_inflight=MAX_INFLIGHT)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
         if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _grad_store)

@@ -1,17 +1,19 @@
 """The one model of communication buffers, used by ``memory_report().predicted`` and by
-``shardopt.estimate``: staging and receive buffers replayed bucket by bucket as ``_reducer`` and
-``_rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
+``shardopt.estimate``: staging and receive buffers replayed bucket by bucket as ``reduce._reducer``
+and ``reduce._rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
+A model of its own, from a layout alone (the estimate has no optimizer): its per-bucket tables
+are the simulation's, not the optimizer's state, which lives in ``core._records``. The callers
+pass the scheduler's ``max_inflight`` (``reduce._rounds.MAX_INFLIGHT``).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from shardopt.core._layout import FlatLayout, Range, receive_chunks
-from shardopt.reduce._rounds import MAX_INFLIGHT
 
 
 def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None, *, stage: int, gloo: bool,
-                   psize: int, hybrid: bool = False) -> tuple[int, int]:
+                   psize: int, max_inflight: int, hybrid: bool = False) -> tuple[int, int]:
     """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
     gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
     end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``hybrid``: the
@@ -32,14 +34,15 @@ def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None,
         receives.append([layout.world_size * c[rank].size for c in chunks] or [0])
         follows.append([acc * c[rank].size if hybrid else None for c in chunks] or [0 if hybrid else None])
     members = [b.params for b in layout.buckets]
-    return _replay(numels, receives, follows, members, arrival, stage=stage, psize=psize)
+    return _replay(numels, receives, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
 
 
 class _Buffers:
     """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
 
     def __init__(self, numels: Sequence[int], receives: Sequence[Sequence[int]],
-                 follows: Sequence[Sequence[int | None]], *, stage: int, psize: int) -> None:
+                 follows: Sequence[Sequence[int | None]], *, stage: int, psize: int, max_inflight: int) -> None:
+        self.max_inflight = max_inflight  # reductions in flight before the oldest is waited on
         self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
         self.recv_bytes = [[m * psize for m in r] for r in receives]  # per bucket, per collective
         self.follows = follows
@@ -64,7 +67,7 @@ class _Buffers:
             self.live += nbytes
             self.inflight.append((b, nbytes, j == len(self.recv_bytes[b]) - 1, self.follows[b][j], False))
             self._note()
-            while len(self.inflight) - self.follow_ups > MAX_INFLIGHT:
+            while len(self.inflight) - self.follow_ups > self.max_inflight:
                 self.complete()
 
     def complete(self) -> None:
