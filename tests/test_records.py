@@ -116,3 +116,16 @@ def test_no_table_by_parameter_or_bucket_outside_the_records() -> None:
     _, per, holders = tool.count(os.path.join(os.path.dirname(__file__), ".."))
     assert [p for p in per if p not in holders] == []
     assert holders  # the tool still finds the records' own lists: it looks where it should
+
+
+def test_stage1_an_empty_parameter_without_a_gradient_is_left_out_of_the_step() -> None:
+    model = _model()
+    empty = nn.Parameter(torch.empty(0))  # in the optimizer, never in the forward
+    opt = shardopt.ShardedAdamW([*model.parameters(), empty], lr=0.1, stage=1)
+    rec = next(r for r in opt.inspect().buffers[0].records if r.param is empty)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.ones(4, 5)).sum().backward()
+        opt.step()
+    assert not rec.used and not rec.trained and rec.lag == 2  # as AdamW leaves a parameter without .grad
+    opt.close()

@@ -63,6 +63,28 @@ def test_a_backward_pass_that_raises_is_lost_then_finished_by_the_next_call():
     opt.close()
 
 
+def test_a_launch_that_raised_inside_backward_is_launched_again_when_the_round_is_finished():
+    model = _chain()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
+    store = opt._buffers[0].reducer.store  # instrumented: the first launch raises, as an allocation can
+    launch, calls = store.launch, []
+
+    def flaky(bucket):  # noqa: ANN001, ANN202
+        calls.append(bucket.index)
+        if len(calls) == 1:
+            raise MemoryError("no memory for the bucket's reduction")
+        return launch(bucket)
+    store.launch = flaky
+    with pytest.raises(MemoryError):
+        opt.backward(model(torch.ones(2, 3)).sum())
+    view = opt.inspect()
+    assert view.round_state is RoundState.LOST
+    opt.zero_grad()  # meets the lost round: issues the rest of it, the bucket whose launch raised first
+    assert view.round_state is RoundState.IDLE and view.lost_round
+    assert calls[1] == calls[0] and sorted(calls[1:]) == list(range(len(view.buffers[0].layout.buckets)))
+    opt.close()
+
+
 def test_a_broken_round_refuses_every_later_call_with_its_reason():
     model = _chain()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1)

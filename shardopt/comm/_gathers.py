@@ -24,9 +24,10 @@ class WeightGathers:
         self.record_of = record_of  # id(param) -> its record, for every trained parameter (the optimizer's one index)
 
     def started(self, bucket: BucketRecord, pending: Pending) -> None:
-        """The gather of ``bucket`` was issued."""
+        """The gather of ``bucket`` was issued (a bucket still in flight keeps its place, with the new handle)."""
+        if bucket.gather is None:
+            self._started.append(bucket)
         bucket.gather = pending
-        self._started.append(bucket)
 
     def wait(self, bucket: BucketRecord) -> bool:
         """Wait for the gather of ``bucket`` if it is in flight; True if it was."""

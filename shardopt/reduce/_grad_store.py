@@ -59,9 +59,12 @@ class FlatGrads(_Store):
         return self.flat_grad.numel() * self.flat_grad.element_size()
 
     def is_storage(self, r: ParamRecord, grad: Tensor | None) -> bool:
-        """``grad`` is parameter ``r``'s own view of the buffer (autograd added to it in place)."""
-        return (grad is not None and
-                grad.data_ptr() == self.flat_grad.data_ptr() + r.span.global_range.start * self.flat_grad.element_size())
+        """``grad`` is parameter ``r``'s own view of the buffer (autograd added to it in place); an
+        empty parameter's view has no storage (``data_ptr()`` 0), like any empty gradient."""
+        if grad is None:
+            return False
+        own = 0 if not r.span.numel else self.flat_grad.data_ptr() + r.span.global_range.start * self.flat_grad.element_size()
+        return grad.data_ptr() == own
 
     def put(self, r: ParamRecord, grad: Tensor | None) -> bool | None:
         """Make parameter ``r``'s view hold ``grad`` (None: no gradient) and point ``p.grad``
@@ -153,6 +156,7 @@ class ShardGrads(_Store):
         self.accum_shard = None  # 1D fp32: the sum of several rounds since zero_grad (state SUMMED)
         self.shard_accumulated = False  # accum_shard was allocated since the peaks were reset
         self.sum = ShardSum.FRESH
+        self._staging_bytes = 0  # the buckets' staging buffers held now, bytes
 
     def _to(self, state: ShardSum) -> None:
         """The one place ``sum`` changes after construction."""
@@ -191,6 +195,7 @@ class ShardGrads(_Store):
     def _staging_for(self, b: BucketRecord) -> Tensor:
         if b.staging is None:
             b.staging = torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device)
+            self._staging_bytes += b.staging.numel() * b.staging.element_size()
             self.on_alloc()
         return b.staging
 
@@ -221,12 +226,13 @@ class ShardGrads(_Store):
 
     def landed(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction arrived: its staging goes."""
-        b.staging = None
+        if b.staging is not None:
+            self._staging_bytes -= b.staging.numel() * b.staging.element_size()
+            b.staging = None
 
     def buffer_bytes(self) -> int:
         """Staging and the fp32 sum of several rounds held now, bytes."""
-        held = sum(b.staging.numel() * b.staging.element_size() for b in self.buckets if b.staging is not None)
-        return held + (self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0)
+        return self._staging_bytes + (self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0)
 
     def clear(self, cleared: Sequence[ParamRecord], at_step: bool) -> None:
         """Restart from zero the gradients of parameters ``cleared`` (zeroed by hand)."""

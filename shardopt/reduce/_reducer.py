@@ -276,7 +276,8 @@ class GradReducer:
     def launch(self, b: BucketRecord) -> Launch:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
         called in order on every rank; what to run once the last landed)."""
-        b.to(BucketState.LAUNCHED)
+        if b.state is BucketState.WAITING:  # WAITING -> LAUNCHED; already LAUNCHED: the launch raised inside a
+            b.to(BucketState.LAUNCHED)      # backward pass, and finishing the LOST round launches it again
         for r in b.params:
             self._take(r)  # parameters without a gradient this round count as zero
         return self.store.launch(b)
