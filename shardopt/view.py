@@ -165,8 +165,8 @@ class BufferView:
     @property
     def local_grad(self) -> Tensor:
         """This rank's shard of the averaged gradient, either stage (1-D, ``shard_numel``). In stage
-        2, after several rounds since ``zero_grad``, ``grad_shard`` holds their fp32 sum rounded
-        once, at the end of each round (reading changes nothing)."""
+        2, after several rounds since ``zero_grad``, their fp32 sum rounded, as ``step`` reads it
+        (a copy until the step rounds it into ``grad_shard``; reading changes nothing)."""
         return self._buf.reducer.local_grad()
 
     # -- buckets and rounds -----------------------------------------------------------------

@@ -116,6 +116,9 @@ class FlatGrads(_Store):
                 if not set_grad(r.param, b.view_of(r)):
                     r.param.grad = None
 
+    def round_sum(self) -> None:
+        """Nothing to round: stage 1 sums in the gradient itself."""
+
     def local_grad(self) -> Tensor:
         return self.flat_grad[self._shard.as_slice()]
 
@@ -125,13 +128,15 @@ class ShardSum(enum.Enum):
 
     FRESH = "fresh"  # no reduction landed since zero_grad: the next one overwrites the whole shard
     HELD = "held"  # the averaged gradient of the rounds so far, in the gradient dtype
-    SUMMED = "summed"  # several rounds: their fp32 sum is in accum_shard; grad_shard holds it rounded
+    SUMMED = "summed"  # several rounds: their fp32 sum in accum_shard is the gradient; grad_shard lags behind it
+    ROUNDED = "rounded"  # ... and grad_shard holds it rounded (``round_sum``), until another round adds to it
 
 
 _SUM_NEXT = {  # FRESH never becomes SUMMED: the fp32 sum starts at a second round
     ShardSum.FRESH: {ShardSum.FRESH, ShardSum.HELD},
     ShardSum.HELD: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED},
-    ShardSum.SUMMED: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED},
+    ShardSum.SUMMED: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED, ShardSum.ROUNDED},
+    ShardSum.ROUNDED: {ShardSum.FRESH, ShardSum.HELD, ShardSum.SUMMED},
 }
 
 
@@ -141,9 +146,9 @@ class ShardGrads(_Store):
     [Note: accumulating in the shard] Several backward passes between two steps without no_sync
     reduce every micro-batch. The averaged micro-batch gradients are then summed in an fp32 shard
     (``accumulate_dtype``, allocated at the second round: 4/N B/param; each average arrives in the
-    gradient dtype) and rounded to the gradient dtype once per round, at its end, so that the
-    shard always holds the gradient the step will read: no unsharded copy of the gradient exists
-    at any time, for one reduction per micro-batch instead of one.
+    gradient dtype) and rounded to the gradient dtype once, when the step starts (``round_sum``, from
+    ``Rounds.before_step``): no unsharded copy of the gradient exists at any time, for one
+    reduction per micro-batch instead of one.
     """
 
     keeps_views = False
@@ -240,8 +245,8 @@ class ShardGrads(_Store):
             self.accum_shard = None
             if at_step:
                 self.grad_shard.zero_()
-                if self.sum is ShardSum.SUMMED:
-                    self._to(ShardSum.HELD)  # SUMMED -> HELD: the sum went with the zeroing
+                if self.sum is not ShardSum.FRESH:
+                    self._to(ShardSum.HELD)  # the sum went with the zeroing: the zeroed shard is the gradient
             else:
                 self._to(ShardSum.FRESH)  # the next reduction overwrites the whole shard
             return
@@ -253,16 +258,22 @@ class ShardGrads(_Store):
 
     def end_round(self) -> None:
         """Every bucket of the round landed: the shard holds the gradient the step will read."""
-        assert all(b.staging is None for b in self.buckets), "staging left behind after a round"
-        if self.accum_shard is not None:  # rounded once per round from the fp32 sum of the rounds so far
+        assert self._staging_bytes == 0, "staging left behind after a round"
+        self._to(ShardSum.SUMMED if self.accum_shard is not None else ShardSum.HELD)
+
+    def round_sum(self) -> None:
+        """Round the fp32 sum of several rounds into ``grad_shard`` (once, before the step reads it). Local."""
+        if self.sum is ShardSum.SUMMED:
             self.grad_shard.copy_(self.accum_shard)
-            self._to(ShardSum.SUMMED)
-        else:
-            self._to(ShardSum.HELD)
+            self._to(ShardSum.ROUNDED)
 
     def zero(self) -> None:
         self._to(ShardSum.FRESH)  # the next round overwrites every element of grad_shard
         self.accum_shard = None
 
     def local_grad(self) -> Tensor:
+        """The gradient shard; after several rounds not yet rounded (``round_sum``), a rounded copy
+        of their fp32 sum (a question: changes nothing)."""
+        if self.sum is ShardSum.SUMMED:
+            return self.accum_shard.to(self.grad_shard.dtype)
         return self.grad_shard

@@ -276,8 +276,7 @@ class GradReducer:
     def launch(self, b: BucketRecord) -> Launch:
         """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
         called in order on every rank; what to run once the last landed)."""
-        if b.state is BucketState.WAITING:  # WAITING -> LAUNCHED; already LAUNCHED: the launch raised inside a
-            b.to(BucketState.LAUNCHED)      # backward pass, and finishing the LOST round launches it again
+        b.to(BucketState.LAUNCHED)
         for r in b.params:
             self._take(r)  # parameters without a gradient this round count as zero
         return self.store.launch(b)
@@ -312,6 +311,11 @@ class GradReducer:
         return order[::-1]
 
     # -- what the optimizer sees ---------------------------------------------------------
+    def round_sum(self) -> None:
+        """Before clip_grad_norm_ and step read the gradient: round the fp32 sum of several rounds
+        into the gradient shard, once (see _grad_store [Note: accumulating in the shard]). Local."""
+        self.store.round_sum()
+
     def local_grad(self) -> Tensor:
         """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements), once
         ``_rounds`` ran a round since ``zero_grad``. A question. Local."""

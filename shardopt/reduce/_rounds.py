@@ -230,7 +230,7 @@ class Rounds:
 
     def before_step(self) -> None:
         """At clip_grad_norm_ and step: settle, then run a round if none ran since zero_grad
-        (gradients assigned by hand). Every rank."""
+        (gradients assigned by hand); the gradient they read is then final. Every rank."""
         self.settle()
         if self.rounds == 0:
             self._open(queue=False)
@@ -238,6 +238,8 @@ class Rounds:
             # step with this tag: raise before issuing bucket collectives that no rank would match.
             self._wait_tag()
             self.finish_round()
+        for r in self.reducers:
+            r.round_sum()
 
     def zero_grad(self) -> None:
         """Forget the rounds since the last zero_grad; settles first. Local unless a round was lost."""
