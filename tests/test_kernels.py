@@ -7,6 +7,7 @@ biased or depends on how the buffer is split, and a reference that drifts from t
 from __future__ import annotations
 
 import contextlib
+import inspect
 import re
 import os
 import warnings
@@ -634,15 +635,36 @@ def test_a_compiler_that_folds_the_fp16_residual_leaves_the_other_modes_fused(mo
         _self_check.differences.cache_clear()
 
 
+def _codecs_used(reference_fn, args: tuple, kwargs: dict) -> tuple[str, ...]:  # noqa: ANN001
+    """The checked codecs (of ``_self_check.NAMES``) that ``reference_fn(*args, **kwargs)`` runs, read
+    from its arguments, independently of ``_self_check.codecs_run``'s table: AdamW's moments (every step and the 8-bit scan), the 16-bit weight it writes
+    (``param``, or ``param_out`` of the fp32 master) and its stored moments (bf16 ones are stored
+    with stochastic rounding). None for the gradient statistics."""
+    from shardopt.kernels import _self_check
+
+    if reference_fn.__name__ == "moment8_scan":
+        return ("AdamW moments",)
+    by_dtype = _self_check._WEIGHT_CODECS.get(reference_fn.__name__)
+    if by_dtype is None:
+        return ()
+    given = inspect.signature(reference_fn).bind(*args, **kwargs).arguments
+    weight = given.get("param", given.get("param_out"))
+    used = ("AdamW moments", *(by_dtype.get(weight.dtype, ()) if isinstance(weight, torch.Tensor) else ()))
+    m = given.get("m")
+    if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16:
+        used += ("bf16 moments",)
+    return used
+
+
 def _recording_kernels(seen: set):
-    """Kernels that run the reference and add to ``seen`` what _self_check.codecs_used finds in each call."""
+    """Kernels that run the reference and add to ``seen`` what _codecs_used finds in each call."""
     import types
 
     from shardopt.kernels import STEP_NAMES, _self_check
 
     def recorded(fn):
         def run(*args, **kwargs):
-            seen.update(_self_check.codecs_used(fn, args, kwargs))
+            seen.update(_codecs_used(fn, args, kwargs))
             return fn(*args, **kwargs)
         return run
     return types.SimpleNamespace(name="reference", **{k: recorded(getattr(reference, k)) for k in STEP_NAMES})
@@ -650,7 +672,7 @@ def _recording_kernels(seen: set):
 
 def test_the_codecs_of_a_buffer_are_the_codecs_its_calls_run():
     """_self_check.codecs_run (a table of dtype, master mode and moments format) names exactly the
-    codecs that codecs_used finds in the real strategies' kernel calls, for every combination; a fact
+    codecs that _codecs_used finds in the real strategies' kernel calls, for every combination; a fact
     left out stands for all of its values."""
     from shardopt.core._config import MASTER_MODES, MOMENT_FORMATS
     from shardopt.kernels import _self_check

@@ -92,7 +92,8 @@ class BucketState(enum.Enum):
 
 _BUCKET_NEXT = {
     BucketState.WAITING: {BucketState.LAUNCHED},
-    BucketState.LAUNCHED: {BucketState.LANDED},
+    # LAUNCHED again: its launch raised inside a backward pass, and finishing that LOST round launches it
+    BucketState.LAUNCHED: {BucketState.LANDED, BucketState.LAUNCHED},
     BucketState.LANDED: {BucketState.WAITING},
 }
 
@@ -148,16 +149,8 @@ class ParamRecord:
             return Holds.NONE
         if g is self.placeholder:
             return Holds.ZEROED if g.zeroed else Holds.PLACEHOLDER
-        if self.bucket.view_of(self) is not None and g.data_ptr() == self.bucket.view_of(self).data_ptr():
-            return Holds.VIEW
-        return Holds.TENSOR
-
-    @property
-    def seen_placeholder(self) -> Tensor | None:
-        """The placeholder when ``p.grad`` still is it (the gradient autograd added to it is
-        ``pending``); else None."""
-        g = self.param.grad
-        return g if g is not None and g is self.placeholder else None
+        view = self.bucket.view_of(self)
+        return Holds.VIEW if view is not None and g.data_ptr() == view.data_ptr() else Holds.TENSOR
 
 
 @dataclass(eq=False)
@@ -182,11 +175,6 @@ class BucketRecord:
         """The one place ``state`` changes."""
         assert state in _BUCKET_NEXT[self.state], (self.buffer, self.index, self.state, state)
         self.state = state
-
-    @property
-    def size(self) -> int:
-        """Parameters in it."""
-        return len(self.params)
 
     @property
     def complete(self) -> bool:

@@ -22,13 +22,12 @@ and device, when the first fused kernels that run a codec are built.
 
 [Note: codecs of a buffer] Which codecs a buffer's step runs follows from what the buffer is made
 of: its weight dtype, its master-weight mode and its moments format (:func:`codecs_run`, a table).
-:func:`codecs_used` reads the same from one kernel call's arguments; tests/test_kernels.py runs
-every combination through the real strategies and checks that the two agree.
+tests/test_kernels.py reads the same from the arguments of every kernel call the real strategies
+make, for every combination, and checks that the two agree.
 """
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Callable, Iterable
 
 import torch
@@ -137,25 +136,6 @@ _WEIGHT_CODECS = {  # step function -> the codecs it writes its 16-bit weight wi
     "step_remainder": {torch.bfloat16: ("bf16 remainder", "bf16 remainder written in place"),
                        torch.float16: ("fp16 residual", "fp16 residual written in place")},
 }
-
-
-def codecs_used(reference_fn: Callable, args: tuple, kwargs: dict) -> tuple[str, ...]:
-    """The checked codecs (of :data:`NAMES`) that ``reference_fn(*args, **kwargs)`` runs, read from
-    its arguments: AdamW's moments (every step and the 8-bit scan), the 16-bit weight it writes
-    (``param``, or ``param_out`` of the fp32 master) and its stored moments (bf16 ones are stored
-    with stochastic rounding). None for the gradient statistics."""
-    if reference_fn.__name__ == "moment8_scan":
-        return ("AdamW moments",)
-    by_dtype = _WEIGHT_CODECS.get(reference_fn.__name__)
-    if by_dtype is None:
-        return ()
-    given = inspect.signature(reference_fn).bind(*args, **kwargs).arguments
-    weight = given.get("param", given.get("param_out"))
-    used = ("AdamW moments", *(by_dtype.get(weight.dtype, ()) if isinstance(weight, torch.Tensor) else ()))
-    m = given.get("m")
-    if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16:
-        used += ("bf16 moments",)
-    return used
 
 
 _STEP_OF_MODE = {"fp32": "step_fp32", "remainder": "step_remainder", "stochastic": "step_stochastic",

@@ -47,9 +47,10 @@ class HeldBytes:
 
     def forget(self, records: Sequence[ParamRecord]) -> None:
         """Gradients zeroed: no ``.grad`` of ``records`` is kept any more."""
-        for r in records:
-            r.kept_bytes = 0
-        self._loose_total = 0
+        if self._loose_total:  # else no record keeps any
+            for r in records:
+                r.kept_bytes = 0
+            self._loose_total = 0
 
     def buffers_grew(self) -> None:
         """A buffer was allocated or a collective issued."""

@@ -58,7 +58,7 @@ class UsageChecks:
         for b in self.buffers:
             regraded |= b.reducer.follow_views()
             regraded |= b.reducer.apply_zeroing(at_step=True)
-            b.binding.rebind(b.binding.changes()[1])
+            b.binding.follow()
         self.seconds += time.perf_counter() - start
         return regraded
 

@@ -102,8 +102,9 @@ class ShardedBuffer:
                     s, gr = scalars[key], grad[r.as_slice()]
                     self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels), s, step - key[1])
             gathers.append((b, self._gather(b)))
-        for r in self.records:
-            r.lag += not r.trained
+        if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
+            for r in self.records:
+                r.lag += not r.trained
         return gathers
 
     def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
