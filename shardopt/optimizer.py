@@ -47,6 +47,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     replicates across the groups (hybrid sharding; see ``_collectives`` [Note: hybrid sharding]);
     a 1-D mesh, like ``process_group``, shards over all its ranks. Pass one or the other.
 
+    ``offload="cpu"``: this rank's master weights, moments and a copy of its gradient shard live
+    in host memory and are updated there, bucket by bucket, by the fused CPU kernels; the
+    weights and gradient buckets stay on the accelerator (see ``shardopt.update._offload``). The
+    results are bit for bit those without it.
+
     Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
     per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
     gradient for is left untouched, as AdamW leaves a parameter whose ``.grad`` is None.
@@ -73,13 +78,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         seed: int = 0,
         timeout: float | None = None,
         max_consecutive_skips: int | None = 3,
+        offload: str | None = None,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         require_torch_internals()  # see _compat
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout,
-                                  max_consecutive_skips=max_consecutive_skips)
+                                  max_consecutive_skips=max_consecutive_skips, offload=offload)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay))

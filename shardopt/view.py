@@ -129,6 +129,18 @@ class BufferView:
         return self._buf.master.fp32()
 
     @property
+    def offload(self) -> str | None:
+        """Where the master weights and moments live: None (beside the weights) or ``"cpu"`` (host memory)."""
+        return self._buf.placement.name
+
+    @property
+    def host_buffer(self) -> Tensor | None:
+        """``offload="cpu"``: the one host allocation (1-D uint8, bytes) the offloaded state and copies
+        are carved from (each bucket's views are in ``buckets[i].host``); else None."""
+        buffer = getattr(self._buf.placement, "buffer", None)
+        return None if buffer is None else buffer.data
+
+    @property
     def moments(self) -> str:
         """The moment format: ``"fp32"``, ``"bf16"`` or ``"8bit"``."""
         return self._buf.moments.name

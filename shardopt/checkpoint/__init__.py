@@ -382,7 +382,7 @@ def _read_extra(path: str) -> Any:
 def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
     """``model_keys``: (id of buffer, index in it) -> state-dict key of that parameter."""
     for b in opt._buffers:
-        b.master.load_state_tensors({"master": staging[id(b)]})  # also writes this rank's weight shard
+        b.load_master({"master": staging[id(b)]})  # also writes this rank's weight shard
     for pending in [b.gather_params() for b in opt._buffers]:
         pending.wait()
     for g, saved in zip(opt.param_groups, manifest["param_groups"]):

@@ -206,7 +206,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
                     shard[local.as_slice()] = full[in_param.as_slice()]
         for b in opt._buffers:
             b.moments.load_(*moments[id(b)])
-            b.master.load_state_tensors({"master": masters[id(b)]})
+            b.load_master({"master": masters[id(b)]})
         for pending in [b.gather_params() for b in opt._buffers]:
             pending.wait()
     ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())

@@ -75,7 +75,7 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
     for saved, b in zip(sd["buffers"], opt._buffers):
         for k, t in b.moments.tensors().items():
             t.copy_(saved[k])
-        b.master.load_state_tensors(saved)
+        b.load_master(saved)
         for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
             r.lag = int(lag)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):

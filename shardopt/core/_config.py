@@ -11,6 +11,7 @@ import torch
 
 MASTER_MODES = ("fp32", "remainder", "stochastic", "none")  # master_weights=: one strategy each in update._master
 MOMENT_FORMATS = ("fp32", "bf16", "8bit")  # moments=: one strategy each in update._moments
+OFFLOAD_TARGETS = (None, "cpu")  # offload=: one placement each in update._offload
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -26,6 +27,7 @@ class ShardConfig:
     overlap_param_gather: bool = False
     timeout: float | None = None  # seconds a collective may take before every waiting rank raises
     max_consecutive_skips: int | None = 3  # inf/NaN steps in a row, with no dynamic loss scale, that raise
+    offload: str | None = None  # where this rank's master weights, moments and gradient copy live (see update._offload)
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -35,6 +37,10 @@ class ShardConfig:
             raise ValueError(f"unknown master_weights={self.master_weights!r}; choose one of {sorted(MASTER_MODES)}")
         if self.moments not in MOMENT_FORMATS:
             raise ValueError(f"unknown moments={self.moments!r}; choose one of {sorted(MOMENT_FORMATS)}")
+        if self.offload not in OFFLOAD_TARGETS or isinstance(self.offload, bool):
+            raise ValueError(f"unknown offload={self.offload!r}; choose None (optimizer state on the parameters' "
+                             "device) or 'cpu' (master weights, moments and the gradient shard in host memory, "
+                             "updated there)")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {self.bucket_cap_mb!r}")
         import torch

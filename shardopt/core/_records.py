@@ -28,6 +28,8 @@ gradient instead)::
     end of backward: every record back to WAITING; p.grad = the placeholder (GradSlot.PLACEHOLDER)
     step: each record's shard range (local) is updated, then each bucket's all-gather starts
           (BucketRecord.gather) and is waited for before the next forward uses its weights.
+          offload="cpu": the bucket's gradient is first copied to host memory (BucketRecord.host),
+          updated there, and its new weights copied back before its gather starts.
 """
 from __future__ import annotations
 
@@ -154,6 +156,19 @@ class ParamRecord:
 
 
 @dataclass(eq=False)
+class HostCopy:
+    """A bucket's part of this rank's shard in host memory (``offload="cpu"``, see update._offload):
+    views of the placement's one host allocation over the bucket's ``local`` range, and the events
+    of the copies in flight (CUDA events on an accelerator; None where a copy completes at once)."""
+
+    weights: Tensor  # 1D, param dtype: the host copy of its weights, which the update writes
+    device_weights: Tensor  # 1D, param dtype: the same range of the flat param buffer, on the accelerator
+    grad: Tensor | None  # 1D, grad dtype: the host copy of its averaged gradient (None: not copied, Muon)
+    grad_copied: Any = None  # recorded when its gradient's device-to-host copy was issued
+    weights_copied: Any = None  # recorded when its new weights' host-to-device copy was issued
+
+
+@dataclass(eq=False)
 class BucketRecord:
     """One bucket of one flat buffer: reduced together in backward, gathered together after a step."""
 
@@ -170,6 +185,7 @@ class BucketRecord:
     staging: Tensor | None = None  # stage 2: 1D, grad dtype, the bucket's gradients while it is reduced
     grad_view: Tensor | None = None  # stage 1: 1D, its part of the flat gradient
     gather: Any = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
+    host: HostCopy | None = None  # offload="cpu": its part of the shard in host memory, and the copies' events
 
     def to(self, state: BucketState) -> None:
         """The one place ``state`` changes."""

@@ -57,6 +57,7 @@ from typing import Sequence
 import torch
 
 from shardopt.memory._buffer_model import replay_buffers
+from shardopt.core._config import OFFLOAD_TARGETS
 from shardopt.core._layout import DEFAULT_ALIGNMENT, build_layout
 from shardopt.update._muon_packing import owned_layout
 from shardopt.reduce._rounds import MAX_INFLIGHT
@@ -102,6 +103,13 @@ class MemoryEstimate:
     buckets: int  # gradient buckets, each one reduction (and one all-gather) per step
     ddp: dict[str, int]  # the same parameters under DDP + mixed-precision AdamW, by category
     ddp_comm: int  # bytes sent per rank per step by DDP's gradient all-reduce
+    offload: str | None = None  # "cpu": master, moments and extra are in host memory, not on the accelerator
+    host: int = 0  # bytes of host memory per rank for the offloaded state and the weight and gradient copies
+
+    @property
+    def accelerator(self) -> int:
+        """Bytes on the accelerator of one rank: ``total`` less the offloaded state."""
+        return self.total - (self.master + self.exp_avg + self.exp_avg_sq + self.extra if self.offload else 0)
 
     @property
     def total(self) -> int:
@@ -220,6 +228,7 @@ def estimate_memory(
     moments: str = "fp32",
     shard_size: int | None = None,
     rule: str = "adamw",
+    offload: str | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -238,9 +247,13 @@ def estimate_memory(
     estimates ``ShardedMuon``'s Muon matrices (one momentum buffer, fp32 or with ``moments="bf16"``
     bf16, counted as ``exp_avg``;
     with ``param_shapes``, each matrix placed whole in one rank's shard, padding included); a
-    ShardedMuon's AdamW parameters are a second estimate with ``rule="adamw"``. Needs no process
-    group; call it anywhere.
+    ShardedMuon's AdamW parameters are a second estimate with ``rule="adamw"``. ``offload="cpu"``:
+    the master weights, moments and extras are counted in ``host`` with the host copies of the
+    weight and gradient shards (Muon: of the weights only), and ``accelerator`` leaves them out.
+    Needs no process group; call it anywhere.
     """
+    if offload not in OFFLOAD_TARGETS or isinstance(offload, bool):
+        raise ValueError(f"offload must be None or 'cpu', got {offload=!r}")
     if rule not in ("adamw", "muon"):
         raise ValueError(f"rule must be 'adamw' or 'muon', got {rule=!r}")
     world_size = _as_count("world_size", world_size, 1)
@@ -319,8 +332,11 @@ def estimate_memory(
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
     cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * (max(psize, 4) if gloo else psize) // psize
+    shard_numel = padded // shard
+    host = 0 if offload is None else (formula["master"] + formula["exp_avg"] + formula["exp_avg_sq"] + formula["extra"]
+                                      + shard_numel * psize * (1 if rule == "muon" else 2))
     return MemoryEstimate(
-        num_params=num_params, world_size=world_size, shard_size=shard, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
+        offload=offload, host=host, num_params=num_params, world_size=world_size, shard_size=shard, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
         padded_numel=padded, **formula, backend=backend, rank=chosen, buffers_slack=slack,
         comm_reduce=_ring(shard, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(shard, nbytes, 1), comm_cross=cross, buckets=buckets,
         ddp=ddp_adamw_bytes(num_params, dtype), ddp_comm=_ring(world_size, num_params * psize, 2))

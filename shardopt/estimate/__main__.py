@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=None,
                    help="hybrid sharding: shard over S ranks (typically one node), replicate across world_size / S")
     p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node, for the ring steps that cross nodes")
+    p.add_argument("--offload", action="store_true",
+                   help="offload='cpu': master weights and moments in host memory; adds a host column, and "
+                        "the totals count the accelerator")
     p.add_argument("--detail", action="store_true", help="also print every category of each estimate")
     p.add_argument("--compact", action="store_true", help="one row per (parameters, world size)")
     return p.parse_args(argv)
@@ -77,13 +80,15 @@ def _markdown(rows: list[list[str]]) -> str:
 def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend, moments=args.moments)
+              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None)
     shards = [None] + ([args.shard_size] if args.shard_size and args.shard_size != world else [])
     ests = [estimate_memory(n, world, s, m, shard_size=sh, **kw) for s in args.stage for m in args.master_weights
             for sh in shards]
     hybrid = len(shards) > 1
     head = ["scheme", "params", "grads", "master", "moments", "extra", "buffers", "total GiB", "B/param",
             "sent/step GB", f"floor @{args.bandwidth:g} GB/s"]
+    if args.offload:  # the state moves to the host: the totals are the accelerator's
+        head[7:9] = ["accelerator GiB", "B/param", "host GiB"]
     if hybrid:
         head += ["in rings across nodes GB", f"inter-node ring steps ({args.gpus_per_node}/node)"]
     rows = [head]
@@ -91,16 +96,18 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
     d = first.ddp
     rows.append(["DDP + AdamW"] + [_fmt_gib(v, None) for v in (d["params"], d["grads"], d["master"],
                                                                 d["exp_avg"] + d["exp_avg_sq"], d["extra"], d["buffers"])]
-                + [_fmt_gib(first.ddp_total, args.gpu_memory), f"{first.ddp_total / n:.2f}",
+                + [_fmt_gib(first.ddp_total, args.gpu_memory), f"{first.ddp_total / n:.2f}"]
+                + (["0.00"] if args.offload else []) + [
                    f"{first.ddp_comm / 1e9:,.2f}", f"{first.ddp_comm / (args.bandwidth * 1e9):.3f} s"]
                 + (["-", "-"] if hybrid else []))
     for e in ests:
         layout = f", {e.replicas}x{e.shard_size} hybrid" if e.shard_size != e.world_size else (", flat" if hybrid else "")
         rows.append([f"stage {e.stage}, {e.master_weights}" + (f", {e.moments} moments" if e.moments != "fp32" else "")
-                     + layout]
+                     + layout + (", offload='cpu'" if e.offload else "")]
                     + [_fmt_gib(v, None) for v in (e.params, e.grads, e.master, e.exp_avg + e.exp_avg_sq,
                                                    e.extra, e.buffers)]
-                    + [_fmt_gib(e.total, args.gpu_memory), f"{e.bytes_per_param:.2f}", f"{e.comm_bytes / 1e9:,.2f}",
+                    + [_fmt_gib(e.accelerator, args.gpu_memory), f"{e.accelerator / n:.2f}"]
+                    + ([_fmt_gib(e.host, None)] if args.offload else []) + [f"{e.comm_bytes / 1e9:,.2f}",
                        f"{e.comm_seconds(args.bandwidth):.3f} s"]
                     + ([f"{_across(e, args.gpus_per_node) / 1e9:,.2f}", f"{e.ring_hops(args.gpus_per_node)[1]:,}"]
                        if hybrid else []))

@@ -10,6 +10,11 @@ buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumu
 (high-water mark). ``peak`` holds each category's high-water mark since the optimizer was built
 or ``reset_peak_memory()``: ``grads`` there includes the ``.grad`` tensors autograd holds during
 backward until the optimizer takes them.
+
+With ``offload="cpu"`` the categories stay what is held, wherever it is: ``master``, ``exp_avg``,
+``exp_avg_sq`` and ``extra`` are then in host memory, and ``host`` counts the host bytes (those
+four plus ``host_copies``, the host copies of the weight and gradient shards, and alignment);
+``accelerator`` and ``accelerator_peak`` count the rest.
 """
 from __future__ import annotations
 
@@ -41,6 +46,20 @@ class MemoryReport:
     rank: int = 0
     stage: int = 2
     shard_size: int = 0  # ranks the state is sharded over (hybrid sharding: fewer than world_size); 0: world_size
+    offload: str | None = None  # "cpu": master, moments and extras live in host memory (see update._offload)
+    host: int = 0  # bytes of host memory held for the offloaded state: the one buffer per flat buffer
+    host_copies: int = 0  # of which the host copies of the weight and gradient shards
+
+    @property
+    def accelerator(self) -> int:
+        """Bytes held on the parameters' device now: everything but what is offloaded to host memory."""
+        return self.total - (self.optimizer_state if self.offload else 0)
+
+    @property
+    def accelerator_peak(self) -> int:
+        """The most bytes held on the parameters' device at one moment (``peak_total`` less the
+        offloaded state, which never moves)."""
+        return self.peak_total - (self.optimizer_state if self.offload else 0)
 
     @property
     def total(self) -> int:
@@ -75,7 +94,8 @@ class MemoryReport:
                             grads_peak=max(self.grads, self.grads_peak) + max(other.grads, other.grads_peak),
                             held_peak=self.held_peak + other.held_peak if self.held_peak and other.held_peak else 0,
                             world_size=self.world_size, rank=self.rank, stage=self.stage, shard_size=self.shard_size,
-                            cuda_max_allocated=self.cuda_max_allocated)
+                            cuda_max_allocated=self.cuda_max_allocated, offload=self.offload or other.offload,
+                            host=self.host + other.host, host_copies=self.host_copies + other.host_copies)
 
     def __str__(self) -> str:
         per = max(self.num_params, 1)
@@ -92,6 +112,11 @@ class MemoryReport:
             rows.append(f"| {c:<10} | {m:>14,} | {top:>14,} | {p:>14,} | {m / per:>7.3f} |")
         rows.append("(buffers: high-water mark; peak: since the optimizer was built or reset_peak_memory(); "
                     "peak total: the most held at one moment)")
+        if self.offload:
+            rows.append(f"offload={self.offload!r}: master, exp_avg, exp_avg_sq and extra are in host memory; host "
+                        f"holds {self.host:,} bytes (with {self.host_copies:,} of weight and gradient copies), the "
+                        f"accelerator {self.accelerator:,} now and {self.accelerator_peak:,} at peak "
+                        f"({self.accelerator / per:.3f} B/param)")
         if self.cuda_max_allocated is not None:
             rows.append(f"torch.cuda.max_memory_allocated(): {self.cuda_max_allocated:,} bytes (activations included)")
         return "\n".join(rows)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import warnings
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -38,8 +39,12 @@ class MasterWeights(abc.ABC):
     name = ""
 
     def __init__(self, param_shard: Tensor, *, global_offset: int = 0, kernels: Kernels | None = None,
-                 seed: int = 0) -> None:
-        self.param_shard = param_shard  # 1D, param dtype, view of the flat param buffer (this rank's shard)
+                 seed: int = 0, empty: Callable[[int, torch.dtype], Tensor] | None = None) -> None:
+        # 1D, param dtype: this rank's shard of the weights, a view of the flat param buffer (or, offloaded,
+        # its host copy: see update._offload)
+        self.param_shard = param_shard
+        # how this strategy allocates its own tensors: (elements, dtype) -> 1D tensor beside param_shard
+        self.empty = empty or (lambda n, dtype: torch.empty(n, dtype=dtype, device=param_shard.device))
         self.global_offset = global_offset  # element offset of the shard in the flat buffer
         # The buffer's kernels (see kernels.select); made here from what this strategy knows when not
         # given, with the moments format unknown (so checked for every format).
@@ -103,7 +108,9 @@ class FP32Master(MasterWeights):
     def __init__(self, param_shard: Tensor, **kw: object) -> None:
         super().__init__(param_shard, **kw)  # type: ignore[arg-type]
         self.owns_copy = param_shard.dtype != torch.float32
-        self.master: Tensor = param_shard.float().clone() if self.owns_copy else param_shard  # 1D fp32; aliases param_shard for fp32 params
+        # 1D fp32; aliases param_shard for fp32 params
+        self.master: Tensor = self.empty(param_shard.numel(), torch.float32).copy_(param_shard) if self.owns_copy \
+            else param_shard
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
         out = self.param_shard[r.as_slice()] if self.owns_copy else None
@@ -145,8 +152,8 @@ class RemainderMaster(MasterWeights):
         super().__init__(param_shard, **kw)  # type: ignore[arg-type]
         # The 16-bit remainder of each element as two int8 planes, low and high byte (see
         # kernels.codecs [Note: remainder planes]); 1D, this rank's shard.
-        self.rem_lo: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
-        self.rem_hi: Tensor = torch.zeros_like(param_shard, dtype=torch.int8)
+        self.rem_lo: Tensor = self.empty(param_shard.numel(), torch.int8).zero_()
+        self.rem_hi: Tensor = self.empty(param_shard.numel(), torch.int8).zero_()
         self.load_state_tensors({"master": param_shard.float()})
 
     @property

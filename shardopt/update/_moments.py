@@ -19,6 +19,7 @@ global element offset, so the moments (and the weights) do not depend on the num
 from __future__ import annotations
 
 import abc
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -35,8 +36,14 @@ class Moments(abc.ABC):
     name = ""
     alignment = 1  # elements: parameters and shard boundaries are aligned to it in the flat buffer
 
-    def __init__(self, numel: int, device: torch.device) -> None:
+    def __init__(self, numel: int, device: torch.device,
+                 empty: Callable[[int, torch.dtype], Tensor] | None = None) -> None:
         self.numel, self.device = numel, device
+        # how the moments are allocated: (elements, dtype) -> 1D tensor (offloaded: in host memory, update._offload)
+        self.empty = empty or (lambda n, dtype: torch.empty(n, dtype=dtype, device=device))
+
+    def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
+        return self.empty(numel, dtype).zero_()
 
     @abc.abstractmethod
     def operands(self, r: Range) -> tuple[object, object]:
@@ -72,10 +79,10 @@ class Moments(abc.ABC):
 class _Dense(Moments):
     dtype = torch.float32
 
-    def __init__(self, numel: int, device: torch.device) -> None:
-        super().__init__(numel, device)
-        self.exp_avg = torch.zeros(numel, dtype=self.dtype, device=device)  # 1D, this rank's shard
-        self.exp_avg_sq = torch.zeros(numel, dtype=self.dtype, device=device)
+    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None) -> None:
+        super().__init__(numel, device, empty)
+        self.exp_avg = self.zeros(numel, self.dtype)  # 1D, this rank's shard
+        self.exp_avg_sq = self.zeros(numel, self.dtype)
 
     def operands(self, r: Range) -> tuple[object, object]:
         return self.exp_avg[r.as_slice()], self.exp_avg_sq[r.as_slice()]
@@ -104,16 +111,16 @@ class Int8Moments(Moments):
     name = "8bit"
     alignment = MOMENT_BLOCK
 
-    def __init__(self, numel: int, device: torch.device) -> None:
-        super().__init__(numel, device)
+    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None) -> None:
+        super().__init__(numel, device, empty)
         if numel % MOMENT_BLOCK:
             raise ValueError(f"an 8-bit moment shard must be a whole number of {MOMENT_BLOCK}-element blocks, "
                              f"got {numel} elements")
         blocks = numel // MOMENT_BLOCK
-        self.m_codes = torch.zeros(numel, dtype=torch.int8, device=device)  # exp_avg / scale * 127
-        self.m_scales = torch.zeros(blocks, dtype=torch.float32, device=device)  # per block: max |exp_avg|
-        self.v_codes = torch.zeros(numel, dtype=torch.uint8, device=device)  # sqrt(exp_avg_sq) / scale * 255
-        self.v_scales = torch.zeros(blocks, dtype=torch.float32, device=device)  # per block: max sqrt(exp_avg_sq)
+        self.m_codes = self.zeros(numel, torch.int8)  # exp_avg / scale * 127
+        self.m_scales = self.zeros(blocks, torch.float32)  # per block: max |exp_avg|
+        self.v_codes = self.zeros(numel, torch.uint8)  # sqrt(exp_avg_sq) / scale * 255
+        self.v_scales = self.zeros(blocks, torch.float32)  # per block: max sqrt(exp_avg_sq)
 
     def operands(self, r: Range) -> tuple[object, object]:
         if r.start % MOMENT_BLOCK or r.size % MOMENT_BLOCK:
@@ -149,10 +156,10 @@ class MuonMomentum(Moments):
     nearest after each step as bf16 ``exp_avg`` is (elementwise, so independent of the number of
     ranks). It fills the interface's first moment; the second is empty."""
 
-    def __init__(self, numel: int, device: torch.device, name: str = "fp32") -> None:
-        super().__init__(numel, device)
+    def __init__(self, numel: int, device: torch.device, name: str = "fp32", empty: Callable | None = None) -> None:
+        super().__init__(numel, device, empty)
         self.name = name  # one of MUON_MOMENTS, checked by ShardedMuon
-        self.buffer = torch.zeros(numel, dtype=MUON_MOMENTS[name], device=device)  # 1D, this rank's shard
+        self.buffer = self.zeros(numel, MUON_MOMENTS[name])  # 1D, this rank's shard
 
     def operands(self, r: Range) -> tuple[object, object]:
         return self.buffer[r.as_slice()], None
@@ -183,11 +190,12 @@ MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "
 assert tuple(MOMENTS) == MOMENT_FORMATS, "one strategy per format core._config accepts"
 
 
-def make_moments(name: str, numel: int, device: torch.device) -> Moments:
-    """The strategy called ``name`` over ``numel`` shard elements."""
+def make_moments(name: str, numel: int, device: torch.device, empty: Callable | None = None) -> Moments:
+    """The strategy called ``name`` over ``numel`` shard elements, allocated by ``empty`` (elements,
+    dtype) when given."""
     if name not in MOMENTS:
         raise ValueError(f"unknown moments={name!r}; choose one of {sorted(MOMENTS)}")
-    return MOMENTS[name](numel, device)
+    return MOMENTS[name](numel, device, empty)
 
 
 def moment_alignment(name: str) -> int:

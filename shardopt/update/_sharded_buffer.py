@@ -25,6 +25,7 @@ from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.update._master import make_master
 from shardopt.update._moments import MuonMomentum, make_moments, moment_alignment
+from shardopt.update._offload import make_placement
 from shardopt.memory import MemoryReport, predict_bytes
 
 
@@ -54,14 +55,25 @@ class ShardedBuffer:
         # optimizer's step minus its lag.
         self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index)
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
-        self.master = make_master(config.master_weights, self.flat.slice(self.shard_range),
-                                  global_offset=self.shard_range.start, seed=config.seed,
-                                  kernels=select(dtype=self.flat.dtype, master=config.master_weights,
-                                                 moments=config.moments, device=self.flat.device, rule=rule))
-        self.moments = MuonMomentum(self.layout.shard_numel, self.flat.device, config.moments) if rule == "muon" else \
-            make_moments(config.moments, self.layout.shard_numel, self.flat.device)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
+        # Where the master weights and moments live and the update runs (see update._offload [Note: offload]).
+        state = predict_bytes(self.layout.shard_numel, 1, stage=2, param_dtype=self.flat.dtype,
+                              master_weights=config.master_weights, moments=config.moments, rule=rule)
+        self.placement = make_placement(config.offload, self.flat.slice(self.shard_range),
+                                        grad_dtype=None if rule == "muon" else self.flat.dtype, buckets=self.buckets,
+                                        state_bytes=sum(state[c] for c in ("master", "exp_avg", "exp_avg_sq", "extra")))
+        kernels = dict(dtype=self.flat.dtype, master=config.master_weights, moments=config.moments, rule=rule)
+        self.master = make_master(config.master_weights, self.placement.weights,
+                                  global_offset=self.shard_range.start, seed=config.seed, empty=self.placement.empty,
+                                  kernels=select(**kernels, device=self.placement.device))
+        # the kernels of the gradient's statistics, which run where the gradient lives
+        self.kernels = self.master.kernels if self.placement.device == self.flat.device else \
+            select(**kernels, device=self.flat.device)
+        self.moments = (MuonMomentum(self.layout.shard_numel, self.placement.device, config.moments,
+                                     empty=self.placement.empty) if rule == "muon" else
+                        make_moments(config.moments, self.layout.shard_numel, self.placement.device,
+                                     empty=self.placement.empty))
         self.binding = ParamBinding(self.flat, self.records)
 
     @property
@@ -93,14 +105,18 @@ class ShardedBuffer:
                 scalars[g, lag] = make_scalars(
                     lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
                     weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
-                    device=self.flat.device)
+                    device=self.placement.device)
         gathers = []
+        place = self.placement
+        place.begin(grad, self.reducer.forward_order)
         for b in self.reducer.forward_order:
+            g = place.grad_of(b, grad)
             for key, whole in segments:
                 r = whole.intersect(b.local)
                 if r.size:
-                    s, gr = scalars[key], grad[r.as_slice()]
+                    s, gr = scalars[key], g[r.as_slice()]
                     self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels), s, step - key[1])
+            place.publish(b)
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
             for r in self.records:
@@ -114,7 +130,9 @@ class ShardedBuffer:
         count). Every rank."""
         grad = self.reducer.local_grad()
         gathers = []
+        place, here = self.placement, self.flat.device
         for b in self.reducer.forward_order:
+            place.grad_of(b, grad)  # offloaded: the last copy of these weights to the device has read them
             for rec in b.params:
                 r = rec.local
                 if r is None or not rec.trained:
@@ -123,13 +141,15 @@ class ShardedBuffer:
                 g = grad[r.as_slice()].view(shape).float()
                 if grad_scale != 1.0:
                     g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
-                master, momentum = self.master.read_fp32(r), self.moments.read(r)
+                # offloaded: the master and momentum move to the gradient's device for the step and back
+                master, momentum = self.master.read_fp32(r).to(here), self.moments.read(r).to(here)
                 muon_step_(master.view(shape), g, momentum.view(shape),
                            lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                            nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                            eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
-                self.master.write_fp32_(r, master, step)
-                self.moments.write_(r, momentum)
+                self.master.write_fp32_(r, master.to(place.device), step)
+                self.moments.write_(r, momentum.to(place.device))
+            place.publish(b)
             gathers.append((b, self._gather(b)))
         return gathers
 
@@ -140,7 +160,7 @@ class ShardedBuffer:
         zero = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         if not g.numel():
             return zero, zero
-        k = self.master.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
+        k = self.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
         if norm_type is None:
             return k.grad_nonfinite(g), zero
         s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
@@ -170,7 +190,14 @@ class ShardedBuffer:
         """Make this rank's weights of ``records`` the master weights of its shard. Local."""
         for r in records:
             if r.local is not None:
+                self.placement.pull(r.local)
                 self.master.refresh_(r.local)
+
+    def load_master(self, tensors: dict[str, Tensor]) -> None:
+        """Restore the master weights from ``tensors`` (``MasterWeights.state_tensors``, any mode's) and
+        write the weights they encode into this rank's shard of the flat buffer. Local."""
+        self.master.load_state_tensors(tensors)
+        self.placement.push()
 
     def gather_buckets(self) -> list[tuple[BucketRecord, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's
@@ -209,7 +236,8 @@ class ShardedBuffer:
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             shard_size=self.comm.shard_size,
-            stage=self.config.stage)
+            stage=self.config.stage, offload=self.placement.name, host=self.placement.host_bytes,
+            host_copies=self.placement.copy_bytes)
 
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,

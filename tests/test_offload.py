@@ -1,0 +1,212 @@
+"""``offload="cpu"`` on real gloo ranks: the same weights and optimizer state, bit for bit, as
+``offload=None``, and checkpoints that move between offloaded and plain runs.
+
+Catches: a host copy of the gradient taken before the last round landed or before several rounds
+were summed (accumulation under no_sync and two backward passes per step), a clip coefficient or
+loss scale the host update does not see, a skipped step that still moves the host state, host
+weights that do not reach the model before the gather, and a checkpoint whose load leaves the host
+copies at their initial values (the first step after it would revert the loaded weights)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import shardopt
+from models import batch, make_model, param_groups
+from shardopt.checkpoint import load_checkpoint, save_checkpoint
+
+POOL = 4  # one pool; smaller worlds are subgroups of its first ranks
+CLIP = 0.05  # below the gradient norm of these models: clipping bites at every step
+STEPS = 3
+_GROUPS: dict[int, object] = {}
+
+
+def _group(world: int):
+    """The process group of the pool's first ``world`` ranks, None outside it (collective)."""
+    if world not in _GROUPS:
+        _GROUPS[world] = dist.new_group(list(range(world)))
+    return _GROUPS[world] if dist.get_rank() < world else None
+
+
+def _in_group(world: int, fn, *args):
+    torch._dynamo.config.recompile_limit = 64  # many modes in one process: keep every kernel compiled
+    group = _group(world)
+    return None if group is None else fn(group, *args)
+
+
+def _run(pools, world: int, fn, *args) -> list:
+    return pools(POOL).run(_in_group, world, fn, *args)[:world]
+
+
+def _build(group, cfg: tuple, offload: str | None, seed: int = 3):
+    rule, dtype, stage, master, moments, overflow = cfg
+    model = make_model(seed=seed, dtype=getattr(torch, dtype))
+    common = dict(stage=stage, master_weights=master, moments=moments, bucket_cap_mb=1e-4, process_group=group,
+                  offload=offload, loss_scale=shardopt.DynamicScaler(init_scale=2.0**8) if overflow else "auto")
+    if rule == "muon":
+        mats = [p for p in model.parameters() if p.dim() == 2 and p.requires_grad]
+        rest = [p for p in model.parameters() if p.dim() != 2]
+        opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, "lr": 5e-3}],
+                                   lr=0.02, **common)
+    else:
+        opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, weight_decay=0.1, **common)
+    return model, opt
+
+
+def _train(model, opt, steps, group, overflow: bool = False, same_data: bool = False) -> list:
+    """Each step: a micro-batch under no_sync, then two backward passes that each reduce, a clip
+    that bites, the step. With ``overflow`` the last rank's loss overflows fp16 at step 1; with
+    ``same_data`` every rank trains on rank 0's batches."""
+    rank, last = dist.get_rank(group), dist.get_world_size(group) - 1
+    rank = 0 if same_data else rank
+    seen = []
+    for step in steps:
+        opt.zero_grad()
+        with opt.no_sync():
+            opt.backward(model(batch(rank, 3 * step)))
+        opt.backward(model(batch(rank, 3 * step + 1)))
+        loss = model(batch(rank, 3 * step + 2))
+        opt.backward(loss * 1e4 if overflow and step == 1 and rank == last else loss)
+        norm = float(opt.clip_grad_norm_(CLIP))
+        opt.step()
+        seen.append((opt.step_was_skipped, norm > CLIP or opt.step_was_skipped))
+    return seen
+
+
+def _state(model, opt) -> list[torch.Tensor]:
+    out = [p.detach().clone() for p in model.parameters()]
+    for b in opt.inspect().buffers:
+        out.append(b.master_fp32.clone())
+        out += [t.clone() for t in b.moment_tensors.values()]
+    return out
+
+
+def pair_case(group, configs: list[tuple]) -> dict:
+    """For each config, train with and without offload: the bit-identity and what each step saw."""
+    out = {}
+    for cfg in configs:
+        runs = []
+        for offload in (None, "cpu"):
+            model, opt = _build(group, cfg, offload)
+            seen = _train(model, opt, range(STEPS), group, overflow=cfg[-1])
+            runs.append((seen, _state(model, opt), opt.step_count, opt.skipped_steps))
+        (seen0, state0, *counts0), (seen1, state1, *counts1) = runs
+        same = len(state0) == len(state1) and all(torch.equal(a, b) for a, b in zip(state0, state1))
+        out[cfg] = (same, seen0, seen1, counts0, counts1)
+    return out
+
+
+# (rule, dtype, stage, master_weights, moments, fp16 overflow at step 1)
+CONFIGS = {
+    1: [("adamw", "bfloat16", 2, "remainder", "8bit", False), ("adamw", "bfloat16", 1, "fp32", "bf16", False),
+        ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False)],
+    2: [("adamw", "bfloat16", 1, "remainder", "fp32", False), ("adamw", "bfloat16", 2, "fp32", "8bit", False),
+        ("adamw", "float32", 2, "fp32", "bf16", False), ("adamw", "float16", 1, "fp32", "fp32", True),
+        ("muon", "bfloat16", 1, "remainder", "bf16", False), ("muon", "float32", 2, "fp32", "fp32", False)],
+    4: [("adamw", "bfloat16", 2, "remainder", "bf16", False), ("adamw", "float32", 1, "fp32", "8bit", False),
+        ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False)],
+}
+
+
+@pytest.mark.parametrize("world", sorted(CONFIGS))
+def test_offload_is_bit_identical_to_no_offload(pools, world):
+    for rank, results in enumerate(_run(pools, world, pair_case, CONFIGS[world])):
+        for cfg, (same, seen0, seen1, counts0, counts1) in results.items():
+            assert same, f"rank {rank}, {cfg}: offload='cpu' differs from offload=None"
+            assert seen0 == seen1 and counts0 == counts1, (rank, cfg, seen0, seen1, counts0, counts1)
+            assert all(bites for _, bites in seen0), (cfg, seen0)  # clipping bit at every step taken
+            skipped = [s for s, _ in seen0]
+            assert skipped == [False, cfg[-1], False], (rank, cfg, skipped)  # the overflow skips on every rank
+
+
+# -- checkpoints between offloaded and plain runs ----------------------------------------------
+K = 2  # save after K steps, compare after STEPS
+CKPT = {"adamw": ("adamw", "bfloat16", 2, "remainder", "bf16", False),
+        "muon": ("muon", "bfloat16", 2, "fp32", "fp32", False)}
+
+
+def save_case(group, root: str, offload: str | None) -> dict:
+    """Train K steps, save, go on to STEPS: the uninterrupted run's weights (rank 0's)."""
+    out = {}
+    for name, cfg in CKPT.items():
+        model, opt = _build(group, cfg, offload)
+        _train(model, opt, range(K), group, same_data=True)
+        save_checkpoint(os.path.join(root, name), model, opt)
+        _train(model, opt, range(K, STEPS), group, same_data=True)
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def load_case(group, root: str, offload: str | None) -> dict:
+    """Load into a model built from other weights, go on to STEPS."""
+    out = {}
+    for name, cfg in CKPT.items():
+        model, opt = _build(group, cfg, offload, seed=4)
+        load_checkpoint(os.path.join(root, name), model, opt)
+        _train(model, opt, range(K, STEPS), group, same_data=True)
+        out[name] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("save,load", [((2, "cpu"), (1, None)), ((1, None), (2, "cpu"))])
+def test_checkpoint_moves_between_offloaded_and_plain_runs(pools, tmp_path, save, load):
+    """Saved at one world size with or without offload, loaded at another the other way: the run
+    goes on exactly as the uninterrupted one (every rank trains on the same batches, so the
+    world size does not change the averaged gradient)."""
+    (save_world, save_offload), (load_world, load_offload) = save, load
+    uninterrupted = _run(pools, save_world, save_case, str(tmp_path), save_offload)[0]
+    for rank, got in enumerate(_run(pools, load_world, load_case, str(tmp_path), load_offload)):
+        for name, weights in uninterrupted.items():
+            assert all(torch.equal(a, b) for a, b in zip(weights, got[name])), (rank, name)
+
+
+# -- where the bytes are -------------------------------------------------------------------------
+def memory_case(group) -> dict:
+    """What one rank holds with offload, from the tensors themselves, beside the report and the estimate."""
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(param_groups(model), master_weights="remainder", moments="8bit", bucket_cap_mb=1e-4,
+                                process_group=group, offload="cpu")
+    _train(model, opt, range(1), group)
+    report, out = opt.memory_report(), {"one_storage": True}
+    (buf,) = opt.inspect().buffers
+    storage = buf.host_buffer.untyped_storage().data_ptr()
+    state = [buf.master_copy] if buf.master_copy is not None else []
+    state += list(buf.moment_tensors.values()) + [opt._buffers[0].master.rem_lo, opt._buffers[0].master.rem_hi]
+    views = [t for b in buf.buckets for t in (b.host.weights, b.host.grad)]
+    out["one_storage"] = all(t.device.type == "cpu" and t.untyped_storage().data_ptr() == storage for t in state + views)
+    out["host"], out["held"] = report.host, buf.host_buffer.numel()
+    out["state"] = sum(t.numel() * t.element_size() for t in state)
+    out["copies"] = report.host_copies
+    out["shard"] = buf.shard_numel
+    out["report"] = (report.master + report.exp_avg + report.exp_avg_sq + report.extra, report.accelerator,
+                     report.total, report.optimizer_state)
+    est = shardopt.estimate_memory(None, dist.get_world_size(group), 2, "remainder", torch.bfloat16, moments="8bit",
+                                   param_shapes=[tuple(p.shape) for p in model.parameters() if p.requires_grad],
+                                   bucket_cap_mb=1e-4, offload="cpu")
+    out["estimate"] = (est.host, est.accelerator, est.total)
+    return out
+
+
+def test_offloaded_bytes_are_one_host_buffer_as_reported_and_estimated(pools):
+    for rank, got in enumerate(_run(pools, 2, memory_case)):
+        assert got["one_storage"], rank  # state, copies and every bucket's views are carved from one allocation
+        assert got["host"] == got["held"]
+        # bf16 weights and gradient copies: 2 + 2 bytes per shard element; state: the strategies' own tensors
+        assert got["copies"] == 4 * got["shard"]
+        assert got["report"][0] == got["state"]
+        assert 0 <= got["held"] - got["state"] - got["copies"] <= 64 * 8, got  # alignment room only
+        state, accelerator, total, optimizer_state = got["report"]
+        assert accelerator == total - optimizer_state
+        est_host, est_accelerator, _ = got["estimate"]
+        assert est_host == got["state"] + got["copies"], (est_host, got)  # exact, padding aside
+
+
+@pytest.mark.parametrize("value", ["gpu", "CPU", True, "nvme"])
+def test_an_unknown_offload_target_is_refused_naming_the_choices(value):
+    with pytest.raises(ValueError, match=r"unknown offload=.*choose None .* or 'cpu'"):
+        shardopt.ShardedAdamW(make_model().parameters(), offload=value)
+    with pytest.raises(ValueError, match=r"offload must be None or 'cpu'"):
+        shardopt.estimate_memory(1000, 2, offload=value)
