@@ -85,15 +85,26 @@ def _state(model, opt) -> list[torch.Tensor]:
 
 
 def pair_case(group, configs: list[tuple]) -> dict:
-    """For each config, train with and without offload: the bit-identity and what each step saw."""
+    """For each config, train with and without offload: the bit-identity and what each step saw.
+    With the fused kernels (SHARDOPT_KERNEL=fused: a compile failure raises), which must run on the
+    host buffer's tensors as on any others."""
+    os.environ["SHARDOPT_KERNEL"] = "fused"
+    try:
+        return _pairs(group, configs)
+    finally:
+        os.environ["SHARDOPT_KERNEL"] = "reference"
+
+
+def _pairs(group, configs: list[tuple]) -> dict:
     out = {}
     for cfg in configs:
         runs = []
-        for offload in (None, "cpu"):
+        for offload in ("cpu", None):  # offloaded first: its kernels compile for the host buffer's tensors
             model, opt = _build(group, cfg, offload)
             seen = _train(model, opt, range(STEPS), group, overflow=cfg[-1])
-            runs.append((seen, _state(model, opt), opt.step_count, opt.skipped_steps))
-        (seen0, state0, *counts0), (seen1, state1, *counts1) = runs
+            kernels = {b.master.kernels.name for b in opt._buffers}  # the fused kernels ran, not the fallback
+            runs.append((seen, _state(model, opt), opt.step_count, opt.skipped_steps, kernels))
+        (seen1, state1, *counts1), (seen0, state0, *counts0) = runs
         same = len(state0) == len(state1) and all(torch.equal(a, b) for a, b in zip(state0, state1))
         out[cfg] = (same, seen0, seen1, counts0, counts1)
     return out
@@ -117,6 +128,7 @@ def test_offload_is_bit_identical_to_no_offload(pools, world):
         for cfg, (same, seen0, seen1, counts0, counts1) in results.items():
             assert same, f"rank {rank}, {cfg}: offload='cpu' differs from offload=None"
             assert seen0 == seen1 and counts0 == counts1, (rank, cfg, seen0, seen1, counts0, counts1)
+            assert counts1[-1] == {"fused"}, (rank, cfg, counts1)  # offloaded state in compiled kernels
             assert all(bites for _, bites in seen0), (cfg, seen0)  # clipping bit at every step taken
             skipped = [s for s, _ in seen0]
             assert skipped == [False, cfg[-1], False], (rank, cfg, skipped)  # the overflow skips on every rank
@@ -170,13 +182,15 @@ def memory_case(group) -> dict:
     opt = shardopt.ShardedAdamW(param_groups(model), master_weights="remainder", moments="8bit", bucket_cap_mb=1e-4,
                                 process_group=group, offload="cpu")
     _train(model, opt, range(1), group)
-    report, out = opt.memory_report(), {"one_storage": True}
+    report, out = opt.memory_report(), {}
     (buf,) = opt.inspect().buffers
-    storage = buf.host_buffer.untyped_storage().data_ptr()
+    lo = buf.host_buffer.data_ptr()
+    hi = lo + buf.host_buffer.numel()
     state = [buf.master_copy] if buf.master_copy is not None else []
     state += list(buf.moment_tensors.values()) + [opt._buffers[0].master.rem_lo, opt._buffers[0].master.rem_hi]
     views = [t for b in buf.buckets for t in (b.host.weights, b.host.grad)]
-    out["one_storage"] = all(t.device.type == "cpu" and t.untyped_storage().data_ptr() == storage for t in state + views)
+    out["outside"] = [(t.numel(), t.dtype, t.data_ptr() - lo) for t in state + views if t.numel() and not (
+        t.device.type == "cpu" and lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi)]
     out["host"], out["held"] = report.host, buf.host_buffer.numel()
     out["state"] = sum(t.numel() * t.element_size() for t in state)
     out["copies"] = report.host_copies
@@ -192,7 +206,7 @@ def memory_case(group) -> dict:
 
 def test_offloaded_bytes_are_one_host_buffer_as_reported_and_estimated(pools):
     for rank, got in enumerate(_run(pools, 2, memory_case)):
-        assert got["one_storage"], rank  # state, copies and every bucket's views are carved from one allocation
+        assert not got["outside"], (rank, got["outside"])  # state, copies, every bucket's views: one allocation
         assert got["host"] == got["held"]
         # bf16 weights and gradient copies: 2 + 2 bytes per shard element; state: the strategies' own tensors
         assert got["copies"] == 4 * got["shard"]
@@ -210,3 +224,51 @@ def test_an_unknown_offload_target_is_refused_naming_the_choices(value):
         shardopt.ShardedAdamW(make_model().parameters(), offload=value)
     with pytest.raises(ValueError, match=r"offload must be None or 'cpu'"):
         shardopt.estimate_memory(1000, 2, offload=value)
+
+
+def consolidated_save_case(group, root: str) -> dict:
+    """Offloaded: K steps, ``consolidate_state_dict`` and ``state_dict()`` saved by rank 0 beside
+    the weights (as frameworks save), then on to STEPS: the uninterrupted weights."""
+    model, opt = _build(group, CKPT["adamw"], "cpu")
+    _train(model, opt, range(K), group, same_data=True)
+    opt.consolidate_state_dict()
+    if dist.get_rank(group) == 0:
+        torch.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(root, "consolidated.pt"))
+    _train(model, opt, range(K, STEPS), group, same_data=True)
+    return {"end": [p.detach().clone() for p in model.parameters()]}
+
+
+def consolidated_load_case(group, root: str, offload: str | None) -> dict:
+    model, opt = _build(group, CKPT["adamw"], offload, seed=4)
+    saved = torch.load(os.path.join(root, "consolidated.pt"), weights_only=True)
+    opt.load_state_dict(saved["optim"])
+    model.load_state_dict(saved["model"])
+    _train(model, opt, range(K, STEPS), group, same_data=True)
+    return {"end": [p.detach().clone() for p in model.parameters()]}
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_consolidated_state_dict_of_an_offloaded_run_resumes_elsewhere(pools, tmp_path, offload):
+    """Saved from 2 offloaded ranks the way frameworks save (rank 0's consolidated state dict),
+    loaded on 1 rank with or without offload: the run goes on as the uninterrupted one."""
+    uninterrupted = _run(pools, 2, consolidated_save_case, str(tmp_path))[0]["end"]
+    got = _run(pools, 1, consolidated_load_case, str(tmp_path), offload)[0]["end"]
+    assert all(torch.equal(a, b) for a, b in zip(uninterrupted, got))
+
+
+def hybrid_case(offload: str | None) -> list[torch.Tensor]:
+    """A (2 replicas, 2 shards) device mesh over the pool's 4 ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = make_model(seed=3, dtype=torch.bfloat16)
+    opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, master_weights="remainder", bucket_cap_mb=1e-4,
+                                device_mesh=mesh, offload=offload)
+    _train(model, opt, range(STEPS), None)
+    return _state(model, opt)
+
+
+def test_offload_on_a_hybrid_mesh_is_bit_identical(pools):
+    pool = pools(POOL)
+    for rank, (plain, offloaded) in enumerate(zip(pool.run(hybrid_case, None), pool.run(hybrid_case, "cpu"))):
+        assert all(torch.equal(a, b) for a, b in zip(plain, offloaded)), rank

@@ -28,6 +28,8 @@ them to the reference on each device).
 from __future__ import annotations
 
 import logging
+import mmap
+import warnings
 import weakref
 from typing import Sequence
 
@@ -44,18 +46,23 @@ MAX_TENSORS = 8  # tensors one buffer carves at most (weights, gradient, 2 maste
 
 
 class HostBuffer:
-    """One host allocation of ``nbytes`` bytes that tensors are carved from in order; pinned
-    (``cudaHostRegister``, released with the buffer) when ``pin``. Local."""
+    """One host allocation of ``nbytes`` bytes (anonymous memory, page-aligned) that tensors are
+    carved from in order; pinned (``cudaHostRegister``, released with the buffer) when ``pin``. Local.
+
+    Each carved tensor is a tensor of its own over its bytes (``torch.frombuffer``), not a view of
+    ``data``: tensors of several dtypes in one storage would alias in a compiled kernel's eyes, and
+    a compiled kernel refuses to write inputs that alias with another dtype."""
 
     def __init__(self, nbytes: int, pin: bool) -> None:
-        self.data = torch.empty(nbytes, dtype=torch.uint8)
+        self.memory = mmap.mmap(-1, nbytes)
+        self.data = torch.frombuffer(self.memory, dtype=torch.uint8)  # the whole allocation, 1D, bytes
         self.used = 0  # bytes carved so far, alignment padding included
         self.pinned = pin and _register(self.data)
         if self.pinned:
             weakref.finalize(self, _unregister, self.data.data_ptr())
 
     def take(self, numel: int, dtype: torch.dtype) -> Tensor:
-        """A 1D tensor of ``numel`` elements of ``dtype`` from the buffer (uninitialised)."""
+        """A 1D tensor of ``numel`` elements of ``dtype`` from the buffer (zeroed at first)."""
         start = -(-self.used // ALIGN) * ALIGN
         end = start + numel * dtype.itemsize
         if end > self.data.numel():
@@ -63,7 +70,11 @@ class HostBuffer:
                                f"elements of {dtype} ({self.used:,} bytes taken); this is a bug in shardopt's "
                                "offload sizing, please report it")
         self.used = end
-        return self.data[start:end].view(dtype)
+        if not numel:
+            return torch.empty(0, dtype=dtype)
+        with warnings.catch_warnings():  # frombuffer warns that the buffer is writable: it is meant to be
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self.memory, dtype=dtype, count=numel, offset=start)
 
     @property
     def nbytes(self) -> int:
