@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # GPU readiness on one CUDA device, in 8-15 minutes on a fresh machine (most of it compiling): the memory benchmark (NCCL backend,
 # torch.cuda allocated/reserved peaks per phase, step times), the update kernels (Triton through
-# torch.compile) against torch's fused AdamW, sharded checkpoints on the GPU over NCCL, and the
-# example GPT trained for 60 steps in bf16.
+# torch.compile) against torch's fused AdamW, sharded checkpoints on the GPU over NCCL, the
+# example GPT trained for 60 steps in bf16, and offload="cpu" against no offload (benchmarks/bench_offload.py).
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter (default: .venv, else python3)
+#     OFFLOAD_ONLY=1 bash benchmarks/gpu_check.sh   # only the offload part
 #
-# Results: benchmarks/results/memory_cuda.{md,csv,png}; logs in $LOG_DIR (default /tmp/shardopt-gpu-check).
+# Results: benchmarks/results/memory_cuda.{md,csv,png}, offload_cuda.md; logs in $LOG_DIR (default /tmp/shardopt-gpu-check).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-$([ -x .venv/bin/python ] && echo .venv/bin/python || echo python3)}
@@ -42,6 +43,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log, s
     tail -n "${TAIL:-12}" "$LOG_DIR/$name.log"
 }
 
+if [ -z "${OFFLOAD_ONLY:-}" ]; then  # OFFLOAD_ONLY=1: only the offload part below (under five minutes)
 # GPT-2 small shapes over bytes (85M parameters): large enough for the GPU to matter, built in seconds.
 MODEL=(--n-layer 12 --n-embd 768 --n-head 12 --block-size 1024 --batch-size 8)
 TAIL=30 step kernels 300 "$PY" benchmarks/bench_kernels.py --device cuda --numel 64e6 --repeats 5
@@ -60,6 +62,13 @@ step example 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 
 # Three configurations at 10M (each costs about 15 s, most of it start-up and compilation).
 step step 120 "$PY" benchmarks/bench_step.py --device cuda --sizes 10M --configs ddp,shardopt2-fp32,shardopt2-bf16 \
     --steps 8 --warmup 3
+fi
+
+# offload="cpu" (under five minutes): bf16, a model that fits in 12 GiB without offload (0.5B) and one that fits only
+# with it (1B), with and without offload, and torchao's CPUOffloadOptimizer beside them when it installs.
+python_has() { "$PY" -c "import $1" >/dev/null 2>&1; }
+python_has torchao || timeout 60 "$PY" -m pip install -q torchao >/dev/null 2>&1 || echo "gpu_check: torchao did not install; its rows say so"
+TAIL=10 step offload 300 "$PY" benchmarks/bench_offload.py --device cuda --sizes 0.5B,1B --gpu-memory-gib 12 --timeout 75
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${FAILED[*]} ($((SECONDS - start))s)"

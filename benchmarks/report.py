@@ -38,6 +38,12 @@ SOURCES = (
      "The training step against DDP, ZeroRedundancyOptimizer, FSDP2 and DeepSpeed, 2 gloo ranks, "
      "several rounds in alternating order."),
     ("step_50m.md", "Training step at 50M parameters", "The same at 50M parameters."),
+    ("host_update.md", "Host update for offload",
+     "The update `offload=\"cpu\"` runs on the host, per thread count, against `torch.optim.AdamW(fused=True)` "
+     "on the CPU and DeepSpeed's `DeepSpeedCPUAdam`, with the memory bandwidth probed in the same run."),
+    ("offload.md", "Offload on CPU",
+     "Accelerator bytes and step time with and without `offload=\"cpu\"`, one rank on CPU (the same path with "
+     "host-to-host copies)."),
     ("step.md", "Training step at 10M and 50M in one run", "Each configuration once, both sizes."),
     ("scheduler_ab.md", "The reduction path before and after its redesign",
      "The same configurations with an earlier checkout in the same rounds, and the split of `step()` "
