@@ -9,7 +9,8 @@ with it. Each size runs, each in its own process (killed after ``--timeout``, an
 
 - ``shardopt``: ``ShardedAdamW(stage=2)`` with its fp32 master and moments on the accelerator;
 - ``shardopt offload``: the same with ``offload="cpu"`` (master, moments and the gradient's copy in
-  host memory, updated there by the fused CPU kernel);
+  host memory, updated there by the fused CPU kernel); ``shardopt offload 0.5`` with
+  ``offload_fraction=0.5`` (half of the buckets on the host);
 - ``torchao offload``: torchao's ``CPUOffloadOptimizer`` over ``torch.optim.AdamW(fused=True)``, when
   torchao imports (it keeps the optimizer's parameters in the weights' dtype, bf16: no fp32 master).
 
@@ -61,8 +62,10 @@ def worker(config: str, size: int, args: argparse.Namespace) -> dict:
         opt = CPUOffloadOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-4, fused=True)
     else:
         import shardopt
+        fraction = float(config.split()[-1]) if config.startswith("shardopt offload ") else 1.0
         opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-4, stage=2,
-                                    offload="cpu" if config == "shardopt offload" else None)
+                                    offload="cpu" if config.startswith("shardopt offload") else None,
+                                    offload_fraction=fraction)
     x = torch.randn(args.tokens, args.dim, device=device, dtype=torch.bfloat16)
 
     def step() -> None:
@@ -120,7 +123,8 @@ def main() -> None:
     ap.add_argument("--dim", type=int, default=4096, help="width of each Linear layer")
     ap.add_argument("--tokens", type=int, default=8192, help="rows of the batch per step")
     ap.add_argument("--gpu-memory-gib", type=float, default=12.0, help="accelerator memory this process may use")
-    ap.add_argument("--configs", default="shardopt,shardopt offload,torchao offload")
+    ap.add_argument("--configs", default="shardopt,shardopt offload,shardopt offload 0.5,torchao offload",
+                    help="comma-separated; 'shardopt offload F' sets offload_fraction=F")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=1, help="each configuration this many times, in alternating order")
     ap.add_argument("--warmup", type=int, default=2)

@@ -68,7 +68,8 @@ fi
 # with it (1B), with and without offload, and torchao's CPUOffloadOptimizer beside them when it installs.
 python_has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 python_has torchao || timeout 60 "$PY" -m pip install -q torchao >/dev/null 2>&1 || echo "gpu_check: torchao did not install; its rows say so"
-TAIL=10 step offload 300 "$PY" benchmarks/bench_offload.py --device cuda --sizes 0.5B,1B --gpu-memory-gib 12 --timeout 75
+TAIL=12 step offload 300 "$PY" benchmarks/bench_offload.py --device cuda --sizes 0.5B,1B --gpu-memory-gib 12 \
+    --steps 3 --warmup 1 --timeout 60
 
 if [ ${#FAILED[@]} -gt 0 ]; then
     echo "gpu_check: FAILED: ${FAILED[*]} ($((SECONDS - start))s)"

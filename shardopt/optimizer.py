@@ -49,8 +49,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
 
     ``offload="cpu"``: this rank's master weights, moments and a copy of its gradient shard live
     in host memory and are updated there, bucket by bucket, by the fused CPU kernels; the
-    weights and gradient buckets stay on the accelerator (see ``shardopt.update._offload``). The
-    results are bit for bit those without it.
+    weights and gradient buckets stay on the accelerator (see ``shardopt.update._offload``).
+    ``offload_fraction`` (0, 1]: only about that share of each rank's buckets is offloaded, the rest
+    updated beside the weights. The results are bit for bit those without offload, for any fraction.
 
     Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
     per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
@@ -79,13 +80,15 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         timeout: float | None = None,
         max_consecutive_skips: int | None = 3,
         offload: str | None = None,
+        offload_fraction: float = 1.0,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
         require_torch_internals()  # see _compat
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout,
-                                  max_consecutive_skips=max_consecutive_skips, offload=offload)
+                                  max_consecutive_skips=max_consecutive_skips, offload=offload,
+                                  offload_fraction=offload_fraction)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay))

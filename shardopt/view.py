@@ -131,13 +131,13 @@ class BufferView:
     @property
     def offload(self) -> str | None:
         """Where the master weights and moments live: None (beside the weights) or ``"cpu"`` (host memory)."""
-        return self._buf.placement.name
+        return self._buf.config.offload
 
     @property
     def host_buffer(self) -> Tensor | None:
         """``offload="cpu"``: the one host allocation (1-D uint8, bytes) the offloaded state and copies
         are carved from (each bucket's views are in ``buckets[i].host``); else None."""
-        buffer = getattr(self._buf.placement, "buffer", None)
+        buffer = getattr(self._buf.placements[0], "buffer", None)
         return None if buffer is None else buffer.data
 
     @property

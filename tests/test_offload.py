@@ -42,10 +42,11 @@ def _run(pools, world: int, fn, *args) -> list:
 
 
 def _build(group, cfg: tuple, offload: str | None, seed: int = 3):
-    rule, dtype, stage, master, moments, overflow = cfg
+    rule, dtype, stage, master, moments, overflow, *fraction = cfg
     model = make_model(seed=seed, dtype=getattr(torch, dtype))
     common = dict(stage=stage, master_weights=master, moments=moments, bucket_cap_mb=1e-4, process_group=group,
-                  offload=offload, loss_scale=shardopt.DynamicScaler(init_scale=2.0**8) if overflow else "auto")
+                  offload=offload, loss_scale=shardopt.DynamicScaler(init_scale=2.0**8) if overflow else "auto",
+                  offload_fraction=fraction[0] if fraction and offload else 1.0)
     if rule == "muon":
         mats = [p for p in model.parameters() if p.dim() == 2 and p.requires_grad]
         rest = [p for p in model.parameters() if p.dim() != 2]
@@ -102,21 +103,25 @@ def _pairs(group, configs: list[tuple]) -> dict:
         for offload in ("cpu", None):  # offloaded first: its kernels compile for the host buffer's tensors
             model, opt = _build(group, cfg, offload)
             seen = _train(model, opt, range(STEPS), group, overflow=cfg[-1])
-            kernels = {b.master.kernels.name for b in opt._buffers}  # the fused kernels ran, not the fallback
-            runs.append((seen, _state(model, opt), opt.step_count, opt.skipped_steps, kernels))
+            kernels = {m.kernels.name for b in opt._buffers for m in getattr(b.master, "parts", [b.master])}
+            report = opt.memory_report()  # with offload_fraction < 1: part of the state, not all, on the host
+            share = report.host_state / report.optimizer_state if report.optimizer_state else 1.0
+            runs.append((seen, _state(model, opt), opt.step_count, opt.skipped_steps, kernels, share))
         (seen1, state1, *counts1), (seen0, state0, *counts0) = runs
         same = len(state0) == len(state1) and all(torch.equal(a, b) for a, b in zip(state0, state1))
         out[cfg] = (same, seen0, seen1, counts0, counts1)
     return out
 
 
-# (rule, dtype, stage, master_weights, moments, fp16 overflow at step 1)
+# (rule, dtype, stage, master_weights, moments, fp16 overflow at step 1[, offload_fraction])
 CONFIGS = {
     1: [("adamw", "bfloat16", 2, "remainder", "8bit", False), ("adamw", "bfloat16", 1, "fp32", "bf16", False),
-        ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False)],
+        ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False),
+        ("adamw", "bfloat16", 2, "remainder", "8bit", False, 0.5), ("muon", "bfloat16", 1, "remainder", "bf16", False, 0.5)],
     2: [("adamw", "bfloat16", 1, "remainder", "fp32", False), ("adamw", "bfloat16", 2, "fp32", "8bit", False),
         ("adamw", "float32", 2, "fp32", "bf16", False), ("adamw", "float16", 1, "fp32", "fp32", True),
-        ("muon", "bfloat16", 1, "remainder", "bf16", False), ("muon", "float32", 2, "fp32", "fp32", False)],
+        ("muon", "bfloat16", 1, "remainder", "bf16", False), ("muon", "float32", 2, "fp32", "fp32", False),
+        ("adamw", "float16", 2, "fp32", "fp32", True, 0.5), ("adamw", "bfloat16", 1, "fp32", "fp32", False, 0.3)],
     4: [("adamw", "bfloat16", 2, "remainder", "bf16", False), ("adamw", "float32", 1, "fp32", "8bit", False),
         ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False)],
 }
@@ -124,20 +129,28 @@ CONFIGS = {
 
 @pytest.mark.parametrize("world", sorted(CONFIGS))
 def test_offload_is_bit_identical_to_no_offload(pools, world):
+    shares: dict[tuple, list[float]] = {}
     for rank, results in enumerate(_run(pools, world, pair_case, CONFIGS[world])):
-        for cfg, (same, seen0, seen1, counts0, counts1) in results.items():
+        for cfg, (same, seen0, seen1, plain, offloaded) in results.items():
+            (steps0, skips0, _, _), (steps1, skips1, kernels, host_share) = plain, offloaded
             assert same, f"rank {rank}, {cfg}: offload='cpu' differs from offload=None"
-            assert seen0 == seen1 and counts0 == counts1, (rank, cfg, seen0, seen1, counts0, counts1)
-            assert counts1[-1] == {"fused"}, (rank, cfg, counts1)  # offloaded state in compiled kernels
+            assert seen0 == seen1 and (steps0, skips0) == (steps1, skips1), (rank, cfg, seen0, seen1, plain, offloaded)
+            assert kernels == {"fused"}, (rank, cfg, kernels)  # the offloaded state ran in the compiled kernels
+            # all of the state on the host, or with offload_fraction at least one bucket's
+            assert (0 < host_share <= 1) if len(cfg) > 6 else host_share == 1, (rank, cfg, host_share)
+            shares.setdefault(cfg, []).append(host_share)
             assert all(bites for _, bites in seen0), (cfg, seen0)  # clipping bit at every step taken
             skipped = [s for s, _ in seen0]
-            assert skipped == [False, cfg[-1], False], (rank, cfg, skipped)  # the overflow skips on every rank
+            assert skipped == [False, cfg[5], False], (rank, cfg, skipped)  # the overflow skips on every rank
+    for cfg, by_rank in shares.items():  # a fraction splits some rank's shard between host and accelerator
+        assert len(cfg) == 6 or any(0 < share < 1 for share in by_rank), (cfg, by_rank)
 
 
 # -- checkpoints between offloaded and plain runs ----------------------------------------------
 K = 2  # save after K steps, compare after STEPS
 CKPT = {"adamw": ("adamw", "bfloat16", 2, "remainder", "bf16", False),
-        "muon": ("muon", "bfloat16", 2, "fp32", "fp32", False)}
+        "muon": ("muon", "bfloat16", 2, "fp32", "fp32", False),
+        "adamw-half-offloaded": ("adamw", "bfloat16", 2, "remainder", "8bit", False, 0.5)}
 
 
 def save_case(group, root: str, offload: str | None) -> dict:
@@ -272,3 +285,33 @@ def test_offload_on_a_hybrid_mesh_is_bit_identical(pools):
     pool = pools(POOL)
     for rank, (plain, offloaded) in enumerate(zip(pool.run(hybrid_case, None), pool.run(hybrid_case, "cpu"))):
         assert all(torch.equal(a, b) for a, b in zip(plain, offloaded)), rank
+
+
+def rank_state_case(group) -> dict:
+    """This rank's own state dict (``opt.state_dict()``, same world size) of a run that offloads half
+    of its buckets, loaded into a fresh one: the run goes on as the uninterrupted one."""
+    cfg = ("adamw", "bfloat16", 2, "remainder", "8bit", False, 0.5)
+    model, opt = _build(group, cfg, "cpu")
+    _train(model, opt, range(K), group)
+    saved = {"optim": opt.state_dict(), "model": {k: v.clone() for k, v in model.state_dict().items()}}
+    _train(model, opt, range(K, STEPS), group)
+    resumed, opt2 = _build(group, cfg, "cpu", seed=4)
+    opt2.load_state_dict(saved["optim"])
+    resumed.load_state_dict(saved["model"])
+    _train(resumed, opt2, range(K, STEPS), group)
+    return {"same": all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))}
+
+
+def test_rank_state_dict_of_a_partly_offloaded_run_resumes_exactly(pools):
+    assert all(r["same"] for r in _run(pools, 2, rank_state_case))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(offload="cpu", offload_fraction=0), r"offload_fraction must be a number in \(0, 1\]"),
+    (dict(offload="cpu", offload_fraction=1.5), r"offload_fraction must be a number in \(0, 1\]"),
+    (dict(offload="cpu", offload_fraction=True), r"offload_fraction must be a number in \(0, 1\]"),
+    (dict(offload_fraction=0.5), r"offload_fraction=0.5 applies with offload='cpu'"),
+])
+def test_an_offload_fraction_out_of_range_or_without_offload_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        shardopt.ShardedAdamW(make_model().parameters(), **kwargs)

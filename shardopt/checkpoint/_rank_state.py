@@ -73,8 +73,7 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
     world size it came from, and write the restored master weights into the model. Every rank
     (the weights are all-gathered)."""
     for saved, b in zip(sd["buffers"], opt._buffers):
-        for k, t in b.moments.tensors().items():
-            t.copy_(saved[k])
+        b.moments.load_tensors(saved)
         b.load_master(saved)
         for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
             r.lag = int(lag)

@@ -28,6 +28,7 @@ class ShardConfig:
     timeout: float | None = None  # seconds a collective may take before every waiting rank raises
     max_consecutive_skips: int | None = 3  # inf/NaN steps in a row, with no dynamic loss scale, that raise
     offload: str | None = None  # where this rank's master weights, moments and gradient copy live (see update._offload)
+    offload_fraction: float = 1.0  # the share of each rank's buckets offloaded (see update._split)
 
     def __post_init__(self) -> None:
         if self.stage not in (1, 2) or isinstance(self.stage, bool):
@@ -41,6 +42,13 @@ class ShardConfig:
             raise ValueError(f"unknown offload={self.offload!r}; choose None (optimizer state on the parameters' "
                              "device) or 'cpu' (master weights, moments and the gradient shard in host memory, "
                              "updated there)")
+        if isinstance(self.offload_fraction, bool) or not isinstance(self.offload_fraction, (int, float)) \
+                or not 0 < self.offload_fraction <= 1:
+            raise ValueError(f"offload_fraction must be a number in (0, 1] (the share of each rank's buckets kept in "
+                             f"host memory), got {self.offload_fraction!r}")
+        if self.offload_fraction != 1 and self.offload is None:
+            raise ValueError(f"offload_fraction={self.offload_fraction!r} applies with offload='cpu'; pass "
+                             "offload='cpu' too, or leave offload_fraction out")
         if not (isinstance(self.bucket_cap_mb, (int, float)) and self.bucket_cap_mb > 0):
             raise ValueError(f"bucket_cap_mb must be a positive number (MiB), got {self.bucket_cap_mb!r}")
         import torch

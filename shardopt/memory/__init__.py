@@ -11,10 +11,11 @@ buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumu
 or ``reset_peak_memory()``: ``grads`` there includes the ``.grad`` tensors autograd holds during
 backward until the optimizer takes them.
 
-With ``offload="cpu"`` the categories stay what is held, wherever it is: ``master``, ``exp_avg``,
-``exp_avg_sq`` and ``extra`` are then in host memory, and ``host`` counts the host bytes (those
-four plus ``host_copies``, the host copies of the weight and gradient shards, and alignment);
-``accelerator`` and ``accelerator_peak`` count the rest.
+With ``offload="cpu"`` the categories stay what is held, wherever it is: ``host_state`` bytes of
+``master``, ``exp_avg``, ``exp_avg_sq`` and ``extra`` are then in host memory (all of them, or
+``offload_fraction`` of them), and ``host`` counts the host bytes (those plus ``host_copies``, the
+host copies of the weight and gradient shards, and alignment); ``accelerator`` and
+``accelerator_peak`` count the rest.
 """
 from __future__ import annotations
 
@@ -46,20 +47,21 @@ class MemoryReport:
     rank: int = 0
     stage: int = 2
     shard_size: int = 0  # ranks the state is sharded over (hybrid sharding: fewer than world_size); 0: world_size
-    offload: str | None = None  # "cpu": master, moments and extras live in host memory (see update._offload)
-    host: int = 0  # bytes of host memory held for the offloaded state: the one buffer per flat buffer
+    offload: str | None = None  # "cpu": master, moments and extras (of offload_fraction of them) in host memory
+    host: int = 0  # bytes of host memory held for the offloaded state: one buffer per offloaded piece
     host_copies: int = 0  # of which the host copies of the weight and gradient shards
+    host_state: int = 0  # bytes of master, exp_avg, exp_avg_sq and extra that are in host memory
 
     @property
     def accelerator(self) -> int:
-        """Bytes held on the parameters' device now: everything but what is offloaded to host memory."""
-        return self.total - (self.optimizer_state if self.offload else 0)
+        """Bytes held on the parameters' device now: everything but the state offloaded to host memory."""
+        return self.total - self.host_state
 
     @property
     def accelerator_peak(self) -> int:
         """The most bytes held on the parameters' device at one moment (``peak_total`` less the
         offloaded state, which never moves)."""
-        return self.peak_total - (self.optimizer_state if self.offload else 0)
+        return self.peak_total - self.host_state
 
     @property
     def total(self) -> int:
@@ -95,7 +97,8 @@ class MemoryReport:
                             held_peak=self.held_peak + other.held_peak if self.held_peak and other.held_peak else 0,
                             world_size=self.world_size, rank=self.rank, stage=self.stage, shard_size=self.shard_size,
                             cuda_max_allocated=self.cuda_max_allocated, offload=self.offload or other.offload,
-                            host=self.host + other.host, host_copies=self.host_copies + other.host_copies)
+                            host=self.host + other.host, host_copies=self.host_copies + other.host_copies,
+                            host_state=self.host_state + other.host_state)
 
     def __str__(self) -> str:
         per = max(self.num_params, 1)
@@ -113,8 +116,9 @@ class MemoryReport:
         rows.append("(buffers: high-water mark; peak: since the optimizer was built or reset_peak_memory(); "
                     "peak total: the most held at one moment)")
         if self.offload:
-            rows.append(f"offload={self.offload!r}: master, exp_avg, exp_avg_sq and extra are in host memory; host "
-                        f"holds {self.host:,} bytes (with {self.host_copies:,} of weight and gradient copies), the "
+            rows.append(f"offload={self.offload!r}: {self.host_state:,} bytes of master, exp_avg, exp_avg_sq and extra "
+                        f"are in host memory; host holds {self.host:,} bytes (with {self.host_copies:,} of weight and "
+                        f"gradient copies), the "
                         f"accelerator {self.accelerator:,} now and {self.accelerator_peak:,} at peak "
                         f"({self.accelerator / per:.3f} B/param)")
         if self.cuda_max_allocated is not None:

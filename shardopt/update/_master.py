@@ -57,6 +57,10 @@ class MasterWeights(abc.ABC):
         """AdamW over local range ``r`` (``grad`` and the moments' operands, see ``shardopt.update._moments``,
         are already sliced to ``r``)."""
 
+    def kernels_for(self, r: Range) -> Kernels:
+        """The kernels that update local range ``r`` (one strategy: its own; see update._split)."""
+        return self.kernels
+
     def _key(self, r: Range, step: int) -> codecs.Key:
         """The random-bit key of local range ``r`` at ``step`` (from the seed, the step and the
         range's global offset, see kernels.codecs.make_key)."""

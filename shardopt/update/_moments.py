@@ -67,6 +67,11 @@ class Moments(abc.ABC):
     def tensors(self) -> dict[str, Tensor]:
         """The stored tensors by name (for this rank's own state dict, restored bit for bit)."""
 
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        """Restore ``tensors()`` output bit for bit (this rank's own state dict). Local."""
+        for k, t in self.tensors().items():
+            t.copy_(tensors[k])
+
     @property
     def exp_avg_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if not k.startswith("exp_avg_sq"))

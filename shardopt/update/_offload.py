@@ -83,8 +83,11 @@ class HostBuffer:
 
 def _register(t: Tensor) -> bool:
     try:
-        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)) == 0
-    except (RuntimeError, AttributeError) as e:  # no CUDA runtime to call
+        error = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(getattr(error, "value", error)) != 0:
+            raise RuntimeError(f"cudaHostRegister returned {error}")
+        return True
+    except Exception as e:  # noqa: BLE001 - no CUDA runtime to call, or a refusal: run unpinned, and say so
         log.warning("shardopt: could not pin the offload buffer (%s): host copies will not overlap", e)
         return False
 
@@ -169,6 +172,8 @@ class OnHost(OnDevice):
         self.stream.wait_stream(torch.cuda.current_stream(grad.device))  # the reductions have landed
         with torch.cuda.stream(self.stream):
             for b in buckets:
+                if b.host is None:  # offload_fraction < 1: a bucket beside the weights
+                    continue
                 b.host.grad.copy_(grad[b.local.as_slice()], non_blocking=True)
                 b.host.grad_copied.record()
 

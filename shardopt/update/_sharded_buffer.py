@@ -15,7 +15,7 @@ from shardopt.update._binding import ParamBinding, warn_layout_change
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
 from shardopt.core._flat import FlatParams
-from shardopt.core._layout import build_layout
+from shardopt.core._layout import Range, build_layout
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
 from shardopt.reduce._reducer import GradReducer
 from shardopt.reduce._rounds import MAX_INFLIGHT
@@ -25,7 +25,8 @@ from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.update._master import make_master
 from shardopt.update._moments import MuonMomentum, make_moments, moment_alignment
-from shardopt.update._offload import make_placement
+from shardopt.update._offload import OnDevice, make_placement
+from shardopt.update._split import SplitMaster, SplitMoments, split_point
 from shardopt.memory import MemoryReport, predict_bytes
 
 
@@ -57,23 +58,41 @@ class ShardedBuffer:
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
-        # Where the master weights and moments live and the update runs (see update._offload [Note: offload]).
-        state = predict_bytes(self.layout.shard_numel, 1, stage=2, param_dtype=self.flat.dtype,
-                              master_weights=config.master_weights, moments=config.moments, rule=rule)
-        self.placement = make_placement(config.offload, self.flat.slice(self.shard_range),
-                                        grad_dtype=None if rule == "muon" else self.flat.dtype, buckets=self.buckets,
-                                        state_bytes=sum(state[c] for c in ("master", "exp_avg", "exp_avg_sq", "extra")))
+        # Where the master weights and moments live and the update runs (see update._offload [Note: offload]):
+        # one placement for the whole shard, or with offload_fraction < 1 a host piece and a device piece
+        # (see update._split [Note: offload fraction]).
+        n = self.layout.shard_numel
+        split = n if config.offload is None or config.offload_fraction >= 1 else \
+            split_point(self.buckets, n, config.offload_fraction)
+        pieces = [(0, split, config.offload), (split, n, None)] if 0 < split < n else \
+            [(0, n, config.offload if split else None)]
         kernels = dict(dtype=self.flat.dtype, master=config.master_weights, moments=config.moments, rule=rule)
-        self.master = make_master(config.master_weights, self.placement.weights,
-                                  global_offset=self.shard_range.start, seed=config.seed, empty=self.placement.empty,
-                                  kernels=select(**kernels, device=self.placement.device))
+        masters, moments, self.placements = [], [], []
+        for start, end, offload in pieces:
+            state = predict_bytes(end - start, 1, stage=2, param_dtype=self.flat.dtype,
+                                  master_weights=config.master_weights, moments=config.moments, rule=rule)
+            place = make_placement(offload, self.flat.slice(Range(self.shard_range.start + start,
+                                                                  self.shard_range.start + end)),
+                                   grad_dtype=None if rule == "muon" else self.flat.dtype,
+                                   buckets=[b for b in self.buckets if start <= b.local.start < end
+                                            or (not b.local.size and start == 0)],
+                                   state_bytes=sum(state[c] for c in ("master", "exp_avg", "exp_avg_sq", "extra")))
+            self.placements.append(place)
+            masters.append(make_master(config.master_weights, place.weights,
+                                       global_offset=self.shard_range.start + start, seed=config.seed,
+                                       empty=place.empty, kernels=select(**kernels, device=place.device)))
+            moments.append(MuonMomentum(end - start, place.device, config.moments, empty=place.empty)
+                           if rule == "muon" else
+                           make_moments(config.moments, end - start, place.device, empty=place.empty))
+        starts = [start for start, _, _ in pieces]
+        self.master = masters[0] if len(masters) == 1 else SplitMaster(masters, starts)
+        self.moments = moments[0] if len(moments) == 1 else SplitMoments(moments, starts)
+        # bytes of master weights, moments and extras in host memory (memory_report's host_state)
+        self.host_state_bytes = sum(m.master_bytes + m.extra_bytes + mo.exp_avg_bytes + mo.exp_avg_sq_bytes
+                                    for place, m, mo in zip(self.placements, masters, moments) if place.name)
         # the kernels of the gradient's statistics, which run where the gradient lives
-        self.kernels = self.master.kernels if self.placement.device == self.flat.device else \
+        self.kernels = masters[-1].kernels if self.placements[-1].device == self.flat.device else \
             select(**kernels, device=self.flat.device)
-        self.moments = (MuonMomentum(self.layout.shard_numel, self.placement.device, config.moments,
-                                     empty=self.placement.empty) if rule == "muon" else
-                        make_moments(config.moments, self.layout.shard_numel, self.placement.device,
-                                     empty=self.placement.empty))
         self.binding = ParamBinding(self.flat, self.records)
 
     @property
@@ -97,25 +116,29 @@ class ShardedBuffer:
             if len(self._segments) > 8:
                 self._segments.clear()
             segments = self._segments[keys] = self.layout.segments(self.comm.shard_rank, keys)
-        scalars = {}
-        for (g, lag), _ in segments:
-            if (g, lag) not in scalars:
+        scalars: dict[tuple, tuple] = {}  # by (group, lag, device): the step's scalars where each piece updates
+
+        def scalars_of(g: int, lag: int, device: torch.device) -> tuple:
+            if (g, lag, device) not in scalars:
                 hp = param_groups[g]
                 beta1, beta2 = hp["betas"]
-                scalars[g, lag] = make_scalars(
+                scalars[g, lag, device] = make_scalars(
                     lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
-                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale,
-                    device=self.placement.device)
+                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale, device=device)
+            return scalars[g, lag, device]
+
         gathers = []
-        place = self.placement
-        place.begin(grad, self.reducer.forward_order)
+        for place in self.placements:
+            place.begin(grad, self.reducer.forward_order)
         for b in self.reducer.forward_order:
+            place = self.place_of(b)
             g = place.grad_of(b, grad)
             for key, whole in segments:
                 r = whole.intersect(b.local)
                 if r.size:
-                    s, gr = scalars[key], g[r.as_slice()]
-                    self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels), s, step - key[1])
+                    s, gr = scalars_of(*key, place.device), g[r.as_slice()]
+                    self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels_for(r)), s,
+                                        step - key[1])
             place.publish(b)
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
@@ -130,8 +153,9 @@ class ShardedBuffer:
         count). Every rank."""
         grad = self.reducer.local_grad()
         gathers = []
-        place, here = self.placement, self.flat.device
+        here = self.flat.device
         for b in self.reducer.forward_order:
+            place = self.place_of(b)
             place.grad_of(b, grad)  # offloaded: the last copy of these weights to the device has read them
             for rec in b.params:
                 r = rec.local
@@ -190,14 +214,20 @@ class ShardedBuffer:
         """Make this rank's weights of ``records`` the master weights of its shard. Local."""
         for r in records:
             if r.local is not None:
-                self.placement.pull(r.local)
+                self.place_of(r.bucket).pull(r.local)
                 self.master.refresh_(r.local)
 
     def load_master(self, tensors: dict[str, Tensor]) -> None:
         """Restore the master weights from ``tensors`` (``MasterWeights.state_tensors``, any mode's) and
         write the weights they encode into this rank's shard of the flat buffer. Local."""
         self.master.load_state_tensors(tensors)
-        self.placement.push()
+        for place in self.placements:
+            place.push()
+
+    def place_of(self, b: BucketRecord) -> OnDevice:
+        """The placement that holds bucket ``b``'s part of the shard: the host's when the bucket has
+        host copies (``b.host``), else the one beside the weights."""
+        return self.placements[0] if b.host is not None else self.placements[-1]
 
     def gather_buckets(self) -> list[tuple[BucketRecord, Pending]]:
         """Start the all-gather of every rank's updated shard into the flat buffer (the model's
@@ -236,8 +266,8 @@ class ShardedBuffer:
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             shard_size=self.comm.shard_size,
-            stage=self.config.stage, offload=self.placement.name, host=self.placement.host_bytes,
-            host_copies=self.placement.copy_bytes)
+            stage=self.config.stage, offload=self.config.offload, host=sum(p.host_bytes for p in self.placements),
+            host_copies=sum(p.copy_bytes for p in self.placements), host_state=self.host_state_bytes)
 
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,

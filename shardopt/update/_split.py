@@ -1,0 +1,165 @@
+"""A shard in two pieces, each with its own placement: ``offload_fraction`` below 1.
+
+[Note: offload fraction]
+With ``offload="cpu", offload_fraction=f`` a rank keeps the first buckets of each buffer's shard
+(in buffer order, about ``f`` of its elements) in host memory and the rest beside the weights.
+Bucket ranges are contiguous and ordered within a shard, so the host piece is the prefix
+``[0, split)`` and the device piece ``[split, shard_numel)``. Each piece has its own master-weight
+and moment strategy over its own range; the strategy's global offset (which keys stochastic
+rounding) and the 8-bit blocks (the split is a bucket boundary, so a parameter and a block
+boundary) are those of the whole shard, so the results do not depend on ``f``.
+
+:class:`SplitMaster` and :class:`SplitMoments` give the buffer the interface of one strategy over
+the whole shard: a local range (always inside one bucket, so inside one piece) goes to its piece,
+translated; whole-shard reads concatenate the pieces (on the host), whole-shard loads split them.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from shardopt.core._layout import Range
+from shardopt.core._records import BucketRecord
+
+
+def split_point(buckets: Sequence[BucketRecord], shard_numel: int, fraction: float) -> int:
+    """The element offset in the shard where the host piece ends: the first bucket boundary at or
+    past ``fraction`` of the shard, so that a fraction above 0 offloads at least one bucket. Local."""
+    target = fraction * shard_numel
+    return min((b.local.end for b in buckets if b.local.size and b.local.end >= target), default=shard_numel)
+
+
+class _Pieces:
+    """Routes local ranges to the piece holding them."""
+
+    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
+        self.parts, self.starts = list(parts), list(starts)
+
+    def _find(self, r: Range) -> tuple[Any, Range]:
+        k = sum(1 for start in self.starts[1:] if r.start >= start)  # the last piece starting at or before r
+        if k + 1 < len(self.starts) and r.end > self.starts[k + 1]:
+            raise AssertionError(f"range {r} spans two pieces of the shard (split at {self.starts[1:]})")
+        return self.parts[k], r.relative_to(self.starts[k])
+
+    def _cat(self, tensors: Sequence[Tensor]) -> Tensor:
+        return torch.cat([t.cpu() for t in tensors])
+
+    def _split(self, t: Tensor, sizes: Sequence[int]) -> list[Tensor]:
+        return list(torch.split(t.reshape(-1), list(sizes)))
+
+
+class SplitMaster(_Pieces):
+    """One master-weight strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
+
+    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
+        super().__init__(parts, starts)
+        self.name = parts[0].name
+        self.kernels = parts[0].kernels  # the host piece's; each piece updates with its own
+
+    @property
+    def seed(self) -> int:
+        return self.parts[0].seed
+
+    @seed.setter
+    def seed(self, value: int) -> None:
+        for p in self.parts:
+            p.seed = value
+
+    def update_(self, r: Range, grad: Tensor, exp_avg: Any, exp_avg_sq: Any, s: Any, step: int) -> None:
+        part, local = self._find(r)
+        part.update_(local, grad, exp_avg, exp_avg_sq, s, step)
+
+    def kernels_for(self, r: Range) -> Any:
+        return self._find(r)[0].kernels
+
+    def read_fp32(self, r: Range) -> Tensor:
+        part, local = self._find(r)
+        return part.read_fp32(local)
+
+    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
+        part, local = self._find(r)
+        part.write_fp32_(local, values.to(part.param_shard.device), step)
+
+    def refresh_(self, r: Range) -> None:
+        part, local = self._find(r)
+        part.refresh_(local)
+
+    def fp32(self) -> Tensor:
+        return self._cat([p.fp32() for p in self.parts])
+
+    def state_tensors(self) -> dict[str, Tensor]:
+        return {"master": self.fp32()}
+
+    def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
+        for part, piece in zip(self.parts, self._split(tensors["master"], [p.param_shard.numel() for p in self.parts])):
+            part.load_state_tensors({"master": piece.to(part.param_shard.device)})
+
+    @property
+    def master(self) -> Tensor:  # the fp32 copy, for inspect(): a host copy of both pieces
+        return self._cat([p.master for p in self.parts])
+
+    @property
+    def owns_copy(self) -> bool:
+        return all(getattr(p, "owns_copy", False) for p in self.parts)
+
+    @property
+    def master_bytes(self) -> int:
+        return sum(p.master_bytes for p in self.parts)
+
+    @property
+    def extra_bytes(self) -> int:
+        return sum(p.extra_bytes for p in self.parts)
+
+
+class SplitMoments(_Pieces):
+    """One moment strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
+
+    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
+        super().__init__(parts, starts)
+        self.name = parts[0].name
+
+    def prepare(self, r: Range, grad: Tensor, s: Any, kernels: Any) -> tuple[object, object]:
+        part, local = self._find(r)
+        return part.prepare(local, grad, s, kernels)
+
+    def operands(self, r: Range) -> tuple[object, object]:
+        part, local = self._find(r)
+        return part.operands(local)
+
+    def read(self, r: Range) -> Tensor:
+        part, local = self._find(r)
+        return part.read(local)
+
+    def write_(self, r: Range, value: Tensor) -> None:
+        part, local = self._find(r)
+        part.write_(local, value.to(part.device))
+
+    def fp32(self) -> tuple[Tensor, Tensor]:
+        pairs = [p.fp32() for p in self.parts]
+        return self._cat([m for m, _ in pairs]), self._cat([v for _, v in pairs])
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        sizes = [p.numel for p in self.parts]
+        v_sizes = sizes if exp_avg_sq.numel() else [0] * len(sizes)  # Muon: no second moment
+        for part, m, v in zip(self.parts, self._split(exp_avg, sizes), self._split(exp_avg_sq, v_sizes)):
+            part.load_(m.to(part.device), v.to(part.device))
+
+    def tensors(self) -> dict[str, Tensor]:
+        named = [p.tensors() for p in self.parts]
+        return {k: self._cat([t[k] for t in named]) for k in named[0]}
+
+    def load_tensors(self, tensors: dict[str, Tensor]) -> None:
+        named = [p.tensors() for p in self.parts]
+        for k in named[0]:
+            for t, piece in zip((n[k] for n in named), self._split(tensors[k], [n[k].numel() for n in named])):
+                t.copy_(piece)
+
+    @property
+    def exp_avg_bytes(self) -> int:
+        return sum(p.exp_avg_bytes for p in self.parts)
+
+    @property
+    def exp_avg_sq_bytes(self) -> int:
+        return sum(p.exp_avg_sq_bytes for p in self.parts)
