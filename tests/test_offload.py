@@ -315,3 +315,38 @@ def test_rank_state_dict_of_a_partly_offloaded_run_resumes_exactly(pools):
 def test_an_offload_fraction_out_of_range_or_without_offload_is_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         shardopt.ShardedAdamW(make_model().parameters(), **kwargs)
+
+
+def test_the_estimate_puts_the_state_on_the_host_with_offload(capsys):
+    from shardopt.estimate.__main__ import main as cli_main
+
+    assert cli_main(["--params", "7B", "--world-size", "1", "8", "--stage", "2", "--master-weights", "fp32",
+                     "--offload"]) == 0
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| stage 2, fp32, offload='cpu'")]
+    cells = [[c.strip() for c in r.strip("|").split("|")] for r in rows]
+    # columns: scheme, params, grads, master, moments, extra, buffers, accelerator GiB, B/param, host GiB, ...
+    for (world, cell) in zip((1, 8), cells):
+        gib = 7e9 / world / 2**30
+        assert cell[9] == f"{16 * gib:,.2f}"  # master 4 + moments 8 + weight copy 2 + gradient copy 2, sharded
+        buffers = float(cell[6])
+        assert abs(float(cell[7]) - (7e9 * 2 / 2**30 + 2 * gib + buffers)) < 0.02  # weights + gradient shard
+
+
+def outside_write_case(group, offload: str | None) -> list[torch.Tensor]:
+    """Weights written from outside between steps (``model.load_state_dict``, then an in-place write
+    to one parameter): the next steps must start from them, so the host copy has to follow."""
+    cfg = ("adamw", "bfloat16", 2, "remainder", "bf16", False, 0.5)
+    model, opt = _build(group, cfg, offload)
+    _train(model, opt, range(1), group)
+    model.load_state_dict(make_model(seed=7, dtype=torch.bfloat16).state_dict())
+    _train(model, opt, range(1, 2), group)
+    with torch.no_grad():
+        model.fc1.weight.mul_(0.5)
+    _train(model, opt, range(2, STEPS), group)
+    return _state(model, opt)
+
+
+def test_weights_written_from_outside_reach_the_host_copy(pools):
+    plain, offloaded = (_run(pools, 2, outside_write_case, o) for o in (None, "cpu"))
+    for rank, (a, b) in enumerate(zip(plain, offloaded)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), rank

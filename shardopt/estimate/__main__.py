@@ -121,14 +121,15 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
 
 
 def compact_table(args: argparse.Namespace) -> str:
-    """One row per (parameters, world size): total GiB per rank for each scheme, traffic and floor."""
+    """One row per (parameters, world size): total GiB per rank for each scheme (on the accelerator
+    with ``--offload``), traffic and floor."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend, moments=args.moments)
+              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None)
     modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
     schemes = [(s, m) for s in args.stage for m in modes]
     if args.shard_size:
         return _compact_hybrid(args, kw, schemes)
-    mom = "" if args.moments == "fp32" else f" ({args.moments} moments)"
+    mom = ("" if args.moments == "fp32" else f" ({args.moments} moments)") + (", offload" if args.offload else "")
     head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}{mom}" for s, m in schemes]
     head += [f"sent/step GB (DDP, {', '.join(f'S{s}' for s in args.stage)})",
              f"floor @{args.bandwidth:g} GB/s (DDP, {', '.join(f'S{s}' for s in args.stage)})"]
@@ -139,7 +140,7 @@ def compact_table(args: argparse.Namespace) -> str:
             any_est = next(iter(by.values()))
             per_stage = [estimate_memory(n, world, s, "fp32", **kw) for s in args.stage]
             rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(any_est.ddp_total, args.gpu_memory)]
-                        + [_fmt_gib(by[k].total, args.gpu_memory) for k in schemes]
+                        + [_fmt_gib(by[k].accelerator, args.gpu_memory) for k in schemes]
                         + [", ".join([f"{any_est.ddp_comm / 1e9:,.1f}"] + [f"{e.comm_bytes / 1e9:,.1f}" for e in per_stage]),
                            ", ".join([f"{any_est.ddp_comm / (args.bandwidth * 1e9):.2f} s"]
                                      + [f"{e.comm_seconds(args.bandwidth):.2f} s" for e in per_stage])])
@@ -157,7 +158,8 @@ def _compact_hybrid(args: argparse.Namespace, kw: dict, schemes: list[tuple[int,
     s_ = args.shard_size
     head = ["params", "GPUs", "DDP + AdamW"]
     for s, m in schemes:
-        head += [f"S{s} {m} flat", f"S{s} {m} hybrid x{s_}"]
+        off = ", offload" if args.offload else ""
+        head += [f"S{s} {m} flat{off}", f"S{s} {m} hybrid x{s_}{off}"]
     traffic = max(args.stage)  # the traffic columns: of this stage (stage 1 moves more inside the shard group)
     head += [f"in rings across nodes GB (flat, hybrid; S{traffic})",
              f"inter-node ring steps (flat, hybrid; S{traffic}, {args.gpus_per_node}/node)"]
@@ -169,8 +171,8 @@ def _compact_hybrid(args: argparse.Namespace, kw: dict, schemes: list[tuple[int,
             cells = []
             for s, m in schemes:
                 for shard in (None, s_):
-                    cells.append(_fmt_gib(estimate_memory(n, world, s, m.split("/")[0], shard_size=shard, **kw).total,
-                                          args.gpu_memory))
+                    cells.append(_fmt_gib(estimate_memory(n, world, s, m.split("/")[0], shard_size=shard,
+                                                          **kw).accelerator, args.gpu_memory))
             flat, hyb = (estimate_memory(n, world, traffic, "fp32", shard_size=shard, **kw) for shard in (None, s_))
             rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(flat.ddp_total, args.gpu_memory)] + cells
                         + [f"{_across(flat, args.gpus_per_node) / 1e9:,.1f}, {_across(hyb, args.gpus_per_node) / 1e9:,.1f}",
@@ -194,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.bucket_cap_mb:g} MiB buckets" + (f"; * = more than {args.gpu_memory:g} GiB" if args.gpu_memory else ""))
     if args.compact:
         print(compact_table(args))
-        print(note + "; GiB per rank, totals of all categories")
+        print(note + "; GiB per rank, totals of all categories" +
+              (" left on the accelerator (offload='cpu' moves master weights and moments to host memory)"
+               if args.offload else ""))
         return 0
     for n in args.params:
         for world in args.world_size:
