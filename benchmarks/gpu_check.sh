@@ -64,10 +64,12 @@ step step 120 "$PY" benchmarks/bench_step.py --device cuda --sizes 10M --configs
     --steps 8 --warmup 3
 fi
 
-# offload="cpu" (under five minutes): bf16, a model that fits in 12 GiB without offload (0.5B) and one that fits only
-# with it (1B), with and without offload, and torchao's CPUOffloadOptimizer beside them when it installs.
+# offload="cpu" (under five minutes): whether the host kernels train bit for bit as the GPU's, then bf16, a model that
+# fits in 12 GiB without offload (0.5B) and one that fits only with it (1B), with and without offload, offload_fraction
+# 0.5, and torchao's CPUOffloadOptimizer beside them when it installs.
 python_has() { "$PY" -c "import $1" >/dev/null 2>&1; }
 python_has torchao || timeout 60 "$PY" -m pip install -q torchao >/dev/null 2>&1 || echo "gpu_check: torchao did not install; its rows say so"
+TAIL=6 step offload-exact 180 "$PY" benchmarks/offload_exact.py --device cuda
 TAIL=12 step offload 300 "$PY" benchmarks/bench_offload.py --device cuda --sizes 0.5B,1B --gpu-memory-gib 12 \
     --steps 3 --warmup 1 --timeout 60
 
