@@ -51,7 +51,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     in host memory and are updated there, bucket by bucket, by the fused CPU kernels; the
     weights and gradient buckets stay on the accelerator (see ``shardopt.update._offload``).
     ``offload_fraction`` (0, 1]: only about that share of each rank's buckets is offloaded, the rest
-    updated beside the weights. The results are bit for bit those without offload, for any fraction.
+    updated beside the weights. On CPU the results are bit for bit those without offload, for any
+    fraction (on a GPU ``benchmarks/offload_exact.py`` checks it).
 
     Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
     per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
