@@ -353,3 +353,14 @@ def test_weights_written_from_outside_reach_the_host_copy(pools):
     plain, offloaded = (_run(pools, 2, outside_write_case, o) for o in (None, "cpu"))
     for rank, (a, b) in enumerate(zip(plain, offloaded)):
         assert all(torch.equal(x, y) for x, y in zip(a, b)), rank
+
+
+def test_the_frameworks_take_offload_as_a_shardopt_option():
+    """Lightning's strategy checks its options against ShardedAdamW's keyword-only arguments; the
+    Trainer and Accelerate pass theirs through to the converted optimizer in the same way."""
+    from shardopt.integrations.lightning import ShardedStrategy
+
+    strategy = ShardedStrategy(stage=2, offload="cpu", offload_fraction=0.5)
+    assert strategy.shardopt_options == dict(stage=2, master_weights="fp32", offload="cpu", offload_fraction=0.5)
+    with pytest.raises(TypeError, match="unknown options"):
+        ShardedStrategy(offload_ratio=0.5)
