@@ -5,7 +5,8 @@
 
 With ``offload="cpu"`` every bucket of the shard is updated on the host by shardopt's fused CPU
 kernel, from the gradient's host copy (in the gradient's dtype) into the host master, moments and
-the host copy of the 16-bit weights. Its peers, each as a careful user runs it on host-resident
+the host copy of the 16-bit weights; the shardopt rows hold their state in an offload host buffer
+(``update._offload.HostBuffer``) as offload does (the remainder planes excepted). Its peers, each as a careful user runs it on host-resident
 state:
 
 - ``torch.optim.AdamW(fused=True)`` on the CPU, on an fp32 master; with 16-bit weights the
@@ -46,6 +47,13 @@ def worker(numel: int, rounds: int, repeats: int) -> dict:
     sys.path.insert(0, os.path.join(HERE, ".."))
     from bench_kernels import HP, Bound, make_state, shardopt_path, timed, torch_path  # noqa: E402
     from shardopt.kernels import select  # noqa: E402
+    from shardopt.update._offload import HostBuffer  # noqa: E402
+
+    def host_state(n: int, dtype: torch.dtype) -> dict:
+        """make_state's tensors moved into one offload host buffer, as offload="cpu" holds them."""
+        st = make_state(n, dtype)
+        buffer = HostBuffer(sum(t.numel() * t.element_size() + 64 for t in st.values()), pin=False)
+        return {k: buffer.take(t.numel(), t.dtype).copy_(t) for k, t in st.items()}
 
     def deepspeed_path(st: dict, dtype: torch.dtype):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
@@ -70,10 +78,10 @@ def worker(numel: int, rounds: int, repeats: int) -> dict:
         name = str(dtype)[6:]
         cast = "" if dtype == torch.float32 else " + cast"
         paths[f"{name}|shardopt host kernel, fp32 master"] = shardopt_path(
-            select("fused"), "fp32", make_state(numel, dtype), dtype)
+            select("fused"), "fp32", host_state(numel, dtype), dtype)
         if dtype != torch.float32:
             paths[f"{name}|shardopt host kernel, remainder master"] = shardopt_path(
-                select("fused"), "remainder", make_state(numel, dtype), dtype)
+                select("fused"), "remainder", host_state(numel, dtype), dtype)
         paths[f"{name}|torch AdamW(fused=True){cast}"] = torch_path("fused", make_state(numel, dtype), dtype)
         try:
             paths[f"{name}|DeepSpeedCPUAdam{cast}"] = deepspeed_path(make_state(numel, dtype), dtype)

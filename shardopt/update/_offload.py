@@ -157,7 +157,6 @@ class OnHost(OnDevice):
                               grad=None if self.grad is None else self.grad[sl],
                               grad_copied=event(), weights_copied=event())
         self.buckets = tuple(buckets)
-        self.in_flight = False  # weight copies issued and not yet waited for
 
     @property
     def host_bytes(self) -> int:  # type: ignore[override]
