@@ -31,11 +31,28 @@ def split_point(buckets: Sequence[BucketRecord], shard_numel: int, fraction: flo
     return min((b.local.end for b in buckets if b.local.size and b.local.end >= target), default=shard_numel)
 
 
+def _routed(name: str) -> Any:
+    """A method that calls the piece holding its local range ``r`` (first argument), with ``r``
+    made relative to that piece."""
+    def method(self: "_Pieces", r: Range, *args: Any) -> Any:
+        part, local = self._find(r)
+        return getattr(part, name)(local, *args)
+    method.__name__ = name
+    return method
+
+
+def _summed(name: str) -> property:
+    """A property that adds the pieces' own (bytes)."""
+    return property(lambda self: sum(getattr(p, name) for p in self.parts))
+
+
 class _Pieces:
-    """Routes local ranges to the piece holding them."""
+    """Routes local ranges to the piece holding them. The callers move values to the piece's
+    device themselves (``ShardedBuffer.place_of``)."""
 
     def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
         self.parts, self.starts = list(parts), list(starts)
+        self.name = parts[0].name
 
     def _find(self, r: Range) -> tuple[Any, Range]:
         k = sum(1 for start in self.starts[1:] if r.start >= start)  # the last piece starting at or before r
@@ -53,10 +70,13 @@ class _Pieces:
 class SplitMaster(_Pieces):
     """One master-weight strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
 
-    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
-        super().__init__(parts, starts)
-        self.name = parts[0].name
-        self.kernels = parts[0].kernels  # the host piece's; each piece updates with its own
+    update_ = _routed("update_")
+    kernels_for = _routed("kernels_for")
+    read_fp32 = _routed("read_fp32")
+    write_fp32_ = _routed("write_fp32_")
+    refresh_ = _routed("refresh_")
+    master_bytes = _summed("master_bytes")
+    extra_bytes = _summed("extra_bytes")
 
     @property
     def seed(self) -> int:
@@ -66,25 +86,6 @@ class SplitMaster(_Pieces):
     def seed(self, value: int) -> None:
         for p in self.parts:
             p.seed = value
-
-    def update_(self, r: Range, grad: Tensor, exp_avg: Any, exp_avg_sq: Any, s: Any, step: int) -> None:
-        part, local = self._find(r)
-        part.update_(local, grad, exp_avg, exp_avg_sq, s, step)
-
-    def kernels_for(self, r: Range) -> Any:
-        return self._find(r)[0].kernels
-
-    def read_fp32(self, r: Range) -> Tensor:
-        part, local = self._find(r)
-        return part.read_fp32(local)
-
-    def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
-        part, local = self._find(r)
-        part.write_fp32_(local, values.to(part.param_shard.device), step)
-
-    def refresh_(self, r: Range) -> None:
-        part, local = self._find(r)
-        part.refresh_(local)
 
     def fp32(self) -> Tensor:
         return self._cat([p.fp32() for p in self.parts])
@@ -104,37 +105,15 @@ class SplitMaster(_Pieces):
     def owns_copy(self) -> bool:
         return all(getattr(p, "owns_copy", False) for p in self.parts)
 
-    @property
-    def master_bytes(self) -> int:
-        return sum(p.master_bytes for p in self.parts)
-
-    @property
-    def extra_bytes(self) -> int:
-        return sum(p.extra_bytes for p in self.parts)
-
 
 class SplitMoments(_Pieces):
     """One moment strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
 
-    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
-        super().__init__(parts, starts)
-        self.name = parts[0].name
-
-    def prepare(self, r: Range, grad: Tensor, s: Any, kernels: Any) -> tuple[object, object]:
-        part, local = self._find(r)
-        return part.prepare(local, grad, s, kernels)
-
-    def operands(self, r: Range) -> tuple[object, object]:
-        part, local = self._find(r)
-        return part.operands(local)
-
-    def read(self, r: Range) -> Tensor:
-        part, local = self._find(r)
-        return part.read(local)
-
-    def write_(self, r: Range, value: Tensor) -> None:
-        part, local = self._find(r)
-        part.write_(local, value.to(part.device))
+    prepare = _routed("prepare")
+    read = _routed("read")
+    write_ = _routed("write_")
+    exp_avg_bytes = _summed("exp_avg_bytes")
+    exp_avg_sq_bytes = _summed("exp_avg_sq_bytes")
 
     def fp32(self) -> tuple[Tensor, Tensor]:
         pairs = [p.fp32() for p in self.parts]
@@ -155,11 +134,3 @@ class SplitMoments(_Pieces):
         for k in named[0]:
             for t, piece in zip((n[k] for n in named), self._split(tensors[k], [n[k].numel() for n in named])):
                 t.copy_(piece)
-
-    @property
-    def exp_avg_bytes(self) -> int:
-        return sum(p.exp_avg_bytes for p in self.parts)
-
-    @property
-    def exp_avg_sq_bytes(self) -> int:
-        return sum(p.exp_avg_sq_bytes for p in self.parts)
