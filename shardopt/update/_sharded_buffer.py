@@ -58,9 +58,13 @@ class ShardedBuffer:
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
-        # Where the master weights and moments live and the update runs (see update._offload [Note: offload]):
-        # one placement for the whole shard, or with offload_fraction < 1 a host piece and a device piece
-        # (see update._split [Note: offload fraction]).
+        self._place_state(config, rule)
+        self.binding = ParamBinding(self.flat, self.records)
+
+    def _place_state(self, config: ShardConfig, rule: str) -> None:
+        """Where the master weights and moments live and the update runs (see update._offload [Note:
+        offload]): one placement for the whole shard, or with offload_fraction < 1 a host piece and a
+        device piece (see update._split [Note: offload fraction]), each with its own strategies."""
         n = self.layout.shard_numel
         split = n if config.offload is None or config.offload_fraction >= 1 else \
             split_point(self.buckets, n, config.offload_fraction)
@@ -74,8 +78,7 @@ class ShardedBuffer:
             place = make_placement(offload, self.flat.slice(Range(self.shard_range.start + start,
                                                                   self.shard_range.start + end)),
                                    grad_dtype=None if rule == "muon" else self.flat.dtype,
-                                   buckets=[b for b in self.buckets if start <= b.local.start < end
-                                            or (not b.local.size and start == 0)],
+                                   buckets=[b for b in self.buckets if start <= b.local.start < end],
                                    state_bytes=sum(state[c] for c in ("master", "exp_avg", "exp_avg_sq", "extra")))
             self.placements.append(place)
             masters.append(make_master(config.master_weights, place.weights,
@@ -93,7 +96,6 @@ class ShardedBuffer:
         # the kernels of the gradient's statistics, which run where the gradient lives
         self.kernels = masters[-1].kernels if self.placements[-1].device == self.flat.device else \
             select(**kernels, device=self.flat.device)
-        self.binding = ParamBinding(self.flat, self.records)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -156,13 +158,13 @@ class ShardedBuffer:
         here = self.flat.device
         for b in self.reducer.forward_order:
             place = self.place_of(b)
-            place.grad_of(b, grad)  # offloaded: the last copy of these weights to the device has read them
+            gb = place.grad_of(b, grad)  # Muon's gradient stays where it is (no host copy is kept)
             for rec in b.params:
                 r = rec.local
                 if r is None or not rec.trained:
                     continue
                 shape, hp = rec.span.shape, param_groups[rec.group]
-                g = grad[r.as_slice()].view(shape).float()
+                g = gb[r.as_slice()].view(shape).float()
                 if grad_scale != 1.0:
                     g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
                 # offloaded: the master and momentum move to the gradient's device for the step and back
