@@ -45,7 +45,7 @@ def worker(numel: int, rounds: int, repeats: int) -> dict:
 
     sys.path.insert(0, HERE)
     sys.path.insert(0, os.path.join(HERE, ".."))
-    from bench_kernels import HP, Bound, make_state, shardopt_path, timed, torch_path  # noqa: E402
+    from bench_kernels import Bound, make_state, shardopt_path, timed, torch_path  # noqa: E402
     from shardopt.kernels import select  # noqa: E402
     from shardopt.update._offload import HostBuffer  # noqa: E402
 
@@ -58,19 +58,7 @@ def worker(numel: int, rounds: int, repeats: int) -> dict:
     def deepspeed_path(st: dict, dtype: torch.dtype):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-        p = torch.nn.Parameter(st["master"])
-        opt = DeepSpeedCPUAdam([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                               weight_decay=HP["weight_decay"], adamw_mode=True)
-        g32 = st["grad"].float()
-        p.grad = g32
-
-        def run() -> None:
-            if dtype != torch.float32:
-                g32.copy_(st["grad"])
-            opt.step()
-            if dtype != torch.float32:
-                st["param"].copy_(p.detach())
-        return run
+        return torch_path("deepspeed", st, dtype, lambda params, **hp: DeepSpeedCPUAdam(params, adamw_mode=True, **hp))
 
     paths = {}
     notes = []

@@ -174,12 +174,14 @@ def shardopt_path(kernels, mode: str, st: dict, dtype: torch.dtype, moments: str
     }[mode]
 
 
-def torch_path(kind: str, st: dict, dtype: torch.dtype):
-    """torch.optim.AdamW on the fp32 master; 16-bit: the gradient copied into a persistent fp32
-    buffer first (as it needs fp32), the result copied back into the 16-bit weight."""
+def torch_path(kind: str, st: dict, dtype: torch.dtype, optimizer=None):  # noqa: ANN001 - a torch.optim class
+    """torch.optim.AdamW (or ``optimizer``, built as ``optimizer(params, **hyperparameters)``) on
+    the fp32 master; 16-bit: the gradient copied into a persistent fp32 buffer first (as it needs
+    fp32), the result copied back into the 16-bit weight."""
     p = torch.nn.Parameter(st["master"])
-    opt = torch.optim.AdamW([p], lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"],
-                            weight_decay=HP["weight_decay"], fused=kind == "fused", foreach=kind == "foreach")
+    hp = dict(lr=HP["lr"], betas=(HP["beta1"], HP["beta2"]), eps=HP["eps"], weight_decay=HP["weight_decay"])
+    opt = optimizer([p], **hp) if optimizer is not None else \
+        torch.optim.AdamW([p], **hp, fused=kind == "fused", foreach=kind == "foreach")
     g32 = st["grad"].float()
     p.grad = g32
 
