@@ -176,15 +176,19 @@ class ShardGrads(_Store):
         return False
 
     def put(self, r: ParamRecord, grad: Tensor | None) -> bool | None:
-        """Copy parameter ``r``'s gradient into its bucket's staging buffer; ``p.grad`` goes."""
+        """Copy parameter ``r``'s gradient into its bucket's staging buffer; ``p.grad`` goes.
+        Returns True when it got one (also a gradient assigned by hand, which no hook announced),
+        None when unchanged."""
+        used = None
         if grad is not None:
             try:
                 self._staged(r).copy_(grad.reshape(-1))
+                used = True
             except RuntimeError:
                 pass  # converted after construction: reported at step() on every rank (see FlatGrads.put)
             if r.param.grad is grad:
                 r.param.grad = None
-        return None
+        return used
 
     def changed_views(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         return []

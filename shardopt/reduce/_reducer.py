@@ -33,7 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt.comm._collectives import Comm
 from shardopt.core._compat import will_execute
 from shardopt.core._flat import FlatParams, set_grad
-from shardopt.core._records import BucketRecord, BucketState, GradSlot, ParamRecord, ParamState, Reach
+from shardopt.core._records import BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
@@ -86,10 +86,14 @@ class GradReducer:
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
 
     # -- what _rounds asks of a reducer ----------------------------------------------------
-    def unreached(self) -> list[ParamRecord]:
+    def unreached(self, reached: ParamRecord | None = None) -> list[ParamRecord]:
         """When a round opens inside a backward pass: the parameters that pass will not reach, which
-        the round counts as ready at once (``mark_absent``). A question. Local."""
-        return [r for r in self.records if r.reach is Reach.DIRECT and not will_execute(r.accumulator)]
+        the round counts as ready at once (``mark_absent``). ``reached``: the parameter whose hook
+        opened the round, reached whatever the engine says (a backward from the parameter itself,
+        ``p.backward(g)``, makes its accumulator the graph's root, which the engine does not list
+        among the nodes it will run). A question. Local."""
+        return [r for r in self.records
+                if r.reach is Reach.DIRECT and r is not reached and not will_execute(r.accumulator)]
 
     def mark_absent(self, r: ParamRecord) -> None:
         """WAITING -> ABSENT: the round opened, the pass will not reach ``r``. Local."""
@@ -103,6 +107,23 @@ class GradReducer:
             r.gradless = r.forward_without_grad and not r.forward_with_grad
             if r.gradless:
                 r.reach = Reach.NESTED
+
+    def holds_unreduced(self) -> bool:
+        """Some ``p.grad`` holds a gradient that no round took (assigned by hand, or accumulated
+        under no_sync) since the last round. A question. Local."""
+        return self.accum is not None or any(r.holds() is Holds.TENSOR for r in self.records)
+
+    def begin_hand_round(self) -> None:
+        """clip_grad_norm_ or step runs a round of its own (see _rounds [Note: gradients assigned by
+        hand]): follow what was zeroed or replaced since the last round, as a backward pass does at
+        its start (a tensor in place of a placeholder is that parameter's whole gradient). With no
+        backward pass since the last step, the gradients carry no loss scale: counted as an
+        unscaled backward pass. Local."""
+        if self.scaled_backwards == 0 and self.unscaled_backwards == 0:
+            self.unscaled_backwards += 1
+        start = time.perf_counter()
+        self.apply_zeroing()
+        self.check_seconds += time.perf_counter() - start
 
     def begin_backward(self) -> None:
         """A backward pass starts: note how it was scaled and follow what was zeroed since the last. Local."""

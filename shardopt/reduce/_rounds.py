@@ -31,6 +31,20 @@ pass ran nested in another. Those wait for their gradient or for the end of the 
 plain slow path. A parameter counted ready that gets a gradient anyway is refused at the step on
 every rank (the reducer keeps it for the step).
 
+[Note: gradients assigned by hand]
+Code that computes gradients itself (``torch.autograd.grad``, a closed form, a test) assigns
+``p.grad = g`` and calls ``step()`` with no backward pass, so no hook runs and no round opens.
+``clip_grad_norm_`` and ``step`` then run a round of their own (``before_step``): when no round
+ran since ``zero_grad``, or when none ran since the last step and some ``p.grad`` holds a tensor
+that no round took (``GradReducer.holds_unreduced``: assigned by hand, or accumulated under
+``no_sync``). That round takes every such ``p.grad`` as its parameter's gradient (in stage 2 a
+tensor put in place of the placeholder replaces what the shard held, as assigning ``p.grad``
+replaces torch's gradient) and reduces it like any other: averaged over the ranks. Such
+gradients carry no loss scale. Whether a rank runs that round is its own decision: a rank that
+runs it while another goes straight to its step meets that step with the round's tag, and both
+raise (see _agreement [Note: ranks in different calls]); assign gradients by hand on every rank
+alike.
+
 The order spans every flat buffer (one per dtype): with two buffers and rank-dependent routing
 (an expert or a branch used on one rank only), per-buffer orders would interleave differently
 on each rank and pair one buffer's reduction with the other's.
@@ -143,6 +157,7 @@ class Rounds:
         self.lost_round = False  # a round of this rank was LOST since the last step: what the next tags say
         self.why_broken = ""  # once BROKEN: why the ranks can no longer train together
         self.rounds = 0  # rounds completed since zero_grad
+        self.rounds_since_step = 0  # rounds completed since the last step (or clip_grad_norm_) read the gradient
         self.total_rounds = 0  # rounds completed since construction
         self._task: int | None = None  # autograd graph task of the backward pass seen last
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
@@ -173,7 +188,7 @@ class Rounds:
                 return
             reducer = rounds.reducers[k]
             rec = reducer.records[index]
-            sync = rounds.on_hook()
+            sync = rounds.on_hook(rec)
             if reducer.arrive(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
                 rounds._count(rec.bucket)
 
@@ -188,9 +203,10 @@ class Rounds:
                     rec.hook.remove()
                     rec.hook = None
 
-    def on_hook(self) -> bool:
-        """From every gradient hook, before the reducer looks at the gradient: opens a round at the
-        first hook of a backward pass. True when this backward pass reduces (not under no_sync)."""
+    def on_hook(self, rec: ParamRecord) -> bool:
+        """From every gradient hook (``rec``'s), before the reducer looks at the gradient: opens a
+        round at the first hook of a backward pass. True when this backward pass reduces (not under
+        no_sync)."""
         task = graph_task_id()
         if task != self._task:
             self._task = task
@@ -201,7 +217,7 @@ class Rounds:
                     r.begin_backward()
                 self.sync_backward = self.require_sync
                 if self.sync_backward:
-                    self._open()
+                    self._open(reached=rec)
             self.nested = task != self._round_task
             self.nesting_seen |= self.nested
         return self.sync_backward
@@ -229,10 +245,13 @@ class Rounds:
             self._to(RoundState.BROKEN)  # any -> BROKEN
 
     def before_step(self) -> None:
-        """At clip_grad_norm_ and step: settle, then run a round if none ran since zero_grad
-        (gradients assigned by hand); the gradient they read is then final. Every rank."""
+        """At clip_grad_norm_ and step: settle, then run a round if none ran since zero_grad, or
+        if none ran since the last step and some ``p.grad`` holds a gradient no round took (see
+        [Note: gradients assigned by hand]); the gradient they read is then final. Every rank."""
         self.settle()
-        if self.rounds == 0:
+        if self.rounds == 0 or (self.rounds_since_step == 0 and any(r.holds_unreduced() for r in self.reducers)):
+            for r in self.reducers:
+                r.begin_hand_round()
             self._open(queue=False)
             # A rank alone here (it dropped averaged gradients with opt.zero_grad()) meets the others'
             # step with this tag: raise before issuing bucket collectives that no rank would match.
@@ -248,11 +267,13 @@ class Rounds:
 
     def stepped(self) -> None:
         self.lost_round = False
+        self.rounds_since_step = 0
 
     # -- a round --------------------------------------------------------------------------
-    def _open(self, queue: bool = True) -> None:
-        """IDLE -> OPEN: the first hook of a backward pass (``queue``: its end runs finish_round), or
-        clip_grad_norm_/step with gradients assigned by hand (finished at once)."""
+    def _open(self, queue: bool = True, reached: ParamRecord | None = None) -> None:
+        """IDLE -> OPEN: the first hook of a backward pass (``queue``: its end runs finish_round;
+        ``reached``: the parameter whose hook opened it), or clip_grad_norm_/step with gradients
+        assigned by hand (finished at once)."""
         self._to(RoundState.OPEN)
         self.opened += 1
         if queue:
@@ -267,7 +288,7 @@ class Rounds:
         if queue and not self.nesting_seen and (self.total_rounds or not self._gradless):
             # Inside a backward pass: parameters it will not reach hold nothing back.
             for r in self.reducers:
-                for rec in r.unreached():
+                for rec in r.unreached(reached):
                     r.mark_absent(rec)
                     self._count(rec.bucket)
 
@@ -360,6 +381,7 @@ class Rounds:
             raise
         self._to(RoundState.IDLE)  # FLUSHING -> IDLE: every bucket of the round landed
         self.rounds += 1
+        self.rounds_since_step += 1
         self.total_rounds += 1
         self._reset()
         for r in self.reducers:

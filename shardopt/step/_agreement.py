@@ -7,7 +7,7 @@ names it with rank 0's and the other rank's values, raised on every rank alike.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -18,8 +18,8 @@ from shardopt.step._loss_scale import make_scaler
 # [Note: ranks in different calls]
 # clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
 # gradient reductions (its tag; see _rounds [Note: a round that did not end]) and every call that
-# every rank must make alike (a checkpoint's save or load, a full state dict's gathering or
-# loading). One rank in clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with
+# every rank must make alike (a checkpoint's save or load, a full state dict's gathering, a state
+# dict's loading). One rank in clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with
 # another rank's step, a rank that skipped a step with the others' step, a rank saving under
 # ``if rank == 0:`` with the others' next backward pass: the norm, the clipping, the gradients or
 # the checkpoint would silently mix, or gloo would abort the process on buffers of different
@@ -29,11 +29,11 @@ from shardopt.step._loss_scale import make_scaler
 # rank is in it (and max(a), max(-a) tell whether the ranks agree on a). So every rank sees the
 # same difference, names the other call, and raises.
 CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
-         "load_full_state_dict")  # one slot each in the header, in this order
+         "load_full_state_dict", "load_state_dict")  # one slot each in the header, in this order
 _CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
                "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
                "full_state_dict": "full_state_dict() (or consolidate_state_dict(), state_dict())",
-               "load_full_state_dict": "load_full_state_dict() (or load_state_dict())"}
+               "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()"}
 assert CALL_LEN == len(CALLS) + 2, "_step_message.CALL_LEN: one slot per call, then (a, -a)"
 
 
@@ -78,8 +78,9 @@ def check_calls(header: list[float], call: str, lost_round: bool, world_size: in
     else:
         hint = ("a rank skipped step() or ran more backward passes than the others, e.g. it caught an exception "
                 "from its backward pass and went on to the next batch, or it alone called opt.zero_grad() between "
-                "backward and step, which drops the averaged gradients there; call backward, clip_grad_norm_, "
-                "zero_grad and step alike on every rank")
+                "backward and step, which drops the averaged gradients there, or it alone assigned gradients by "
+                "hand (p.grad = g, reduced by a round of their own at the step); call backward, clip_grad_norm_, "
+                "zero_grad and step, and assign gradients, alike on every rank")
     raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[call]}, another rank "
                        f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
@@ -98,14 +99,16 @@ def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) 
                for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
 
 
-def agree_on_params(opt: Any, comm: Any, names: dict[int, str],
-                    loss_scale: object) -> list[tuple[torch.nn.Parameter, int]]:
+def agree_on_params(opt: Any, comm: Any, names: dict[int, str], loss_scale: object,
+                    check: Callable[[], None] = lambda: None) -> list[tuple[torch.nn.Parameter, int]]:
     """(parameter, param-group index) of ``opt``'s trainable parameters, validated on every rank and
     compared across ranks with one small collective; any problem, local or a mismatch, raises on
-    every rank (never a hang). Parameters are compared by (group, shape, dtype) and, when named
-    parameters were given, by name; two same-shape parameters swapped on one rank without names
-    cannot be told apart. Every rank, at construction."""
+    every rank (never a hang). ``check``: the update rule's own check of the param groups (raises
+    TypeError or ValueError), run first. Parameters are compared by (group, shape, dtype) and,
+    when named parameters were given, by name; two same-shape parameters swapped on one rank
+    without names cannot be told apart. Every rank, at construction."""
     try:
+        check()
         trainable, error = trainable_params(opt.param_groups), None
         named = any(g.get("param_names") for g in opt.param_groups)
         desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]

@@ -223,8 +223,9 @@ class UsageChecks:
                 self._warned_unscaled = True
                 warnings.warn(
                     f"loss.backward() ran without the loss scale ({loss_scale:g}, dynamic loss scaling for fp16 "
-                    "parameters); the gradients are taken as unscaled, but small fp16 gradients underflow to zero: "
-                    "call opt.backward(loss) instead of loss.backward()", UserWarning, stacklevel=4)
+                    "parameters), or gradients were assigned to p.grad by hand; the gradients are taken as unscaled, "
+                    "but small fp16 gradients underflow to zero: call opt.backward(loss) instead of loss.backward()",
+                    UserWarning, stacklevel=4)
         self.seconds += time.perf_counter() - start
 
 
