@@ -13,14 +13,14 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-from shardopt.core._config import check_param_group
+from shardopt.core._config import ADAMW_FLAGS, check_lr, check_param_group
 from shardopt.kernels.muon_reference import NS_COEFFICIENTS
 from shardopt.update._moments import MUON_MOMENTS
 from shardopt.optimizer import ShardedAdamW
 
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 # A use_muon=False group's keys, when it does not set them: torch.optim.AdamW's defaults.
-ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}
+ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2, **ADAMW_FLAGS}
 _MUON_ONLY = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "adjust_lr_fn")
 
 
@@ -38,6 +38,7 @@ _MUON_CHECKS = (  # (key, valid, what it needs)
 def check_muon_hyperparameters(group: dict[str, Any], index: int) -> None:
     """Raise a ValueError naming param group ``index``'s first Muon hyperparameter out of range
     (``index`` -1: the constructor's arguments). Local."""
+    check_lr(group["lr"])
     for key, valid, need in _MUON_CHECKS:
         if not valid(group[key]):
             raise ValueError(f"invalid Muon hyperparameter in param group {index}: {key}={group[key]!r}, need {need}")
@@ -76,6 +77,10 @@ class ShardedMuon(ShardedAdamW):
         adjust_lr_fn: str | None = None,
         **kwargs: Any,
     ) -> None:
+        for key in set(kwargs) & set(ADAMW_FLAGS):
+            raise TypeError(f"ShardedMuon() got an unexpected keyword argument {key!r}: torch.optim.Muon takes no such "
+                            f"argument; for the AdamW parameters set it in their param group, e.g. "
+                            f"{{\"params\": rest, \"use_muon\": False, {key!r}: ...}}")
         if kwargs.get("moments", "fp32") not in MUON_MOMENTS:
             raise ValueError(f"ShardedMuon stores its moments in fp32 or bf16 (moments='fp32' or 'bf16'), got "
                              f"moments={kwargs['moments']!r}")
@@ -83,10 +88,10 @@ class ShardedMuon(ShardedAdamW):
                                    ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps,
                                    adjust_lr_fn=adjust_lr_fn)
         check_muon_hyperparameters(self._muon_defaults, -1)
-        self._shapes_checked = False
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
 
-    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                  flags: dict[str, Any]) -> dict[str, Any]:
         return dict(self._muon_defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -107,18 +112,25 @@ class ShardedMuon(ShardedAdamW):
                 group.pop(key, None)
 
     def _rule_of(self, group: dict[str, Any]) -> str:
-        if group.get("use_muon", True) is False:
-            return "adamw"
-        if not self._shapes_checked:  # after the ranks agreed on the parameters: raises on every rank alike
-            k = 0  # the position in param-group order, as param_names numbers unnamed parameters
-            for gi, g in enumerate(self.param_groups):
-                for j, p in enumerate(g["params"]):
-                    if g.get("use_muon", True) is not False and p.requires_grad and p.dim() != 2:
-                        # named here, not by self._names, whose name of an unnamed one holds its group and shape too
-                        label = repr(g["param_names"][j]) if g.get("param_names") else f"#{k}"
+        return "adamw" if group.get("use_muon", True) is False else "muon"
+
+    def _check_params(self) -> None:
+        """Every parameter of a Muon group, frozen ones too (as torch.optim.Muon checks them), is a
+        real 2-D matrix. Runs inside the construction's agreement: raises on every rank alike."""
+        super()._check_params()
+        k = 0  # the position in param-group order, as param_names numbers unnamed parameters
+        for gi, g in enumerate(self.param_groups):
+            for j, p in enumerate(g["params"]):
+                if g.get("use_muon", True) is not False:
+                    # named here, not by self._names, whose name of an unnamed one holds its group and shape too
+                    label = repr(g["param_names"][j]) if g.get("param_names") else f"#{k}"
+                    if p.is_complex():
+                        raise TypeError(f"ShardedMuon: {label} (param group {gi}) is complex ({p.dtype}); Muon "
+                                        "updates real matrices only, as torch.optim.Muon does: keep it as a real "
+                                        "parameter (its real and imaginary parts as two), or leave it out of the "
+                                        "optimizer")
+                    if p.dim() != 2:
                         raise ValueError(f"ShardedMuon: {label} (param group {gi}) has shape {tuple(p.shape)}; "
                                          "Muon updates 2-D matrices only: put it in a param group "
                                          "with \"use_muon\": False (AdamW)")
-                    k += 1
-            self._shapes_checked = True
-        return "muon"
+                k += 1

@@ -76,15 +76,37 @@ class ShardConfig:
         return None if math.isinf(n) else max(1, int(n))
 
 
-# torch.optim.AdamW options that ShardedAdamW does not implement, with the value it does.
-_UNSUPPORTED_GROUP_OPTIONS = {"maximize": False, "amsgrad": False, "capturable": False, "differentiable": False,
-                              "decoupled_weight_decay": True}
-_IGNORED_GROUP_OPTIONS = ("foreach", "fused")  # implementation choices: the update is always one fused pass
+# torch.optim.AdamW's flags and their defaults; every param group holds them, as torch's do. amsgrad
+# and maximize change the update (both implemented); foreach and fused choose torch's implementation
+# and are accepted and ignored (the update is always one fused pass, bit for bit torch's single-tensor
+# step); differentiable=True is refused; capturable=True is refused off CUDA (see ShardedAdamW._check_params);
+# decoupled_weight_decay=False (Adam's L2 penalty) is refused: ShardedAdamW is AdamW.
+ADAMW_FLAGS: dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                               "differentiable": False, "fused": None, "decoupled_weight_decay": True}
+
+
+def _check_flags(hp: dict[str, Any], index: int) -> None:
+    """Raise ValueError for a torch.optim.AdamW flag ShardedAdamW cannot honour in param group ``index``
+    (with its defaults filled in). Local."""
+    for key in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
+        if key in hp and not isinstance(hp[key], bool):
+            raise ValueError(f"param group {index} sets {key}={hp[key]!r}: pass True or False")
+    for key in ("foreach", "fused"):
+        if hp.get(key) is not None and not isinstance(hp[key], bool):
+            raise ValueError(f"param group {index} sets {key}={hp[key]!r}: pass None, True or False")
+    if hp.get("differentiable"):
+        raise ValueError(f"differentiable=True (param group {index}): ShardedAdamW's step cannot be differentiated "
+                         "through (it updates sharded state in place and exchanges it between ranks); use "
+                         "torch.optim.AdamW(differentiable=True) for gradients through the optimizer step, or leave "
+                         "differentiable out")
+    if hp.get("decoupled_weight_decay") is False:
+        raise ValueError(f"param group {index} sets decoupled_weight_decay=False, which ShardedAdamW does not "
+                         "implement (it is AdamW: decoupled weight decay); remove the key from the group")
 
 
 def check_param_group(param_group: object, index: int, defaults: dict[str, Any]) -> dict[str, Any]:
-    """A copy of param group ``index`` whose ``params`` is a list (a generator is consumed once),
-    without the ignored keys; raises TypeError/ValueError naming what ShardedAdamW cannot take."""
+    """A copy of param group ``index`` whose ``params`` is a list (a generator is consumed once);
+    raises TypeError/ValueError naming what ShardedAdamW cannot take."""
     from torch import Tensor
 
     if not isinstance(param_group, dict):
@@ -101,15 +123,8 @@ def check_param_group(param_group: object, index: int, defaults: dict[str, Any])
     group["params"] = params
     if params is not None and len({id(_tensor(p)) for p in params}) != len(params):
         _drop_duplicates(group, index)
-    for key, supported in _UNSUPPORTED_GROUP_OPTIONS.items():
-        if key in group and bool(group[key]) != supported:
-            raise ValueError(f"param group {index} sets {key}={group[key]!r}, which ShardedAdamW does not "
-                             f"implement (it supports only {key}={supported}); remove the key from the group")
-    for key in _IGNORED_GROUP_OPTIONS:
-        if group.pop(key, None) is not None:
-            warnings.warn(f"param group {index}: {key}= is ignored; ShardedAdamW always updates its shard in one "
-                          "fused pass", UserWarning, stacklevel=4)
     hp = {**defaults, **group}
+    _check_flags(hp, index)
     check_hyperparameters(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"])
     for p in params or []:
         if isinstance(p, Tensor) and not p.is_leaf:
@@ -146,8 +161,19 @@ def _tensor(p: object) -> object:
     return p[1] if isinstance(p, tuple) and len(p) == 2 else p
 
 
+def check_lr(lr: object) -> None:
+    """Raise ValueError for a learning rate given as a tensor of more than one element (torch.optim
+    takes a 1-element tensor, see kernels.reference [Note: a tensor learning rate])."""
+    import torch
+
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"lr as a tensor must hold one element, as torch.optim takes it (e.g. torch.tensor(1e-3)); "
+                         f"got a tensor of shape {tuple(lr.shape)}")
+
+
 def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:
     """Raise ValueError naming the first invalid AdamW hyperparameter."""
+    check_lr(lr)
     if not (_is_number(lr) and float(lr) >= 0):
         raise ValueError(f"invalid learning rate lr={lr!r}: need a number >= 0")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)):
@@ -207,7 +233,14 @@ def trainable_params(param_groups: list[dict[str, Any]]) -> list[tuple[torch.nn.
             devices.add(p.device)
             out.append((p, gi))
     if not out:
-        raise ValueError("ShardedAdamW got an empty parameter list (or no parameter with requires_grad=True)")
+        given = [p for group in param_groups for p in group["params"]]
+        if not given:
+            raise ValueError("ShardedAdamW got an empty parameter list: pass the model's parameters, e.g. "
+                             "model.parameters()")
+        shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in given[:4]) + (", ..." if len(given) > 4 else "")
+        raise ValueError(f"ShardedAdamW got {len(given)} parameters ({shapes}) and none with requires_grad=True, "
+                         "so it has nothing to train: pass parameters that require gradients (frozen ones may be "
+                         "passed too; they are left untouched)")
     if len(devices) > 1:
         raise ValueError(f"parameters are on different devices {sorted(map(str, devices))}; "
                          "move the whole model to one device (e.g. model.to(f'cuda:{local_rank}'))")

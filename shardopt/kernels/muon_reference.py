@@ -62,7 +62,7 @@ def orthogonalize(update: Tensor, *, ns_coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, int] | torch.Size) -> float:
+def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: tuple[int, int] | torch.Size) -> float | Tensor:
     """The learning rate the orthogonalized update of an (m, n) matrix is applied with.
 
     ``None`` or ``"original"``: ``lr * sqrt(max(1, m / n))`` (Keller Jordan's scaling);
@@ -79,14 +79,16 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: tuple[int, int] | to
     return lr * ratio  # lr * (0.2 * sqrt): the grouping is torch's, and it decides the last bit
 
 
-def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float,
+def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float | Tensor,
                weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
                ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None) -> None:
     """One Muon step of one (m, n) matrix, in place on ``param`` and ``momentum_buffer``.
 
     ``param``, ``grad`` and ``momentum_buffer`` are fp32 (m, n) tensors on one device; the buffer
-    starts as zeros. ``lr`` is the unadjusted learning rate (see :func:`adjusted_lr`),
+    starts as zeros. ``lr`` is the unadjusted learning rate (see :func:`adjusted_lr`), a float or
+    a 1-element tensor, used in tensor arithmetic as torch uses it (see kernels.reference [Note: a
+    tensor learning rate]),
     ``weight_decay`` the decoupled decay per unit of ``lr``, ``momentum`` the averaging factor of
     the buffer. The defaults are ``torch.optim.Muon``'s.
     """
@@ -100,6 +102,8 @@ def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: floa
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
     ortho = orthogonalize(update, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps)
+    if isinstance(lr, Tensor):
+        lr = lr.detach().reshape(())  # torch's _to_scalar: a 1-element tensor as a 0-d one
     step_lr = adjusted_lr(lr, adjust_lr_fn, param.shape)
     param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-step_lr)

@@ -58,14 +58,34 @@ MOMENT_BLOCK = 64  # elements per scale of the 8-bit moments (see [Note: 8-bit m
 _SCALE_MIN = 1e-30  # the smallest 8-bit block scale: moments below it are stored as 0
 
 
-def make_scalars(*, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
+def make_scalars(*, lr: float | Tensor, beta1: float, beta2: float, eps: float, weight_decay: float, step: int,
                  grad_scale: float, device: torch.device | str = "cpu") -> Scalars:
-    """Per-step scalars as 0-d fp32 tensors, computed in Python doubles exactly as torch.optim.AdamW does:
-    (decay factor, 1 - beta1, beta2, 1 - beta2, step size, sqrt of bias correction 2, eps, gradient
-    scale, :func:`moment_ratio_bound`)."""
-    values = (1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1**step),
+    """Per-step scalars as 0-d fp32 tensors, computed exactly as torch.optim.AdamW does: (decay
+    factor, 1 - beta1, beta2, 1 - beta2, step size, sqrt of bias correction 2, eps, gradient scale,
+    :func:`moment_ratio_bound`). In Python doubles, except where ``lr`` is a tensor (see [Note: a
+    tensor learning rate]). ``grad_scale`` negative: ``maximize=True`` (the gradient negated, as
+    torch negates it, exactly)."""
+    decay, step_size = lr_factors(lr, weight_decay, 1 - beta1**step)
+    values = (decay, 1 - beta1, beta2, 1 - beta2, step_size,
               (1 - beta2**step) ** 0.5, eps, grad_scale, moment_ratio_bound(beta1, beta2))
     return tuple(torch.tensor(values, dtype=torch.float32, device=device).unbind())  # type: ignore[return-value]
+
+
+# [Note: a tensor learning rate]
+# torch.optim.AdamW and torch.optim.Muon take ``lr`` as a 1-element tensor (so that a compiled step
+# or a scheduler can change it without a recompile). Their step then computes the learning rate's
+# products with tensor arithmetic in the tensor's dtype (``1 - lr * weight_decay``, ``lr /
+# bias_correction1``: fp32 for ``torch.tensor(1e-3)``) where a float lr is computed in Python
+# doubles, and rounds differently in the last bit. These factors are computed the same way here,
+# with the user's tensor on its own device, then passed to the update as numbers, so that a tensor
+# lr gives torch's tensor-lr step bit for bit, and a float lr torch's float-lr step.
+def lr_factors(lr: float | Tensor, weight_decay: float, bias_correction1: float) -> tuple[float, float]:
+    """(the decoupled decay factor ``1 - lr * weight_decay``, the step size ``lr / bias_correction1``)
+    as torch.optim.AdamW computes them for a float or a 1-element tensor ``lr``."""
+    if isinstance(lr, Tensor):
+        t = lr.detach().reshape(())
+        return float(1 - t * weight_decay), float(t / bias_correction1)
+    return 1 - lr * weight_decay, lr / bias_correction1
 
 
 def moment_ratio_bound(beta1: float, beta2: float) -> float:
@@ -84,16 +104,21 @@ def adam_moments(g: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, T
     return torch.lerp(m, g, one_minus_beta1), torch.addcmul(v * beta2, one_minus_beta2 * g, g)
 
 
-def adamw_math(w: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars) -> tuple[Tensor, Tensor, Tensor]:
-    """One AdamW step on fp32 ``w`` (functional): returns (w, m, v). ``grad`` in any float dtype is
-    multiplied by the gradient scale (1 / loss scale times the clip coefficient) in fp32."""
+def adamw_math(w: Tensor, grad: Tensor, m: Tensor, v: Tensor, s: Scalars,
+               vmax: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """One AdamW step on fp32 ``w`` (functional): returns (w, m, v, vmax). ``grad`` in any float
+    dtype is multiplied by the gradient scale (1 / loss scale times the clip coefficient, negative
+    with ``maximize``) in fp32. ``vmax``: with ``amsgrad``, the running maximum of ``v`` (fp32),
+    which the step divides by instead of ``v``, as torch.optim.AdamW(amsgrad=True); else None."""
     decay, step_size, bc2_sqrt, eps, grad_scale = s[0], s[4], s[5], s[6], s[7]
     g = grad.float() * grad_scale
     w = w * decay  # decoupled weight decay, before the Adam step
     m, v = adam_moments(g, m, v, s)
-    denom = v.sqrt() / bc2_sqrt + eps
+    if vmax is not None:
+        vmax = torch.maximum(vmax, v)
+    denom = (v if vmax is None else vmax).sqrt() / bc2_sqrt + eps
     w = w + (-step_size * m) / denom
-    return w, m, v
+    return w, m, v, vmax
 
 
 # -- moments: fp32, bf16 or 8-bit (see shardopt.update._moments) -----------------------------------
@@ -184,50 +209,69 @@ def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tenso
         v.copy_(stochastic_round_bf16(v32, random_bits16(key, v32.numel(), 2)))
 
 
+def load_max(vmax: Tensor | None) -> Tensor | None:
+    """amsgrad's stored running maximum of ``exp_avg_sq`` as fp32 (None without amsgrad)."""
+    return None if vmax is None else vmax.float()
+
+
+def store_max_(vmax: Tensor | None, vmax32: Tensor | None) -> None:
+    """Store amsgrad's new running maximum: exactly in fp32; in bf16 (``moments="bf16"``) rounded to
+    nearest, which keeps it from ever decreasing (the old stored value is representable, and
+    rounding is monotone)."""
+    if vmax is not None and vmax32 is not None:
+        vmax.copy_(vmax32)
+
+
 # -- one step per master-weight mode: decode, AdamW, encode, in place -----------------------
 def step_fp32(master: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
-              param_out: Tensor | None, key: Key | None = None) -> None:
+              param_out: Tensor | None, key: Key | None = None, *, vmax: Tensor | None = None) -> None:
     """fp32 master (updated in place); the rounded weight goes to ``param_out`` when given. ``m``,
-    ``v``: the stored moments (see :func:`load_moments`); ``key``: their random bits unless fp32."""
+    ``v``: the stored moments (see :func:`load_moments`); ``key``: their random bits unless fp32;
+    ``vmax``: amsgrad's running maximum of ``v`` (fp32 or bf16, see :func:`store_max_`), else None."""
     m32, v32 = load_moments(m, v, s)
-    w, m_new, v_new = adamw_math(master, grad, m32, v32, s)
+    w, m_new, v_new, vmax_new = adamw_math(master, grad, m32, v32, s, load_max(vmax))
     master.copy_(w)
     store_moments_(m, v, m_new, v_new, key)
+    store_max_(vmax, vmax_new)
     if param_out is not None:
         param_out.copy_(round_to_dtype(w, param_out.dtype))
 
 
 def step_remainder(param: Tensor, rem: Tensor | tuple, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple,
-                   s: Scalars, key: Key | None = None) -> None:
+                   s: Scalars, key: Key | None = None, *, vmax: Tensor | None = None) -> None:
     """16-bit weight + 16-bit remainder (an int16 tensor or two int8 planes) hold the exact fp32 master."""
     m32, v32 = load_moments(m, v, s)
     lo = join_remainder(rem)
     if param.dtype == torch.bfloat16:
-        w, m_new, v_new = adamw_math(decode_bf16(param, lo), grad, m32, v32, s)
+        w, m_new, v_new, vmax_new = adamw_math(decode_bf16(param, lo), grad, m32, v32, s, load_max(vmax))
         hi, r = encode_bf16_bits(w)
     else:
-        w, m_new, v_new = adamw_math(decode_fp16(param, lo), grad, m32, v32, s)
+        w, m_new, v_new, vmax_new = adamw_math(decode_fp16(param, lo), grad, m32, v32, s, load_max(vmax))
         hi, r = encode_fp16_residual(w)
     param.copy_(hi)
     split_remainder_(rem, r)
     store_moments_(m, v, m_new, v_new, key)
+    store_max_(vmax, vmax_new)
 
 
-def step_stochastic(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars, key: Key) -> None:
+def step_stochastic(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars, key: Key, *,
+                    vmax: Tensor | None = None) -> None:
     """No master: the fp32 result is rounded stochastically into the 16-bit weight."""
     m32, v32 = load_moments(m, v, s)
-    w, m_new, v_new = adamw_math(param.float(), grad, m32, v32, s)
+    w, m_new, v_new, vmax_new = adamw_math(param.float(), grad, m32, v32, s, load_max(vmax))
     param.copy_(stochastic_round(w, param.dtype, random_bits16(key, param.numel(), 0)))
     store_moments_(m, v, m_new, v_new, key)
+    store_max_(vmax, vmax_new)
 
 
 def step_none(param: Tensor, grad: Tensor, m: Tensor | tuple, v: Tensor | tuple, s: Scalars,
-              key: Key | None = None) -> None:
+              key: Key | None = None, *, vmax: Tensor | None = None) -> None:
     """No master: fp32 recomputed from the 16-bit weight, rounded to nearest again (lossy)."""
     m32, v32 = load_moments(m, v, s)
-    w, m_new, v_new = adamw_math(param.float(), grad, m32, v32, s)
+    w, m_new, v_new, vmax_new = adamw_math(param.float(), grad, m32, v32, s, load_max(vmax))
     param.copy_(round_to_dtype(w, param.dtype))
     store_moments_(m, v, m_new, v_new, key)
+    store_max_(vmax, vmax_new)
 
 
 def adamw_update_(master: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, *, lr: float, beta1: float,

@@ -4,7 +4,8 @@ Categories (all in bytes, on one rank):
 ``params`` 16-bit (or fp32) model weights, replicated; ``grads`` gradient storage (stage 1: full,
 stage 2: this rank's shard); ``master`` fp32 master shard (none for fp32 parameters, whose shard
 is its own master); ``exp_avg`` / ``exp_avg_sq`` Adam moments, sharded (fp32, bf16, or 8-bit codes
-plus their block scales: see ``shardopt.update._moments``); ``extra`` other
+plus their block scales: see ``shardopt.update._moments``; ``exp_avg_sq`` also holds amsgrad's
+``max_exp_avg_sq``); ``extra`` other
 per-element state of the master-weight mode (e.g. remainders); ``buffers`` communication
 buffers: stage-2 staging, gloo's receive buffers, the fp32 sum of no_sync accumulation
 (high-water mark). ``peak`` holds each category's high-water mark since the optimizer was built
@@ -129,6 +130,7 @@ class MemoryReport:
 def predict_bytes(
     num_params: int, world_size: int, *, stage: int, param_dtype: torch.dtype, master_weights: str = "fp32",
     moments: str = "fp32", bucket_cap_bytes: float = 0.0, staging_buckets: int = 3, rule: str = "adamw",
+    amsgrad: bool = False,
 ) -> dict[str, int]:
     """The ZeRO formula per category, in bytes on one rank, for ``num_params`` elements of one dtype.
 
@@ -137,7 +139,8 @@ def predict_bytes(
     staging and the receive buffers of reductions) hold at most ``staging_buckets`` buckets of
     ``bucket_cap_bytes`` at once; a parameter larger than the cap makes its own, larger bucket.
     ``rule="muon"``: Muon's one momentum buffer (stored as ``moments``, fp32 or bf16) is counted as
-    ``exp_avg``, and there is no ``exp_avg_sq``.
+    ``exp_avg``, and there is no ``exp_avg_sq``. ``amsgrad``: ``exp_avg_sq`` also holds its running
+    maximum (``max_exp_avg_sq``, stored as ``moments``: fp32 or bf16), twice the bytes.
     """
     psize = torch.empty((), dtype=param_dtype).element_size()
     sixteen_bit = psize == 2
@@ -158,7 +161,7 @@ def predict_bytes(
         "grads": num_params * psize if stage == 1 else shard(psize),
         "master": shard(master),
         "exp_avg": moment(),
-        "exp_avg_sq": 0 if rule == "muon" else moment(),
+        "exp_avg_sq": 0 if rule == "muon" else moment() * (2 if amsgrad else 1),
         "extra": shard(extra),
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }

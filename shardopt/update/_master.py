@@ -53,9 +53,10 @@ class MasterWeights(abc.ABC):
         self.seed = seed
 
     @abc.abstractmethod
-    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
+                vmax: Tensor | None = None) -> None:
         """AdamW over local range ``r`` (``grad`` and the moments' operands, see ``shardopt.update._moments``,
-        are already sliced to ``r``)."""
+        are already sliced to ``r``; ``vmax``: amsgrad's running maximum of ``exp_avg_sq`` there, or None)."""
 
     def kernels_for(self, r: Range) -> Kernels:
         """The kernels that update local range ``r`` (one strategy: its own; see update._split)."""
@@ -116,10 +117,11 @@ class FP32Master(MasterWeights):
         self.master: Tensor = self.empty(param_shard.numel(), torch.float32).copy_(param_shard) if self.owns_copy \
             else param_shard
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
+                vmax: Tensor | None = None) -> None:
         out = self.param_shard[r.as_slice()] if self.owns_copy else None
         self.kernels.step_fp32(self.master[r.as_slice()], grad, exp_avg, exp_avg_sq, s, out,
-                               self._moment_key(r, step, exp_avg))
+                               self._moment_key(r, step, exp_avg), **_max_arg(vmax))
 
     def fp32(self) -> Tensor:
         return self.master
@@ -170,11 +172,12 @@ class RemainderMaster(MasterWeights):
             return codecs.encode_bf16, codecs.decode_bf16
         return codecs.encode_fp16, codecs.decode_fp16
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
+                vmax: Tensor | None = None) -> None:
         sl = r.as_slice()
         planes = (self.rem_lo[sl], self.rem_hi[sl])
         self.kernels.step_remainder(self.param_shard[sl], planes, grad, exp_avg, exp_avg_sq, s,
-                                    self._moment_key(r, step, exp_avg))
+                                    self._moment_key(r, step, exp_avg), **_max_arg(vmax))
 
     def fp32(self) -> Tensor:
         return self._codec()[1](self.param_shard, codecs.join_remainder((self.rem_lo, self.rem_hi)))
@@ -216,8 +219,10 @@ class RemainderMaster(MasterWeights):
 class StochasticMaster(MasterWeights):
     name = "stochastic"
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
-        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, self._key(r, step))
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
+                vmax: Tensor | None = None) -> None:
+        self.kernels.step_stochastic(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s, self._key(r, step),
+                                     **_max_arg(vmax))
 
     def write_fp32_(self, r: Range, values: Tensor, step: int) -> None:
         bits = codecs.random_bits16(self._key(r, step), values.numel())  # keyed by global offset: any world size
@@ -227,9 +232,16 @@ class StochasticMaster(MasterWeights):
 class NoMaster(MasterWeights):
     name = "none"
 
-    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int) -> None:
+    def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
+                vmax: Tensor | None = None) -> None:
         self.kernels.step_none(self.param_shard[r.as_slice()], grad, exp_avg, exp_avg_sq, s,
-                               self._moment_key(r, step, exp_avg))
+                               self._moment_key(r, step, exp_avg), **_max_arg(vmax))
+
+
+def _max_arg(vmax: Tensor | None) -> dict[str, Tensor]:
+    """The kernels' ``vmax`` keyword only with amsgrad, so that a step without it calls (and
+    compiles) the kernel it always did."""
+    return {} if vmax is None else {"vmax": vmax}
 
 
 STRATEGIES: dict[str, type[MasterWeights]] = {

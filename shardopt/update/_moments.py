@@ -37,10 +37,16 @@ class Moments(abc.ABC):
     alignment = 1  # elements: parameters and shard boundaries are aligned to it in the flat buffer
 
     def __init__(self, numel: int, device: torch.device,
-                 empty: Callable[[int, torch.dtype], Tensor] | None = None) -> None:
+                 empty: Callable[[int, torch.dtype], Tensor] | None = None, amsgrad: bool = False) -> None:
         self.numel, self.device = numel, device
         # how the moments are allocated: (elements, dtype) -> 1D tensor (offloaded: in host memory, update._offload)
         self.empty = empty or (lambda n, dtype: torch.empty(n, dtype=dtype, device=device))
+        self.amsgrad = amsgrad  # a third tensor: the running maximum of exp_avg_sq (max_exp_avg_sq)
+        if amsgrad and not self.keeps_max:
+            raise ValueError(f"amsgrad=True needs the running maximum of exp_avg_sq, which moments={self.name!r} "
+                             "cannot store; use moments='fp32' or 'bf16'")
+
+    keeps_max = False  # a format that can hold amsgrad's max_exp_avg_sq
 
     def zeros(self, numel: int, dtype: torch.dtype) -> Tensor:
         return self.empty(numel, dtype).zero_()
@@ -55,17 +61,39 @@ class Moments(abc.ABC):
         return self.operands(r)
 
     @abc.abstractmethod
-    def fp32(self) -> tuple[Tensor, Tensor]:
-        """(exp_avg, exp_avg_sq) of the whole shard as fp32: the stored tensors for ``fp32``
-        (writes go through), decoded copies otherwise."""
+    def fp32(self) -> tuple[Tensor, ...]:
+        """(exp_avg, exp_avg_sq) of the whole shard as fp32, and with amsgrad max_exp_avg_sq third:
+        the stored tensors for ``fp32`` (writes go through), decoded copies otherwise."""
 
     @abc.abstractmethod
-    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
-        """Store fp32 moments of the whole shard (1-D, ``numel`` elements)."""
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
+        """Store fp32 moments of the whole shard (1-D, ``numel`` elements); ``max_exp_avg_sq``:
+        amsgrad's, where the source has one."""
 
     @abc.abstractmethod
     def tensors(self) -> dict[str, Tensor]:
         """The stored tensors by name (for this rank's own state dict, restored bit for bit)."""
+
+    def max_operand(self, r: Range) -> Tensor | None:
+        """amsgrad's running maximum of ``exp_avg_sq`` over local range ``r`` (the step's ``vmax``
+        operand), or None without amsgrad."""
+        return None
+
+    def state_piece(self, r: Range) -> dict[str, Tensor]:
+        """torch.optim.AdamW's state tensors over local range ``r`` (one parameter's piece), 1-D
+        fp32: views of the stored tensors for ``fp32`` (writes go through), decoded copies
+        otherwise. A question. Local."""
+        m, v = self.fp32_range(r)
+        out = {"exp_avg": m, "exp_avg_sq": v}
+        vmax = self.max_operand(r)
+        if vmax is not None:
+            out["max_exp_avg_sq"] = vmax.float()
+        return out
+
+    def fp32_range(self, r: Range) -> tuple[Tensor, Tensor]:
+        """(exp_avg, exp_avg_sq) over local range ``r`` as fp32 (see ``state_piece``)."""
+        m, v = self.operands(r)
+        return m.float(), v.float()  # type: ignore[union-attr]
 
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Restore ``tensors()`` output bit for bit (this rank's own state dict). Local."""
@@ -74,33 +102,52 @@ class Moments(abc.ABC):
 
     @property
     def exp_avg_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if not k.startswith("exp_avg_sq"))
+        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if not _second(k))
 
     @property
     def exp_avg_sq_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if k.startswith("exp_avg_sq"))
+        """The second moment's bytes, amsgrad's running maximum of it included."""
+        return sum(t.numel() * t.element_size() for k, t in self.tensors().items() if _second(k))
+
+
+def _second(key: str) -> bool:
+    """A stored tensor of the second moment (or of amsgrad's maximum of it)."""
+    return key.startswith(("exp_avg_sq", "max_exp_avg_sq"))
 
 
 class _Dense(Moments):
     dtype = torch.float32
+    keeps_max = True
 
-    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None) -> None:
-        super().__init__(numel, device, empty)
+    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None, amsgrad: bool = False) -> None:
+        super().__init__(numel, device, empty, amsgrad)
         self.exp_avg = self.zeros(numel, self.dtype)  # 1D, this rank's shard
         self.exp_avg_sq = self.zeros(numel, self.dtype)
+        # 1D, this rank's shard: amsgrad's running maximum of exp_avg_sq (bf16: rounded to nearest)
+        self.max_exp_avg_sq = self.zeros(numel, self.dtype) if amsgrad else None
 
     def operands(self, r: Range) -> tuple[object, object]:
         return self.exp_avg[r.as_slice()], self.exp_avg_sq[r.as_slice()]
 
-    def fp32(self) -> tuple[Tensor, Tensor]:
+    def max_operand(self, r: Range) -> Tensor | None:
+        return None if self.max_exp_avg_sq is None else self.max_exp_avg_sq[r.as_slice()]
+
+    def fp32(self) -> tuple[Tensor, ...]:
+        if self.max_exp_avg_sq is not None:
+            return self.exp_avg.float(), self.exp_avg_sq.float(), self.max_exp_avg_sq.float()
         return self.exp_avg.float(), self.exp_avg_sq.float()
 
-    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         self.exp_avg.copy_(exp_avg)  # nearest: a checkpoint's moments, not a running sum
         self.exp_avg_sq.copy_(exp_avg_sq)
+        if self.max_exp_avg_sq is not None:  # a checkpoint without one: the maximum starts at exp_avg_sq
+            self.max_exp_avg_sq.copy_(exp_avg_sq if max_exp_avg_sq is None else max_exp_avg_sq)
 
     def tensors(self) -> dict[str, Tensor]:
-        return {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        out = {"exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+        if self.max_exp_avg_sq is not None:
+            out["max_exp_avg_sq"] = self.max_exp_avg_sq
+        return out
 
 
 class FP32Moments(_Dense):
@@ -116,8 +163,8 @@ class Int8Moments(Moments):
     name = "8bit"
     alignment = MOMENT_BLOCK
 
-    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None) -> None:
-        super().__init__(numel, device, empty)
+    def __init__(self, numel: int, device: torch.device, empty: Callable | None = None, amsgrad: bool = False) -> None:
+        super().__init__(numel, device, empty, amsgrad)
         if numel % MOMENT_BLOCK:
             raise ValueError(f"an 8-bit moment shard must be a whole number of {MOMENT_BLOCK}-element blocks, "
                              f"got {numel} elements")
@@ -143,7 +190,16 @@ class Int8Moments(Moments):
         m, v = decode_moment8(self.m_codes, self.m_scales, self.v_codes, self.v_scales)
         return m, v
 
-    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    def fp32_range(self, r: Range) -> tuple[Tensor, Tensor]:
+        # the whole blocks around r (a parameter starts a block; its last block may hold padding)
+        start, end = r.start - r.start % MOMENT_BLOCK, -(-r.end // MOMENT_BLOCK) * MOMENT_BLOCK
+        blocks = slice(start // MOMENT_BLOCK, end // MOMENT_BLOCK)
+        m, v = decode_moment8(self.m_codes[start:end], self.m_scales[blocks], self.v_codes[start:end],
+                              self.v_scales[blocks])
+        cut = slice(r.start - start, r.end - start)
+        return m[cut], v[cut]
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         (mq, ms), (vq, vs) = encode_moment8(exp_avg.float(), exp_avg_sq.float(), None)
         self.m_codes.copy_(mq)
         self.m_scales.copy_(ms)
@@ -183,7 +239,11 @@ class MuonMomentum(Moments):
     def fp32(self) -> tuple[Tensor, Tensor]:
         return self.buffer.float(), self.buffer.new_zeros(0, dtype=torch.float32)
 
-    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    def state_piece(self, r: Range) -> dict[str, Tensor]:
+        """torch.optim.Muon's state over local range ``r``: its ``momentum_buffer`` (1-D fp32)."""
+        return {"momentum_buffer": self.read(r)}
+
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         self.buffer.copy_(exp_avg)
 
     def tensors(self) -> dict[str, Tensor]:
@@ -195,12 +255,13 @@ MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "
 assert tuple(MOMENTS) == MOMENT_FORMATS, "one strategy per format core._config accepts"
 
 
-def make_moments(name: str, numel: int, device: torch.device, empty: Callable | None = None) -> Moments:
+def make_moments(name: str, numel: int, device: torch.device, empty: Callable | None = None,
+                 amsgrad: bool = False) -> Moments:
     """The strategy called ``name`` over ``numel`` shard elements, allocated by ``empty`` (elements,
-    dtype) when given."""
+    dtype) when given; ``amsgrad``: with the running maximum of exp_avg_sq."""
     if name not in MOMENTS:
         raise ValueError(f"unknown moments={name!r}; choose one of {sorted(MOMENTS)}")
-    return MOMENTS[name](numel, device, empty)
+    return MOMENTS[name](numel, device, empty, amsgrad)
 
 
 def moment_alignment(name: str) -> int:

@@ -30,12 +30,20 @@ from shardopt.update._split import SplitMaster, SplitMoments, split_point
 from shardopt.memory import MemoryReport, predict_bytes
 
 
+def lr_value(lr: object) -> float | Tensor:
+    """A param group's ``lr`` as the update takes it: a float, or a 1-element tensor kept a tensor
+    (see kernels.reference [Note: a tensor learning rate])."""
+    return lr if isinstance(lr, Tensor) else float(lr)  # type: ignore[arg-type]
+
+
 class ShardedBuffer:
     """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
-                 config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0) -> None:
+                 config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
+                 amsgrad: bool = False) -> None:
         self.comm, self.config, self.rule = comm, config, rule
+        self.amsgrad = amsgrad  # some param group of this buffer sets amsgrad=True: its moments keep max_exp_avg_sq
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
         if rule == "muon":  # each matrix whole in its owner's shard (see _muon_packing)
@@ -74,7 +82,8 @@ class ShardedBuffer:
         masters, moments, self.placements = [], [], []
         for start, end, offload in pieces:
             state = predict_bytes(end - start, 1, stage=2, param_dtype=self.flat.dtype,
-                                  master_weights=config.master_weights, moments=config.moments, rule=rule)
+                                  master_weights=config.master_weights, moments=config.moments, rule=rule,
+                                  amsgrad=self.amsgrad)
             place = make_placement(offload, self.flat.slice(Range(self.shard_range.start + start,
                                                                   self.shard_range.start + end)),
                                    grad_dtype=None if rule == "muon" else self.flat.dtype,
@@ -86,7 +95,8 @@ class ShardedBuffer:
                                        empty=place.empty, kernels=select(**kernels, device=place.device)))
             moments.append(MuonMomentum(end - start, place.device, config.moments, empty=place.empty)
                            if rule == "muon" else
-                           make_moments(config.moments, end - start, place.device, empty=place.empty))
+                           make_moments(config.moments, end - start, place.device, empty=place.empty,
+                                        amsgrad=self.amsgrad))
         starts = [start for start, _, _ in pieces]
         self.master = masters[0] if len(masters) == 1 else SplitMaster(masters, starts)
         self.moments = moments[0] if len(moments) == 1 else SplitMoments(moments, starts)
@@ -125,8 +135,9 @@ class ShardedBuffer:
                 hp = param_groups[g]
                 beta1, beta2 = hp["betas"]
                 scalars[g, lag, device] = make_scalars(
-                    lr=float(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
-                    weight_decay=float(hp["weight_decay"]), step=step - lag, grad_scale=grad_scale, device=device)
+                    lr=lr_value(hp["lr"]), beta1=float(beta1), beta2=float(beta2), eps=float(hp["eps"]),
+                    weight_decay=float(hp["weight_decay"]), step=step - lag,
+                    grad_scale=-grad_scale if hp.get("maximize") else grad_scale, device=device)
             return scalars[g, lag, device]
 
         gathers = []
@@ -139,8 +150,9 @@ class ShardedBuffer:
                 r = whole.intersect(b.local)
                 if r.size:
                     s, gr = scalars_of(*key, place.device), g[r.as_slice()]
+                    vmax = self.moments.max_operand(r) if param_groups[key[0]].get("amsgrad") else None
                     self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels_for(r)), s,
-                                        step - key[1])
+                                        step - key[1], vmax)
             place.publish(b)
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
@@ -170,7 +182,7 @@ class ShardedBuffer:
                 # offloaded: the master and momentum move to the gradient's device for the step and back
                 master, momentum = self.master.read_fp32(r).to(here), self.moments.read(r).to(here)
                 muon_step_(master.view(shape), g, momentum.view(shape),
-                           lr=float(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
+                           lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                            nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                            eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
                 self.master.write_fp32_(r, master.to(place.device), step)
@@ -249,7 +261,7 @@ class ShardedBuffer:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
         predicted = predict_bytes(self.layout.param_numel, self.comm.shard_size, stage=self.config.stage,
                                   param_dtype=self.dtype, master_weights=self.master.name,
-                                  moments=self.moments.name, rule=self.rule)
+                                  moments=self.moments.name, rule=self.rule, amsgrad=self.amsgrad)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         arrival = [r.index for r in self.reducer.arrival] or None
@@ -273,10 +285,11 @@ class ShardedBuffer:
 
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,
-                  names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw") -> list[ShardedBuffer]:
+                  names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw",
+                  amsgrad_of: Callable[[int], bool] = lambda gi: False) -> list[ShardedBuffer]:
     """One ShardedBuffer per parameter dtype and update rule (``rule_of(group index)``), from
-    (parameter, param-group index) pairs; ``names`` by ``id``. Every rank (each buffer broadcasts
-    rank 0's weights)."""
+    (parameter, param-group index) pairs; ``names`` by ``id``; ``amsgrad_of(group index)``: the
+    group keeps amsgrad's maximum. Every rank (each buffer broadcasts rank 0's weights)."""
     by_kind: dict[tuple[torch.dtype, str], list[tuple[torch.nn.Parameter, int]]] = {}
     for p, gi in trainable:
         by_kind.setdefault((p.dtype, rule_of(gi)), []).append((p, gi))
@@ -286,5 +299,6 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
-                                     names=[names[id(p)] for p, _ in entries], rule=rule, index=k))
+                                     names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
+                                     amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries)))
     return buffers

@@ -110,20 +110,23 @@ class SplitMoments(_Pieces):
     """One moment strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
 
     prepare = _routed("prepare")
+    max_operand = _routed("max_operand")
+    state_piece = _routed("state_piece")
     read = _routed("read")
     write_ = _routed("write_")
     exp_avg_bytes = _summed("exp_avg_bytes")
     exp_avg_sq_bytes = _summed("exp_avg_sq_bytes")
 
-    def fp32(self) -> tuple[Tensor, Tensor]:
-        pairs = [p.fp32() for p in self.parts]
-        return self._cat([m for m, _ in pairs]), self._cat([v for _, v in pairs])
+    def fp32(self) -> tuple[Tensor, ...]:
+        each = [p.fp32() for p in self.parts]
+        return tuple(self._cat([t[k] for t in each]) for k in range(len(each[0])))
 
-    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         sizes = [p.numel for p in self.parts]
         v_sizes = sizes if exp_avg_sq.numel() else [0] * len(sizes)  # Muon: no second moment
-        for part, m, v in zip(self.parts, self._split(exp_avg, sizes), self._split(exp_avg_sq, v_sizes)):
-            part.load_(m.to(part.device), v.to(part.device))
+        vmaxes = self._split(max_exp_avg_sq, sizes) if max_exp_avg_sq is not None else [None] * len(sizes)
+        for part, m, v, vmax in zip(self.parts, self._split(exp_avg, sizes), self._split(exp_avg_sq, v_sizes), vmaxes):
+            part.load_(m.to(part.device), v.to(part.device), None if vmax is None else vmax.to(part.device))
 
     def tensors(self) -> dict[str, Tensor]:
         named = [p.tensors() for p in self.parts]
