@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -15,7 +16,7 @@ from torch import Tensor
 from shardopt.step._agreement import agree_on_params
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.core._compat import require as require_torch_internals
-from shardopt.core._config import ShardConfig, check_hyperparameters, check_param_group, param_names
+from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
 from shardopt.comm._gathers import WeightGathers
 from shardopt.reduce._held_bytes import HeldTotal
@@ -26,6 +27,7 @@ from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
 from shardopt.step._skips import SkipWatch
 from shardopt.checkpoint._state_dict import OptimizerStateDict
+from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.step._step_agreement import StepAgreement
 from shardopt.step._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.step._loss_scale import LossScaler, make_scaler
@@ -66,7 +68,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
         stage: int = 2,
         master_weights: str = "fp32",
         moments: str = "fp32",
@@ -92,16 +100,19 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
                                   offload_fraction=offload_fraction)
         make_scaler(loss_scale, set())  # validate before any communication
         self._built = False
-        super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay))
+        flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
+                     differentiable=differentiable, fused=fused)
+        super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay, flags))
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
-        trainable = agree_on_params(self, self._comm, self._names, loss_scale)
+        trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         take_over(self, [p for p, _ in trainable])  # see _ownership [Note: one optimizer per parameter]
         remove_freed_hooks([p for p, _ in trainable])
         self._buffers = build_buffers(trainable, self._comm, self.config, self._names,
-                                      lambda gi: self._rule_of(self.param_groups[gi]))
+                                      lambda gi: self._rule_of(self.param_groups[gi]),
+                                      lambda gi: bool(self.param_groups[gi].get("amsgrad")))
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
@@ -132,15 +143,37 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
+        # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
+        ref = weakref.ref(self)
+        self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
+                                    lambda: ref()._step)  # type: ignore[union-attr]
         self._built = True
 
     # -- construction --------------------------------------------------------------------
-    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
-        return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                  flags: dict[str, Any]) -> dict[str, Any]:
+        """Every param group's defaults: the hyperparameters, then torch.optim.AdamW's flags (see
+        core._config.ADAMW_FLAGS), as torch.optim.AdamW's param groups hold them."""
+        return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **{**ADAMW_FLAGS, **flags})
 
     def _rule_of(self, group: dict[str, Any]) -> str:
         """The update rule of a param group's parameters (see ``ShardedMuon``)."""
         return "adamw"
+
+    def _check_params(self) -> None:
+        """The update rule's own check of every param group's parameters, frozen ones included (see
+        ``ShardedMuon``); raises TypeError or ValueError, on every rank alike. Local."""
+        for gi, g in enumerate(self.param_groups):
+            off_cuda = sorted({p.device.type for p in g["params"] if p.device.type != "cuda"})
+            if g.get("capturable") and off_cuda:
+                raise ValueError(f"capturable=True (param group {gi}) applies to parameters on CUDA, these are on "
+                                 f"{', '.join(off_cuda)} (torch.optim.AdamW refuses it there too); leave capturable "
+                                 "out. On CUDA it is accepted, but ShardedAdamW's step agrees with the other ranks "
+                                 "on the host, so it cannot be captured in a CUDA graph")
+            if g.get("amsgrad") and self.config.moments == "8bit":
+                raise ValueError(f"amsgrad=True (param group {gi}) with moments='8bit': the running maximum of "
+                                 "exp_avg_sq has no 8-bit form in ShardedAdamW; use moments='fp32' (bit for bit "
+                                 "torch.optim.AdamW(amsgrad=True)) or 'bf16'")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):

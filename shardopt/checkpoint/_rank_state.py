@@ -5,16 +5,29 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import torch
+from torch import Tensor
+
 STATE_FORMAT = "shardopt.rank_shard.v1"
 
 
 def rank_state_dict(opt: Any) -> dict[str, Any]:
-    """``opt``'s shard on this rank: master weights, moments, steps, groups, scaler. Local."""
+    """``opt``'s shard on this rank: master weights, moments, steps, groups, scaler, and torch's two
+    keys (see [Note: torch's keys in the rank state dict]). Local."""
     opt.finish_param_gather()
     opt._checks.refresh_local()
+    index = param_indices(opt.param_groups)
     groups = []
     for g in opt.param_groups:
-        groups.append({k: v for k, v in g.items() if k != "params"})
+        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]})
+    buffers = [{k: v.clone() for k, v in b.moments.tensors().items()} for b in opt._buffers]
+    state: dict[Any, Any] = {}
+    for b, moments in zip(opt._buffers, buffers):
+        for r in b.records:
+            entry = opt.state.entry(b, r, opt._step)
+            state.update({index[id(r.param)]: _on_clones(entry, moments, r)} if entry else {})
+    state = {k: state[k] for k in sorted(state)}
+    state.update({k: v for k, v in opt.state.items() if not isinstance(k, Tensor)})  # entries of other keys, as torch
     return {
         "format": STATE_FORMAT,
         "world_size": opt._comm.world_size,
@@ -32,10 +45,44 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
              "param_shapes": [span.shape for span in b.layout.params],
              **{k: v.clone() for k, v in b.master.state_tensors().items()},
-             **{k: v.clone() for k, v in b.moments.tensors().items()}, "lag": [r.lag for r in b.records]}
-            for b in opt._buffers
+             **moments, "lag": [r.lag for r in b.records]}
+            for b, moments in zip(opt._buffers, buffers)
         ],
+        "state": state,
     }
+
+
+# [Note: torch's keys in the rank state dict]
+# torch.optim's contract is a dict with "state" (per parameter index) and "param_groups" (each
+# with "params": the indices of its parameters, numbered over every group in order, as torch
+# numbers them), and code around optimizers reads and changes them (state-dict hooks, framework
+# checkpointing). The rank state dict has both: "param_groups" as torch's, "state" holding for
+# each parameter with state what ``opt.state[p]`` holds on this rank (its step count and this
+# rank's piece of each state tensor, see _torch_state [Note: opt.state of a sharded optimizer]),
+# plus any entry of ``opt.state`` under another key. Its pieces with ``moments="fp32"`` are views
+# of the moments under "buffers" (no second copy; a change in place is a change there), decoded
+# copies otherwise. "buffers" restores the shard bit for bit; load_state_dict restores from it,
+# puts the entries under other keys back into ``opt.state``, and takes the param groups'
+# hyperparameters.
+def param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's index (by ``id``) as torch.optim's state_dict numbers them: in param-group
+    order, from 0, a parameter listed again keeping its first index."""
+    index: dict[int, int] = {}
+    for g in param_groups:
+        for p in g["params"]:
+            index.setdefault(id(p), len(index))
+    return index
+
+
+def _on_clones(entry: dict[str, Any], moments: dict[str, Tensor], r: Any) -> dict[str, Any]:
+    """``entry`` (``opt.state`` of record ``r``) with each fp32 piece replaced by the same piece of
+    the cloned moments ``moments``, so that the state dict holds no second copy of them."""
+    out = dict(entry)
+    for k, v in entry.items():
+        t = moments.get(k)
+        if k != "step" and t is not None and t.dtype == torch.float32 and r.local is not None:
+            out[k] = t[r.local.as_slice()].view(v.shape)
+    return out
 
 
 def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
@@ -78,7 +125,10 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
         for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
             r.lag = int(lag)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
-        g.update(saved)
+        g.update({k: v for k, v in saved.items() if k != "params"})
+    for k, v in sd.get("state", {}).items():
+        if not isinstance(k, int):
+            opt.state[k] = v  # entries of other keys, as torch.optim keeps them
     opt._step = int(sd["step"])
     opt.skipped_steps = int(sd.get("skipped_steps", 0))
     opt.config = dataclasses.replace(opt.config, seed=int(sd.get("seed", opt.config.seed)))
