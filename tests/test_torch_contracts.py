@@ -18,7 +18,7 @@ from torch import nn
 
 import shardopt
 from models import batch, make_model
-from usage_reference import HP, ddp_average, error_of, param_diff, ref_step
+from usage_reference import HP, ddp_average, error_of, param_diff, rank_order_average, ref_step
 
 
 def _train(model: nn.Module, opt: shardopt.ShardedAdamW, steps: range) -> None:
@@ -275,7 +275,10 @@ def same_hyperparameters_case() -> float:
         opt.backward(model(batch(dist.get_rank(), step)))
         opt.clip_grad_norm_(1e9)
         opt.step()
-        ref_step(ref, ref_opt, step)
+        ref_opt.zero_grad()
+        ref(batch(dist.get_rank(), step)).backward()
+        rank_order_average(ref)  # 3 ranks: gloo's ring would add in another order than shardopt
+        ref_opt.step()
     return param_diff(model, ref)
 
 
@@ -393,3 +396,237 @@ def test_weights_read_right_after_an_overlapped_step_are_the_gathered_ones(pools
         for worst, _ in results:
             assert worst < 1e-5, (read, worst)
         assert results[0][1] == results[1][1], read  # the averaged model is the same on every rank
+
+
+# -- 10: gradients assigned by hand, no backward pass ------------------------------------------------
+def _hand_grads(model: nn.Module, step: int) -> list[torch.Tensor]:
+    """Each rank's own gradient for every trainable parameter (as torch.autograd.grad would give)."""
+    g = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    return [torch.randn(p.shape, generator=g) for p in model.parameters() if p.requires_grad]
+
+
+def hand_grads_case(stage: int, zero: bool) -> float:
+    model, ref = make_model(seed=11), make_model(seed=11)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for step in range(3):
+        if zero:
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        for p, q, g in zip(trainable, [q for q in ref.parameters() if q.requires_grad], _hand_grads(model, step)):
+            p.grad, q.grad = g.clone(), g.clone()  # replaces the gradient, as torch does
+        ddp_average(ref)  # 2 ranks: the sum does not depend on the order
+        opt.step()
+        ref_opt.step()
+    return param_diff(model, ref)
+
+
+def test_gradients_assigned_by_hand_are_averaged_and_stepped_in_both_stages(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for zero in (True, False):  # zeroed first, or assigned over the last step's gradient
+            for worst in pool.run(hand_grads_case, stage, zero):
+                assert worst == 0.0, (stage, zero, worst)
+
+
+def hand_grads_on_one_rank_case() -> tuple[str, str] | None:
+    model = make_model(seed=11)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p, g in zip(trainable, _hand_grads(model, 0)):
+        p.grad = g
+    opt.step()
+    if dist.get_rank() == 0:  # a new gradient here; rank 1 steps again with the one it holds
+        for p, g in zip(trainable, _hand_grads(model, 1)):
+            p.grad = g
+    return error_of(opt.step)
+
+
+def test_gradients_assigned_by_hand_on_one_rank_only_raise_on_every_rank(pools):
+    for err in pools(2).run(hand_grads_on_one_rank_case):
+        assert err is not None and err[0] == "RuntimeError", err
+        assert "assigned gradients by hand" in err[1], err
+
+
+# -- 11: backward from a parameter itself -------------------------------------------------------------
+def leaf_backward_case(stage: int) -> float:
+    model, ref = make_model(seed=12), make_model(seed=12)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    scale = float(dist.get_rank() + 1)
+    for _ in range(2):
+        for o in (opt, ref_opt):
+            o.zero_grad()
+        for net in (model, ref):
+            for p in net.parameters():
+                if p.requires_grad:
+                    p.backward(torch.full_like(p, scale))  # one backward pass per parameter, from the leaf
+        ddp_average(ref)
+        opt.step()
+        ref_opt.step()
+    return param_diff(model, ref)
+
+
+def test_a_backward_from_the_parameter_itself_steps_as_torch(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for worst in pool.run(leaf_backward_case, stage):
+            assert worst == 0.0, (stage, worst)
+
+
+# -- 12: torch's state-dict keys and opt.state[p] ------------------------------------------------------
+def torch_state_case(moments: str) -> dict:
+    model, ref = make_model(seed=13), make_model(seed=13)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2, moments=moments)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    out = {"before": len(opt.state)}
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        ref_step(ref, ref_opt, step)
+    view = opt.inspect().buffers[0]
+    worst, pieces, keys = 0.0, 0, set()
+    records = {id(r.param): r for r in view.records}
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert (p in opt.state) == (q in ref_opt.state), "a state entry exactly where torch has one"
+        if q not in ref_opt.state:
+            continue
+        mine, theirs = opt.state[p], ref_opt.state[q]
+        assert mine["step"].dtype == torch.float32 and float(mine["step"]) == float(theirs["step"])
+        r = records[id(p)]
+        keys |= set(mine) - {"step"}
+        if r.local is None:
+            assert set(mine) == {"step"}, set(mine)
+            continue
+        start = view.shard_range.start + r.local.start - r.span.global_range.start  # in the flattened parameter
+        for k in ("exp_avg", "exp_avg_sq"):
+            want = theirs[k].reshape(-1)[start:start + r.local.size]
+            worst = max(worst, (mine[k] - want).abs().max().item())
+        pieces += 1
+    sd = opt.state_dict()
+    out.update(worst=worst, pieces=pieces, keys=sorted(keys), sd_keys=sorted(k for k in ("state", "param_groups") if k in sd),
+               params=[g["params"] for g in sd["param_groups"]], torch_params=[g["params"] for g in ref_opt.state_dict()["param_groups"]],
+               state_keys=sorted(sd["state"]), torch_state_keys=sorted(ref_opt.state_dict()["state"]))
+    if moments == "fp32":  # views of the shard: a write in place is the optimizer's state
+        p = next(p for p in model.parameters() if p in opt.state and "exp_avg" in opt.state[p])
+        opt.state[p]["exp_avg"].mul_(0.0)
+        out["written"] = float(opt.state[p]["exp_avg"].abs().max())
+        out["assign"] = error_of(lambda: opt.state.__setitem__(p, {"step": torch.tensor(1.0)}))
+        opt.state[p] = opt.state[p]  # handing back what it holds (a framework moving the state) is fine
+    return out
+
+
+def test_state_dict_has_torchs_keys_and_opt_state_holds_this_ranks_pieces(pools):
+    pool = pools(2)
+    for moments in ("fp32", "bf16"):
+        results = pool.run(torch_state_case, moments)
+        assert sum(out["pieces"] for out in results) >= 8, results  # every trained parameter has a piece somewhere
+        for out in results:
+            assert out["before"] == 0, out
+            assert out["sd_keys"] == ["param_groups", "state"], out
+            assert out["params"] == out["torch_params"], out
+            assert out["state_keys"] == out["torch_state_keys"], out
+            assert out["keys"] == ["exp_avg", "exp_avg_sq"], out
+            assert out["worst"] <= (0.0 if moments == "fp32" else 1e-2), out
+            if moments == "fp32":
+                assert out["written"] == 0.0, out
+                assert out["assign"] is not None and out["assign"][0] == "TypeError", out
+
+
+# -- 13: torch.optim.AdamW's keywords ------------------------------------------------------------------
+def adamw_keywords_case(kw: dict, stage: int, tensor_lr: bool) -> float:
+    model, ref = make_model(seed=14), make_model(seed=14)
+    lr = torch.tensor(HP["lr"]) if tensor_lr else HP["lr"]
+    hp = {**HP, "lr": lr}
+    opt = shardopt.ShardedAdamW(model.parameters(), **hp, stage=stage, **kw)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp, **{k: v for k, v in kw.items() if k != "fused"})
+    for step in range(4):
+        opt.zero_grad()
+        opt.backward(model(batch(dist.get_rank(), step)))
+        opt.step()
+        ref_step(ref, ref_opt, step)
+    worst = param_diff(model, ref)
+    for p, q in zip(model.parameters(), ref.parameters()):  # the sharded max_exp_avg_sq is torch's, piece by piece
+        if "max_exp_avg_sq" in ref_opt.state.get(q, {}) and "max_exp_avg_sq" in opt.state[p]:
+            full = ref_opt.state[q]["max_exp_avg_sq"].reshape(-1)
+            assert torch.isin(opt.state[p]["max_exp_avg_sq"], full).all()
+    return worst
+
+
+def test_adamw_keywords_run_unedited_and_amsgrad_maximize_are_torchs_bit_for_bit(pools):
+    pool = pools(2)
+    cases = [({"amsgrad": True}, 1, False), ({"amsgrad": True}, 2, False), ({"maximize": True}, 2, False),
+             ({"amsgrad": True, "maximize": True}, 2, True), ({"fused": True, "foreach": None}, 2, False),
+             ({"foreach": False, "capturable": False, "differentiable": False}, 1, False), ({}, 2, True)]
+    for kw, stage, tensor_lr in cases:
+        for worst in pool.run(adamw_keywords_case, kw, stage, tensor_lr):
+            assert worst == 0.0, (kw, stage, tensor_lr, worst)
+
+
+def refused_keywords_case() -> dict:
+    out = {}
+    for key, kw in (("differentiable", {"differentiable": True}), ("capturable", {"capturable": True}),
+                    ("amsgrad_8bit", {"amsgrad": True, "moments": "8bit"}),
+                    ("group_differentiable", None)):
+        model = make_model()
+        if kw is None:
+            out[key] = error_of(lambda: shardopt.ShardedAdamW([{"params": model.parameters(), "differentiable": True}]))
+        else:
+            out[key] = error_of(lambda: shardopt.ShardedAdamW(model.parameters(), **kw))
+    out["muon_flag"] = error_of(lambda: shardopt.ShardedMuon([torch.nn.Parameter(torch.ones(3, 3))], maximize=True))
+    return out
+
+
+def test_adamw_keywords_that_cannot_hold_name_the_flag_on_every_rank(pools):
+    for out in pools(2).run(refused_keywords_case):
+        assert out["differentiable"][0] == "ValueError" and "differentiable=True" in out["differentiable"][1], out
+        assert out["group_differentiable"][0] == "ValueError" and "differentiable=True" in out["group_differentiable"][1]
+        assert out["capturable"][0] == "ValueError" and "capturable=True" in out["capturable"][1], out
+        assert "these are on cpu" in out["capturable"][1], out
+        assert out["amsgrad_8bit"][0] == "ValueError" and "moments='8bit'" in out["amsgrad_8bit"][1], out
+        assert out["muon_flag"][0] == "TypeError" and "'maximize'" in out["muon_flag"][1], out
+
+
+# -- 14: a tensor learning rate, and ShardedMuon's messages --------------------------------------------
+def muon_tensor_lr_case() -> float:
+    torch.manual_seed(15)
+    weights = [torch.randn(6, 4), torch.randn(5, 5), torch.randn(4, 7)]
+    ours = [nn.Parameter(w.clone()) for w in weights]
+    theirs = [nn.Parameter(w.clone()) for w in weights]
+    opt = shardopt.ShardedMuon(ours, lr=torch.tensor(2e-2), stage=2)
+    ref = torch.optim.Muon(theirs, lr=torch.tensor(2e-2))
+    for step in range(4):
+        g = torch.Generator().manual_seed(step)  # the same gradient on every rank: the average is exact
+        for p, q in zip(ours, theirs):
+            grad = torch.randn(p.shape, generator=g)
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt.step()
+        ref.step()
+    return max((p - q).abs().max().item() for p, q in zip(ours, theirs))
+
+
+def muon_messages_case() -> dict:
+    mat = nn.Parameter(torch.ones(3, 3))
+    return {
+        "lr2": error_of(lambda: shardopt.ShardedMuon([mat], lr=torch.tensor([1e-2, 2e-2]))),
+        "adamw_lr2": error_of(lambda: shardopt.ShardedAdamW([mat], lr=torch.tensor([1e-2, 2e-2]))),
+        "frozen3d": error_of(lambda: shardopt.ShardedMuon([nn.Parameter(torch.ones(2, 3, 4), requires_grad=False)])),
+        "frozen_complex": error_of(lambda: shardopt.ShardedMuon(
+            [nn.Parameter(torch.ones(3, 3, dtype=torch.complex64), requires_grad=False)])),
+        "frozen_only": error_of(lambda: shardopt.ShardedAdamW([nn.Parameter(torch.ones(3), requires_grad=False)])),
+    }
+
+
+def test_muon_tensor_lr_is_torchs_and_its_messages_name_the_problem(pools):
+    pool = pools(2)
+    for worst in pool.run(muon_tensor_lr_case):
+        assert worst == 0.0, worst
+    for out in pool.run(muon_messages_case):
+        for key in ("lr2", "adamw_lr2"):
+            assert out[key][0] == "ValueError" and "must hold one element" in out[key][1] and "(2,)" in out[key][1], out
+        assert out["frozen3d"][0] == "ValueError" and "(2, 3, 4)" in out["frozen3d"][1], out
+        assert "2-D matrices" in out["frozen3d"][1], out
+        assert out["frozen_complex"][0] == "TypeError" and "complex" in out["frozen_complex"][1], out
+        assert "none with requires_grad=True" in out["frozen_only"][1] and "empty" not in out["frozen_only"][1], out

@@ -28,6 +28,28 @@ def ddp_average(model: nn.Module, fp32: bool = False) -> None:
         p.grad = (g / dist.get_world_size()).to(p.dtype)
 
 
+def rank_order_average(model: nn.Module) -> None:
+    """Average .grad over ranks summing in rank order (every rank's gradient gathered, then added
+    rank 0 first, then divided by the world size): the order shardopt's gloo reduction sums in, so
+    that a comparison at 3 ranks is not blurred by the order gloo's ring adds in (fp32 addition is
+    not associative). None only where no rank has a gradient."""
+    world = dist.get_world_size()
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        has = torch.tensor([0.0 if p.grad is None else 1.0])
+        dist.all_reduce(has, op=dist.ReduceOp.MAX)
+        if has.item() == 0:
+            continue
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        every = [torch.empty_like(g) for _ in range(world)]
+        dist.all_gather(every, g.contiguous())
+        total = every[0].clone()
+        for other in every[1:]:
+            total += other
+        p.grad = total / world
+
+
 def ref_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, zero: bool = True) -> None:
     if zero:
         opt.zero_grad()

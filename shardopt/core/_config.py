@@ -174,6 +174,9 @@ def check_lr(lr: object) -> None:
 def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: object) -> None:
     """Raise ValueError naming the first invalid AdamW hyperparameter."""
     check_lr(lr)
+    if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
+        raise ValueError(f"betas as tensors are not supported (betas={tuple(betas)!r}): ShardedAdamW computes its "
+                         "per-step factors from float betas; pass floats, e.g. betas=(0.9, 0.95)")
     if not (_is_number(lr) and float(lr) >= 0):
         raise ValueError(f"invalid learning rate lr={lr!r}: need a number >= 0")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)):

@@ -163,8 +163,8 @@ class ShardedBuffer:
     def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
         step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
-        and the mode encodes the result; AdamW's lag bookkeeping does not apply (Muon keeps no step
-        count). Every rank."""
+        and the mode encodes the result. Muon keeps no step count; a matrix's lag (steps no rank had a
+        gradient for it) only tells whether it has state yet. Every rank."""
         grad = self.reducer.local_grad()
         gathers = []
         here = self.flat.device
@@ -189,6 +189,8 @@ class ShardedBuffer:
                 self.moments.write_(r, momentum.to(place.device))
             place.publish(b)
             gathers.append((b, self._gather(b)))
+        for rec in self.records:  # left out: no state yet (see checkpoint._torch_state), as AdamW's lag
+            rec.lag += not rec.trained
         return gathers
 
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
