@@ -173,6 +173,50 @@ def test_fused_moments_are_the_reference_bit_for_bit(moments):
                 assert torch.equal(a, stored["fused"][name]), (moments, mode, n, name)
 
 
+def test_amsgrad_and_maximize_are_torch_adamw_in_the_reference_and_the_fused_kernels():
+    """torch.optim.AdamW(amsgrad=True, maximize=True) bit for bit in the reference (weights, both
+    moments and max_exp_avg_sq), and the fused kernels the reference with a correctly rounded sqrt,
+    bit for bit, with the running maximum in fp32 and in bf16 (``moments="bf16"``)."""
+    from correct_sqrt import correctly_rounded_sqrt
+
+    for maximize in (False, True):
+        torch.manual_seed(4)
+        n = 257
+        w = torch.randn(n)
+        ref = w.clone().requires_grad_(True)
+        opt = torch.optim.AdamW([ref], lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, amsgrad=True,
+                                maximize=maximize, foreach=False)
+        m, v, vmax = torch.zeros(n), torch.zeros(n), torch.zeros(n)
+        for step in range(1, 7):
+            g = torch.randn(n) * (4.0 if step % 3 else 0.1)  # large then small gradients: the maximum holds
+            ref.grad = g.clone()
+            opt.step()
+            s = make_scalars(lr=3e-3, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1, step=step,
+                             grad_scale=-1.0 if maximize else 1.0)
+            reference.step_fp32(w, g, m, v, s, None, vmax=vmax)
+        state = opt.state[ref]
+        for name, a, b in (("weight", ref.detach(), w), ("exp_avg", state["exp_avg"], m),
+                           ("exp_avg_sq", state["exp_avg_sq"], v), ("max_exp_avg_sq", state["max_exp_avg_sq"], vmax)):
+            assert torch.equal(a, b), (maximize, name)
+    for mode, dtype, vdtype in (("fp32", torch.float32, torch.float32), ("remainder", torch.bfloat16, torch.bfloat16)):
+        runs = {}
+        for impl in ("reference", "fused"):
+            kernels = select(impl, dtype=dtype, master=mode, moments="fp32" if vdtype == torch.float32 else "bf16")
+            torch.manual_seed(5)
+            strategy = make_master(mode, torch.randn(4099).to(dtype), kernels=kernels, seed=7, global_offset=64)
+            m, v, vmax = (torch.zeros(4099, dtype=vdtype) for _ in range(3))
+            for step in range(1, 5):
+                g = (torch.randn(4099, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
+                s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05, step=step,
+                                 grad_scale=-0.25)
+                with correctly_rounded_sqrt() if impl == "reference" else contextlib.nullcontext():
+                    strategy.update_(Range(0, 4099), g, m, v, s, step, vmax)
+            runs[impl] = (strategy.param_shard.clone(), m, v, vmax)
+        assert kernels.name == "fused"
+        for name, a, b in zip(("param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"), runs["reference"], runs["fused"]):
+            assert torch.equal(a, b), (mode, name)
+
+
 def _interesting_fp32(n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(3)
     bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
