@@ -142,6 +142,23 @@ def test_buffers_follow_the_order_gradients_arrive():
         estimate_memory(None, 2, 2, grad_order=[0, 1, 2], **kw)
 
 
+def test_estimate_counts_amsgrads_running_maximum_as_measured(pools):
+    """amsgrad=True keeps max_exp_avg_sq beside exp_avg_sq, stored as the moments are: the estimate
+    counts it in exp_avg_sq, byte for byte as the optimizer holds it."""
+    pool = pools(4)
+    for moments in ("fp32", "bf16"):
+        options = {"amsgrad": True, "moments": moments}
+        results = pool.run(measure_case, 2, 2, "fp32", "bf16", options)[:2]
+        for rank, r in enumerate(results):
+            told = estimate_memory(None, 2, 2, "fp32", "bf16", param_shapes=r["shapes"], grad_order=r["grad_order"],
+                                   bucket_cap_mb=BUCKET_MB, backend="gloo", rank=rank, moments=moments, amsgrad=True)
+            assert r["later"] == told.by_category(), (moments, rank, r["later"], told)
+            plain = estimate_memory(None, 2, 2, "fp32", "bf16", param_shapes=r["shapes"], moments=moments)
+            assert told.exp_avg_sq == 2 * plain.exp_avg_sq and told.exp_avg == plain.exp_avg
+    with pytest.raises(ValueError, match="moments='8bit'"):
+        estimate_memory(100, 2, amsgrad=True, moments="8bit")
+
+
 @pytest.mark.parametrize("kwargs,needle", [
     (dict(num_params=100, world_size=0), "world_size=0"),
     (dict(num_params=100, world_size=2.5), "world_size=2.5"),
@@ -230,9 +247,9 @@ def _group(world_size: int) -> object:
     return _GROUPS[world_size]
 
 
-def measure_case(world_size: int, stage: int, mode: str, dtype: str) -> dict | None:
-    """On the first ``world_size`` ranks: build the example GPT and ShardedAdamW, take two steps,
-    and return the measured bytes (other ranks return None)."""
+def measure_case(world_size: int, stage: int, mode: str, dtype: str, options: dict | None = None) -> dict | None:
+    """On the first ``world_size`` ranks: build the example GPT and ShardedAdamW (with ``options``,
+    e.g. amsgrad), take two steps, and return the measured bytes (other ranks return None)."""
     import shardopt
 
     sys.path.insert(0, os.path.join(ROOT, "examples"))
@@ -245,7 +262,7 @@ def measure_case(world_size: int, stage: int, mode: str, dtype: str) -> dict | N
     model = GPT(GPTConfig(n_layer=4, n_embd=128, n_head=4, block_size=32)).to(DTYPES[dtype])
     groups = model.param_groups(0.1)
     opt = shardopt.ShardedAdamW(groups, lr=1e-3, stage=stage, master_weights=mode, bucket_cap_mb=BUCKET_MB,
-                                loss_scale=None, process_group=group)
+                                loss_scale=None, process_group=group, **(options or {}))
     g = torch.Generator().manual_seed(dist.get_rank())
     measured = []
     for _ in range(2):  # the first backward follows rank 0's completions and teaches the second

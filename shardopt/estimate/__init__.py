@@ -229,6 +229,7 @@ def estimate_memory(
     shard_size: int | None = None,
     rule: str = "adamw",
     offload: str | None = None,
+    amsgrad: bool = False,
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -250,7 +251,8 @@ def estimate_memory(
     ShardedMuon's AdamW parameters are a second estimate with ``rule="adamw"``. ``offload="cpu"``:
     the master weights, moments and extras are counted in ``host`` with the host copies of the
     weight and gradient shards (Muon: of the weights only), and ``accelerator`` leaves them out.
-    Needs no process group; call it anywhere.
+    ``amsgrad=True`` (AdamW's): ``exp_avg_sq`` also holds its running maximum, stored as the moments
+    are (fp32 or bf16; not with ``"8bit"``). Needs no process group; call it anywhere.
     """
     if offload not in OFFLOAD_TARGETS or isinstance(offload, bool):
         raise ValueError(f"offload must be None or 'cpu', got {offload=!r}")
@@ -270,6 +272,8 @@ def estimate_memory(
         raise ValueError(f"unknown moments={moments!r}; choose one of {sorted(MOMENTS)}")
     if rule == "muon" and moments not in MUON_MOMENTS:
         raise ValueError(f"rule='muon' stores Muon's momentum in fp32 or bf16, got moments={moments!r}")
+    if amsgrad and (rule == "muon" or moments == "8bit"):
+        raise ValueError(f"amsgrad=True is AdamW's, with moments='fp32' or 'bf16'; got {rule=!r} {moments=!r}")
     alignment = math.lcm(alignment, moment_alignment(moments))  # as ShardedAdamW lays the buffer out
     dtype = _as_dtype(param_dtype)
     if not (isinstance(bucket_cap_mb, (int, float)) and bucket_cap_mb > 0):
@@ -327,7 +331,7 @@ def estimate_memory(
 
     mode = master_weights if psize == 2 else "fp32"
     formula = predict_bytes(padded, shard, stage=stage, param_dtype=dtype, master_weights=mode,
-                            moments=moments, rule=rule)
+                            moments=moments, rule=rule, amsgrad=amsgrad)
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
@@ -339,5 +343,5 @@ def estimate_memory(
         offload=offload, host=host, num_params=num_params, world_size=world_size, shard_size=shard, stage=stage, master_weights=mode, param_dtype=dtype, moments=moments,
         padded_numel=padded, **formula, backend=backend, rank=chosen, buffers_slack=slack,
         comm_reduce=_ring(shard, nbytes, 2 if stage == 1 else 1), comm_gather=_ring(shard, nbytes, 1), comm_cross=cross, buckets=buckets,
-        ddp=ddp_adamw_bytes(num_params, dtype), ddp_comm=_ring(world_size, num_params * psize, 2))
+        ddp=ddp_adamw_bytes(num_params, dtype, amsgrad), ddp_comm=_ring(world_size, num_params * psize, 2))
 

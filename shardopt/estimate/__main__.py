@@ -45,6 +45,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    default=["fp32", "remainder", "stochastic", "none"])
     p.add_argument("--moments", choices=sorted(MOMENTS), default="fp32",
                    help="how the Adam moments are stored (ShardedAdamW's moments=)")
+    p.add_argument("--amsgrad", action="store_true",
+                   help="amsgrad=True: exp_avg_sq's running maximum too (fp32 or bf16 moments)")
     p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="MiB, as in ShardedAdamW")
     p.add_argument("--backend", choices=BACKENDS, default="nccl", help="collectives whose buffers to count")
@@ -61,7 +63,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the totals count the accelerator")
     p.add_argument("--detail", action="store_true", help="also print every category of each estimate")
     p.add_argument("--compact", action="store_true", help="one row per (parameters, world size)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.amsgrad and args.moments == "8bit":
+        p.error("--amsgrad keeps exp_avg_sq's running maximum, which --moments 8bit cannot store; use fp32 or bf16")
+    return args
 
 
 def _fmt_gib(nbytes: float, limit: float | None) -> str:
@@ -80,7 +85,8 @@ def _markdown(rows: list[list[str]]) -> str:
 def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None)
+              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None,
+              amsgrad=args.amsgrad)
     shards = [None] + ([args.shard_size] if args.shard_size and args.shard_size != world else [])
     ests = [estimate_memory(n, world, s, m, shard_size=sh, **kw) for s in args.stage for m in args.master_weights
             for sh in shards]
@@ -103,6 +109,7 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
     for e in ests:
         layout = f", {e.replicas}x{e.shard_size} hybrid" if e.shard_size != e.world_size else (", flat" if hybrid else "")
         rows.append([f"stage {e.stage}, {e.master_weights}" + (f", {e.moments} moments" if e.moments != "fp32" else "")
+                     + (", amsgrad" if args.amsgrad else "")
                      + layout + (", offload='cpu'" if e.offload else "")]
                     + [_fmt_gib(v, None) for v in (e.params, e.grads, e.master, e.exp_avg + e.exp_avg_sq,
                                                    e.extra, e.buffers)]
@@ -124,12 +131,14 @@ def compact_table(args: argparse.Namespace) -> str:
     """One row per (parameters, world size): total GiB per rank for each scheme (on the accelerator
     with ``--offload``), traffic and floor."""
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
-              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None)
+              backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None,
+              amsgrad=args.amsgrad)
     modes = list(dict.fromkeys("stochastic/none" if m in ("stochastic", "none") else m for m in args.master_weights))
     schemes = [(s, m) for s in args.stage for m in modes]
     if args.shard_size:
         return _compact_hybrid(args, kw, schemes)
-    mom = ("" if args.moments == "fp32" else f" ({args.moments} moments)") + (", offload" if args.offload else "")
+    mom = ("" if args.moments == "fp32" else f" ({args.moments} moments)") + (", offload" if args.offload else "") \
+        + (", amsgrad" if args.amsgrad else "")
     head = ["params", "GPUs", "DDP + AdamW"] + [f"S{s} {m}{mom}" for s, m in schemes]
     head += [f"sent/step GB (DDP, {', '.join(f'S{s}' for s in args.stage)})",
              f"floor @{args.bandwidth:g} GB/s (DDP, {', '.join(f'S{s}' for s in args.stage)})"]

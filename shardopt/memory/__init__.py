@@ -166,15 +166,16 @@ def predict_bytes(
         "buffers": int(min(num_params * psize * (2 if stage == 2 else 1), staging_buckets * bucket_cap_bytes)),
     }
 
-def ddp_adamw_bytes(num_params: int, param_dtype: torch.dtype) -> dict[str, int]:
-    """Bytes per rank of the same parameters under DDP with a replicated mixed-precision AdamW."""
+def ddp_adamw_bytes(num_params: int, param_dtype: torch.dtype, amsgrad: bool = False) -> dict[str, int]:
+    """Bytes per rank of the same parameters under DDP with a replicated mixed-precision AdamW
+    (``amsgrad``: with its fp32 max_exp_avg_sq, counted in ``exp_avg_sq``)."""
     psize = torch.empty((), dtype=param_dtype).element_size()
     return {
         "params": num_params * psize,
         "grads": num_params * psize,
         "master": num_params * 4 if psize == 2 else 0,
         "exp_avg": num_params * 4,
-        "exp_avg_sq": num_params * 4,
+        "exp_avg_sq": num_params * (8 if amsgrad else 4),
         "extra": 0,
         "buffers": 0,
     }
