@@ -72,8 +72,14 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str,
     Every rank must call it. Gathered one parameter at a time: besides the result on rank ``to``
     (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
     Parameters with ``requires_grad=False`` get no state, as in AdamW."""
+    with opt._comm.during("full_state_dict()"):
+        settle(opt, "full_state_dict")
+        return _gather_state(opt, to, extras)
+
+
+def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
+    """``full_state_dict`` once every rank is in the call. Every rank."""
     comm = opt._comm
-    settle(opt, "full_state_dict")
     keep = comm.rank == to
     where, defaults = _locations(opt), adamw_defaults()
     state: dict[int, dict[str, Tensor]] = {}
@@ -162,8 +168,15 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
     master weights, so the master weights are set from the model's current weights (load those
     on every rank, before or after), except where the dict carries ``consolidate_state_dict``'s
     ``"shardopt"`` entry: its fp32 master weights and loss scaler are restored exactly."""
+    with opt._comm.during("load_full_state_dict()"):
+        settle(opt, "load_full_state_dict")
+        load_settled(opt, state_dict)
+
+
+def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
+    """``load_full_state_dict`` once every rank is in the call (``settle``: its own, or
+    ``load_state_dict``'s). Every rank."""
     comm = opt._comm
-    settle(opt, "load_full_state_dict")
     header, error = None, None
     if comm.rank == 0:
         try:

@@ -66,26 +66,32 @@ class OptimizerStateDict:
             hook(self)
 
     def _load_state_dict(self, sd: Any) -> None:
+        """``load_state_dict`` between torch's hooks. Like every call that every rank must make, it
+        starts with the entry message (``checkpoint._adamw.settle``): a call on some ranks only
+        raises on every rank that made it, naming it, instead of meeting another call's messages
+        with messages of other sizes. Every rank."""
+        from shardopt.checkpoint._adamw import load_settled, settle
         from shardopt.checkpoint._files import agree
 
-        kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
-                "adamw" if isinstance(sd, dict) and ("state" in sd and "param_groups" in sd
-                                                    or not sd and self._comm.rank != 0) else "other")
-        kinds = agree(self._comm, None, kind)
-        if len(set(kinds)) > 1 or kind == "other":
-            raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "
-                             "0..N-1 ('rank' = a ShardedAdamW rank state dict, 'adamw' = torch.optim.AdamW's "
-                             "format, 'other' = neither): every rank must load the same kind of state dict; to "
-                             "change the world size load an 'adamw' one or use shardopt.load_checkpoint")
-        self._consolidated = None
-        if kind == "adamw":
-            self.load_full_state_dict(sd)
-            return
-        try:
-            check_rank_state_dict(self, sd)
-            error = None
-        except (ValueError, KeyError, TypeError) as e:
-            error = ValueError(str(e))
-        agree(self._comm, error)  # a rank given another rank's shard makes every rank raise
-        load_rank_state_dict(self, sd)
-
+        with self._comm.during("load_state_dict()"):
+            settle(self, "load_state_dict")
+            kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
+                    "adamw" if isinstance(sd, dict) and ("state" in sd and "param_groups" in sd
+                                                        or not sd and self._comm.rank != 0) else "other")
+            kinds = agree(self._comm, None, kind)
+            if len(set(kinds)) > 1 or kind == "other":
+                raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "
+                                 "0..N-1 ('rank' = a ShardedAdamW rank state dict, 'adamw' = torch.optim.AdamW's "
+                                 "format, 'other' = neither): every rank must load the same kind of state dict; to "
+                                 "change the world size load an 'adamw' one or use shardopt.load_checkpoint")
+            self._consolidated = None
+            if kind == "adamw":
+                load_settled(self, sd)
+                return
+            try:
+                check_rank_state_dict(self, sd)
+                error = None
+            except (ValueError, KeyError, TypeError) as e:
+                error = ValueError(str(e))
+            agree(self._comm, error)  # a rank given another rank's shard makes every rank raise
+            load_rank_state_dict(self, sd)
