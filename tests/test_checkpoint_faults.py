@@ -12,6 +12,11 @@ Catches two ways a run was lost or hung:
   collectives of different sizes, or both ranks waited out the group's 30-minute timeout in a
   ``dist.barrier()``. Every rank that made the call must raise a Python exception naming it within
   seconds, the others an error too when they go on training, and no rank may die by a signal.
+  The same for ``opt.load_state_dict`` (which gloo aborted) and the other state-dict calls that
+  every rank must make.
+* deadlines that were not what they said: a weights-only load that gave up after the group's
+  timeout while naming its own, and a rank that came to a call after another had given up on it,
+  whose message paired with the one left in flight and took it into the save alone.
 """
 from __future__ import annotations
 
@@ -34,13 +39,14 @@ WORLD = 2
 
 
 def _spawn(target, root: str, *args, timeout: float = 90.0, linger: bool = False,
-           world: int = WORLD) -> list[int | None]:
+           world: int = WORLD, group_timeout: float = 300.0) -> list[int | None]:
     """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes.
-    ``linger``: each rank stays up until every rank has written its result (see ``_main``)."""
+    ``linger``: each rank stays up until every rank has written its result (see ``_main``);
+    ``group_timeout``: seconds, the default group's timeout."""
     ctx = _context()
     store = os.path.join(root, f"store-{time.monotonic_ns()}")
-    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger, world), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger, world, group_timeout),
+                         daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -61,11 +67,12 @@ def _context():
     return ctx
 
 
-def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool, world: int) -> None:
+def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool, world: int,
+          group_timeout: float) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
+                            timeout=datetime.timedelta(seconds=group_timeout))
     try:
         result = target(rank, root, *args)
     except BaseException:  # noqa: BLE001 - reported to the test, which decides
@@ -401,3 +408,62 @@ def test_a_state_dict_call_on_some_ranks_only_raises_naming_it(tmp_path, call, c
         if rank in callers:
             assert "every rank" in r["error"], (rank, r)
 
+
+# -- deadlines: what a rank waits is what it says, and a late rank meets no stale message ---------
+def weights_only_deadline_case(rank: int, root: str) -> dict:
+    model = make_model(seed=5)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(1))
+    path = os.path.join(root, "ckpt")
+    shardopt.save_checkpoint(path, model, opt)
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        if rank == 0:
+            shardopt.load_checkpoint(path, make_model(seed=6), timeout=4)
+        else:
+            dist.barrier()  # gives up after the group's timeout (2 s)
+    except (RuntimeError, TimeoutError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def test_a_weights_only_load_waits_the_time_it_names(tmp_path):
+    """A weights-only ``load_checkpoint`` on rank 0 only, with a deadline longer than the group's
+    timeout: it gave up after the group's 2 s but said it had waited its 4."""
+    root = str(tmp_path)
+    assert _spawn(weights_only_deadline_case, root, linger=True, group_timeout=2) == [0, 0]
+    got = _results(root)[0]
+    assert "TimeoutError" in got.get("error", "") and "load_checkpoint() waited 4 s" in got["error"], got
+    assert 3.9 <= got["seconds"] < 15, got
+
+
+def late_rank_case(rank: int, root: str) -> dict:
+    model = make_model(seed=5)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2)
+    _train(model, opt, range(1))
+    out: dict = {}
+    if rank == 1:
+        time.sleep(2)  # arrives after rank 0 gave up
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "ckpt"), model, opt, timeout=0.5 if rank == 0 else 10)
+    except (RuntimeError, TimeoutError) as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def test_a_rank_late_to_a_call_another_gave_up_on_raises_naming_it(tmp_path):
+    """Rank 0 gives up on ``save_checkpoint`` after 0.5 s; rank 1 arrives 2 s later. Its entry
+    message used to pair with the one rank 0 had left in flight: it went on into the save and
+    waited there for a rank that had left."""
+    root = str(tmp_path)
+    assert _spawn(late_rank_case, root, linger=True, timeout=40) == [0, 0]
+    first, late = _results(root)
+    assert "TimeoutError" in first.get("error", "") and "save_checkpoint() waited 0.5 s" in first["error"], first
+    assert "RuntimeError" in late.get("error", "") and "save_checkpoint()" in late["error"], late
+    assert "rank 0 gave up waiting 0.5 s for the other ranks in save_checkpoint()" in late["error"], late
+    assert late["seconds"] < 5, late  # at once, not after its own 10 s
+    assert not [n for n in os.listdir(root) if n.startswith("ckpt")], os.listdir(root)  # nothing was written

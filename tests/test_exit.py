@@ -1,21 +1,27 @@
 """Tier 3: a script that ends right after ``step()`` with overlapped gathers still in flight exits
-cleanly under a real ``torchrun``.
+cleanly under a real ``torchrun``; a script whose rank 0 raises from a call the others never
+made ends the job.
 
 Catches collectives left running at interpreter shutdown, which used to end half the runs with
 ``terminate called without an active exception`` (SIGABRT) as torch tore the process group down.
 Each rank records, from an exit handler that runs after shardopt's, whether every weight gather
 of the last step was waited for: that part cannot flake. gloo itself aborts a clean exit now and
 then (seen with plain DDP too); such a run, with every gather waited for, is run once more.
-This file is also the worker: ``python tests/test_exit.py`` under torchrun.
+Also catches a control message left in flight by a call that gave up: the process that raised
+never exited (torch's teardown joined the worker thread still waiting on it), so torchrun saw no
+failed worker and the job hung until the group's timeout.
+This file is also the worker: ``python tests/test_exit.py [save-on-rank-0 PATH]`` under torchrun.
 """
 from __future__ import annotations
 
 import pytest
 import json
 import os
+import subprocess
 import sys
+import time
 
-from launch import note_retry, torchrun
+from launch import ROOT, note_retry, torchrun
 
 pytestmark = pytest.mark.launch  # real torchrun launches (see tests/conftest.py)
 
@@ -41,6 +47,51 @@ def test_a_script_ending_right_after_an_overlapped_step_exits_cleanly(tmp_path):
         assert [r["gathers_waited"] for r in results] == [True, True], results
 
 
+def test_a_call_that_gave_up_on_rank_0_ends_the_job(tmp_path):
+    """DDP's habit with no try/except: ``if rank == 0: save_checkpoint(...)``, then ``dist.barrier()``.
+    Rank 0 raises after its ``timeout=`` (2 s) and must exit, so that torchrun ends the job with a
+    failure, within a minute, instead of waiting out the group's 30 minutes."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.abspath(__file__), "save-on-rank-0", str(tmp_path / "ckpt")]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT)
+    try:
+        out, _ = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        import psutil
+
+        for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+            p.kill()  # the workers too: they hold the output pipe, and would hang on for 30 minutes
+        out, _ = proc.communicate()
+        raise AssertionError(f"the job did not end within 120 s:\n{out[-4000:]}") from None
+    seconds = time.monotonic() - start
+    assert proc.returncode != 0, out[-4000:]
+    assert "save_checkpoint() waited 2 s for the other ranks to call it too" in out, out[-4000:]
+    with open(tmp_path / "called") as f:  # written by rank 0 just before the call
+        called = float(f.read())
+    assert time.time() - called < 2 + 60, (seconds, out[-4000:])
+
+
+def _save_on_rank_0(path: str) -> None:
+    import torch.distributed as dist
+
+    import shardopt
+    from models import batch, make_model
+
+    dist.init_process_group("gloo")  # the group's default timeout: 30 minutes
+    rank = dist.get_rank()
+    model = make_model(seed=1)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    opt.backward(model(batch(rank, 0)))
+    opt.step()
+    if rank == 0:
+        with open(os.path.join(os.path.dirname(path), "called"), "w") as f:
+            f.write(repr(time.time()))
+        shardopt.save_checkpoint(path, model, opt, timeout=2)
+    dist.barrier()
+
+
 def _worker() -> None:
     import atexit
 
@@ -63,4 +114,7 @@ def _worker() -> None:
 
 if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    _worker()
+    if sys.argv[1:2] == ["save-on-rank-0"]:
+        _save_on_rank_0(sys.argv[2])
+    else:
+        _worker()

@@ -50,10 +50,10 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "(checkpoint.py, _checkpoint_files.py, _checkpoint_adamw.py, _rank_state.py)",
     ("shardopt/comm/_collectives.py", "Pending.wait_landed", "raise"):
         "re-raises torch's own error from Work.wait() when it is not a timeout",
-    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "late"):
-        "the TimeoutError that its issuer built for a call's entry (_step_agreement.enter's late), collected there",
+    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "TimeoutError"):
+        "Comm.timed_out's text, collected where Comm.control_failed raises it",
     ("shardopt/comm/_collectives.py", "Comm._control", "RuntimeError"):
-        "the text given to Comm.give_up (_step_agreement.enter's late), collected there",
+        "the text given to Comm.give_up: Comm.control_failed's or _step_agreement.enter's error, collected there",
     ("shardopt/checkpoint/_adamw.py", "settle", "RuntimeError"):
         "rounds.fail(str(e)) with the text of _step_agreement.enter's error (check_calls in _agreement.py, or its "
         "TimeoutError), collected there",

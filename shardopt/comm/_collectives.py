@@ -12,13 +12,28 @@ weight gathers, DCP's tensors) stays on the optimizer's group. So a collective o
 that group (a ``dist.barrier()``, an ``all_reduce`` of the loss for logging) can never pair with
 one of shardopt's messages: a rank in ``save_checkpoint`` while the others are in a barrier waits
 on a group the barrier does not touch, gives up after its entry deadline and names the call
-(``Pending.late``), instead of mixing buffers of different sizes (gloo aborts the process) or
-waiting out the group's timeout. The messages that start each optimizer call all have one shape
-(``_step_message.StepMessage``), so ranks in different calls always meet and tell each other which
-call they are in. A rank that gave up on a message leaves it in flight (it cannot be taken back):
-the group is marked broken, and every later use on that rank raises, instead of pairing a stale
-message with a new one. The group is gloo whatever the data's backend (NCCL's collectives cannot
-be waited with a deadline and resumed); the messages are a few hundred bytes, copied to the host.
+(``_step_agreement.enter``), instead of mixing buffers of different sizes (gloo aborts the
+process) or waiting out the group's timeout. The messages that start each optimizer call all have
+one shape (``_step_message.StepMessage``), so ranks in different calls always meet and tell each
+other which call they are in. The group is gloo whatever the data's backend (NCCL's collectives
+cannot be waited with a deadline and resumed); the messages are a few hundred bytes, copied to
+the host.
+
+A message waits at most its deadline (a call's entry: the call's; else the optimizer's
+``timeout``; else the group's), and gloo gets that same deadline as the message's own timeout
+(``AllreduceOptions.timeout``), so gloo alone decides whether it arrived. When it did not, gloo
+ends the message in its worker thread and closes the group's connections on this rank: nothing is
+left in flight. So a rank that raises can exit (torch's teardown joins the group's worker
+threads, and a thread still waiting would keep the process, and the job, alive until the group's
+timeout), and a rank that comes later cannot pair its message with the one given up on: its
+message fails at once on a closed connection. The rank that gave up marks the group broken (every
+later use on that rank raises why) and leaves one line in the default store (``ControlGroup.key``)
+saying which call it gave up in and after how long; a rank whose message fails on a closed
+connection reads that line, raises naming its own call and the other's, and marks its group broken
+too. One window is left, as in any agreement by messages with a deadline: a late rank's message
+can complete on its side in the instant the other's deadline passes; the late rank then goes on
+into the call alone until its next control message (a checkpoint call's next agreement) fails on
+the closed connection.
 
 [Note: all-gather on gloo]
 gloo's native ``all_gather_into_tensor`` is 1.6-2.6x slower than one asynchronous broadcast per
@@ -63,7 +78,7 @@ import hashlib
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence
 
 import torch
 import torch.distributed as dist
@@ -103,7 +118,7 @@ class Pending:
     comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
     overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
     deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
-    late: Callable[[float], Exception] | None = None  # the error once ``deadline`` passed (a call's entry)
+    control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
@@ -121,20 +136,18 @@ class Pending:
         assert not self.done, "a collective handle was waited twice"
         start = time.perf_counter()
         timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
-        limit = {} if timeout is None else {"timeout": datetime.timedelta(seconds=timeout)}
+        # A control message's own gloo timeout is ``deadline``: gloo decides, this wait is a backstop.
+        wait = None if timeout is None else timeout + (_GRACE if self.control else 0.0)
+        limit = {} if wait is None else {"timeout": datetime.timedelta(seconds=wait)}
         for w in self.works:
             try:
                 w.wait(**limit)
             except RuntimeError as e:
+                if self.control:
+                    self.comm.control_failed(e, timeout)  # raises
                 if timeout is None or not _timed_out(e):
                     raise
-                if self.late is not None:
-                    raise self.late(timeout) from None
-                raise TimeoutError(
-                    f"rank {self.comm.rank} of {self.comm.world_size}: {self.comm.where} waited {timeout:g} s (the "
-                    "ShardedAdamW timeout) for the other ranks' part of a collective. Another rank is in another "
-                    "call, skipped this one (a step() or a backward that raised on one rank only), or died: every "
-                    "rank must call backward, clip_grad_norm_ and step in the same order") from None
+                raise TimeoutError(self.comm.timed_out(timeout)) from None
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
         self.done = True
@@ -145,6 +158,28 @@ class Pending:
             follow_up.wait()
             return None
         return follow_up
+
+
+_GRACE = 2.0  # seconds a control message is waited for beyond its own gloo timeout, which ends it first
+_NOTICE_WAIT = 1.0  # seconds a rank looks for the line of a rank that gave up (written just after it closed)
+
+
+class ControlTimeout(TimeoutError):
+    """A control message that did not arrive within its deadline (``waited`` seconds); this rank
+    gave up on the control group (see [Note: shardopt's own control group])."""
+
+    def __init__(self, message: str, waited: float = 0.0) -> None:
+        super().__init__(message)
+        self.waited = waited
+
+
+class ControlGone(RuntimeError):
+    """A control message that found the other ranks' connections closed; ``why``: the line a rank
+    that gave up left, or what else may have happened (see [Note: shardopt's own control group])."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why
 
 
 def _timed_out(e: RuntimeError) -> bool:
@@ -196,8 +231,38 @@ class ControlGroup:
 
     group: Any  # a gloo process group (its collectives are called as methods: it may be torch's or ours)
     world: Any  # the default group it was made under
-    timeout: datetime.timedelta  # each message's own limit: the optimizer's group's timeout
-    broken: str = ""  # once a rank gave up waiting on a message: why; every later use raises it
+    timeout: datetime.timedelta  # a message's limit when neither its call nor the optimizer sets one: the group's
+    store: Any = None  # the default store, where a rank that gave up leaves its line; None: there is none
+    key: str = ""  # that line's key, alike on every rank of the group
+    broken: str = ""  # once this rank gave up on the group, or found it closed: why; every later use raises it
+
+    def give_up(self, why: str, notice: str = "") -> None:
+        """Stop using the group on this rank: every later use raises ``why``. A later call restates
+        it (the caller that knows the call, after the comm's own words; nothing else reaches a broken
+        group). ``notice``: one line for the other ranks (which rank gave up, in which call, after how
+        long), left in the store. Local."""
+        self.broken = why
+        if notice and self.store is not None:
+            try:
+                self.store.set(self.key, notice)
+            except (RuntimeError, OSError, ValueError):
+                pass  # the store's host is gone too: the others give the reason without the line
+
+    def notice(self, wait: float) -> str:
+        """The line a rank that gave up on the group left (``give_up``), looked for during up to
+        ``wait`` seconds; "" when there is none. Local."""
+        if self.store is None:
+            return ""
+        until = time.monotonic() + wait
+        while True:
+            try:
+                if self.store.check([self.key]):
+                    return self.store.get(self.key).decode(errors="replace")
+            except (RuntimeError, OSError, ValueError):
+                return ""
+            if time.monotonic() >= until:
+                return ""
+            time.sleep(0.02)
 
 
 _CONTROL: dict[tuple[int, ...], ControlGroup] = {}  # by the global ranks it spans, under one default group
@@ -228,14 +293,15 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
         return _CONTROL[ranks]
     timeout, store = group_timeout(parent), default_store()
     wait = timeout if connect is None else datetime.timedelta(seconds=connect)
+    n = _MADE[ranks] = _MADE.get(ranks, -1) + 1  # alike on every rank of the group: they make it at the same point
+    name = f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/"
     try:
         if ranks == tuple(range(dist.get_world_size())):  # every rank is here: torch's own group, torch's lifetime
             made = dist.new_group(list(ranks), backend="gloo", timeout=wait)
         elif store is None:  # see _compat.default_store
             made = dist.new_group(list(ranks), backend="gloo", timeout=wait, use_local_synchronization=True)
         else:
-            n = _MADE[ranks] = _MADE.get(ranks, -1) + 1
-            prefix = dist.PrefixStore(f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/", store)
+            prefix = dist.PrefixStore(name, store)
             made = dist.ProcessGroupGloo(prefix, ranks.index(dist.get_rank()), len(ranks), wait)
     except RuntimeError as e:
         if not _timed_out(e):
@@ -243,7 +309,7 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
         raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
                            f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
                            "must build the optimizer (or call a weights-only load_checkpoint) at the same point") from None
-    found = _CONTROL[ranks] = ControlGroup(made, world, timeout)
+    found = _CONTROL[ranks] = ControlGroup(made, world, timeout, store=store, key=name + "gave-up")
     return found
 
 
@@ -295,20 +361,59 @@ class Comm:
             raise RuntimeError(self.control.broken)
         return self.control.group
 
-    def control_all_reduce(self, t: Tensor, op: str = "sum", *, deadline: float | None = None,
-                           late: Callable[[float], Exception] | None = None) -> Pending:
+    def control_all_reduce(self, t: Tensor, op: str = "sum", *, deadline: float | None = None) -> Pending:
         """In-place SUM (or ``"max"``) of ``t`` over the group, through the control group (see
         [Note: shardopt's own control group]): a tensor on an accelerator travels through a host copy
-        and is written back when waited. ``deadline``/``late``: see ``Pending``. Call on every rank."""
+        and is written back when waited. It waits at most ``deadline`` seconds (None: the comm's
+        ``timeout``, else the group's), which is also gloo's own timeout on it; then this rank gives
+        up on the control group and the wait raises ``ControlTimeout``, or ``ControlGone`` when the
+        other ranks had given up (``control_failed``). Call on every rank."""
         if self.control is None:
             return Pending(stats=self.stats, comm=self)
+        if deadline is None:
+            deadline = self.timeout if self.timeout is not None else self.control.timeout.total_seconds()
         host = t if t.device.type == "cpu" else t.cpu()
         opts = dist.AllreduceOptions()
-        opts.reduceOp, opts.timeout = (dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM), self.control.timeout
-        work = self._control().allreduce([host], opts)
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        opts.timeout = datetime.timedelta(seconds=deadline)
+        group = self._control()  # raises why, once this rank gave up on it
+        try:
+            work = group.allreduce([host], opts)
+        except RuntimeError as e:  # gloo reports in wait(); an error here would mean the same
+            self.control_failed(e, deadline)
         back = None if host is t else (lambda: t.copy_(host) and None)
         return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
-                       deadline=deadline, late=late)
+                       deadline=deadline, control=True)
+
+    def timed_out(self, waited: float, limit: str = "the ShardedAdamW timeout") -> str:
+        """Why a collective this rank waited ``waited`` seconds for (``limit``: whose timeout that
+        was) did not complete, naming the call in progress. Local."""
+        return (f"rank {self.rank} of {self.world_size}: {self.where} waited {waited:g} s ({limit}) for the other "
+                "ranks' part of a collective. Another rank is in another call, skipped this one (a step() or a "
+                "backward that raised on one rank only), or died: every rank must call backward, clip_grad_norm_ "
+                "and step in the same order")
+
+    def control_failed(self, error: Exception, waited: float) -> NoReturn:
+        """Give up on the control group on this rank, for a control message that did not complete
+        (torch's ``error``), and raise why (see [Note: shardopt's own control group]): ``ControlTimeout``
+        when it waited ``waited`` seconds in vain (the other ranks are told through the store),
+        ``ControlGone`` when the other ranks' connections were closed. Callers that know the call
+        (``_step_agreement.enter``) restate either. Local."""
+        if _timed_out(error):
+            limit = "the ShardedAdamW timeout" if self.timeout is not None else "the process group's timeout"
+            text = self.timed_out(waited, limit)
+            self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
+                         notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")
+            raise ControlTimeout(text, waited) from None
+        torch_says = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        why = self.control.notice(_NOTICE_WAIT) or (
+            "another rank closed shardopt's control group: it gave up waiting for this rank in a call that every "
+            "rank must make, or it ended (its own output says why)")
+        text = (f"rank {self.rank} of {self.world_size}: {self.where} cannot reach the other ranks: {why}. This rank "
+                f"can no longer agree with them: restart every rank and resume from the last complete checkpoint "
+                f"(gloo: {torch_says})")
+        self.give_up(text)
+        raise ControlGone(text, why) from None
 
     def _control_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's ``t`` (a CPU tensor of the same shape everywhere): each rank's row of a
@@ -318,11 +423,13 @@ class Comm:
         self.control_all_reduce(table).wait()
         return list(table)
 
-    def give_up(self, why: str) -> None:
-        """This rank stopped waiting for a control message (it stays in flight): every later use of
-        the control group on this rank raises ``why``. Local."""
-        if self.control is not None and not self.control.broken:
-            self.control.broken = why
+    def give_up(self, why: str, notice: str = "") -> None:
+        """This rank stops using the control group (a message of it was given up on or found the
+        other ranks gone): every later use of the control group on this rank raises ``why`` (a
+        later call restates it); ``notice``, one line for the other ranks, is left in the store
+        (``ControlGroup.give_up``). Local."""
+        if self.control is not None:
+            self.control.give_up(why, notice)
 
     def all_reduce_sum(self, t: Tensor) -> Pending:
         """In-place SUM of ``t`` over the group (a small message: the control group). Call on every rank."""

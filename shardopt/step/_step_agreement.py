@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from shardopt.step._agreement import call_header, check_calls, check_hyperparameters_agree, hyper_code, hyperparameters
-from shardopt.comm._collectives import Comm
+from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
 from shardopt.step._step_message import StepMessage
 
 
@@ -38,21 +38,29 @@ def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | 
     rank when some rank is in another call (it meets this message with its own); TimeoutError on
     this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None;
     ``math.inf``: as long as a step waits, the comm's timeout or else the group's own): the
-    other ranks are elsewhere (in a collective of their own, or in other work), and this rank's
-    control group can no longer be used (see _collectives [Note: shardopt's own control group]).
-    Every rank."""
+    other ranks are elsewhere (in a collective of their own, or in other work); RuntimeError on
+    this rank when another rank had already given up waiting for it in a call like this one. After
+    either of the last two, this rank's control group can no longer be used (see _collectives
+    [Note: shardopt's own control group]). Every rank."""
     header = StepMessage.tag(call_header(call, lost_round)).pack(torch.device("cpu"))
-
-    def late(waited: float) -> Exception:
-        why = (f"rank {comm.rank} of {comm.world_size}: {call}() waited {waited:g} s for the other ranks to call "
-               f"it too. {call}() must be called on every rank of the optimizer's group, at the same point (each rank "
-               "writes or reads its own shard), not under `if rank == 0:`; where one rank legitimately arrives later "
-               f"(it does work of its own first), pass a larger timeout= to {call}() or to the optimizer")
-        comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
-                     "(the last complete checkpoint is intact)")
-        return TimeoutError(why)
-
-    comm.control_all_reduce(header, deadline=entry_deadline(deadline), late=late).wait()
+    advice = (f"{call}() must be called on every rank of the optimizer's group, at the same point (each rank writes "
+              f"or reads its own shard), not under `if rank == 0:`; where one rank legitimately arrives later (it "
+              f"does work of its own first), pass a larger timeout= to {call}() or to the optimizer")
+    with comm.during(f"{call}()"):
+        try:
+            comm.control_all_reduce(header, deadline=entry_deadline(deadline)).wait()
+        except ControlTimeout as e:
+            why = (f"rank {comm.rank} of {comm.world_size}: {call}() waited {e.waited:g} s for the other ranks to "
+                   f"call it too. {advice}")
+            comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
+                         "(the last complete checkpoint is intact)")
+            raise TimeoutError(why) from None
+        except ControlGone as e:
+            why = (f"rank {comm.rank} of {comm.world_size}: {call}() could not meet the other ranks: {e.why}. "
+                   f"{advice}")
+            comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
+                         "(the last complete checkpoint is intact)")
+            raise RuntimeError(why) from None
     check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
 
 
