@@ -5,13 +5,15 @@ odd shapes. Tier 2 (real gloo ranks; one pool of 4, smaller worlds are subgroups
 checkpoint saved at one world size loads at another (2 -> 1, 3, 4 and back) with the stage and
 bucket size changed, for fp32, bf16 and fp16 weights and every master-weight mode on offer, after
 a skipped step and with a growing loss scale; ``full_state_dict`` against a plain
-``torch.optim.AdamW``; partial, corrupt and foreign checkpoints refused on every rank; the
-converter, with no process group, in bounded memory.
+``torch.optim.AdamW``; partial, corrupt and foreign checkpoints refused on every rank; paths
+with a trailing slash, ``./`` or ``~`` saved and found under one name; the converter, with no
+process group, in bounded memory.
 
 Catches: lost or misplaced pieces of parameters cut by shard boundaries (a rank's middle piece,
 an empty piece, a scalar), pieces deduplicated as if replicated, padding that leaks into weights,
 state that does not survive a change of world size, stage or bucket size (moments, step, skipped
-steps, loss scale, the stochastic-rounding seed), and a half-written checkpoint taken for a good one.
+steps, loss scale, the stochastic-rounding seed), a half-written checkpoint taken for a good one,
+and a path written with a trailing slash that saved into itself and then could not be found.
 
 Every rank trains on the same data, so the gradient average equals the local gradient and a run
 does not depend on the world size. That makes an uninterrupted run the reference: bit for bit
@@ -89,6 +91,21 @@ def test_boxes_tile_every_flat_range(shape):
             assert len(got) <= max(1, 2 * len(shape) - 1), (shape, a, b, got)
             flat = [full[tuple(slice(o, o + s) for o, s in zip(off, size))].reshape(-1) for off, size in got]
             assert torch.equal(torch.cat(flat) if flat else torch.zeros(0, dtype=torch.long), torch.arange(a, b))
+
+
+def test_a_checkpoint_path_is_written_one_way(tmp_path, monkeypatch):
+    """The form every checkpoint function takes a path in (checkpoint._files [Note: how a
+    checkpoint path is written]): what a save returns and a listing finds."""
+    from shardopt.checkpoint._files import checkpoint_path
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert checkpoint_path("ckpt/step_1/") == checkpoint_path("./ckpt//step_1") == "ckpt/step_1"
+    assert checkpoint_path("ckpt/./step_1/.") == "ckpt/step_1"
+    assert checkpoint_path(tmp_path / "ckpt") == str(tmp_path / "ckpt")  # os.PathLike
+    assert checkpoint_path("~/ckpt/") == str(tmp_path / "ckpt")
+    assert checkpoint_path("ckpt/../other") == "ckpt/../other"  # with a symlink, not the same as "other"
+    monkeypatch.chdir(tmp_path)
+    assert checkpoint_path(".") == str(tmp_path) and checkpoint_path("a/..") == str(tmp_path)
 
 
 # -- tier 2: resharding ------------------------------------------------------------------------
@@ -365,6 +382,48 @@ def test_partial_corrupt_or_foreign_checkpoints_are_refused_on_every_rank(pools,
         assert got is not None and got[0] == "FileExistsError" and "notes" in got[1], got
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
     assert _run(pools, 2, save_error_case, good) == [None, None]
+
+
+# -- tier 2: how a path is written ---------------------------------------------------------------------
+def paths_case(group, root: str) -> dict:
+    model, opt = _build(group, CONFIGS["bf16-stage2-to-1"], 0, seed=7)
+    ckpt = os.path.join(root, "ckpt")
+    saved = []
+    _train(model, opt, range(1))
+    saved.append(save_checkpoint(ckpt + "/step_1/", model, opt))  # a trailing slash
+    _train(model, opt, range(1, 2))
+    saved.append(save_checkpoint(f"{root}/./ckpt//step_2", model, opt))
+    home = os.environ["HOME"]
+    os.environ["HOME"] = root
+    try:
+        _train(model, opt, range(2, 3))
+        saved.append(save_checkpoint("~/ckpt/step_3", model, opt))
+    finally:
+        os.environ["HOME"] = home
+    if dist.get_rank() == 0:  # what a save given "ckpt/step_4/" left inside it, before paths were written one way
+        os.makedirs(os.path.join(ckpt, "step_4", ".tmp-0123abcd"))
+        with open(os.path.join(ckpt, "step_4", ".tmp-0123abcd", "__0_0.distcp"), "wb") as f:
+            f.write(b"x")
+    dist.barrier(group)
+    _train(model, opt, range(3, 4))
+    saved.append(save_checkpoint(os.path.join(ckpt, "step_4"), model, opt))
+    weights = _weights(model)
+    load_checkpoint(ckpt + "/step_4/", model, opt)
+    return {"saved": saved, "latest": latest_checkpoint(ckpt + "/"), "listed": list_checkpoints(f"{root}/./ckpt//"),
+            "same": all(torch.equal(w, model.state_dict()[k]) for k, w in weights.items())}
+
+
+def test_paths_with_a_trailing_slash_dots_or_a_tilde_save_and_are_found(pools, tmp_path):
+    """``save_checkpoint("ckpt/step_1/")`` wrote every shard and then failed to rename the
+    directory into itself (OSError: [Errno 22]), leaving ``step_1/.tmp-*``; the next save to
+    ``ckpt/step_1`` refused the directory as foreign, and ``latest_checkpoint`` found nothing."""
+    root = str(tmp_path)
+    expected = [os.path.join(root, "ckpt", f"step_{i}") for i in (1, 2, 3, 4)]
+    for rank, got in enumerate(_run(pools, 2, paths_case, root)):
+        assert got["saved"] == got["listed"] == expected and got["latest"] == expected[-1], (rank, got)
+        assert got["same"], rank
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["step_1", "step_2", "step_3", "step_4"]
+    assert ".tmp-0123abcd" not in os.listdir(tmp_path / "ckpt" / "step_4")
 
 
 # -- tier 2 + converter: no process group, bounded memory ---------------------------------------------

@@ -85,7 +85,7 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "_reducer.py), with 'on rank …:' in front on the others",
     ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
         "problems[0] from ParamBinding.changes, collected in _binding.py",
-    ("shardopt/checkpoint/__init__.py", "save_checkpoint", "raise"):
+    ("shardopt/checkpoint/__init__.py", "_save", "raise"):
         "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",

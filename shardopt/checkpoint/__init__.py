@@ -36,9 +36,9 @@ from torch import Tensor
 from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
 from shardopt.checkpoint._dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
-from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable, commit,
-                                        data_checksums, latest_checkpoint, list_checkpoints, read_manifest, recover,
-                                        temp_path, verify_data, write_json)
+from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
+                                        checkpoint_path, commit, data_checksums, latest_checkpoint, list_checkpoints,
+                                        read_manifest, recover, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
@@ -143,7 +143,9 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
 
 def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None,
                     timeout: float | None = None) -> str:
-    """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``.
+    """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``
+    as the checkpoint functions write it (``~`` expanded; a trailing ``/``, ``./`` and doubled ``/``
+    dropped: ``ckpt/step_1/`` is saved and found as ``ckpt/step_1``).
 
     Every rank of the optimizer's group must call it; each writes only its own shard, in parallel.
     A rank waits at most ``timeout`` seconds (default: the optimizer's ``timeout``, else 60;
@@ -154,7 +156,14 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     once complete (an existing one there is replaced); a save that fails or is killed leaves
     ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
-    path = os.fspath(path)
+    path = checkpoint_path(path)
+    with opt._comm.during("save_checkpoint()"):
+        _save(path, model, opt, extra, timeout)
+    return path
+
+
+def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: float | None) -> None:
+    """``save_checkpoint`` of a path written as ``checkpoint_path`` writes it. Every rank."""
     comm: Comm = opt._comm
     settle(opt, "save_checkpoint", timeout)
     try:
@@ -205,7 +214,6 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
         except (OSError, RuntimeError) as e:
             error = e
     agree(comm, error)
-    return path
 
 
 def _check_loadable(extra: Any) -> None:
@@ -307,9 +315,16 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
     mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
     (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
-    others to call it too, then raises TimeoutError naming the call."""
-    path = os.fspath(path)
+    others to call it too, then raises TimeoutError naming the call. ``path`` is written as
+    ``save_checkpoint`` writes it."""
+    path = checkpoint_path(path)
     comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
+    with comm.during("load_checkpoint()"):
+        return _load(path, model, opt, comm, timeout)
+
+
+def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: float | None) -> Any:
+    """``load_checkpoint`` of a path written as ``checkpoint_path`` writes it, over ``comm``. Every rank."""
     if opt is None:
         enter(comm, "load_checkpoint", deadline=timeout)
     else:

@@ -39,12 +39,28 @@ process, counts as done (the marker names its token). The next successful save r
 leftovers of interrupted saves: every ``*.tmp-*`` and ``*.old-*`` beside its ``PATH`` that no
 save is writing (older than this save), and that is not the only copy of a checkpoint. Two jobs
 must not save into one directory at once.
+
+[Note: how a checkpoint path is written]
+A checkpoint is a directory named by the path's last component: a save writes beside it
+(``PATH.tmp-TOKEN``) and renames that to ``PATH``; listing finds it by that name. So every public
+function that takes a path (``save_checkpoint``, ``load_checkpoint``, ``list_checkpoints``,
+``latest_checkpoint``) first writes it one way (``checkpoint_path``), and returns paths in that
+form. ``~`` is expanded: these functions create directories, and a directory named ``~`` in the
+working directory is never what was meant (fsspec, under Lightning's checkpoint IO, expands it
+too; ``open`` and ``torch.save`` do not, but they create no parents). The components are kept as
+``pathlib`` keeps them: a trailing ``/``, ``./`` and a doubled ``/`` go, ``..`` stays (where ``a``
+is a symlink, ``a/..`` is not where dropping both would lead), a relative path stays relative. A
+path that ends in ``.`` or ``..`` names no directory of its own and is made absolute. Taken as
+written, ``ckpt/step_1/`` made a save write into ``ckpt/step_1/.tmp-TOKEN``, which cannot be
+renamed into its own parent; a directory holding nothing but such leftovers is replaced by the
+next save to it (``check_replaceable``) instead of being refused as foreign.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import time
@@ -78,6 +94,15 @@ def agree(comm: Any, error: BaseException | None, payload: Any = None) -> list:
         if e is not None:
             raise _ERRORS.get(e[0], RuntimeError)(f"on rank {r}: {e[0]}: {e[1]}")
     return [p for p, _ in gathered]
+
+
+def checkpoint_path(path: str | os.PathLike) -> str:
+    """``path`` as every checkpoint function takes it (see [Note: how a checkpoint path is written]).
+    Local."""
+    written = pathlib.PurePath(os.path.expanduser(os.fspath(path)))
+    if written.name in ("", ".."):  # ".", "..", "a/..", "/": no name of its own for the checkpoint
+        written = pathlib.PurePath(os.path.abspath(written))
+    return str(written)
 
 
 def temp_path(path: str, token: str) -> str:
@@ -139,11 +164,13 @@ def _fsync_dir(path: str) -> None:
 
 
 def check_replaceable(path: str) -> None:
-    """Raise FileExistsError unless ``path`` is absent, an empty directory or a checkpoint (which a
-    save may replace): a save never deletes anything else."""
+    """Raise FileExistsError unless ``path`` is absent, a checkpoint (which a save may replace), or
+    a directory that holds nothing but leftovers of saves to ``path/`` (see [Note: how a checkpoint
+    path is written]), or nothing at all: a save never deletes anything else."""
     if not os.path.lexists(path):
         return
-    if os.path.isdir(path) and (not os.listdir(path) or os.path.isfile(os.path.join(path, MARKER))):
+    if os.path.isdir(path) and (os.path.isfile(os.path.join(path, MARKER)) or all(
+            _TEMP.fullmatch(name) and os.path.isdir(os.path.join(path, name)) for name in os.listdir(path))):
         return
     raise FileExistsError(f"{path} exists and is not a shardopt checkpoint; refusing to replace it")
 
@@ -317,13 +344,15 @@ def is_complete(path: str) -> bool:
     return True
 
 
-def list_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints directly under ``root``, oldest first (by saved step, then name).
+def list_checkpoints(root: str | os.PathLike) -> list[str]:
+    """Complete checkpoints directly under ``root``, oldest first (by saved step, then name), as
+    ``os.path.join(root, name)`` with ``root`` written as in [Note: how a checkpoint path is written].
 
     A commit that a kill interrupted between its renames is finished first (see [Note: a kill
     between the renames of a commit]); then interrupted saves (``*.tmp-*``), leftovers of
     overwrites (``*.old-*``) and anything without a valid marker are skipped. Local; no
     communication; every rank may call it at once."""
+    root = checkpoint_path(root)
     if not os.path.isdir(root):
         return []
     held = set()  # leftovers that hold a checkpoint they could not be renamed back to
@@ -344,7 +373,7 @@ def list_checkpoints(root: str) -> list[str]:
     return [full for _, _, full in sorted(found)]
 
 
-def latest_checkpoint(root: str) -> str | None:
+def latest_checkpoint(root: str | os.PathLike) -> str | None:
     """The complete checkpoint under ``root`` with the highest step, or None. Local; no communication."""
     found = list_checkpoints(root)
     return found[-1] if found else None
