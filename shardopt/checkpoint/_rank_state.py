@@ -24,8 +24,8 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
     state: dict[Any, Any] = {}
     for b, moments in zip(opt._buffers, buffers):
         for r in b.records:
-            entry = opt.state.entry(b, r, opt._step)
-            state.update({index[id(r.param)]: _on_clones(entry, moments, r)} if entry else {})
+            if opt.state.has_entry(b, r, opt._step):
+                state[index[id(r.param)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
     state = {k: state[k] for k in sorted(state)}
     state.update({k: v for k, v in opt.state.items() if not isinstance(k, Tensor)})  # entries of other keys, as torch
     return {

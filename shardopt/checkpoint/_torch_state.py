@@ -54,14 +54,17 @@ class ParamStateView(MutableMapping):
     def _param_steps(r: Any, steps: int) -> int:
         return steps - r.lag
 
+    def has_entry(self, b: Any, r: Any, steps: int) -> bool:
+        """Whether parameter ``r`` (of buffer ``b``) has state here after ``steps`` optimizer steps:
+        it took a step, and (Muon) this rank owns it. A question, without reading the state."""
+        return self._param_steps(r, steps) > 0 and (b.rule != "muon" or r.local is not None)
+
     def entry(self, b: Any, r: Any, steps: int) -> dict[str, Tensor]:
         """Parameter ``r``'s (of buffer ``b``) state as torch keeps it, after ``steps`` optimizer
         steps; empty before its first step. A question."""
-        if self._param_steps(r, steps) <= 0:
+        if not self.has_entry(b, r, steps):
             return {}
         if b.rule == "muon":
-            if r.local is None:
-                return {}
             piece = b.moments.state_piece(r.local)
             return {k: v.view(r.span.shape) if r.local.size == v.numel() == r.span.numel else v
                     for k, v in piece.items()}
@@ -100,8 +103,7 @@ class ParamStateView(MutableMapping):
     def __iter__(self) -> Iterator[Any]:
         steps = self._steps()
         for p in self._order:
-            b, r = self._found[id(p)]
-            if self.entry(b, r, steps):
+            if self.has_entry(*self._found[id(p)], steps):
                 yield p
         yield from self._other
 
@@ -112,7 +114,7 @@ class ParamStateView(MutableMapping):
         found = self._record(p)
         if found is None:
             return p in self._other
-        return bool(self.entry(*found, self._steps()))
+        return self.has_entry(*found, self._steps())
 
     def __repr__(self) -> str:
         return f"ParamStateView({len(self)} parameters with state on this rank)"
