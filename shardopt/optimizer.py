@@ -142,9 +142,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._gathers = WeightGathers(self._on_landed(), self._record_of)
         self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
-        self._ddp_watch = watch_for_ddp(tracked, stage)  # until the first step
-        # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         ref = weakref.ref(self)
+        self._ddp_watch = watch_for_ddp(tracked, stage, ref)  # until the first step
+        # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
                                     lambda: ref()._step)  # type: ignore[union-attr]
         self._built = True

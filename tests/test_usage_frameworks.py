@@ -4,6 +4,7 @@ error on every rank.
 """
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -40,6 +41,27 @@ def test_a_ddp_wrapper_is_refused_in_stage2_and_warned_about_in_stage1(pools):
             assert error and error[0] == "RuntimeError" and "ShardedTrainer" in error[1] and not quiet, error
         for error, warned, quiet in pool.run(ddp_wrapper_case, 1, freeze_first):
             assert error is None and len(warned) == 1 and "doubling the communication" in warned[0], (error, warned)
+
+
+def dropped_optimizer_case() -> tuple:
+    """A stage-2 optimizer built and dropped before its first step (a learning-rate finder, a
+    framework's dry run), then the same model wrapped in DDP under a stage-1 optimizer: the dropped
+    optimizer's watch must not speak for the model any more."""
+    model = make_model(seed=2)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=2)
+    del opt
+    gc.collect()  # freed, not superseded: nothing releases it but its own hooks' weak reference
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=1)
+    wrapped = nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        error = error_of(lambda: wrapped(batch(dist.get_rank(), 0)))
+    return error, [str(w.message) for w in caught if "DistributedDataParallel" in str(w.message)]
+
+
+def test_an_optimizer_dropped_before_its_first_step_leaves_no_watch_behind(pools):
+    for error, warned in pools(2).run(dropped_optimizer_case):
+        assert error is None and len(warned) == 1 and "doubling the communication" in warned[0], (error, warned)
 
 
 def rank0_state_dict_case(path: str) -> tuple:

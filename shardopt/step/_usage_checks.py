@@ -19,6 +19,7 @@ import torch
 
 from shardopt.comm._collectives import Comm
 from shardopt.core._compat import compiled_inner
+from shardopt.core._ownership import owned_hook
 
 log = logging.getLogger("shardopt")
 
@@ -236,13 +237,17 @@ DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParalle
                "shardopt.integrations.lightning.ShardedStrategy")
 
 
-def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.RemovableHandle":
+def watch_for_ddp(param_ids: set[int], stage: int, owner: Any = None) -> "torch.utils.hooks.RemovableHandle":
     """A global module forward pre-hook that looks at the first module called whose parameters
     include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
     one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and
     is gone before a compiled module is traced. A DDP wrapper gets a warning in stage 1 (the
     results are right, the communication doubled) and an error in stage 2 (DDP would write full
-    gradients into ``p.grad``), alike on every rank, since every rank runs the same forward."""
+    gradients into ``p.grad``), alike on every rank, since every rank runs the same forward.
+    ``owner``: a weak reference to the optimizer; once it is freed (built and dropped without a
+    step) the hook does nothing, and is removed at the next optimizer's construction (see
+    _ownership [Note: hooks of a freed optimizer]), so it never mistakes a new model whose
+    parameters reuse freed ids for its own."""
     from torch.nn.parallel import DistributedDataParallel
 
     handle: list = []
@@ -250,6 +255,8 @@ def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.Removab
     def hook(module: torch.nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():
             return  # torch.compile's wrapper was looked at eagerly (see _gather_wait [Note: compiled models])
+        if owner is not None and owner() is None:
+            return  # its optimizer is gone
         if not any(id(p) in param_ids for p in module.parameters()):
             return  # another model: keep watching
         handle[0].remove()
@@ -262,5 +269,6 @@ def watch_for_ddp(param_ids: set[int], stage: int) -> "torch.utils.hooks.Removab
             raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
         warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
 
-    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(hook))
+    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(
+        hook if owner is None else owned_hook(hook, owner)))
     return handle[0]
