@@ -355,11 +355,15 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         """Take the model's current weights as the master weights (rank 0's values, on every rank).
 
         Writes through ``model.load_state_dict``, ``nn.init`` or ``p.copy_`` are noticed by the
-        next ``step`` on their own; call this after writing through ``p.data``. Every rank."""
-        self.finish_param_gather()
-        self._checks.take_outside_writes()  # re-binds, and raises on every rank if it cannot
-        for b in self._buffers:
-            b.take_model_weights(b.records)
+        next ``step`` on their own; call this after writing through ``p.data``. Every rank: it
+        starts with the entry message, so a call on some ranks only raises there, naming it."""
+        from shardopt.checkpoint._adamw import settle
+
+        self._check_open()
+        with self._comm.during("refresh_master_weights()"):
+            settle(self, "refresh_master_weights")  # also takes writes seen so far; raises on every rank if it cannot
+            for b in self._buffers:
+                b.take_model_weights(b.records)
 
     # -- reporting -----------------------------------------------------------------------
     @property

@@ -376,9 +376,7 @@ SOME_RANKS = [("load_state_dict", (0,), "train"), ("load_state_dict(adamw)", (0,
               ("load_state_dict(torch)", (0,), "train"), ("load_state_dict", (1, 2), "train"),
               ("load_state_dict", (0,), "barrier"), ("consolidate_state_dict", (0,), "train"),
               ("full_state_dict", (0,), "train"), ("load_full_state_dict", (0,), "train"),
-              pytest.param("refresh_master_weights", (0,), "train", marks=pytest.mark.xfail(
-                  strict=True, reason="refresh_master_weights has no entry message yet: its first message, of "
-                                      "another size than the others' round tag, aborts the process"))]
+              ("refresh_master_weights", (0,), "train")]
 
 
 @pytest.mark.parametrize("call,callers,then", SOME_RANKS)
@@ -387,9 +385,7 @@ def test_a_state_dict_call_on_some_ranks_only_raises_naming_it(tmp_path, call, c
     "Received data size doesn't match"); against a barrier its TimeoutError named "a backward or
     forward pass". Each every-rank call of the optimizer must raise naming itself."""
     root, world = str(tmp_path), max(WORLD, max(callers) + 1)
-    aborts = call == "refresh_master_weights"  # the others would linger 30 s for its result
-    codes = _spawn(some_ranks_case, root, call, list(callers), then, linger=True, world=world,
-                   timeout=5 if aborts else 90)
+    codes = _spawn(some_ranks_case, root, call, list(callers), then, linger=True, world=world, timeout=90)
     assert codes == [0] * world, (codes, os.listdir(root))  # no rank killed by a signal, none hung
     got = _results(root, world)
     name = call.partition("(")[0] + "()"

@@ -65,15 +65,16 @@ def _keeps_master(opt: Any, b: Any) -> bool:
     return b.dtype != torch.float32 and opt.config.master_weights in ("fp32", "remainder")
 
 
-def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False) -> dict[str, Any]:
+def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False, call: str = "full_state_dict") -> dict[str, Any]:
     """``opt``'s state in ``torch.optim.AdamW``'s format, on rank ``to`` (``{}`` on other ranks);
     with ``extras``, also the ``"shardopt"`` entry (master weights of 16-bit parameters, loss scaler).
+    ``call``: the name the ranks agree on and messages use (``consolidate_state_dict`` gathers so).
 
     Every rank must call it. Gathered one parameter at a time: besides the result on rank ``to``
     (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
     Parameters with ``requires_grad=False`` get no state, as in AdamW."""
-    with opt._comm.during("full_state_dict()"):
-        settle(opt, "full_state_dict")
+    with opt._comm.during(f"{call}()"):
+        settle(opt, call)
         return _gather_state(opt, to, extras)
 
 

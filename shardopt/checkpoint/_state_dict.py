@@ -22,7 +22,7 @@ class OptimizerStateDict:
 
         if not 0 <= to < self._comm.world_size:
             raise ValueError(f"consolidate_state_dict(to={to}): no such rank in a world of {self._comm.world_size}")
-        consolidated = full_state_dict(self, to=to, extras=True)
+        consolidated = full_state_dict(self, to=to, extras=True, call="consolidate_state_dict")
         self._consolidated = consolidated if self._comm.rank == to else None
 
     def state_dict(self) -> dict[str, Any]:

@@ -29,11 +29,14 @@ from shardopt.step._loss_scale import make_scaler
 # rank is in it (and max(a), max(-a) tell whether the ranks agree on a). So every rank sees the
 # same difference, names the other call, and raises.
 CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
-         "load_full_state_dict", "load_state_dict")  # one slot each in the header, in this order
+         "load_full_state_dict", "load_state_dict", "consolidate_state_dict",
+         "refresh_master_weights")  # one slot each in the header, in this order
 _CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
                "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
-               "full_state_dict": "full_state_dict() (or consolidate_state_dict(), state_dict())",
-               "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()"}
+               "full_state_dict": "full_state_dict()",
+               "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()",
+               "consolidate_state_dict": "consolidate_state_dict()",
+               "refresh_master_weights": "refresh_master_weights()"}
 assert CALL_LEN == len(CALLS) + 2, "_step_message.CALL_LEN: one slot per call, then (a, -a)"
 
 
