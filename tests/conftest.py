@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("SHARDOPT_KERNEL", "reference")
 
 import launch  # noqa: E402
-from distpool import PoolCache  # noqa: E402
+from distpool import ModulePools, PoolCache  # noqa: E402
 
 # [Note: test tiers] Every test is in one tier, by what it starts:
 #   unit   - nothing outside the test process (`make test-fast`: under a minute);
@@ -32,12 +32,18 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                                 + (f" ({', '.join(retried)})" if retried else ""))
 
 
-@pytest.fixture(scope="module")
-def pools():
-    """``pools(n)`` gives this module's pool of n gloo ranks, spawned once."""
+@pytest.fixture(scope="session")
+def _shared_pools():
     cache = PoolCache()
     yield cache
     cache.close()
+
+
+@pytest.fixture(scope="module")
+def pools(_shared_pools):
+    """``pools(n)`` gives a pool of n gloo ranks, spawned once per session and put back as fresh
+    ranks for each module (see distpool [Note: pools shared by the modules])."""
+    yield ModulePools(_shared_pools)
 
 
 @pytest.fixture(scope="module")

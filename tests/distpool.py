@@ -4,6 +4,13 @@
 once and returns the per-rank results. A rank that raises has its traceback re-raised here with
 its rank number; ranks that do not answer within the timeout (a hang) fail the test, and the pool
 is torn down so the next test starts a fresh one.
+
+[Note: pools shared by the modules] Spawning ranks is the slow part (about 3 s for two ranks and
+6 s for four on two cores, each importing torch), so one pool per world size serves every module
+of a session (``SharedPools``). Between modules each rank is put back as a fresh one would be
+(``fresh_rank``): the environment as the rank started with it, torch's default random generator
+reseeded, dynamo's compiled code dropped (the disk caches make recompiling cheap), garbage collected; a pool whose ranks cannot be (shardopt's control group broken on some
+rank by a test of timeouts, a rank that failed) is torn down and the module gets a new one.
 """
 from __future__ import annotations
 
@@ -21,12 +28,39 @@ class RankError(AssertionError):
     pass
 
 
+_START_ENV: dict[str, str] = {}  # a rank's environment when it started (see fresh_rank)
+_START_SEED: list[int] = []  # torch's default seed when it started
+
+
+def fresh_rank() -> bool:
+    """On every rank, between two modules (see [Note: pools shared by the modules]): put this rank
+    back as it started. False when it cannot be (shardopt's control group is broken here)."""
+    import gc
+
+    import torch
+
+    for key in set(os.environ) - set(_START_ENV):
+        del os.environ[key]
+    os.environ.update(_START_ENV)
+    gc.collect()
+    torch._dynamo.reset()  # compiled kernels count towards dynamo's recompile limit per function
+    torch.manual_seed(_START_SEED[0])
+    torch.set_grad_enabled(True)
+    try:
+        from shardopt.comm import _collectives
+    except ImportError:
+        return True
+    return not any(c.broken for c in _collectives._CONTROL.values())
+
+
 def _worker(rank: int, world_size: int, store_path: str, inq: Any, outq: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
+    _START_ENV.update(os.environ)
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    _START_SEED.append(torch.initial_seed())
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=90))
     while True:
@@ -86,23 +120,19 @@ class DistPool:
         return [results[r] for r in range(self.world_size)]
 
     def close(self) -> None:
+        """Stop the ranks: they hold nothing worth a clean shutdown (tearing the gloo group down took
+        1-2 s per pool, and a rank stuck in a collective never would), so they are killed."""
         self.broken = True
-        for q in self._inqs:
-            try:
-                q.put(None)
-            except Exception:  # noqa: BLE001
-                pass
-        deadline = time.monotonic() + 5
         for p in self._procs:
-            p.join(timeout=max(0.0, deadline - time.monotonic()))
             if p.is_alive():
                 p.kill()
-                p.join()
+        for p in self._procs:
+            p.join()
         self._dir.cleanup()
 
 
 class PoolCache:
-    """Per-module cache of pools by world size; a broken pool is replaced on next use."""
+    """Pools by world size; a broken pool is replaced on next use."""
 
     def __init__(self) -> None:
         self._pools: dict[int, DistPool] = {}
@@ -118,3 +148,26 @@ class PoolCache:
             if not p.broken:
                 p.close()
         self._pools.clear()
+
+
+class ModulePools:
+    """One module's view of the session's pools (see [Note: pools shared by the modules]): the
+    first use of a world size in the module puts that pool's ranks back as fresh ones, or replaces
+    the pool when they cannot be."""
+
+    def __init__(self, shared: PoolCache) -> None:
+        self._shared = shared
+        self._ready: set[int] = set()
+
+    def __call__(self, world_size: int) -> DistPool:
+        pool = self._shared(world_size)
+        if world_size not in self._ready:
+            self._ready.add(world_size)
+            try:
+                healthy = all(pool.run(fresh_rank, timeout=60))
+            except RankError:
+                healthy = False
+            if not healthy:
+                pool.close()
+                pool = self._shared(world_size)
+        return pool
