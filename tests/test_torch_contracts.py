@@ -565,6 +565,74 @@ def test_adamw_keywords_run_unedited_and_amsgrad_maximize_are_torchs_bit_for_bit
             assert worst == 0.0, (kw, stage, tensor_lr, worst)
 
 
+def amsgrad_formats_case(path: str) -> dict:
+    """amsgrad's max_exp_avg_sq through every format: a sharded checkpoint (resumed at this world
+    size), the rank state dict, torch.optim.AdamW's format both ways; each resume equals the run
+    that went on, and torch's AdamW(amsgrad=True) takes the exported state and keeps stepping as
+    ShardedAdamW does."""
+    rank = dist.get_rank()
+    hp = {**HP, "amsgrad": True}
+
+    def run(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            loss = model(batch(rank, step))
+            opt.backward(loss) if isinstance(opt, shardopt.ShardedAdamW) else loss.backward()
+            if not isinstance(opt, shardopt.ShardedAdamW):
+                ddp_average(model)
+            opt.step()
+
+    model = make_model(seed=16)
+    opt = shardopt.ShardedAdamW(model.parameters(), **hp, stage=2)
+    run(model, opt, range(3))
+    shardopt.save_checkpoint(path, model, opt)
+    rank_sd = opt.state_dict()
+    whole = opt.full_state_dict()
+    run(model, opt, range(3, 5))
+    out = {"amsgrad_in_export": rank != 0 or all("max_exp_avg_sq" in v for v in whole["state"].values())}
+    for how in ("checkpoint", "rank_state_dict", "adamw_format"):
+        again = make_model(seed=99)
+        opt2 = shardopt.ShardedAdamW(again.parameters(), **hp, stage=2)
+        if how == "checkpoint":
+            shardopt.load_checkpoint(path, again, opt2)
+        else:
+            again.load_state_dict(make_model(seed=16).state_dict())
+            run(again, shardopt.ShardedAdamW(again.parameters(), **hp, stage=2), range(3))  # the same weights
+            opt2 = shardopt.ShardedAdamW(again.parameters(), **hp, stage=2)
+            opt2.load_state_dict(rank_sd if how == "rank_state_dict" else whole)
+        run(again, opt2, range(3, 5))
+        out[how] = param_diff(model, again)
+    # torch's AdamW(amsgrad=True) from the exported state goes on as ShardedAdamW does
+    ref = make_model(seed=16)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    run(ref, ref_opt, range(3))
+    plain = make_model(seed=16)
+    plain_opt = torch.optim.AdamW(plain.parameters(), **hp)
+    plain.load_state_dict(ref.state_dict())
+    exported = [copy.deepcopy(whole)]  # torch's optimizer steps the tensors it loads in place
+    dist.broadcast_object_list(exported, src=0)
+    plain_opt.load_state_dict(exported[0])
+    run(plain, plain_opt, range(3, 5))
+    run(ref, ref_opt, range(3, 5))
+    out["torch_from_export"] = param_diff(plain, ref)
+    if rank == 0:  # the offline converter gives torch's state too
+        from shardopt.convert import convert_checkpoint
+
+        convert_checkpoint(path, path + ".pt")
+        converted = torch.load(path + ".pt", weights_only=True)["optim"]["state"]
+        out["converted"] = max((converted[k]["max_exp_avg_sq"] - v["max_exp_avg_sq"]).abs().max().item()
+                               for k, v in whole["state"].items())
+    return out
+
+
+def test_amsgrads_maximum_survives_checkpoints_and_both_state_dict_formats(pools, tmp_path):
+    for out in pools(2).run(amsgrad_formats_case, str(tmp_path / "ckpt")):
+        assert out["amsgrad_in_export"], out
+        for how in ("checkpoint", "rank_state_dict", "adamw_format", "torch_from_export"):
+            assert out[how] == 0.0, (how, out)
+        assert out.get("converted", 0.0) == 0.0, out
+
+
 def refused_keywords_case() -> dict:
     out = {}
     for key, kw in (("differentiable", {"differentiable": True}), ("capturable", {"capturable": True}),

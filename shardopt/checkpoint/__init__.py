@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
-from shardopt.checkpoint._dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
+from shardopt.checkpoint._dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
                                       write_blocks)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, commit, data_checksums, latest_checkpoint, list_checkpoints,
@@ -121,6 +121,8 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
             info["buffer"] = opt._buffers.index(b)
             info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
             info["rule"] = b.rule  # which moments it has: AdamW's two, or Muon's momentum buffer
+            if b.amsgrad:  # AdamW's third: amsgrad's max_exp_avg_sq
+                info["amsgrad"] = True
             if b.records[i].lag:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
                 info["step"] = opt._step - b.records[i].lag
         tensors[e.key] = info
@@ -264,14 +266,15 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
         blocks += blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
         if b.dtype != torch.float32:
             blocks += blocks_of(MASTER + e.key, shape, r, masters[id(b)][local])
-        for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+        for key, moment in zip(_moment_keys(b.rule, b.amsgrad), moments[id(b)]):
             blocks += blocks_of(key + e.key, shape, r, moment[local])
     return blocks
 
 
-def _moment_keys(rule: str) -> tuple[str, ...]:
-    """The DCP key prefixes of a rule's moments, in ``Moments.fp32()`` order."""
-    return (MOMENTUM,) if rule == "muon" else (EXP_AVG, EXP_AVG_SQ)
+def _moment_keys(rule: str, amsgrad: bool = False) -> tuple[str, ...]:
+    """The DCP key prefixes of a rule's moments, in ``Moments.fp32()`` order (``amsgrad``: with
+    AdamW's running maximum of exp_avg_sq, third)."""
+    return (MOMENTUM,) if rule == "muon" else (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ) if amsgrad else (EXP_AVG, EXP_AVG_SQ)
 
 
 def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: Any,
@@ -345,10 +348,11 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
     staging: dict[int, Tensor] = {}
     blocks: list[Block] = []
     with torch.no_grad():
-        moments: dict[int, tuple[Tensor, Tensor]] = {}  # fp32, encoded into the moments mode once read
+        moments: dict[int, tuple[Tensor, ...]] = {}  # fp32, encoded into the moments mode once read
+        without_max: list[tuple[Tensor, Tensor]] = []  # amsgrad here, not in the checkpoint: (max, exp_avg_sq) pieces
         for b in opt._buffers if opt is not None else []:
             staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
-            moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(2))
+            moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(3 if b.amsgrad else 2))
         pieces = {id(b): _pieces(b, comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
         for e in entries:
             s = manifest["tensors"][e.key]
@@ -368,9 +372,14 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
             # Moments of the rule it was saved with; none when it was frozen, or saved under the
             # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
             if s["sharded"] and s.get("rule", "adamw") == b.rule:
-                for key, moment in zip(_moment_keys(b.rule), moments[id(b)]):
+                saved_max = b.amsgrad and s.get("amsgrad", False)
+                for key, moment in zip(_moment_keys(b.rule, saved_max), moments[id(b)]):
                     blocks += blocks_of(key + e.key, shape, r, moment[local])
+                if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
+                    without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
         read_blocks(path, blocks, comm.group)
+        for vmax, v in without_max:
+            vmax.copy_(v)
         for b in opt._buffers if opt is not None else []:
             b.moments.load_(*moments[id(b)])
         for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write

@@ -106,6 +106,8 @@ def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
                 elif keep and steps > 0:  # AdamW has no state for a parameter it never updated
                     state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                     "exp_avg": moments[0].view(shape).cpu(), "exp_avg_sq": moments[1].view(shape).cpu()}
+                    if len(moments) > 2 and g.get("amsgrad"):  # torch keeps it for amsgrad groups only
+                        state[index]["max_exp_avg_sq"] = moments[2].view(shape).cpu()
             ids.append(index)
             index += 1
         muon = g.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
@@ -137,21 +139,19 @@ def _header(sd: dict[str, Any]) -> dict[str, Any]:
     if not isinstance(sd, dict) or "state" not in sd or "param_groups" not in sd:
         raise ValueError("expected a torch.optim.AdamW state dict with 'state' and 'param_groups' on rank 0, got "
                          f"{type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}")
-    groups = []
-    for gi, g in enumerate(sd["param_groups"]):
-        for flag in ("amsgrad", "maximize"):
-            if g.get(flag):
-                raise ValueError(f"param group {gi} has {flag}=True, which ShardedAdamW does not implement")
-        groups.append(dict(g))
+    groups = [dict(g) for g in sd["param_groups"]]
     state = {}
     for idx, s in sd["state"].items():
+        if not isinstance(idx, int) and not (isinstance(idx, str) and idx.isdigit()):
+            continue  # an entry under another key (opt.state["my_key"]): not a parameter's
         if "momentum_buffer" in s:  # torch.optim.Muon's state (ShardedMuon); no step count
-            state[int(idx)] = (tuple(s["momentum_buffer"].shape), tuple(s["momentum_buffer"].shape), None)
+            state[int(idx)] = (tuple(s["momentum_buffer"].shape), tuple(s["momentum_buffer"].shape), None, False)
             continue
         missing = {"exp_avg", "exp_avg_sq", "step"} - set(s)
         if missing:
             raise ValueError(f"state of parameter #{idx} lacks {sorted(missing)}")
-        state[int(idx)] = (tuple(s["exp_avg"].shape), tuple(s["exp_avg_sq"].shape), float(s["step"]))
+        state[int(idx)] = (tuple(s["exp_avg"].shape), tuple(s["exp_avg_sq"].shape), float(s["step"]),
+                           "max_exp_avg_sq" in s)
     extra = sd.get("shardopt") or {}
     masters = {int(k): tuple(v.shape) for k, v in (extra.get("master") or {}).items()}
     return {"param_groups": groups, "state": state, "master": masters,
@@ -196,14 +196,17 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
     with torch.no_grad():
         # fp32 moments to fill (the stored ones for fp32 moments), encoded at the end
         moments = {id(b): tuple(torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
-                                for _ in range(2)) for b in opt._buffers}
+                                for _ in range(3 if b.amsgrad else 2)) for b in opt._buffers}
         masters = {id(b): b.flat.slice(b.shard_range).float() for b in opt._buffers}  # from the weights
         for idx in sorted(set(header["state"]) | set(header["master"])):
             p = numbered[idx]
             if id(p) not in where:
                 continue  # frozen here: AdamW state for it is ignored
             b, i = where[id(p)]
-            keys = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq")
+            keys = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            saved_max = idx in header["state"] and header["state"][idx][3]
+            # amsgrad here but not in the dict: the running maximum starts at the loaded exp_avg_sq
+            keys = keys if b.amsgrad and saved_max else keys[:2] + ("exp_avg_sq",) if b.amsgrad else keys[:2]
             names = list(zip(keys, moments[id(b)])) if idx in header["state"] else []
             if idx in header["master"] and b.dtype != torch.float32:
                 names.append(("master", masters[id(b)]))
@@ -228,9 +231,9 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
         for k, v in saved.items():
             if k != "params" and (k in ours or k not in adamw_only):
                 g[k] = tuple(v) if k == "betas" else v
-    steps = [s for _, _, s in header["state"].values() if s is not None]
+    steps = [s for _, _, s, _ in header["state"].values() if s is not None]
     opt._step = int(max(steps)) if steps else 0
-    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s) in header["state"].items() if s is not None}
+    step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}
     for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
         for r in b.records:
             r.lag = 0 if b.rule == "muon" else opt._step - step_of.get(id(r.param), 0)
@@ -257,7 +260,7 @@ def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -
             raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
                              "optimizer does not have; was it saved for another model?")
     rule = {id(p): b.rule for b in opt._buffers for p in b.flat.params}
-    for idx, (shape, shape_sq, step) in sorted(header["state"].items()):
+    for idx, (shape, shape_sq, step, _) in sorted(header["state"].items()):
         if not 0 <= idx < len(numbered):
             raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")
         saved_rule, ours = "adamw" if step is not None else "muon", rule.get(id(numbered[idx]))

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from shardopt.checkpoint._adamw import adamw_defaults  # noqa: F401 (also for callers)
-from shardopt.checkpoint._dcp import EXP_AVG, EXP_AVG_SQ, MODEL, MOMENTUM, Block, read_blocks, whole
+from shardopt.checkpoint._dcp import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, read_blocks, whole
 from shardopt.checkpoint._files import read_manifest
 
 
@@ -97,6 +97,8 @@ def _skeleton(manifest: dict, scratch: str, fp32_weights: bool) -> tuple[dict, d
                 state[index] = {"step": torch.tensor(float(steps), dtype=torch.float32),
                                 "exp_avg": scratch_tensor(EXP_AVG + key, s["shape"], torch.float32),
                                 "exp_avg_sq": scratch_tensor(EXP_AVG_SQ + key, s["shape"], torch.float32)}
+                if s.get("amsgrad") and g.get("amsgrad"):  # torch keeps it for amsgrad groups only
+                    state[index]["max_exp_avg_sq"] = scratch_tensor(MAX_EXP_AVG_SQ + key, s["shape"], torch.float32)
             ids.append(index)
             index += 1
         hp = {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in g.items() if k != "params"}

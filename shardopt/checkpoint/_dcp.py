@@ -71,6 +71,7 @@ MODEL = "model."  # weights in the parameter dtype, every state-dict entry of th
 MASTER = "optim.master."  # fp32 master weights, for parameters not stored in fp32
 EXP_AVG = "optim.exp_avg."  # fp32
 EXP_AVG_SQ = "optim.exp_avg_sq."  # fp32
+MAX_EXP_AVG_SQ = "optim.max_exp_avg_sq."  # fp32, amsgrad's running maximum of exp_avg_sq (torch's state key)
 MOMENTUM = "optim.momentum_buffer."  # fp32, Muon's one moment (torch.optim.Muon's state key)
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within a tensor of some shape
