@@ -12,8 +12,9 @@ from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import Tensor
+from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
-from shardopt.step._agreement import agree_on_params
+from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
@@ -35,7 +36,25 @@ from shardopt.memory import MemoryReport
 
 log = logging.getLogger("shardopt")
 
-class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
+class _JoinHook(JoinHook):
+    """What a rank that ran out of inputs inside ``torch.distributed.algorithms.Join`` runs for
+    each training step of the others (see ShardedAdamW [Note: uneven inputs])."""
+
+    def __init__(self, opt: "ShardedAdamW") -> None:
+        self._ref = weakref.ref(opt)
+
+    def main_hook(self) -> None:
+        opt = self._ref()
+        if opt is not None:
+            opt._shadow_step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        opt = self._ref()
+        if opt is not None:
+            opt.finish_param_gather()
+
+
+class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable):
     """AdamW whose master weights, moments and (stage 2) gradients are split over data-parallel ranks.
 
     Build it on every rank after ``torch.distributed.init_process_group``, with the same
@@ -59,6 +78,23 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
     Numerics follow ``torch.optim.AdamW`` (decoupled weight decay, bias correction, a step count
     per parameter). Gradients are averaged over ranks, as DDP does; a parameter that no rank has a
     gradient for is left untouched, as AdamW leaves a parameter whose ``.grad`` is None.
+
+    It is ``Joinable``: ``with torch.distributed.algorithms.Join([opt]):`` (beside other
+    joinables too) trains ranks with uneven numbers of batches.
+
+    [Note: uneven inputs]
+    Inside ``Join([opt, ...])`` each rank tells the Join that it still has inputs before the first
+    collective of each step (``Join.notify_join_context``: at its first round, or at
+    ``clip_grad_norm_``/``step``). A rank that ran out of batches leaves the loop and, in the Join's
+    exit, runs ``_shadow_step`` once per step of the others: it meets each of their messages (a
+    round's tag, clip_grad_norm_'s, step's; every one has the same shape) with one that adds
+    nothing but a "joined" slot (``StepAgreement.listen``), reads from the sum which call they are
+    in, and runs that call's collectives with no gradient of its own: every bucket of a round
+    reduced with zeros (``Rounds.shadow_round``), the step's checks with a gradient for no
+    parameter, the others' hyperparameters and clip coefficient (one small collective each), and
+    the update of its shard with the average, which divides by the whole world size (DDP's
+    default), and the weight gathers. Then it zeroes its gradients, as the others do each step. A
+    call every rank must make (a checkpoint) raises on every rank while a rank is joined.
     """
 
     def __init__(
@@ -144,6 +180,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         ref = weakref.ref(self)
         self._ddp_watch = watch_for_ddp(tracked, stage, ref)  # until the first step
+        Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
+        self._noticed: Any = None  # None: no Join notice sent this step; else its work handle (or False)
+        self._joined = False  # this rank shadows the others' calls (inside _shadow_step)
+        self._rounds.on_open = lambda: ref()._notice_join()  # type: ignore[union-attr]
         # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
                                     lambda: ref()._step)  # type: ignore[union-attr]
@@ -210,7 +250,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): the step's one
         all-reduce (see _step_agreement). Every rank."""
         self.finish_param_gather()
-        return self._agreement.exchange(self.param_groups, self._scaler.scale, norm_type, caller)
+        self._notice_join()
+        return self._agreement.exchange(self.param_groups, self._scaler.scale, norm_type, caller, self._in_join())
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -254,7 +295,17 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         # rank only, and a rank-local test deciding whether to look again would let one rank issue
         # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
         coef, self._clip_coef = self._clip_coef, 1.0
-        found_inf = self._agree_on_gradients(None)[0]
+        try:
+            found_inf = self._agree_on_gradients(None)[0]
+            if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
+                coef = self._agreement.max_follow_up(coef)
+            return self._apply_step(found_inf, coef, loss)
+        finally:
+            self._end_notice()
+
+    def _apply_step(self, found_inf: bool, coef: float, loss: Any) -> Any:
+        """The step once every rank agreed: skip it (``found_inf``), or update this rank's shard with
+        the gradient times ``coef`` and gather the weights. Every rank, with the same arguments."""
         self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf
         self._rounds.stepped()
@@ -289,6 +340,73 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer):
         self.last_step_comm = dataclasses.replace(self._comm.stats)
         self._comm.stats.reset()
         return loss
+
+    # -- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The hook a Join runs on this rank once it ran out of inputs (see [Note: uneven inputs])."""
+        return _JoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        """The device of the Join's own collectives: the parameters'."""
+        return self._buffers[0].flat.device
+
+    @property
+    def join_process_group(self) -> Any:
+        """The group of the Join's own collectives: the optimizer's (data-parallel) group."""
+        return self._comm.data_group
+
+    def _in_join(self) -> bool:
+        return self._join_config.enable and self._comm.world_size > 1
+
+    def _notice_join(self) -> None:
+        """Inside a Join, before this step's first collective: tell it that this rank has inputs. Local
+        decision, once per step; every rank of a Join makes the same calls."""
+        if self._noticed is None and self._in_join() and not self._joined:
+            self._noticed = Join.notify_join_context(self) or False
+
+    def _end_notice(self) -> None:
+        notice, self._noticed = self._noticed, None
+        if notice:
+            notice.wait()
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def _shadow_step(self) -> None:
+        """On a rank that ran out of inputs inside a Join: run the others' calls until their step,
+        with no gradient of this rank's (see [Note: uneven inputs]). Every joined rank, once per
+        step of the others."""
+        if self._comm.world_size == 1:
+            return
+        self._check_open()
+        self.zero_grad()  # what it held from its last own step is no part of the others' steps
+        self._joined = True
+        try:
+            with self._comm.during("the shadow of the other ranks' step inside a Join"):
+                while True:
+                    got = self._agreement.listen()
+                    call = the_call(got.call) or "step"
+                    lost = got.call[-2] > 0
+                    check_calls(got.call, call, lost, self._comm.world_size, maxed=False)
+                    if call == "backward":
+                        self._rounds.shadow_round()
+                        continue
+                    self.finish_param_gather()
+                    for b in self._buffers:
+                        b.reducer.round_sum()
+                    found = self._checks.joined()
+                    scale = self._scaler.scale
+                    if call == "clip_grad_norm_":  # its norm needs this rank's share; the coefficient comes with the step
+                        norm_type = got.norm / (self._comm.world_size - joined_ranks(got.call))
+                        self._agreement.norm_follow_up(norm_type, self._agreement.local_grad_stats(norm_type)[1])
+                        self._agreement.conclude(got, call, self.param_groups, found, None, scale, None, False)
+                        continue
+                    found_inf = self._agreement.conclude(got, call, self.param_groups, found, None, scale, None, False)[0]
+                    coef = self._agreement.max_follow_up(0.0)
+                    self._apply_step(found_inf, coef, None)
+                    return
+        finally:
+            self._joined = False
 
     def _nonfinite_params(self) -> list[str]:
         """Names of the parameters whose averaged gradient has an inf/NaN on some rank. Every rank."""

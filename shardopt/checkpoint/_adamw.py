@@ -34,6 +34,9 @@ def settle(opt: Any, call: str, timeout: float | None = None) -> None:
     rounds = getattr(opt, "_rounds", None)
     if rounds is not None:
         rounds.settle()  # see _rounds [Note: a round that did not end]
+    notice = getattr(opt, "_notice_join", None)
+    if notice is not None:  # inside a Join, a joined rank then meets this call and raises with it
+        notice()
     if timeout is None:
         timeout = getattr(getattr(opt, "config", None), "timeout", None)
     try:

@@ -468,6 +468,12 @@ class Comm:
         work = dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)
         return Pending(self._count([work]), stats=self.stats, comm=self)
 
+    @property
+    def data_group(self) -> Any:
+        """The optimizer's group as a process-group object (the default group's for None): what
+        torch's own code that takes a group, such as the Join context manager, is handed."""
+        return self.group if self.group is not None else dist.group.WORLD
+
     @contextlib.contextmanager
     def during(self, call: str) -> Iterator[None]:
         """Name ``call`` (e.g. ``"step()"``) in the timeout message of collectives waited for inside."""

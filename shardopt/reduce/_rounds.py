@@ -151,6 +151,7 @@ class Rounds:
         self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
         self.require_sync = True  # False under no_sync
+        self.on_open: Callable[[], None] = lambda: None  # told before a round's first collective (a Join's notice)
         self.sync_backward = True  # require_sync when the backward seen last started
         self.state = RoundState.IDLE
         self.opened = 0  # rounds opened since construction (tells a stale end-of-backward callback apart)
@@ -276,6 +277,7 @@ class Rounds:
         assigned by hand (finished at once)."""
         self._to(RoundState.OPEN)
         self.opened += 1
+        self.on_open()
         if queue:
             queue_at_end_of_backward(_EndOfBackward(self, self.opened))
         if self.comm.world_size > 1:
@@ -291,6 +293,19 @@ class Rounds:
                 for rec in r.unreached(reached):
                     r.mark_absent(rec)
                     self._count(rec.bucket)
+
+    def shadow_round(self) -> None:
+        """A whole round with no gradient of this rank's: what a rank that ran out of inputs inside a
+        Join runs when the others' round tag reached it (it met the tag with its own, see
+        optimizer [Note: uneven inputs]). Every bucket is reduced in the agreed order with zeros for
+        this rank's part, so the others' reductions complete and this rank's gradient shard gets the
+        average. Every rank that is joined, while the others run their round."""
+        self.settle()
+        self._to(RoundState.OPEN)  # IDLE -> OPEN: the others' backward pass
+        self.opened += 1
+        if self.order is None:
+            self._agree_order()
+        self.finish_round()
 
     def _agree_order(self) -> None:
         """The first round: every rank takes rank 0's guess of the launch order (see [Note: launch

@@ -30,35 +30,57 @@ from shardopt.step._loss_scale import make_scaler
 # same difference, names the other call, and raises.
 CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
          "load_full_state_dict", "load_state_dict", "consolidate_state_dict",
-         "refresh_master_weights")  # one slot each in the header, in this order
+         "refresh_master_weights", "joined")  # one slot each in the header, in this order
+# "joined" is no call: the slot of a rank that ran out of inputs inside torch.distributed.algorithms.Join
+# and shadows the others' calls (see optimizer [Note: uneven inputs]); it counts the joined ranks.
 _CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
                "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
                "full_state_dict": "full_state_dict()",
                "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()",
                "consolidate_state_dict": "consolidate_state_dict()",
-               "refresh_master_weights": "refresh_master_weights()"}
+               "refresh_master_weights": "refresh_master_weights()", "joined": "a Join's shadow of the calls"}
 assert CALL_LEN == len(CALLS) + 2, "_step_message.CALL_LEN: one slot per call, then (a, -a)"
 
 
 def call_header(call: str, lost_round: bool) -> list[float]:
-    """This rank's header (see [Note: ranks in different calls])."""
-    a = float(lost_round)
+    """This rank's header (see [Note: ranks in different calls]); ``call`` "joined" for a rank that
+    shadows the others' calls inside a Join (it adds to no call and says nothing of lost rounds)."""
+    a = 0.0 if call == "joined" else float(lost_round)
     return [float(c == call) for c in CALLS] + [a, -a]
 
 
 def _every_rank_calls(call: str) -> bool:
-    return call not in ("clip_grad_norm_", "step", "backward")
+    return call not in ("clip_grad_norm_", "step", "backward", "joined")
+
+
+def joined_ranks(header: list[float]) -> int:
+    """How many ranks shadow the others' calls inside a Join, from a summed header."""
+    return int(header[CALLS.index("joined")])
+
+
+def the_call(header: list[float]) -> str | None:
+    """The call the ranks that are not joined are in, from a summed header; None when they are in
+    several (every rank raises at its own check then)."""
+    calls = [c for c, n in zip(CALLS, header) if n > 0 and c != "joined"]
+    return calls[0] if len(calls) == 1 else None
 
 
 def check_calls(header: list[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
     """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
-    every rank in ``call`` with the same ``lost_round``. Every rank, with the same ``header``."""
+    every rank in ``call`` with the same ``lost_round``; ranks that joined inside a Join (summed
+    headers only) shadow ``clip_grad_norm_``, ``step`` and backward passes, not the calls every rank
+    makes. Every rank, with the same ``header``."""
     a = float(lost_round)
-    n = 1 if maxed else world_size
     slots = dict(zip(CALLS, header[:len(CALLS)]))
-    others = [c for c in CALLS if c != call and slots[c] > 0]
+    joined = 0 if maxed else int(slots["joined"])
+    n = 1 if maxed else world_size - joined
+    others = [c for c in CALLS if c not in (call, "joined") and slots[c] > 0]
     same_call = slots[call] == n and not others
     same_loss = header[-2] == n * a and header[-1] == -n * a
+    if joined and same_call and _every_rank_calls(call):
+        raise RuntimeError(f"{_CALL_NAMES[call]} ran inside torch.distributed.algorithms.Join while {joined} of "
+                           f"{world_size} ranks had run out of inputs and joined: it must be called on every rank, "
+                           f"and joined ranks only shadow training steps; call {call}() after the Join block")
     if same_call and same_loss:
         return
     lost = ""
@@ -164,14 +186,16 @@ def raise_first_difference(every: list[list], rank: int) -> None:
 # A hyperparameter changed on one rank only (``ReduceLROnPlateau.step(local_val_loss)``, a
 # schedule driven by a rank-local count) trains each shard with its own value: the replicas stay
 # equal, so nothing downstream can see it. The step's all-reduce therefore also carries a 32-bit
-# digest of every group's lr, betas, eps and weight_decay, cut into 4-bit chunks d (values 0..15),
-# each sent as (d, d*d) when summed and (d, -d) when maxed. A chunk is equal on every rank exactly
-# when sum(d) == n*d and sum(d*d) == n*d*d on this rank (the sum of (d_r - d)^2 over ranks is
-# then 0), so every rank sees a difference alike; the sums stay below 2**24, exact in fp32, up to
-# 74,000 ranks. The ranks then exchange their values (only on that error path) to name the group,
-# the key and both values.
-HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_coefficients", "ns_steps",
-              "adjust_lr_fn")  # AdamW's, then Muon's
+# digest of every group's lr, betas, eps and weight_decay (and the flags and Muon keys the update
+# reads), cut into 4-bit chunks d (values 0..15), each sent as (d, d*d) when summed and (d, -d)
+# when maxed. Summed over n ranks, a chunk is equal on every rank exactly when
+# n * sum(d*d) == sum(d)**2 (Cauchy-Schwarz; exact in doubles from sums that stay below 2**24,
+# exact in fp32, up to 74,000 ranks); maxed, when max(d) == -max(-d). The test reads the reduced
+# message alone, so a rank with no digest of its own (a rank shadowing the others inside a Join,
+# which adds zeros and is not counted in n) sees a difference exactly as the others do. The ranks
+# then exchange their values (only on that error path) to name the group, the key and both values.
+HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "nesterov",
+              "ns_coefficients", "ns_steps", "adjust_lr_fn")  # AdamW's, then Muon's
 HYPER_CHUNKS = HYPER_LEN // 2  # 4-bit chunks of the 32-bit digest
 
 
@@ -191,21 +215,51 @@ def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
     return chunks + [-d if maxed else d * d for d in chunks]
 
 
-def check_hyperparameters_agree(reduced: list[float], values: list[tuple[int, str, Any]], comm: Any,
-                                maxed: bool) -> None:
+def hyperparameters_agree(reduced: list[float], ranks: int, maxed: bool) -> bool:
+    """Whether ``reduced`` (``ranks`` ranks' ``hyper_code``, summed or maxed) shows the same digest
+    from every one of them. A question, from the reduced message alone."""
+    chunks, second = reduced[:HYPER_CHUNKS], reduced[HYPER_CHUNKS:]
+    if maxed:
+        return all(d == -e for d, e in zip(chunks, second))
+    return all(ranks * e == d * d for d, e in zip(chunks, second))
+
+
+def check_hyperparameters_agree(reduced: list[float], values: list[tuple[int, str, Any]] | None, comm: Any,
+                                maxed: bool, joined: int = 0) -> None:
     """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
-    or maxed) shows a hyperparameter that differs across ranks, naming the first one. Every rank."""
-    mine = hyper_code(values, maxed)
-    n = 1 if maxed else comm.world_size
-    if all(r == n * m for r, m in zip(reduced, mine)):
+    or maxed) shows a hyperparameter that differs across ranks, naming the first one. ``joined``
+    ranks (``values`` None there) added no digest. Every rank."""
+    if hyperparameters_agree(reduced, 1 if maxed else comm.world_size - joined, maxed):
         return
-    every = comm.all_gather_objects(values)
-    for r, theirs in enumerate(every):
-        for (gi, key, ours), (_, _, other) in zip(every[0], theirs):
+    every = [(r, v) for r, v in enumerate(comm.all_gather_objects(values)) if v is not None]
+    first_rank, first = every[0]
+    for r, theirs in every:
+        for (gi, key, ours), (_, _, other) in zip(first, theirs):
             if ours != other:
                 raise ValueError(
-                    f"hyperparameters differ across ranks at this step: param group {gi} {key} is {ours!r} on rank 0 "
-                    f"but {other!r} on rank {r}, so each rank would update its shard with its own value. Change "
-                    "hyperparameters alike on every rank (e.g. give ReduceLROnPlateau.step a metric averaged over "
-                    "ranks with torch.distributed.all_reduce)")
+                    f"hyperparameters differ across ranks at this step: param group {gi} {key} is {ours!r} on rank "
+                    f"{first_rank} but {other!r} on rank {r}, so each rank would update its shard with its own value. "
+                    "Change hyperparameters alike on every rank (e.g. give ReduceLROnPlateau.step a metric averaged "
+                    "over ranks with torch.distributed.all_reduce)")
     raise ValueError("hyperparameters differ across ranks at this step (the param groups differ in number)")
+
+
+def adopt_hyperparameters(param_groups: list[dict[str, Any]], values: list[tuple[int, str, Any]] | None,
+                          comm: Any) -> None:
+    """Inside a Join, at every step while some rank is joined: every rank sends its hyperparameters
+    (a joined rank None) and a joined rank takes the first other rank's into its param groups (its
+    scheduler stopped with its inputs, the others' went on), so that it updates its shard as they
+    update theirs. Every rank."""
+    every = [v for v in comm.all_gather_objects(values) if v is not None]
+    if values is not None or not every:
+        return
+    for gi, key, value in every[0]:
+        g = param_groups[gi]
+        if isinstance(g.get(key), torch.Tensor):
+            g[key].fill_(value)
+        elif key in ("betas", "ns_coefficients"):
+            g[key] = tuple(value)
+        elif key == "adjust_lr_fn":
+            g[key] = None if value == "None" else value.strip("'")
+        else:
+            g[key] = type(g[key])(value) if isinstance(g.get(key), (bool, int)) else value

@@ -15,9 +15,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from shardopt.step._agreement import call_header, check_calls, check_hyperparameters_agree, hyper_code, hyperparameters
+from shardopt.step._agreement import (adopt_hyperparameters, call_header, check_calls, check_hyperparameters_agree,
+                                      hyper_code, hyperparameters, joined_ranks)
 from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
-from shardopt.step._step_message import StepMessage
+from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
 
 
 ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
@@ -85,22 +86,26 @@ class StepAgreement:
         return nonfinite, norm
 
     def exchange(self, param_groups: list[dict], loss_scale: float, norm_type: float | None,
-                 caller: str) -> tuple[bool, float]:
+                 caller: str, join: bool = False) -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): finish this
         rank's round, all-reduce the step message, check that every rank is in ``caller`` (see
         _agreement [Note: ranks in different calls]) with the same hyperparameters, and apply the
-        usage checks' reduced flags (``loss_scale``: the scale the gradients carry). Every rank;
-        the weight gathers of the last step must have landed."""
+        usage checks' reduced flags (``loss_scale``: the scale the gradients carry). ``join``: inside
+        a Join, where the message is always summed (see [Note: the step message inside a Join]).
+        Every rank; the weight gathers of the last step must have landed."""
         self.rounds.before_step()
         checks = self.checks
         found = checks.local(checks.follow())  # follow what changed behind the optimizer's back, then ask
         checks.forget()  # reported once: by this step's message
-        maxed = norm_type is not None and math.isinf(norm_type)
+        maxed = norm_type is not None and math.isinf(norm_type) and not join
         start = time.perf_counter()  # the hyperparameter digest counts as a check (last_step_check_seconds)
         hyper = hyperparameters(param_groups)
         lost = self.rounds.lost_round
-        mine = StepMessage(*self.local_grad_stats(norm_type), call=call_header(caller, lost),
-                           checks=checks.flags(found), hyper=hyper_code(hyper, maxed))
+        nonfinite, norm = self.local_grad_stats(norm_type)
+        # inside a Join the norm field carries the norm type; the norm itself follows (see the Note below)
+        sent = norm if not join else 0.0 if norm_type is None else norm_type
+        mine = StepMessage(nonfinite, sent, call=call_header(caller, lost), checks=checks.flags(found),
+                           hyper=hyper_code(hyper, maxed))
         checks.seconds += time.perf_counter() - start
         packed = mine.pack(self.device)
         (self.comm.all_reduce_max if maxed else self.comm.all_reduce_sum)(packed).wait()
@@ -110,11 +115,64 @@ class StepAgreement:
         except RuntimeError as e:
             self.rounds.fail(str(e))
             raise
+        if join and norm_type is not None:
+            got.norm = self.norm_follow_up(norm_type, norm)
+        return self.conclude(got, caller, param_groups, found, hyper, loss_scale, norm_type, maxed)
+
+    def conclude(self, got: StepMessage, caller: str, param_groups: list[dict], found: Any,
+                 hyper: list | None, loss_scale: float, norm_type: float | None, maxed: bool) -> tuple[bool, float]:
+        """What every rank does with the reduced step message ``got``: check the hyperparameters
+        (``hyper`` None on a rank that shadows the others inside a Join, which takes theirs at a
+        step), apply the usage checks with this rank's ``found``. Every rank, with the same ``got``."""
+        checks = self.checks
         start = time.perf_counter()
-        check_hyperparameters_agree(got.hyper, hyper, self.comm, maxed)
+        joined = 0 if maxed else joined_ranks(got.call)
+        check_hyperparameters_agree(got.hyper, hyper, self.comm, maxed, joined)
+        if joined and caller == "step":
+            adopt_hyperparameters(param_groups, hyper, self.comm)
         checks.seconds += time.perf_counter() - start
         checks.apply(found, got.checks, loss_scale)
         found_inf = got.nonfinite > 0 or not math.isfinite(got.norm)
-        if norm_type is None or maxed:
+        if norm_type is None or maxed or math.isinf(norm_type):
             return found_inf, got.norm
         return found_inf, got.norm ** (1.0 / norm_type)
+
+    def norm_follow_up(self, norm_type: float, local: Tensor) -> float:
+        """Inside a Join, after clip_grad_norm_'s message: its norm, from one small all-reduce of each
+        rank's share (``local``: sum |g|^p, or max |g| for the inf-norm), summed or maxed as
+        ``norm_type`` asks; every rank knows it from the message (see [Note: the step message inside
+        a Join]). The p-norm to the power p, or the max. Every rank."""
+        t = local.reshape(1).float().clone()
+        (self.comm.all_reduce_max if math.isinf(norm_type) else self.comm.all_reduce_sum)(t).wait()
+        return float(t.item())
+
+    def max_follow_up(self, mine: float) -> float:
+        """Inside a Join, at a step: the largest of the ranks' ``mine`` (a joined rank sends 0), by one
+        small all-reduce (MAX) in fp64: the clip coefficient the other ranks apply. Every rank."""
+        t = torch.tensor([mine], dtype=torch.float64)
+        self.comm.all_reduce_max(t).wait()
+        return float(t.item())
+
+    def listen(self) -> StepMessage:
+        """On a rank that shadows the others inside a Join: meet the others' next message (a round's
+        tag, clip_grad_norm_'s or step's) with one that adds only the joined slot and this rank's
+        count of inf/NaN elements in its gradient shard (the others' average there: a step skips
+        for them too), and return the reduced message, which names their call. Every joined rank."""
+        nonfinite, _ = self.local_grad_stats(None)
+        packed = StepMessage(nonfinite, 0.0, call_header("joined", False), [0.0] * CHECKS_LEN,
+                             [0.0] * HYPER_LEN).pack(self.device)
+        self.comm.all_reduce_sum(packed).wait()
+        return StepMessage.reduced(packed)
+
+
+# [Note: the step message inside a Join]
+# Inside ``torch.distributed.algorithms.Join`` a rank that ran out of inputs meets the others' next
+# message without knowing which call they are in (see optimizer [Note: uneven inputs]), yet it
+# holds its shard of their averaged gradient, whose inf/NaN elements and norm are part of the
+# whole. So every message is summed there. A joined rank adds its inf/NaN count to whatever
+# message it meets (a round's tag ignores it). clip_grad_norm_'s message carries the norm type
+# instead of the norm (n ranks send p: the sum over the ranks not joined is n * p, exact for the
+# norm types in use, integers and halves), and the norm follows in a second small all-reduce of
+# every rank's share, summed, or maxed for the inf-norm, the joined ranks' from their shards. The
+# step's clip coefficient, which only the ranks that called clip_grad_norm_ know, follows the
+# step's message the same way (``max_follow_up``). Outside a Join nothing changes.

@@ -34,6 +34,7 @@ class Findings:
     unscaled: int = 0  # ... and that did not
     used: list[list[bool]] = field(default_factory=list)  # per buffer, in buffer order: got a gradient on this rank
     regraded: bool = False  # averaged gradients were zeroed or replaced on this rank since their round
+    joined: bool = False  # this rank shadows the others inside a Join: it has no gradient and takes no side
 
 
 class UsageChecks:
@@ -101,6 +102,12 @@ class UsageChecks:
             b.reducer.problems = []
             for r in b.records:
                 r.replaced = False
+
+    def joined(self) -> Findings:
+        """What a rank that shadows the others inside a Join reports: no gradient for any parameter,
+        nothing written, no problem, no side on whether gradients were changed. Local."""
+        return Findings(written=[[] for _ in self.buffers], problems=[], joined=True,
+                        used=[[False] * len(b.records) for b in self.buffers])
 
     def note_gathered(self, b: Any, records: Sequence[Any]) -> None:
         """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
@@ -188,7 +195,7 @@ class UsageChecks:
         bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
         not_used = sum(len(u) - sum(u) for u in found.used)
         return [len(found.problems), found.scaled, found.unscaled, not_used, sum(map(len, found.written)),
-                float(found.regraded), float(not found.regraded)]
+                float(found.regraded), float(not found.regraded and not found.joined)]
 
     def apply(self, found: Findings, summed: Sequence[float], loss_scale: float) -> None:
         """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
