@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 import shardopt
 from models import batch, make_model, param_groups
-from shardopt.checkpoint._dcp import boxes
+from shardopt.checkpoint._blocks import boxes
 from shardopt.core._layout import Range
 from shardopt.checkpoint import (full_state_dict, latest_checkpoint, list_checkpoints, load_checkpoint,
                                  load_full_state_dict, save_checkpoint)

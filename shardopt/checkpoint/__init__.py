@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
-from shardopt.checkpoint._dcp import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of, read_blocks, whole,
-                                      write_blocks)
+from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of,
+                                         whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, commit, data_checksums, latest_checkpoint, list_checkpoints,
                                         read_manifest, recover, temp_path, verify_data, write_json)
@@ -199,6 +199,8 @@ def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: floa
         error = e
     agree(comm, error)
     try:
+        from shardopt.checkpoint._dcp import write_blocks  # DCP, imported when a checkpoint is written
+
         write_blocks(tmp, _blocks_to_save(entries, comm), comm.group)
     except RuntimeError:
         if comm.rank == 0:
@@ -377,6 +379,8 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
                     blocks += blocks_of(key + e.key, shape, r, moment[local])
                 if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
                     without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
+        from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read
+
         read_blocks(path, blocks, comm.group)
         for vmax, v in without_max:
             vmax.copy_(v)

@@ -36,7 +36,7 @@ from typing import Any, Sequence
 import torch
 
 from shardopt.checkpoint._adamw import adamw_defaults  # noqa: F401 (also for callers)
-from shardopt.checkpoint._dcp import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, read_blocks, whole
+from shardopt.checkpoint._blocks import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, whole
 from shardopt.checkpoint._files import read_manifest
 
 
@@ -52,6 +52,8 @@ def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     scratch = tempfile.mkdtemp(prefix=os.path.basename(out_path) + ".scratch-", dir=out_dir)
     try:
         model, optim, blocks = _skeleton(manifest, scratch, fp32_weights)
+        from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read
+
         read_blocks(ckpt_dir, blocks, no_dist=True)
         partial = out_path + ".partial"
         torch.save({"model": model, "optim": optim}, partial)
