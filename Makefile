@@ -26,9 +26,9 @@ test: setup  # lint-imports first: an upward import between folders or an import
 	$(PY) -m pytest -q -m unit -n 2
 	$(PY) -m pytest -q -m "not unit"
 
-test-fast: setup  # the layers (lint-imports), then the unit tier: nothing outside the test process, under a minute
+test-fast: setup  # the layers (lint-imports), then the unit tier but its compiles of the fused kernels: under a minute
 	$(VENV)/bin/lint-imports --no-logo
-	$(PY) -m pytest -q -m unit -n 2
+	$(PY) -m pytest -q -m "unit and not compile" -n 2
 
 test-floor:  # the unit tier on the floor torch (a 1.4 GB download the first time: PyPI's torch is a CUDA build)
 	@test -x $(FLOOR_VENV)/bin/python || $(PYTHON) -m venv $(FLOOR_VENV)

@@ -1,3 +1,4 @@
+import inspect
 import os
 import sys
 
@@ -12,17 +13,39 @@ import launch  # noqa: E402
 from distpool import ModulePools, PoolCache  # noqa: E402
 
 # [Note: test tiers] Every test is in one tier, by what it starts:
-#   unit   - nothing outside the test process (`make test-fast`: under a minute);
-#   dist   - gloo ranks spawned once per module (the ``pools`` fixture);
+#   unit   - nothing outside the test process (`make test-fast` runs those not marked ``compile``);
+#   dist   - gloo ranks spawned once per session and reset per module (the ``pools`` fixture);
 #   launch - real torchrun (or python) processes, marked in the module (``pytestmark``) or on the test.
 # unit and dist are given here; launch is declared where the launch is.
+
+
+# Within the unit tier, the tests that compile shardopt's fused kernels are also marked ``compile``:
+# on a cold inductor cache each new kernel takes seconds to build, so ``make test-fast`` leaves them
+# out (``make test`` runs them). A test compiles when its code asks for the fused kernels or for
+# torch.compile (read from its source: nothing to keep in step by hand).
+_COMPILES = ('"fused"', "'fused'", "torch.compile", "_self_check.failing", "_self_check.differences", "fused.",
+             "SHARDOPT_KERNEL=fused")
+
+
+def _compiles(item: pytest.Item) -> bool:
+    fn = getattr(item, "function", None)
+    try:
+        source = inspect.getsource(fn) if fn is not None else ""
+    except (OSError, TypeError):
+        return False
+    return any(marker in source for marker in _COMPILES)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if item.get_closest_marker("launch"):
             continue
-        item.add_marker(pytest.mark.dist if "pools" in item.fixturenames else pytest.mark.unit)
+        if "pools" in item.fixturenames:
+            item.add_marker(pytest.mark.dist)
+            continue
+        item.add_marker(pytest.mark.unit)
+        if _compiles(item):
+            item.add_marker(pytest.mark.compile)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:  # noqa: ANN001

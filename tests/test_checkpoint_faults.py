@@ -187,6 +187,7 @@ def load_case(rank: int, root: str, names: list[str]) -> dict:
 KILLS = {"marker": 1, "old-aside": 2, "new-in": 3, "old-removed": 4, "after": -1}  # the move the kill comes before
 
 
+@pytest.mark.launch  # processes of its own
 def test_a_kill_at_each_move_of_a_commit_leaves_a_checkpoint_the_next_run_finds(tmp_path):
     left_by_kill, saves = {}, {}
     for name, at in KILLS.items():
@@ -277,6 +278,7 @@ def rank0_only_case(rank: int, root: str, call: str, then: str) -> dict:
     return out
 
 
+@pytest.mark.launch  # processes of its own
 @pytest.mark.parametrize("call,then", [("save", "train"), ("load", "train"), ("save", "barrier"),
                                        ("weights", "barrier")])
 def test_a_checkpoint_call_on_rank_0_only_raises_naming_it(tmp_path, call, then):
@@ -319,6 +321,7 @@ def without_default_store_case(rank: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.launch  # processes of its own
 def test_without_the_default_store_the_control_group_still_keeps_the_calls_apart(tmp_path):
     root = str(tmp_path)
     assert _spawn(without_default_store_case, root, world=3, linger=True) == [0, 0, 0]  # rank 2 waits for the pair
@@ -379,6 +382,7 @@ SOME_RANKS = [("load_state_dict", (0,), "train"), ("load_state_dict(adamw)", (0,
               ("refresh_master_weights", (0,), "train")]
 
 
+@pytest.mark.launch  # processes of its own
 @pytest.mark.parametrize("call,callers,then", SOME_RANKS)
 def test_a_state_dict_call_on_some_ranks_only_raises_naming_it(tmp_path, call, callers, then):
     """``load_state_dict`` on rank 0 only (or on ranks 1 and 2 of 3) used to abort rank 0 (gloo:
@@ -425,6 +429,7 @@ def weights_only_deadline_case(rank: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.launch  # processes of its own
 def test_a_weights_only_load_waits_the_time_it_names(tmp_path):
     """A weights-only ``load_checkpoint`` on rank 0 only, with a deadline longer than the group's
     timeout: it gave up after the group's 2 s but said it had waited its 4."""
@@ -451,6 +456,7 @@ def late_rank_case(rank: int, root: str) -> dict:
     return out
 
 
+@pytest.mark.launch  # processes of its own
 def test_a_rank_late_to_a_call_another_gave_up_on_raises_naming_it(tmp_path):
     """Rank 0 gives up on ``save_checkpoint`` after 0.5 s; rank 1 arrives 2 s later. Its entry
     message used to pair with the one rank 0 had left in flight: it went on into the save and
