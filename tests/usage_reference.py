@@ -12,17 +12,22 @@ from models import batch
 HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
-def ddp_average(model: nn.Module, fp32: bool = False) -> None:
-    """Average .grad over ranks as DDP does: None only where no rank has a gradient; ``fp32``:
-    16-bit gradients summed in fp32 and rounded once."""
+def _with_some_gradient(model: nn.Module):  # noqa: ANN202 - yields (parameter, its gradient or zeros)
+    """The trainable parameters some rank has a gradient for, each with this rank's (zeros where it
+    has none): the ones an average over ranks gives a gradient. Every rank."""
     for p in model.parameters():
         if not p.requires_grad:
             continue
         has = torch.tensor([0.0 if p.grad is None else 1.0])
         dist.all_reduce(has, op=dist.ReduceOp.MAX)
-        if has.item() == 0:
-            continue
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        if has.item() > 0:
+            yield p, p.grad if p.grad is not None else torch.zeros_like(p)
+
+
+def ddp_average(model: nn.Module, fp32: bool = False) -> None:
+    """Average .grad over ranks as DDP does: None only where no rank has a gradient; ``fp32``:
+    16-bit gradients summed in fp32 and rounded once."""
+    for p, g in _with_some_gradient(model):
         g = g.float() if fp32 else g
         dist.all_reduce(g, op=dist.ReduceOp.SUM)
         p.grad = (g / dist.get_world_size()).to(p.dtype)
@@ -34,14 +39,7 @@ def rank_order_average(model: nn.Module) -> None:
     that a comparison at 3 ranks is not blurred by the order gloo's ring adds in (fp32 addition is
     not associative). None only where no rank has a gradient."""
     world = dist.get_world_size()
-    for p in model.parameters():
-        if not p.requires_grad:
-            continue
-        has = torch.tensor([0.0 if p.grad is None else 1.0])
-        dist.all_reduce(has, op=dist.ReduceOp.MAX)
-        if has.item() == 0:
-            continue
-        g = p.grad if p.grad is not None else torch.zeros_like(p)
+    for p, g in _with_some_gradient(model):
         every = [torch.empty_like(g) for _ in range(world)]
         dist.all_gather(every, g.contiguous())
         total = every[0].clone()
