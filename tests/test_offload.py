@@ -52,8 +52,9 @@ def _build(group, cfg: tuple, offload: str | None, seed: int = 3):
         rest = [p for p in model.parameters() if p.dim() != 2]
         opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, "lr": 5e-3}],
                                    lr=0.02, **common)
-    else:
-        opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, weight_decay=0.1, **common)
+    else:  # "amsgrad": AdamW with its running maximum, a third moment tensor in the host buffer
+        opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, weight_decay=0.1, amsgrad=rule == "amsgrad",
+                                    **common)
     return model, opt
 
 
@@ -113,7 +114,7 @@ def _pairs(group, configs: list[tuple]) -> dict:
     return out
 
 
-# (rule, dtype, stage, master_weights, moments, fp16 overflow at step 1[, offload_fraction])
+# (rule ("adamw", "amsgrad" or "muon"), dtype, stage, master_weights, moments, fp16 overflow at step 1[, offload_fraction])
 CONFIGS = {
     1: [("adamw", "bfloat16", 2, "remainder", "8bit", False), ("adamw", "bfloat16", 1, "fp32", "bf16", False),
         ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False),
@@ -121,7 +122,8 @@ CONFIGS = {
     2: [("adamw", "bfloat16", 1, "remainder", "fp32", False), ("adamw", "bfloat16", 2, "fp32", "8bit", False),
         ("adamw", "float32", 2, "fp32", "bf16", False), ("adamw", "float16", 1, "fp32", "fp32", True),
         ("muon", "bfloat16", 1, "remainder", "bf16", False), ("muon", "float32", 2, "fp32", "fp32", False),
-        ("adamw", "float16", 2, "fp32", "fp32", True, 0.5), ("adamw", "bfloat16", 1, "fp32", "fp32", False, 0.3)],
+        ("adamw", "float16", 2, "fp32", "fp32", True, 0.5), ("adamw", "bfloat16", 1, "fp32", "fp32", False, 0.3),
+        ("amsgrad", "bfloat16", 2, "remainder", "bf16", False, 0.5)],
     4: [("adamw", "bfloat16", 2, "remainder", "bf16", False), ("adamw", "float32", 1, "fp32", "8bit", False),
         ("adamw", "float16", 2, "fp32", "fp32", True), ("muon", "bfloat16", 2, "fp32", "fp32", False)],
 }
