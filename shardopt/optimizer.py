@@ -16,6 +16,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
+from shardopt.comm._model_axes import ModelAxes, axis_groups
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
@@ -117,6 +118,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         loss_scale: str | float | LossScaler | None = "auto",
         process_group: ProcessGroup = None,
         device_mesh: Any = None,
+        model_parallel_group: Any = None,
         bucket_cap_mb: float = 25.0,
         accumulate_dtype: torch.dtype | None = torch.float32,
         reduce_dtype: torch.dtype | None = None,
@@ -141,6 +143,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay, flags))
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
+        # The ranks with the rest of the model (see comm._model_axes [Note: the whole model's agreement])
+        self._axes = ModelAxes(axis_groups(model_parallel_group), self._comm)
+        self._axes.set_timeout(self.config.timeout)
         self._names = param_names(self.param_groups)  # how messages name each parameter
         trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
@@ -148,7 +153,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         remove_freed_hooks([p for p, _ in trainable])
         self._buffers = build_buffers(trainable, self._comm, self.config, self._names,
                                       lambda gi: self._rule_of(self.param_groups[gi]),
-                                      lambda gi: bool(self.param_groups[gi].get("amsgrad")))
+                                      lambda gi: bool(self.param_groups[gi].get("amsgrad")),
+                                      lambda p, gi: self._replicated_over(p, self.param_groups[gi]),
+                                      self._axes.counts)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
@@ -161,7 +168,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
-        self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm)
+        self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._axes)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
@@ -196,6 +203,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         core._config.ADAMW_FLAGS), as torch.optim.AdamW's param groups hold them."""
         return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **{**ADAMW_FLAGS, **flags})
 
+    def _replicated_over(self, p: Tensor, group: dict[str, Any]) -> frozenset[str]:
+        """The model axes ``p`` is replicated across (see comm._model_axes): every axis of
+        ``model_parallel_group`` for a param group marked ``"replicated": True``, none otherwise."""
+        return frozenset(self._axes.names) if group.get("replicated") else frozenset()
+
     def _rule_of(self, group: dict[str, Any]) -> str:
         """The update rule of a param group's parameters (see ``ShardedMuon``)."""
         return "adamw"
@@ -204,6 +216,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """The update rule's own check of every param group's parameters, frozen ones included (see
         ``ShardedMuon``); raises TypeError or ValueError, on every rank alike. Local."""
         for gi, g in enumerate(self.param_groups):
+            if g.get("replicated") and not self._axes:
+                raise ValueError(f'param group {gi} is marked "replicated": True, which says its parameters are '
+                                 "copies on every rank of model_parallel_group; pass model_parallel_group= (the ranks "
+                                 "with the other pipeline stages or tensor-parallel shards), or leave the key out")
             off_cuda = sorted({p.device.type for p in g["params"] if p.device.type != "cuda"})
             if g.get("capturable") and off_cuda:
                 raise ValueError(f"capturable=True (param group {gi}) applies to parameters on CUDA, these are on "
@@ -344,6 +360,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     # -- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a Join runs on this rank once it ran out of inputs (see [Note: uneven inputs])."""
+        if self._axes:
+            raise RuntimeError("torch.distributed.algorithms.Join with an optimizer that has model_parallel_group= "
+                               "(or DTensor parameters) is not supported: a joined rank would have to shadow the "
+                               "other parts of the model too; give every data-parallel rank the same number of "
+                               "batches (e.g. DistributedSampler(drop_last=True))")
         return _JoinHook(self)
 
     @property

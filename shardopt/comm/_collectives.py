@@ -199,6 +199,20 @@ def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
     return pending
 
 
+def group_ranks(group: ProcessGroup) -> list[int]:
+    """The global ranks of ``group`` (None: the default group), in group-rank order. Local."""
+    return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+
+
+def global_rank() -> int:
+    """This process's rank in the default group. Local."""
+    return dist.get_rank()
+
+
+def is_process_group(x: object) -> bool:
+    return isinstance(x, dist.ProcessGroup)
+
+
 def mesh_groups(mesh: Any) -> tuple[ProcessGroup, ProcessGroup, ProcessGroup]:
     """(every rank of ``mesh``, its shard group, its replicate group or None) for this rank. A 1-D
     mesh shards over all its ranks; a 2-D mesh is (replicate, shard), as FSDP2's HSDP."""

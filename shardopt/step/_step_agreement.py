@@ -15,9 +15,10 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-from shardopt.step._agreement import (adopt_hyperparameters, call_header, check_calls, check_hyperparameters_agree,
-                                      hyper_code, hyperparameters, joined_ranks)
+from shardopt.step._agreement import (CALLS, adopt_hyperparameters, call_header, check_calls,
+                                      check_hyperparameters_agree, hyper_code, hyperparameters, joined_ranks)
 from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
+from shardopt.comm._model_axes import ModelAxes
 from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
 
 
@@ -69,8 +70,10 @@ class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""
 
-    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm) -> None:
+    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm,
+                 axes: ModelAxes | None = None) -> None:
         self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
+        self.axes = axes  # the ranks with the rest of the model (see _model_axes), or None
         self.device = self.buffers[0].flat.device
 
     def local_grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
@@ -82,6 +85,8 @@ class StepAgreement:
         for b in self.buffers:
             bad, n = b.grad_stats(norm_type)
             nonfinite += bad
+            if not b.counted_in_norm:  # replicated across a model axis: its rank 0 counts it (see _model_axes)
+                continue
             norm = torch.maximum(norm, n) if norm_type is not None and math.isinf(norm_type) else norm + n
         return nonfinite, norm
 
@@ -117,7 +122,39 @@ class StepAgreement:
             raise
         if join and norm_type is not None:
             got.norm = self.norm_follow_up(norm_type, norm)
+        if self.axes:
+            try:
+                self.whole_model(got, caller, norm_type)
+            except RuntimeError as e:
+                self.rounds.fail(str(e))
+                raise
         return self.conclude(got, caller, param_groups, found, hyper, loss_scale, norm_type, maxed)
+
+    def whole_model(self, got: StepMessage, caller: str, norm_type: float | None) -> None:
+        """The follow-up over the model axes (see _model_axes [Note: the whole model's agreement]):
+        ``got``'s inf/NaN count and norm become the whole model's, in place. Raises RuntimeError on
+        every rank of the model when its ranks are in different calls. Every rank of the model."""
+        axes = self.axes
+        assert axes is not None
+        inf_norm = norm_type is not None and math.isinf(norm_type)
+        t = torch.zeros(2 + len(CALLS), dtype=torch.float64)
+        t[0], t[1] = float(got.nonfinite), 0.0 if inf_norm or norm_type is None else float(got.norm)
+        t[2 + CALLS.index(caller)] = 1.0
+        axes.reduce(t)
+        counts = dict(zip(CALLS, t[2:].tolist()))
+        if counts[caller] != axes.size:
+            others = ", ".join(f"{int(n)} in {c}()" for c, n in counts.items() if n and c != caller)
+            raise RuntimeError(f"ranks that hold parts of one model ({axes.describe()}) are in different optimizer "
+                               f"calls: {int(counts[caller])} of {axes.size} in {caller}(), {others}; call "
+                               "clip_grad_norm_ and step alike on every rank of the job, every pipeline stage and "
+                               "tensor-parallel rank included (the norm and the skip are the whole model's)")
+        got.nonfinite = float(t[0])
+        if inf_norm:
+            m = torch.tensor([float(got.norm)], dtype=torch.float64)
+            axes.reduce(m, "max")
+            got.norm = float(m[0])
+        elif norm_type is not None:
+            got.norm = float(t[1])
 
     def conclude(self, got: StepMessage, caller: str, param_groups: list[dict], found: Any,
                  hyper: list | None, loss_scale: float, norm_type: float | None, maxed: bool) -> tuple[bool, float]:

@@ -41,8 +41,12 @@ class ShardedBuffer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
                  config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
-                 amsgrad: bool = False) -> None:
+                 amsgrad: bool = False, replicated_over: frozenset[str] = frozenset(),
+                 counted_in_norm: bool = True) -> None:
         self.comm, self.config, self.rule = comm, config, rule
+        # The model axes (comm._model_axes) these parameters are replicated across, and whether this
+        # rank counts them in the gradient's norm (on each such axis only its rank 0 does).
+        self.replicated_over, self.counted_in_norm = replicated_over, counted_in_norm
         self.amsgrad = amsgrad  # some param group of this buffer sets amsgrad=True: its moments keep max_exp_avg_sq
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
@@ -288,19 +292,24 @@ class ShardedBuffer:
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,
                   names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw",
-                  amsgrad_of: Callable[[int], bool] = lambda gi: False) -> list[ShardedBuffer]:
-    """One ShardedBuffer per parameter dtype and update rule (``rule_of(group index)``), from
-    (parameter, param-group index) pairs; ``names`` by ``id``; ``amsgrad_of(group index)``: the
-    group keeps amsgrad's maximum. Every rank (each buffer broadcasts rank 0's weights)."""
-    by_kind: dict[tuple[torch.dtype, str], list[tuple[torch.nn.Parameter, int]]] = {}
+                  amsgrad_of: Callable[[int], bool] = lambda gi: False,
+                  replicated_of: Callable[[torch.nn.Parameter, int], frozenset[str]] = lambda p, gi: frozenset(),
+                  counts: Callable[[frozenset[str]], bool] = lambda over: True) -> list[ShardedBuffer]:
+    """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and the model
+    axes a parameter is replicated across (``replicated_of(param, group index)``, see
+    comm._model_axes), from (parameter, param-group index) pairs; ``names`` by ``id``;
+    ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counts(axes)``: whether this
+    rank counts such parameters in the norm. Every rank (each buffer broadcasts rank 0's weights)."""
+    by_kind: dict[tuple[torch.dtype, str, frozenset[str]], list[tuple[torch.nn.Parameter, int]]] = {}
     for p, gi in trainable:
-        by_kind.setdefault((p.dtype, rule_of(gi)), []).append((p, gi))
+        by_kind.setdefault((p.dtype, rule_of(gi), replicated_of(p, gi)), []).append((p, gi))
     buffers = []
-    for k, ((_, rule), entries) in enumerate(by_kind.items()):
+    for k, ((_, rule, over), entries) in enumerate(by_kind.items()):
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
                                      names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
-                                     amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries)))
+                                     amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
+                                     replicated_over=over, counted_in_norm=counts(over)))
     return buffers

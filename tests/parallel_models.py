@@ -1,0 +1,162 @@
+"""Small models split over ranks as tensor, pipeline and expert parallelism split them, each with
+the whole model it is cut from: the reference a single process trains with torch.optim on the
+global batch. Importable in spawned ranks; the collectives between parts are torch.distributed's
+own, written out as Megatron-LM writes them.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+D, H = 8, 12  # model width, hidden width (split over 2 tensor-parallel ranks: 6 each)
+
+
+def batch(dp_rank: int, step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets) of one data-parallel rank at one step."""
+    g = torch.Generator().manual_seed(100 * step + dp_rank)
+    return torch.randn(n, D, generator=g), torch.randn(n, D, generator=g)
+
+
+def global_batch(dp_size: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    xs, ys = zip(*(batch(r, step) for r in range(dp_size)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+class Whole(nn.Module):
+    """LayerNorm -> Linear(D, H) -> tanh -> Linear(H, D), mean squared error."""
+
+    def __init__(self, seed: int = 0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm = nn.LayerNorm(D)
+        with torch.no_grad():
+            self.norm.weight.add_(0.1 * torch.randn(D))
+            self.norm.bias.add_(0.1 * torch.randn(D))
+        self.fc1 = nn.Linear(D, H)
+        self.fc2 = nn.Linear(H, D)
+        self.to(dtype)
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc1(self.norm(x)))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.fc2(self.hidden(x)).float() - y) ** 2).mean()
+
+
+class _Copy(torch.autograd.Function):
+    """Megatron's f: identity forward, all-reduce of the gradient across the tensor-parallel group backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        g = g.clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _Reduce(torch.autograd.Function):
+    """Megatron's g: all-reduce forward across the tensor-parallel group, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):  # type: ignore[override]
+        x = x.clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[override]
+        return g, None
+
+
+class MegatronTP(nn.Module):
+    """``Whole`` with fc1 split by rows (column parallel) and fc2 by columns (row parallel) over
+    ``group``, as plain tensors holding the local shards; the LayerNorm and fc2's bias replicated."""
+
+    def __init__(self, whole: Whole, group, tp_rank: int, tp_size: int) -> None:
+        super().__init__()
+        self.group, rows = group, slice(tp_rank * H // tp_size, (tp_rank + 1) * H // tp_size)
+        self.rows = rows
+        self.norm = nn.LayerNorm(D).to(whole.fc1.weight.dtype)
+        self.norm.load_state_dict(whole.norm.state_dict())
+        self.w1 = nn.Parameter(whole.fc1.weight.detach()[rows].clone())
+        self.b1 = nn.Parameter(whole.fc1.bias.detach()[rows].clone())
+        self.w2 = nn.Parameter(whole.fc2.weight.detach()[:, rows].clone())
+        self.b2 = nn.Parameter(whole.fc2.bias.detach().clone())
+
+    def sharded(self) -> list[nn.Parameter]:
+        return [self.w1, self.b1, self.w2]
+
+    def replicated(self) -> list[nn.Parameter]:
+        return [self.norm.weight, self.norm.bias, self.b2]
+
+    def pieces_of(self, whole: Whole) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(this rank's parameter, the same piece of ``whole``) pairs."""
+        return [(self.w1, whole.fc1.weight[self.rows]), (self.b1, whole.fc1.bias[self.rows]),
+                (self.w2, whole.fc2.weight[:, self.rows]), (self.b2, whole.fc2.bias),
+                (self.norm.weight, whole.norm.weight), (self.norm.bias, whole.norm.bias)]
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.w1.dtype)
+        h = torch.tanh(nn.functional.linear(_Copy.apply(self.norm(x), self.group), self.w1, self.b1))
+        out = _Reduce.apply(nn.functional.linear(h, self.w2), self.group) + self.b2
+        return ((out.float() - y) ** 2).mean()
+
+
+class Stage(nn.Module):
+    """One of two pipeline stages of ``Whole``: stage 0 is norm, fc1 and tanh; stage 1 is fc2 and the loss."""
+
+    def __init__(self, whole: Whole, stage: int) -> None:
+        super().__init__()
+        self.stage = stage
+        if stage == 0:
+            self.norm, self.fc1 = nn.LayerNorm(D), nn.Linear(D, H)
+            self.norm.load_state_dict(whole.norm.state_dict())
+            self.fc1.load_state_dict(whole.fc1.state_dict())
+        else:
+            self.fc2 = nn.Linear(H, D)
+            self.fc2.load_state_dict(whole.fc2.state_dict())
+
+    def pieces_of(self, whole: Whole) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mine = dict(self.named_parameters())
+        theirs = dict(whole.named_parameters())
+        return [(p, theirs[n]) for n, p in mine.items()]
+
+
+def pipeline_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, peer: int) -> torch.Tensor | None:
+    """One forward and backward of a 2-stage pipeline: stage 0 sends its activation to ``peer``
+    (global rank) and runs backward from the gradient it gets back. Returns the loss on stage 1."""
+    if stage.stage == 0:
+        act = torch.tanh(stage.fc1(stage.norm(x)))
+        dist.send(act.detach().contiguous(), peer)
+        g = torch.empty_like(act)
+        dist.recv(g, peer)
+        act.backward(g)
+        return None
+    act = torch.empty(x.shape[0], H)
+    dist.recv(act, peer)
+    act.requires_grad_(True)
+    loss = ((stage.fc2(act) - y) ** 2).mean()
+    loss.backward()
+    dist.send(act.grad.contiguous(), peer)
+    return loss.detach()
+
+
+def reference(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2, weight_decay: float = 0.1,
+              seed: int = 0) -> tuple[Whole, list[float]]:
+    """``Whole`` trained by torch.optim.AdamW on the global batch of ``dp_size`` ranks, clipped
+    by torch.nn.utils.clip_grad_norm_; (the model, the norm at each step)."""
+    whole = Whole(seed)
+    opt = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=weight_decay)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        whole(*global_batch(dp_size, step)).backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)))
+        opt.step()
+    return whole, norms

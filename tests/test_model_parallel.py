@@ -1,0 +1,155 @@
+"""Tier 2: ShardedAdamW beside tensor and pipeline parallelism, on 4 real gloo ranks (2 x 2).
+
+Each layout trains a model cut from ``parallel_models.Whole`` on different data per data-parallel
+rank; the reference is one process training the whole model with torch.optim.AdamW on the global
+batch, clipped by torch.nn.utils.clip_grad_norm_. Catches a clip norm that is one part's instead
+of the model's, replicated parameters that drift apart across tensor-parallel ranks, an overflow
+on one part that lets the other parts step, and ranks of one model in different calls.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+import shardopt
+from parallel_models import MegatronTP, Stage, Whole, batch, pipeline_step, reference
+
+STEPS = 5
+CLIP = 0.1
+
+
+def _tp_setup(stage: int, dtype: torch.dtype = torch.float32, **kw):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0, dtype), tp.get_group(), tp.get_local_rank(), 2)
+    opt = shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": True}],
+                                lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"], model_parallel_group=tp, **kw)
+    return mesh, model, opt
+
+
+def megatron_tp_case(stage: int) -> dict:
+    mesh, model, opt = _tp_setup(stage)
+    dp = mesh["dp"].get_local_rank()
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(*batch(dp, step)))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+    whole, ref_norms = reference(STEPS, 2, clip=CLIP)
+    worst = max((p.detach() - q.detach()).abs().max().item() for p, q in model.pieces_of(whole))
+    mine = torch.cat([p.detach().reshape(-1) for p in model.replicated()])
+    other = mine.clone()
+    dist.broadcast(other, dist.get_global_rank(mesh["tp"].get_group(), 0), group=mesh["tp"].get_group())
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "replicas_equal": torch.equal(mine, other)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_megatron_tp_clips_with_the_models_norm(pools, stage):
+    for r, got in enumerate(pools(4).run(megatron_tp_case, stage)):
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+        assert got["replicas_equal"], r
+
+
+def pipeline_case(stage: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    whole = Whole(0)
+    part = Stage(whole, pp)
+    opt = shardopt.ShardedAdamW(part.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                process_group=mesh["dp"].get_group(), model_parallel_group=mesh["pp"].get_group())
+    peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        pipeline_step(part, *batch(dp, step), peer)
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+    ref, ref_norms = reference(STEPS, 2, clip=CLIP)
+    worst = max((p.detach() - q.detach()).abs().max().item() for p, q in part.pieces_of(ref))
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms}
+
+
+def test_pipeline_stages_clip_with_the_models_norm(pools):
+    for r, got in enumerate(pools(4).run(pipeline_case, 2)):
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
+def overflow_case() -> dict:
+    """fp16 with a dynamic loss scale; at step 1 one tensor-parallel rank of one data-parallel
+    group alone gets an inf in a gradient of its own shard."""
+    mesh, model, opt = _tp_setup(2, torch.float16, loss_scale="dynamic")
+    dp = mesh["dp"].get_local_rank()
+    skipped, scales = [], []
+    for step in range(3):
+        opt.zero_grad()
+        hook = None
+        if step == 1 and dist.get_rank() == 1:  # dp 0, tp 1
+            hook = model.w2.register_hook(lambda g: g * float("inf"))
+        opt.backward(model(*batch(dp, step)))
+        if hook is not None:
+            hook.remove()
+        opt.step()
+        skipped.append(opt.step_was_skipped)
+        scales.append(opt.loss_scale)
+    return {"skipped": skipped, "scales": scales}
+
+
+def test_an_overflow_on_one_tensor_parallel_rank_skips_the_step_on_every_rank(pools):
+    res = pools(4).run(overflow_case)
+    assert all(r["skipped"] == [False, True, False] for r in res), res
+    assert len({tuple(r["scales"]) for r in res}) == 1, res
+
+
+def different_calls_case() -> str:
+    """tp rank 1 calls clip_grad_norm_ where tp rank 0 goes straight to step."""
+    mesh, model, opt = _tp_setup(2)
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
+    try:
+        if mesh["tp"].get_local_rank() == 1:
+            opt.clip_grad_norm_(1.0)
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_parts_of_one_model_in_different_calls_raise_on_every_rank(pools):
+    for r, msg in enumerate(pools(4).run(different_calls_case)):
+        assert "ranks that hold parts of one model" in msg and "clip_grad_norm_()" in msg, (r, msg)
+
+
+def bad_layout_case() -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0)
+    try:  # the data-parallel group given as the model axis too
+        shardopt.ShardedAdamW(model.parameters(), device_mesh=mesh["dp"], model_parallel_group=mesh["dp"])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_model_axis_that_overlaps_the_data_parallel_group_is_refused(pools):
+    for msg in pools(4).run(bad_layout_case):
+        assert "share ranks" in msg and "model_parallel_group" in msg, msg
+
+
+def replicated_without_axes_case() -> str:
+    model = Whole(0)
+    try:
+        shardopt.ShardedAdamW([{"params": model.parameters(), "replicated": True}])
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_replicated_without_a_model_axis_is_refused(pools):
+    for msg in pools(2).run(replicated_without_axes_case):
+        assert '"replicated": True' in msg and "model_parallel_group" in msg, msg
