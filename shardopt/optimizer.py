@@ -146,6 +146,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # The ranks with the rest of the model (see comm._model_axes [Note: the whole model's agreement])
         self._axes = ModelAxes(axis_groups(model_parallel_group), self._comm)
         self._axes.set_timeout(self.config.timeout)
+        self._job: Comm | None = None  # with model axes: every rank of the job, for checkpoints (made at the first)
         self._names = param_names(self.param_groups)  # how messages name each parameter
         trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
         self._closed: str | None = None  # why this optimizer no longer trains, once released

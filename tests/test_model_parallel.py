@@ -153,3 +153,108 @@ def replicated_without_axes_case() -> str:
 def test_replicated_without_a_model_axis_is_refused(pools):
     for msg in pools(2).run(replicated_without_axes_case):
         assert '"replicated": True' in msg and "model_parallel_group" in msg, msg
+
+
+def _tp_train(model, opt, mesh, steps) -> None:
+    dp = mesh["dp"].get_local_rank()
+    for step in steps:
+        opt.zero_grad()
+        opt.backward(model(*batch(dp, step)))
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+
+
+def tp_checkpoint_case(path: str) -> dict:
+    """5 steps at once against 3 steps, a checkpoint every rank saves to one path, a fresh model
+    and optimizer loaded from it, 2 more steps."""
+    mesh, model, opt = _tp_setup(2)
+    _tp_train(model, opt, mesh, range(STEPS))
+    mesh, resumed, opt = _tp_setup(2)
+    _tp_train(resumed, opt, mesh, range(3))
+    shardopt.save_checkpoint(path, resumed, opt)
+    _, resumed, opt = _tp_setup(1)  # another stage: the part reshards as without model axes
+    shardopt.load_checkpoint(path, resumed, opt)
+    _tp_train(resumed, opt, mesh, range(3, STEPS))
+    worst = max((p.detach() - q.detach()).abs().max().item()
+                for p, q in zip(model.parameters(), resumed.parameters()))
+    return {"worst": worst, "step": opt.step_count}
+
+
+def test_tensor_parallel_ranks_save_to_one_path_and_each_resumes_its_part(pools, tmp_path):
+    for r, got in enumerate(pools(4).run(tp_checkpoint_case, str(tmp_path / "ckpt"))):
+        assert got["worst"] == 0.0 and got["step"] == STEPS, (r, got)
+
+
+def pp_checkpoint_case(path: str) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+
+    def build():
+        part = Stage(Whole(0), pp)
+        return part, shardopt.ShardedAdamW(part.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                           process_group=mesh["dp"].get_group(),
+                                           model_parallel_group=mesh["pp"].get_group())
+
+    def train(part, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            pipeline_step(part, *batch(dp, step), peer)
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+
+    part, opt = build()
+    train(part, opt, range(STEPS))
+    resumed, opt = build()
+    train(resumed, opt, range(3))
+    shardopt.save_checkpoint(path, resumed, opt)
+    resumed, opt = build()
+    shardopt.load_checkpoint(path, resumed, opt)
+    train(resumed, opt, range(3, STEPS))
+    return {"worst": max((p.detach() - q.detach()).abs().max().item()
+                         for p, q in zip(part.parameters(), resumed.parameters()))}
+
+
+def test_pipeline_stages_save_to_one_path_and_each_resumes_its_stage(pools, tmp_path):
+    for r, got in enumerate(pools(4).run(pp_checkpoint_case, str(tmp_path / "ckpt"))):
+        assert got["worst"] == 0.0, (r, got)
+
+
+def colliding_save_case(path: str) -> dict:
+    """Megatron-style tensor parallelism built without model_parallel_group: each data-parallel
+    group saves its own part to the same path."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, device_mesh=mesh["dp"])
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
+    opt.step()
+    if tp.get_local_rank() == 1:  # one group saves after the other
+        dist.barrier(tp.get_group())
+    try:
+        shardopt.save_checkpoint(path, model, opt)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    if tp.get_local_rank() == 0:
+        dist.barrier(tp.get_group())
+    # what loads back on each rank: its own part, or an error, never another part's weights
+    fresh = MegatronTP(Whole(1), tp.get_group(), tp.get_local_rank(), 2)
+    opt2 = shardopt.ShardedAdamW(fresh.parameters(), lr=1e-2, device_mesh=mesh["dp"])
+    try:
+        shardopt.load_checkpoint(path, fresh, opt2)
+        loaded = all(torch.equal(p, q) for p, q in zip(model.parameters(), fresh.parameters()))
+    except ValueError as e:
+        loaded = str(e)
+    return {"error": error, "tp": tp.get_local_rank(), "loaded": loaded}
+
+
+def test_two_groups_saving_to_one_path_are_refused_never_mixed(pools, tmp_path):
+    res = pools(4).run(colliding_save_case, str(tmp_path / "ckpt"))
+    for r in res:
+        if r["tp"] == 0:
+            assert r["error"] == "" and r["loaded"] is True, r
+        else:
+            assert "saved to this path before" in r["error"] and "ranks [0, 2]" not in r["error"], r
+            assert "ranks [0,2]" in r["error"], r
+            assert r["loaded"] is not True, r

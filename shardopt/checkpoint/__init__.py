@@ -37,9 +37,9 @@ from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, se
 from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of,
                                          whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
-                                        checkpoint_path, commit, data_checksums, latest_checkpoint, list_checkpoints,
+                                        checkpoint_path, claim, commit, data_checksums, latest_checkpoint, list_checkpoints,
                                         read_manifest, recover, temp_path, verify_data, write_json)
-from shardopt.comm._collectives import Comm, ProcessGroup
+from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
@@ -56,11 +56,26 @@ class _Entry:
     where: tuple[Any, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
 
 
+def _part(opt: Any) -> str:
+    """The prefix of this rank's keys: "" without model axes, else its position on each, e.g.
+    ``"pp1.tp0/"`` (see [Note: one checkpoint for every part of the model]). Local."""
+    axes = getattr(opt, "_axes", None)
+    if not axes:
+        return ""
+    return ".".join(f"{a.name}{a.rank}" for a in axes.axes) + "/"
+
+
+def _state_items(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any]]:
+    """The model's state-dict entries, keyed with this rank's part prefix. Local."""
+    part = _part(opt)
+    return [(part + key, t) for key, t in model.state_dict(keep_vars=True).items()]
+
+
 def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, str]]:
     """The model's state-dict entries (each tensor once) and the aliases of tied ones. Local."""
     where = {id(p): (b, i) for b in (opt._buffers if opt is not None else []) for i, p in enumerate(b.flat.params)}
     entries, aliases, first = [], {}, {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in _state_items(model, opt):
         if not isinstance(t, Tensor):
             raise TypeError(f"model state-dict entry {key!r} is a {type(t).__name__}, not a tensor; checkpoints "
                             "hold tensors only (pass other state through extra=)")
@@ -80,7 +95,7 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
 def _group_keys(opt: Any, model: torch.nn.Module) -> list[list[str]]:
     """For each param group, the state-dict key of each of its parameters."""
     key_of = {}
-    for key, t in model.state_dict(keep_vars=True).items():
+    for key, t in _state_items(model, opt):
         key_of.setdefault(id(t), key)
     out = []
     for gi, g in enumerate(opt.param_groups):
@@ -164,20 +179,85 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
     return path
 
 
+# [Note: one checkpoint for every part of the model]
+# Beside tensor or pipeline parallelism (an optimizer with model axes, see comm._model_axes) each
+# data-parallel group holds one part of the model, and the parts share parameter names (every
+# tensor-parallel rank's shard of "fc1.weight" is called "fc1.weight"). Every rank of the job then
+# saves into one checkpoint, in one DCP save over all of them: each part's keys carry its position
+# on the model axes ("tp1/fc1.weight"), its manifest (parameter table, param groups) is kept under
+# that prefix, and one commit makes the whole checkpoint appear at once. Within a part everything
+# reshards as before (another data-parallel size, stage, bucket size); a part is loaded by the
+# ranks at the same position, so the model axes must be the same at load. Separately, every save
+# claims its path in the default store for the ranks that write it: another group of ranks that
+# saves to the same path in the same job (two data-parallel groups of one model built without
+# model_parallel_group, whose saves would replace each other's) is refused, naming both.
+
+
+def _job(opt: Any) -> Comm:
+    """The ranks that write or read one checkpoint together: the optimizer's group, or with model
+    axes every rank of the default group (made at the first call; every rank of the job calls it)."""
+    if not opt._axes:
+        return opt._comm
+    if opt._job is None:
+        n = opt._comm.world_size * opt._axes.size
+        if n != world_size():
+            raise ValueError(f"a checkpoint of a model split over {opt._axes.describe()} is written by every rank of "
+                             f"the job together, over the default group, but the data-parallel group ({opt._comm.world_size} "
+                             f"ranks) times the model axes make {n} ranks, not the {world_size()} of the default group; "
+                             "build the optimizer on every rank of the job")
+        opt._job = Comm(None)
+        opt._job.timeout = opt._comm.timeout
+    return opt._job
+
+
+def _merged(parts: list[tuple[str, dict]]) -> dict:
+    """One manifest from every rank's (part, manifest): the first's, with every part's tensors and
+    aliases, and each part's param groups and buffers under ``"parts"`` when there are model axes."""
+    first = dict(parts[0][1])
+    if not parts[0][0]:
+        return first
+    first["tensors"], first["aliases"], first["parts"] = {}, {}, {}
+    for part, m in parts:
+        first["tensors"].update(m["tensors"])
+        first["aliases"].update(m["aliases"])
+        first["parts"][part] = {"param_groups": m["param_groups"], "buffers": m["buffers"]}
+    return first
+
+
+def _own_part(manifest: dict, opt: Any, path: str) -> dict:
+    """``manifest`` as this rank's part sees it: its tensors, aliases, param groups and buffers.
+    Raises ValueError when the checkpoint was saved with other model axes. Local."""
+    part = _part(opt)
+    parts = manifest.get("parts")
+    if not part and not parts:
+        return manifest
+    if not part or not parts or part not in parts:
+        saved = ", ".join(p.rstrip("/") for p in sorted(parts or {})) or "none"
+        raise ValueError(f"checkpoint {path} was saved by a model split into the parts {saved}; this rank holds "
+                         f"part {part.rstrip('/') or '(the whole model: no model_parallel_group)'}: load it with "
+                         "the same tensor- and pipeline-parallel layout (model_parallel_group and the meshes of "
+                         "DTensor parameters) as it was saved with")
+    mine = {k: v for k, v in manifest["tensors"].items() if k.startswith(part)}
+    aliases = {k: v for k, v in manifest["aliases"].items() if k.startswith(part)}
+    return {**manifest, "tensors": mine, "aliases": aliases, **parts[part]}
+
+
 def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: float | None) -> None:
     """``save_checkpoint`` of a path written as ``checkpoint_path`` writes it. Every rank."""
-    comm: Comm = opt._comm
     settle(opt, "save_checkpoint", timeout)
+    comm: Comm = _job(opt)  # every rank of the model (see [Note: one checkpoint for every part of the model])
     try:
         entries, aliases = _entries(model, opt)
         manifest, error = _manifest(opt, model, entries, aliases), None
         check_replaceable(path)
         if comm.rank == 0 and extra is not None:
             _check_loadable(extra)
+        claim(path, comm.global_ranks)
     except (TypeError, ValueError, FileExistsError) as e:
         error = e
-    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path)))
-    paths = [where for _, where in agreed]
+    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path), _part(opt), manifest))
+    manifest = _merged([(part, m) for _, _, part, m in agreed])
+    paths = [where for _, where, _, _ in agreed]
     if len(set(paths)) > 1:
         other = next(r for r, where in enumerate(paths) if where != paths[0])
         raise ValueError(f"save_checkpoint got different paths on different ranks: {paths[0]!r} on rank 0, "
@@ -201,7 +281,7 @@ def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: floa
     try:
         from shardopt.checkpoint._dcp import write_blocks  # DCP, imported when a checkpoint is written
 
-        write_blocks(tmp, _blocks_to_save(entries, comm), comm.group)
+        write_blocks(tmp, _blocks_to_save(entries, opt._comm), comm.group)
     except RuntimeError:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -335,18 +415,26 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
     else:
         settle(opt, "load_checkpoint", timeout)
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
+    data, job, error = comm, comm, None
+    try:
+        job = _job(opt) if opt is not None else comm  # see [Note: one checkpoint for every part of the model]
+    except ValueError as e:
+        error = e
+    if error is not None:
+        agree(comm, error)
     try:
         path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
-        manifest = read_manifest(path, marker)
-        verify_data(path, marker, comm.rank, comm.world_size)  # each rank its share of the tensor files
+        manifest = _own_part(read_manifest(path, marker), opt, path)
+        verify_data(path, marker, job.rank, job.world_size)  # each rank its share of the tensor files
         entries, aliases = _entries(model, opt)
         _check_matches(manifest, entries, aliases, opt, model, path)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
         error = None
     except (FileNotFoundError, ValueError, TypeError) as e:
         error = e
-    agree(comm, error)
+    agree(job, error)
+    comm = data
     staging: dict[int, Tensor] = {}
     blocks: list[Block] = []
     with torch.no_grad():
@@ -381,7 +469,7 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
                     without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
         from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read
 
-        read_blocks(path, blocks, comm.group)
+        read_blocks(path, blocks, job.group)
         for vmax, v in without_max:
             vmax.copy_(v)
         for b in opt._buffers if opt is not None else []:

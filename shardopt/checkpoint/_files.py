@@ -65,7 +65,9 @@ import re
 import shutil
 import time
 import zlib
-from typing import Any
+from typing import Any, Sequence
+
+from shardopt.core._compat import default_store
 
 FORMAT = "shardopt.checkpoint.v1"
 MANIFEST = "shardopt.json"  # step, hyperparameters, parameter table (JSON, human-readable)
@@ -94,6 +96,25 @@ def agree(comm: Any, error: BaseException | None, payload: Any = None) -> list:
         if e is not None:
             raise _ERRORS.get(e[0], RuntimeError)(f"on rank {r}: {e[0]}: {e[1]}")
     return [p for p, _ in gathered]
+
+
+def claim(path: str, ranks: Sequence[int]) -> None:
+    """Claim ``path`` for the group of (global) ``ranks`` that saves there, in the default store,
+    for the rest of the job; raises ValueError naming both groups when another group of ranks
+    claimed it (see checkpoint [Note: one checkpoint for every part of the model]). Every rank of
+    the group; does nothing without a default store."""
+    store = default_store()
+    if store is None:
+        return
+    mine = ",".join(map(str, ranks))
+    held = store.compare_set(f"shardopt-save/{os.path.abspath(path)}", "", mine)
+    held = held.decode() if isinstance(held, bytes) else str(held)
+    if held != mine:
+        raise ValueError(f"save_checkpoint({path!r}) on ranks [{mine}], but ranks [{held}] saved to this path "
+                         "before in this job: two groups of ranks would replace each other's checkpoint (each "
+                         "data-parallel group of a model split over tensor- or pipeline-parallel ranks holds only "
+                         "its part). Pass model_parallel_group= (or use DTensor parameters) so that every rank "
+                         "saves into one checkpoint, or give each group its own path")
 
 
 def checkpoint_path(path: str | os.PathLike) -> str:

@@ -204,6 +204,11 @@ def group_ranks(group: ProcessGroup) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
 
+def world_size() -> int:
+    """Ranks in the default group. Local."""
+    return dist.get_world_size()
+
+
 def global_rank() -> int:
     """This process's rank in the default group. Local."""
     return dist.get_rank()
@@ -368,6 +373,11 @@ class Comm:
         self.control = control_group(process_group, connect) if self.world_size > 1 else None
         self._shard_global = [dist.get_global_rank(shard_group, r) if shard_group is not None else r
                               for r in range(self.shard_size)]
+
+    @property
+    def global_ranks(self) -> list[int]:
+        """The default group's rank of each rank of the group, in group-rank order."""
+        return list(self._global)
 
     # -- small collectives: on the control group ----------------------------------------
     def _control(self) -> ProcessGroup:
