@@ -160,3 +160,37 @@ def reference(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2,
             norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)))
         opt.step()
     return whole, norms
+
+
+class Experts(nn.Module):
+    """A dense layer on every rank, then one of ``n`` experts (ranks route their tokens to the
+    expert they hold); ``expert`` None: the whole model with every expert, as a reference."""
+
+    def __init__(self, n: int = 2, expert: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.dense = nn.Linear(D, D)
+        experts = []
+        for e in range(n):
+            torch.manual_seed(10 + e)
+            experts.append(nn.Linear(D, D))
+        self.experts = nn.ModuleList(experts if expert is None else [experts[expert]])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, expert: int = 0) -> torch.Tensor:
+        return ((self.experts[expert](torch.tanh(self.dense(x))) - y) ** 2).mean()
+
+
+def expert_reference(steps: int, ranks: int, experts: int, *, clip: float, lr: float = 1e-2,
+                     weight_decay: float = 0.1) -> tuple[Experts, list[float]]:
+    """Every expert in one process, the loss the mean over ``ranks`` ranks of each rank's loss on
+    its batch through its expert (rank r holds expert r * experts // ranks); torch.optim.AdamW."""
+    model = Experts(experts)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    norms = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(model(*batch(r, step), expert=r * experts // ranks) for r in range(ranks)) / ranks
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        opt.step()
+    return model, norms

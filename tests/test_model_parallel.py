@@ -14,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
-from parallel_models import MegatronTP, Stage, Whole, batch, pipeline_step, reference
+from parallel_models import (Experts, MegatronTP, Stage, Whole, batch, expert_reference, global_batch, pipeline_step,
+                             reference)
 
 STEPS = 5
 CLIP = 0.1
@@ -258,3 +259,207 @@ def test_two_groups_saving_to_one_path_are_refused_never_mixed(pools, tmp_path):
             assert "saved to this path before" in r["error"] and "ranks [0, 2]" not in r["error"], r
             assert "ranks [0,2]" in r["error"], r
             assert r["loaded"] is not True, r
+
+
+def _dtensor_setup(stage: int, **kw):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters() if hasattr(p, "placements")}
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"], **kw)
+    return mesh, model, opt, placements
+
+
+def dtensor_tp_case(stage: int) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    mesh, model, opt, placements = _dtensor_setup(stage)
+    dp = mesh["dp"].get_local_rank()
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(*batch(dp, step)))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+    whole, ref_norms = reference(STEPS, 2, clip=CLIP)
+    ref = dict(whole.named_parameters())
+    worst, still = 0.0, {}
+    for n, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        worst = max(worst, (full.detach() - ref[n].detach()).abs().max().item())
+        if isinstance(p, DTensor):
+            still[n] = tuple(p.placements)
+    plain = torch.cat([p.detach().reshape(-1) for p in model.parameters() if not isinstance(p, DTensor)])
+    other = plain.clone()
+    dist.broadcast(other, dist.get_global_rank(mesh["tp"].get_group(), 0), group=mesh["tp"].get_group())
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "placements": (placements, still),
+            "replicas_equal": torch.equal(plain, other)}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools, stage):
+    for r, got in enumerate(pools(4).run(dtensor_tp_case, stage)):
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+        before, after = got["placements"]
+        assert before == after and len(before) == 4, (r, before, after)
+        assert got["replicas_equal"], r
+
+
+def dtensor_checkpoint_case(path: str) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def train(model, opt, mesh, steps):
+        for step in steps:
+            opt.zero_grad()
+            opt.backward(model(*batch(mesh["dp"].get_local_rank(), step)))
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+
+    mesh, model, opt, _ = _dtensor_setup(2)
+    train(model, opt, mesh, range(STEPS))
+    mesh, resumed, opt, _ = _dtensor_setup(2)
+    train(resumed, opt, mesh, range(3))
+    shardopt.save_checkpoint(path, resumed, opt)
+    mesh, resumed, opt, _ = _dtensor_setup(1)
+    shardopt.load_checkpoint(path, resumed, opt)
+    train(resumed, opt, mesh, range(3, STEPS))
+    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
+    again = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in resumed.parameters()]
+    return {"worst": max((a - b).abs().max().item() for a, b in zip(local, again))}
+
+
+def test_dtensor_tp_checkpoint_to_one_path_resumes_exactly(pools, tmp_path):
+    for r, got in enumerate(pools(4).run(dtensor_checkpoint_case, str(tmp_path / "ckpt"))):
+        assert got["worst"] == 0.0, (r, got)
+
+
+MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+ADAMW = dict(lr=5e-3, betas=(0.8, 0.99), weight_decay=0.0)
+
+
+def dtensor_muon_case(stage: int) -> dict:
+    """ShardedMuon with fc1 split by rows and fc2 by columns over the tensor-parallel mesh, against
+    torch.optim.Muon on the whole matrices (and AdamW on the rest) on the global batch."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    mats = [model.fc1.weight, model.fc2.weight]
+    rest = [p for p in model.parameters() if all(p is not m for m in mats)]
+    opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
+                               stage=stage, bucket_cap_mb=1e-4, device_mesh=mesh["dp"])
+    ref = Whole(0)
+    ref_muon = torch.optim.Muon([ref.fc1.weight, ref.fc2.weight], **MUON)
+    ref_adamw = torch.optim.AdamW([p for n, p in ref.named_parameters() if n not in ("fc1.weight", "fc2.weight")],
+                                  **ADAMW)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(*batch(mesh["dp"].get_local_rank(), step)))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        ref.zero_grad()
+        ref(*global_batch(2, step)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_muon.step()
+        ref_adamw.step()
+    theirs = dict(ref.named_parameters())
+    worst = {n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+             for n, p in model.named_parameters()}
+    return worst
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_muon_on_dtensor_tp_matrices_is_torch_muon_on_the_whole_matrices(pools, stage):
+    for r, worst in enumerate(pools(4).run(dtensor_muon_case, stage)):
+        assert max(worst.values()) <= 1e-5, (r, worst)
+
+
+def expert_case(stage: int) -> dict:
+    """Dense parameters on all 4 ranks, expert e on ranks {2e, 2e + 1}: one optimizer, the
+    experts in a param group with their own data-parallel group."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
+    rank, e = dist.get_rank(), mesh["ep"].get_local_rank()
+    model = Experts(2, expert=e)
+    opt = shardopt.ShardedAdamW([{"params": model.dense.parameters()},
+                                 {"params": model.experts.parameters(), "process_group": mesh["edp"].get_group()}],
+                                lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4)
+    norms = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(*batch(rank, step)))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+    ref, ref_norms = expert_reference(STEPS, 4, 2, clip=CLIP)
+    pairs = list(zip(model.dense.parameters(), ref.dense.parameters()))
+    pairs += list(zip(model.experts[0].parameters(), ref.experts[e].parameters()))
+    return {"worst": max((p.detach() - q.detach()).abs().max().item() for p, q in pairs),
+            "norms": norms, "ref_norms": ref_norms, "state": list(opt.state_dict()["param_groups"][1])}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_experts_on_their_own_group_get_the_global_mean_loss_gradient_and_one_clip(pools, stage):
+    for r, got in enumerate(pools(4).run(expert_case, stage)):
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+        assert "process_group" not in got["state"], r
+
+
+def expert_checkpoint_case(path: str) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
+    rank, e = dist.get_rank(), mesh["ep"].get_local_rank()
+
+    def build(stage):
+        model = Experts(2, expert=e)
+        return model, shardopt.ShardedAdamW(
+            [{"params": model.dense.parameters()},
+             {"params": model.experts.parameters(), "process_group": mesh["edp"].get_group()}],
+            lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4)
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            opt.backward(model(*batch(rank, step)))
+            opt.clip_grad_norm_(CLIP)
+            opt.step()
+
+    model, opt = build(2)
+    train(model, opt, range(STEPS))
+    resumed, opt = build(2)
+    train(resumed, opt, range(3))
+    shardopt.save_checkpoint(path, resumed, opt)
+    resumed, opt = build(1)
+    shardopt.load_checkpoint(path, resumed, opt)
+    train(resumed, opt, range(3, STEPS))
+    return {"worst": max((p.detach() - q.detach()).abs().max().item()
+                         for p, q in zip(model.parameters(), resumed.parameters()))}
+
+
+def test_experts_that_share_a_name_on_different_ranks_save_apart_and_resume_exactly(pools, tmp_path):
+    for r, got in enumerate(pools(4).run(expert_checkpoint_case, str(tmp_path / "ckpt"))):
+        assert got["worst"] == 0.0, (r, got)
+
+
+def duplicate_block_case(path: str) -> str:
+    """Two ranks hand DCP a block with the same key and offsets: DCP would keep one."""
+    from shardopt.checkpoint._blocks import whole
+    from shardopt.checkpoint._dcp import write_blocks
+
+    mine = torch.full((3,), float(dist.get_rank()))
+    try:
+        write_blocks(path, [whole("model.w", mine)], None)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_two_ranks_writing_one_block_are_refused(pools, tmp_path):
+    for msg in pools(2).run(duplicate_block_case, str(tmp_path / "dup")):
+        assert "ranks 0 and 1 both write 'model.w'" in msg, msg

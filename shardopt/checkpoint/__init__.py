@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import shutil
 import time
 import uuid
@@ -40,6 +41,7 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         checkpoint_path, claim, commit, data_checksums, latest_checkpoint, list_checkpoints,
                                         read_manifest, recover, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
+from shardopt.core._dtensor import is_dtensor
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
@@ -67,13 +69,13 @@ def _part(opt: Any) -> str:
 
 def _state_items(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any]]:
     """The model's state-dict entries, keyed with this rank's part prefix. Local."""
-    part = _part(opt)
-    return [(part + key, t) for key, t in model.state_dict(keep_vars=True).items()]
+    part, own = _part(opt), getattr(opt, "_key_prefix", {})
+    return [(part + own.get(id(t), "") + key, t) for key, t in model.state_dict(keep_vars=True).items()]
 
 
 def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, str]]:
     """The model's state-dict entries (each tensor once) and the aliases of tied ones. Local."""
-    where = {id(p): (b, i) for b in (opt._buffers if opt is not None else []) for i, p in enumerate(b.flat.params)}
+    where = {id(r.leaf): (b, r.index) for b in (opt._buffers if opt is not None else []) for r in b.records}
     entries, aliases, first = [], {}, {}
     for key, t in _state_items(model, opt):
         if not isinstance(t, Tensor):
@@ -83,7 +85,9 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
             aliases[key] = first[id(t)]
             continue
         first[id(t)] = key
-        entries.append(_Entry(key, t.detach(), where.pop(id(t), None)))
+        # a DTensor's local tensor: this part's (see [Note: one checkpoint for every part of the model])
+        local = t.detach().to_local() if is_dtensor(t) else t.detach()
+        entries.append(_Entry(key, local, where.pop(id(t), None)))
     if where:
         b, i = next(iter(where.values()))
         raise ValueError(f"{len(where)} parameters that the optimizer updates are not in the model's state dict "
@@ -143,7 +147,7 @@ def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: 
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model))):
-        hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k != "params"}
+        hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k not in ("params", "process_group")}
         groups.append({**hp, "params": keys})
     cfg = opt.config
     config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
@@ -211,17 +215,34 @@ def _job(opt: Any) -> Comm:
 
 
 def _merged(parts: list[tuple[str, dict]]) -> dict:
-    """One manifest from every rank's (part, manifest): the first's, with every part's tensors and
-    aliases, and each part's param groups and buffers under ``"parts"`` when there are model axes."""
+    """One manifest from every rank's (part, manifest): the first's, with every rank's tensors and
+    aliases (each part's, each expert group's), and each part's param groups and buffers under
+    ``"parts"`` when there are model axes."""
     first = dict(parts[0][1])
-    if not parts[0][0]:
-        return first
-    first["tensors"], first["aliases"], first["parts"] = {}, {}, {}
+    first["tensors"], first["aliases"] = {}, {}
+    if parts[0][0]:
+        first["parts"] = {}
     for part, m in parts:
         first["tensors"].update(m["tensors"])
         first["aliases"].update(m["aliases"])
-        first["parts"][part] = {"param_groups": m["param_groups"], "buffers": m["buffers"]}
+        if part:
+            first["parts"][part] = {"param_groups": m["param_groups"], "buffers": m["buffers"]}
     return first
+
+
+_GROUP_PREFIX = re.compile(r"pg\d+-\d+/")  # a key's prefix for a param group with its own process_group
+
+
+def _unprefixed(key: str) -> str:
+    """``key`` without the prefix of its param group's own process group (see optimizer [Note:
+    param groups with their own data-parallel group]), as another such group names it."""
+    return _GROUP_PREFIX.sub("", key, count=1)
+
+
+def _group_of(key: str) -> str:
+    """The process-group prefix of ``key`` (after its part's), or ""."""
+    m = _GROUP_PREFIX.search(key)
+    return m.group(0) if m is not None else ""
 
 
 def _own_part(manifest: dict, opt: Any, path: str) -> dict:
@@ -229,6 +250,11 @@ def _own_part(manifest: dict, opt: Any, path: str) -> dict:
     Raises ValueError when the checkpoint was saved with other model axes. Local."""
     part = _part(opt)
     parts = manifest.get("parts")
+    mine_groups = set(getattr(opt, "_key_prefix", {}).values())
+    if any(_GROUP_PREFIX.search(k) for k in manifest["tensors"]):  # other expert groups' keys are theirs
+        manifest = {**manifest,
+                    "tensors": {k: v for k, v in manifest["tensors"].items() if _group_of(k) in mine_groups | {""}},
+                    "aliases": {k: v for k, v in manifest["aliases"].items() if _group_of(k) in mine_groups | {""}}}
     if not part and not parts:
         return manifest
     if not part or not parts or part not in parts:
@@ -326,7 +352,6 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
     """What this rank writes: its shard, once per shard (by the ranks of the first replica), and
     on rank 0 the tensors every rank holds whole."""
     blocks: list[Block] = []
-    rank = comm.shard_rank
     pieces: dict[int, dict[int, Any]] = {}
     masters: dict[int, Tensor] = {}
     moments: dict[int, tuple[Tensor, Tensor]] = {}
@@ -336,10 +361,10 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
                 blocks.append(whole(MODEL + e.key, e.tensor))
             continue
         b, i = e.where
-        if comm.replica != 0:  # the first replica's ranks write the shards
+        if b.comm.replica != 0:  # the first replica's ranks write the shards
             continue
-        if id(b) not in pieces:
-            pieces[id(b)], masters[id(b)] = _pieces(b, rank), b.master.fp32()
+        if id(b) not in pieces:  # the buffer's own group: a param group's own process_group, else the optimizer's
+            pieces[id(b)], masters[id(b)] = _pieces(b, b.comm.shard_rank), b.master.fp32()
             moments[id(b)] = b.moments.fp32()  # stored as fp32 whatever the moments mode
         piece = pieces[id(b)].get(i)
         if piece is None:
@@ -383,7 +408,9 @@ def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"checkpoint {path} has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
     for gi, (g, keys) in enumerate(zip(groups, _group_keys(opt, model))):
-        for a, b in zip(g["params"] + [None] * len(keys), keys + [None] * len(g["params"])):
+        keys = [_unprefixed(k) for k in keys]
+        saved_keys = [_unprefixed(k) for k in g["params"]]
+        for a, b in zip(saved_keys + [None] * len(keys), keys + [None] * len(saved_keys)):
             if a != b:
                 raise ValueError(f"param group {gi} differs from checkpoint {path}: parameter {b!r} here, {a!r} there")
 
@@ -443,7 +470,7 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
         for b in opt._buffers if opt is not None else []:
             staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
             moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(3 if b.amsgrad else 2))
-        pieces = {id(b): _pieces(b, comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
+        pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
         for e in entries:
             s = manifest["tensors"][e.key]
             if math.prod(s["shape"]) == 0:

@@ -97,10 +97,10 @@ def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
         for p in g["params"]:
             if id(p) in where:
                 b, i = where[id(p)]
-                moments = [_gather(b, i, t, comm) for t in decoded[id(b)]]
+                moments = [_gather(b, i, t, b.comm) for t in decoded[id(b)]]  # over the buffer's own group
                 shape = b.layout.params[i].shape
                 if id(b) in shards:
-                    master = _gather(b, i, shards[id(b)], comm)
+                    master = _gather(b, i, shards[id(b)], b.comm)
                     if keep:
                         masters[index] = master.view(shape).cpu()
                 steps = opt._step - b.records[i].lag
@@ -114,7 +114,8 @@ def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
             ids.append(index)
             index += 1
         muon = g.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
-        groups.append({**({} if muon else defaults), **{k: v for k, v in g.items() if k != "params"}, "params": ids})
+        groups.append({**({} if muon else defaults), **{k: v for k, v in g.items() if k not in ("params", "process_group")},
+                       "params": ids})
     if not keep:
         return {}
     out: dict[str, Any] = {"state": state, "param_groups": groups}
@@ -180,6 +181,12 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
 def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
     """``load_full_state_dict`` once every rank is in the call (``settle``: its own, or
     ``load_state_dict``'s). Every rank."""
+    if opt._axes or opt._group_comms:
+        raise ValueError("loading a torch.optim.AdamW-format state dict (load_full_state_dict, load_state_dict) "
+                         "hands rank 0's dict to every rank, but this optimizer's ranks hold different parts of the "
+                         "model (model_parallel_group, DTensor parameters or a param group's own process_group), which "
+                         "one dict cannot describe; use "
+                         "shardopt.save_checkpoint and shardopt.load_checkpoint, which keep each part apart")
     comm = opt._comm
     header, error = None, None
     if comm.rank == 0:

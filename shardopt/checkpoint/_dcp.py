@@ -88,6 +88,25 @@ class _BlockSavePlanner(dcp.DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem) -> Tensor:
         return self._blocks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
 
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan, after refusing two ranks that write the same block: DCP would keep one
+        of them and drop the other's data (its deduplication of replicated tensors). Each block is
+        written by exactly one rank by construction, so two are two different tensors under one
+        key (see checkpoint [Note: one checkpoint for every part of the model]). On the coordinator;
+        DCP raises it on every rank."""
+        first: dict[tuple[str, tuple[int, ...]], int] = {}
+        for rank, plan in enumerate(all_plans):
+            for item in plan.items:
+                where = (item.index.fqn, tuple(item.index.offset or ()))
+                other = first.setdefault(where, rank)
+                if other != rank:
+                    raise ValueError(f"ranks {other} and {rank} both write {where[0]!r} at offsets {list(where[1])}: "
+                                     "two different tensors under one name, of which the checkpoint would keep one. "
+                                     "Each part of a model split over ranks needs its own keys: pass "
+                                     "model_parallel_group= (or DTensor parameters, or a param group's own "
+                                     "process_group) so that the optimizer knows which ranks hold which part")
+        return super().create_global_plan(all_plans)
+
 
 def read_items(key: str, saved: list[ChunkStorageMetadata], wanted: list[Box]) -> list[ReadItem]:
     """The reads that fill each wanted box of tensor ``key`` from the saved chunks it overlaps,

@@ -19,7 +19,9 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
     index = param_indices(opt.param_groups)
     groups = []
     for g in opt.param_groups:
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]})
+        # a param group's own process_group is this run's object, not state (and cannot be pickled)
+        groups.append({**{k: v for k, v in g.items() if k not in ("params", "process_group")},
+                       "params": [index[id(p)] for p in g["params"]]})
     buffers = [{k: v.clone() for k, v in b.moments.tensors().items()} for b in opt._buffers]
     state: dict[Any, Any] = {}
     for b, moments in zip(opt._buffers, buffers):

@@ -42,7 +42,7 @@ class ParamStateView(MutableMapping):
 
     def __init__(self, buffers: Sequence[Any], order: Sequence[Tensor], steps: Callable[[], int]) -> None:
         self._buffers, self._steps = list(buffers), steps
-        self._found = {id(r.param): (b, r) for b in self._buffers for r in b.records}
+        self._found = {id(r.leaf): (b, r) for b in self._buffers for r in b.records}
         self._order = [p for p in order if id(p) in self._found]
         self._other: dict[Any, Any] = {}  # entries for tensors this optimizer does not train
 

@@ -74,8 +74,22 @@ class ModelAxes:
     over them (see [Note: the whole model's agreement])."""
 
     def __init__(self, groups: Sequence[tuple[str, ProcessGroup]], data: Comm) -> None:
-        self.axes = [ModelAxis(name, Comm(group)) for name, group in groups]
+        self.axes: list[ModelAxis] = []
+        seen: dict[tuple[int, ...], str] = {}
+        for name, group in groups:  # a mesh named twice (model_parallel_group and DTensor parameters) is one axis
+            ranks = tuple(group_ranks(group))
+            if ranks in seen:
+                continue
+            while name in seen.values():
+                name += "'"
+            seen[ranks] = name
+            self.axes.append(ModelAxis(name, Comm(group)))
         self._check_grid(data)
+
+    def name_of(self, group: ProcessGroup) -> str:
+        """The name of the axis over the ranks of ``group``. Local."""
+        ranks = group_ranks(group)
+        return next(a.name for a in self.axes if group_ranks(a.comm.data_group) == ranks)
 
     def _check_grid(self, data: Comm) -> None:
         """Each axis meets the data-parallel group and every other axis in this rank only. Local."""

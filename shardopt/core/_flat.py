@@ -10,6 +10,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from shardopt.core._dtensor import rewrap
 from shardopt.core._layout import FlatLayout, Range
 
 
@@ -18,7 +19,10 @@ class FlatParams:
 
     data: Tensor  # 1D, param dtype, layout.numel elements; every param's .data is a view into it
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], layout: FlatLayout) -> None:
+    def __init__(self, params: Sequence[torch.nn.Parameter], layout: FlatLayout,
+                 dtensors: Sequence[Tensor | None] | None = None) -> None:
+        """``dtensors``: the DTensor parameter each of ``params`` stands in for (or None), rebuilt
+        over the same view (see core._dtensor [Note: DTensor parameters])."""
         assert len(params) == len(layout.params)
         self.params = list(params)
         self.layout = layout
@@ -30,6 +34,9 @@ class FlatParams:
                 view = self.data[span.global_range.as_slice()].view(span.shape)
                 view.copy_(p.detach())
                 p.data = view
+        for dt, p in zip(dtensors or [], self.params):
+            if dt is not None:
+                rewrap(dt, p.data)
 
     def param_view(self, flat: Tensor, index: int) -> Tensor:
         """Parameter ``index``'s slice of any flat tensor laid out like this buffer, shaped."""

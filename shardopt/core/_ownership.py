@@ -19,7 +19,7 @@ from torch import Tensor
 from shardopt.core._compat import hook_dicts
 
 # id(parameter) -> (weak parameter, weak optimizer); keyed by id because tensors compare elementwise.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+_OWNERS: dict[int, tuple[weakref.ref, weakref.ref, bool]] = {}  # (weak parameter or its anchor, weak optimizer, anchored)
 
 
 # [Note: hooks of a freed optimizer]
@@ -45,18 +45,22 @@ def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
                 del hooks[key]
 
 
-def take_over(opt: Any, params: Iterable[Tensor]) -> None:
+def take_over(opt: Any, params: Iterable[Tensor], anchors: dict[int, Any] | None = None) -> None:
     """Make ``opt`` the optimizer of ``params``, releasing any other ShardedAdamW that trained
-    one of them. Local (every rank builds its optimizers the same way)."""
+    one of them. ``anchors``: by ``id`` of a parameter, what to hold a weak reference to in its
+    place (a DTensor parameter's stand-in: torch cannot swap a tensor that has weak references,
+    see core._dtensor). Local (every rank builds its optimizers the same way)."""
     previous: dict[int, Any] = {}
-    for key in [k for k, (p, o) in _OWNERS.items() if p() is None or o() is None]:
+    anchors = anchors or {}
+    for key in [k for k, (p, o, _) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]  # parameters or optimizers gone
     for p in params:
         entry = _OWNERS.get(id(p))
-        old = entry[1]() if entry is not None and entry[0]() is p else None
+        old = entry[1]() if entry is not None and (entry[2] or entry[0]() is p) else None
         if old is not None and old is not opt:
             previous[id(old)] = old
-        _OWNERS[id(p)] = (weakref.ref(p), weakref.ref(opt))
+        anchor = anchors.get(id(p))
+        _OWNERS[id(p)] = (weakref.ref(p if anchor is None else anchor), weakref.ref(opt), anchor is not None)
     for old in previous.values():
         old._release("superseded: a newer ShardedAdamW was built over the same parameters and trains them now")
 

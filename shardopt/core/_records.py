@@ -105,7 +105,7 @@ class ParamRecord:
     """One trained parameter: where it lies, where its gradient is, what it was bound to."""
 
     index: int  # position in its flat buffer
-    param: torch.nn.Parameter
+    param: torch.nn.Parameter  # a plain parameter: the model's, or a DTensor parameter's stand-in (core._dtensor)
     name: str  # how messages name it
     group: int  # its param group's index
     span: ParamSpan  # shape and global range in the flat buffer
@@ -131,6 +131,12 @@ class ParamRecord:
     version: int = 0  # its version counter when its value was last taken
     rebound: bool = False  # re-bound to the flat buffer since then: written, though its version did not move
     lag: int = 0  # steps it was left out of (no rank had a gradient): its step count is the optimizer's minus this
+    dtensor: Tensor | None = None  # the model's DTensor parameter that ``param`` stands in for (see core._dtensor)
+
+    @property
+    def leaf(self) -> Tensor:
+        """The tensor autograd accumulates this parameter's gradient into: the model's parameter."""
+        return self.param if self.dtensor is None else self.dtensor
 
     def to(self, state: ParamState) -> None:
         """The one place ``state`` changes."""
@@ -211,14 +217,17 @@ class BucketRecord:
 
 
 def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],
-                  layout: FlatLayout, shard_rank: int, buffer: int) -> tuple[list[ParamRecord], list[BucketRecord]]:
-    """The records of one flat buffer laid out by ``layout``, seen from ``shard_rank``. Local."""
+                  layout: FlatLayout, shard_rank: int, buffer: int,
+                  dtensors: Sequence[Tensor | None] | None = None) -> tuple[list[ParamRecord], list[BucketRecord]]:
+    """The records of one flat buffer laid out by ``layout``, seen from ``shard_rank``;
+    ``dtensors``: the DTensor parameter each of ``params`` stands in for, or None. Local."""
     shard = layout.shard_range(shard_rank)
     records = []
-    for i, (p, name, g, span) in enumerate(zip(params, names, groups, layout.params)):
+    dtensors = dtensors if dtensors is not None else [None] * len(params)
+    for i, (p, name, g, span, dt) in enumerate(zip(params, names, groups, layout.params, dtensors)):
         mine = span.global_range.intersect(shard)
         local = mine.relative_to(shard.start) if mine.size else None
-        records.append(ParamRecord(index=i, param=p, name=name, group=g, span=span, local=local))
+        records.append(ParamRecord(index=i, param=p, name=name, group=g, span=span, local=local, dtensor=dt))
     buckets = []
     for b in layout.buckets:
         mine = b.global_range.intersect(shard)

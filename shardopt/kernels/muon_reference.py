@@ -16,6 +16,7 @@ rewrite in "nicer" algebra (``a*X + (b*A + c*A@A) @ X``) rounds differently in b
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -82,7 +83,9 @@ def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: tuple[int, 
 def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: float | Tensor,
                weight_decay: float = 0.1, momentum: float = 0.95, nesterov: bool = True,
                ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
-               ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None) -> None:
+               ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
+               orthogonalize_fn: Callable[..., Tensor] | None = None,
+               shape: tuple[int, int] | None = None) -> None:
     """One Muon step of one (m, n) matrix, in place on ``param`` and ``momentum_buffer``.
 
     ``param``, ``grad`` and ``momentum_buffer`` are fp32 (m, n) tensors on one device; the buffer
@@ -90,7 +93,10 @@ def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: floa
     a 1-element tensor, used in tensor arithmetic as torch uses it (see kernels.reference [Note: a
     tensor learning rate]),
     ``weight_decay`` the decoupled decay per unit of ``lr``, ``momentum`` the averaging factor of
-    the buffer. The defaults are ``torch.optim.Muon``'s.
+    the buffer. The defaults are ``torch.optim.Muon``'s. ``param`` may be one piece of a larger
+    matrix (a tensor-parallel shard): ``orthogonalize_fn`` then returns this piece of the whole
+    update's orthogonalisation (same keywords as :func:`orthogonalize`), and ``shape`` is the whole
+    matrix's, which the learning-rate adjustment reads.
     """
     for name, t in (("param", param), ("grad", grad), ("momentum_buffer", momentum_buffer)):
         _check_matrix(name, t)
@@ -101,9 +107,9 @@ def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: floa
                          f"momentum_buffer {tuple(momentum_buffer.shape)}")
     momentum_buffer.lerp_(grad, 1 - momentum)
     update = grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
-    ortho = orthogonalize(update, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps)
+    ortho = (orthogonalize_fn or orthogonalize)(update, ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps)
     if isinstance(lr, Tensor):
         lr = lr.detach().reshape(())  # torch's _to_scalar: a 1-element tensor as a 0-d one
-    step_lr = adjusted_lr(lr, adjust_lr_fn, param.shape)
+    step_lr = adjusted_lr(lr, adjust_lr_fn, shape if shape is not None else param.shape)
     param.mul_(1 - lr * weight_decay)
     param.add_(ortho, alpha=-step_lr)

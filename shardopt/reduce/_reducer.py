@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from shardopt.comm._collectives import Comm
+from shardopt.core._dtensor import move_grad
 from shardopt.core._compat import will_execute
 from shardopt.core._flat import FlatParams, set_grad
 from shardopt.core._records import BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach
@@ -73,7 +74,7 @@ class GradReducer:
             # in the fp32 accumulation buffer under no_sync.
             r.placeholder = GradPlaceholder(r.param)
             # Its gradient accumulator (held, so autograd keeps using this one): which ones a backward pass reaches.
-            r.accumulator = get_gradient_edge(r.param).node
+            r.accumulator = get_gradient_edge(r.leaf).node
         self.store = (FlatGrads(flat, comm, self.reduce_dtype, self.buckets) if stage == 1 else
                       ShardGrads(flat, comm, self.reduce_dtype, self.accumulate_dtype, self.buckets))  # see _grad_store
         self.flat_grad = getattr(self.store, "flat_grad", None)
@@ -342,10 +343,20 @@ class GradReducer:
         ``_rounds`` ran a round since ``zero_grad``. A question. Local."""
         return self.store.local_grad()
 
+    def take_dtensor_grads(self) -> None:
+        """Move the ``.grad`` of each DTensor parameter into its stand-in (a gradient no hook moved:
+        assigned by hand). See core._dtensor [Note: DTensor parameters]. Local."""
+        for r in self.records:
+            if r.dtensor is not None and r.dtensor.grad is not None:
+                move_grad(r.dtensor, r.param)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
         parameters then have no gradient (a step leaves them alone), else a zero one (a step still
         applies weight decay and momentum to those that had one), as with torch. Local."""
+        for r in self.records:
+            if r.dtensor is not None:
+                r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
         self.held.forget(self.records)
         for r in self.records:
             r.place(GradSlot.OWN)

@@ -80,6 +80,7 @@ import torch
 from shardopt.step._agreement import call_header, check_calls
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
+from shardopt.core._dtensor import move_grad
 from shardopt.reduce._forward_order import ForwardOrder
 from shardopt.core._ownership import owned_hook
 from shardopt.core._records import BucketRecord, ParamRecord
@@ -145,7 +146,7 @@ class Rounds:
         for k, r in enumerate(self.reducers):
             for rec in r.records:
                 # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-                rec.hook = rec.param.register_post_accumulate_grad_hook(
+                rec.hook = rec.leaf.register_post_accumulate_grad_hook(
                     owned_hook(torch.compiler.disable(self._make_hook(k, rec.index)), weakref.ref(self)))
         self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
         self._forward = ForwardOrder(record_of)  # until then, the guess
@@ -189,6 +190,8 @@ class Rounds:
                 return
             reducer = rounds.reducers[k]
             rec = reducer.records[index]
+            if rec.dtensor is not None:  # see core._dtensor [Note: DTensor parameters]
+                move_grad(rec.dtensor, rec.param)
             sync = rounds.on_hook(rec)
             if reducer.arrive(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
                 rounds._count(rec.bucket)
@@ -250,6 +253,8 @@ class Rounds:
         if none ran since the last step and some ``p.grad`` holds a gradient no round took (see
         [Note: gradients assigned by hand]); the gradient they read is then final. Every rank."""
         self.settle()
+        for r in self.reducers:  # a DTensor parameter's gradient assigned by hand: to its stand-in
+            r.take_dtensor_grads()
         if self.rounds == 0 or (self.rounds_since_step == 0 and any(r.holds_unreduced() for r in self.reducers)):
             for r in self.reducers:
                 r.begin_hand_round()

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 import torch
 
+from shardopt.comm._collectives import group_ranks
 from shardopt.core._config import trainable_params
 from shardopt.step._step_message import CALL_LEN, HYPER_LEN
 from shardopt.step._loss_scale import make_scaler
@@ -121,8 +122,8 @@ def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) 
             "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
             "model axes": tuple((a.name, a.size) for a in opt._axes.axes),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
-            **{f"param group {gi} {k}": v for gi, g in enumerate(opt.param_groups)
-               for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
+            **{f"param group {gi} {k}": v if k != "process_group" else f"a group of {len(group_ranks(v))} ranks"
+               for gi, g in enumerate(opt.param_groups) for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
 
 
 def agree_on_params(opt: Any, comm: Any, names: dict[int, str], loss_scale: object,

@@ -21,6 +21,7 @@ from shardopt.reduce._reducer import GradReducer
 from shardopt.reduce._rounds import MAX_INFLIGHT
 from shardopt.memory._buffer_model import replay_buffers
 from shardopt.update._muon_packing import owned_layout
+from shardopt.update._muon_tp import sharded_dim, whole_orthogonalizer
 from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.update._master import make_master
@@ -42,8 +43,13 @@ class ShardedBuffer:
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
                  config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
                  amsgrad: bool = False, replicated_over: frozenset[str] = frozenset(),
-                 counted_in_norm: bool = True) -> None:
+                 counted_in_norm: bool = True, dtensors: Sequence[Tensor | None] | None = None,
+                 grad_factor: float = 1.0) -> None:
         self.comm, self.config, self.rule = comm, config, rule
+        # The reduction averages over this buffer's group; the gradient each rank steps with is
+        # that average times this (a param group with its own process_group, see
+        # optimizer [Note: param groups with their own data-parallel group]).
+        self.grad_factor = grad_factor
         # The model axes (comm._model_axes) these parameters are replicated across, and whether this
         # rank counts them in the gradient's norm (on each such axis only its rank 0 does).
         self.replicated_over, self.counted_in_norm = replicated_over, counted_in_norm
@@ -54,19 +60,21 @@ class ShardedBuffer:
             self.layout, self.packing, order = owned_layout([p.shape for p in params], comm.shard_size,
                                                             alignment=alignment,
                                                             bucket_numel=config.bucket_numel(element_size))
-            params, group_of, names = ([seq[i] for i in order] for seq in (params, group_of, names))
+            dtensors = dtensors if dtensors is not None else [None] * len(params)
+            params, group_of, names, dtensors = ([seq[i] for i in order] for seq in (params, group_of, names, dtensors))
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))
         warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
-        self.flat = FlatParams(params, self.layout)
+        self.flat = FlatParams(params, self.layout, dtensors)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard_range = self.layout.shard_range(comm.shard_rank)
         # One record per parameter and per bucket (see core._records [Note: the records]). A record's
         # lag counts the steps it was left out of because no rank had a gradient for it, so that its
         # own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is the
         # optimizer's step minus its lag.
-        self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index)
+        self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index,
+                                                   dtensors)
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
@@ -123,6 +131,7 @@ class ShardedBuffer:
         step count within a bucket. Parameters whose record is not ``trained`` (no rank has a gradient); the
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
+        grad_scale *= self.grad_factor
         if self.rule == "muon":
             return self._update_muon(step, grad_scale, param_groups)
         grad = self.reducer.local_grad()
@@ -164,6 +173,31 @@ class ShardedBuffer:
                 r.lag += not r.trained
         return gathers
 
+    def _muon_step(self, rec: ParamRecord, grad: Tensor, grad_scale: float, param_groups: Sequence[dict],
+                   step: int) -> None:
+        """torch.optim.Muon's step of matrix ``rec``, which this rank owns: on its fp32 master, from
+        its averaged gradient in ``grad`` (this rank's shard), the mode encoding the result. A
+        tensor-parallel piece is orthogonalised as part of the whole matrix (see _muon_tp). Local,
+        but for that piece's gather across its mesh."""
+        place, r = self.place_of(rec.bucket), rec.local
+        assert r is not None
+        gb = place.grad_of(rec.bucket, grad)  # Muon's gradient stays where it is (no host copy is kept)
+        shape, hp, here = rec.span.shape, param_groups[rec.group], self.flat.device
+        g = gb[r.as_slice()].view(shape).float()
+        if grad_scale != 1.0:
+            g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
+        tp = rec.dtensor is not None and sharded_dim(rec.dtensor) is not None
+        # offloaded: the master and momentum move to the gradient's device for the step and back
+        master, momentum = self.master.read_fp32(r).to(here), self.moments.read(r).to(here)
+        muon_step_(master.view(shape), g, momentum.view(shape),
+                   lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
+                   nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
+                   eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"],
+                   orthogonalize_fn=whole_orthogonalizer(rec.dtensor) if tp else None,
+                   shape=tuple(rec.dtensor.shape) if tp else None)
+        self.master.write_fp32_(r, master.to(place.device), step)
+        self.moments.write_(r, momentum.to(place.device))
+
     def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
         step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
@@ -171,26 +205,17 @@ class ShardedBuffer:
         gradient for it) only tells whether it has state yet. Every rank."""
         grad = self.reducer.local_grad()
         gathers = []
-        here = self.flat.device
+        # Tensor-parallel pieces first, in layout order (see _muon_tp [Note: Muon beside tensor parallelism])
+        split = [rec for rec in self.records if rec.dtensor is not None and sharded_dim(rec.dtensor) is not None]
+        for rec in split:
+            if rec.local is not None and rec.trained:
+                self._muon_step(rec, grad, grad_scale, param_groups, step)
+        done = {id(rec) for rec in split}
         for b in self.reducer.forward_order:
             place = self.place_of(b)
-            gb = place.grad_of(b, grad)  # Muon's gradient stays where it is (no host copy is kept)
             for rec in b.params:
-                r = rec.local
-                if r is None or not rec.trained:
-                    continue
-                shape, hp = rec.span.shape, param_groups[rec.group]
-                g = gb[r.as_slice()].view(shape).float()
-                if grad_scale != 1.0:
-                    g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
-                # offloaded: the master and momentum move to the gradient's device for the step and back
-                master, momentum = self.master.read_fp32(r).to(here), self.moments.read(r).to(here)
-                muon_step_(master.view(shape), g, momentum.view(shape),
-                           lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
-                           nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
-                           eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"])
-                self.master.write_fp32_(r, master.to(place.device), step)
-                self.moments.write_(r, momentum.to(place.device))
+                if rec.local is not None and rec.trained and id(rec) not in done:
+                    self._muon_step(rec, grad, grad_scale, param_groups, step)
             place.publish(b)
             gathers.append((b, self._gather(b)))
         for rec in self.records:  # left out: no state yet (see checkpoint._torch_state), as AdamW's lag
@@ -208,6 +233,8 @@ class ShardedBuffer:
         if norm_type is None:
             return k.grad_nonfinite(g), zero
         s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
+        if self.grad_factor != 1.0:  # the norm of the gradient the step takes
+            s = s * (self.grad_factor if math.isinf(norm_type) else self.grad_factor ** norm_type)
         return (~torch.isfinite(s)).float(), s
 
     def nonfinite_params(self) -> Tensor:
@@ -294,22 +321,35 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
                   names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw",
                   amsgrad_of: Callable[[int], bool] = lambda gi: False,
                   replicated_of: Callable[[torch.nn.Parameter, int], frozenset[str]] = lambda p, gi: frozenset(),
-                  counts: Callable[[frozenset[str]], bool] = lambda over: True) -> list[ShardedBuffer]:
+                  counts: Callable[[frozenset[str]], bool] = lambda over: True,
+                  dtensor_of: dict[int, Tensor] | None = None,
+                  group_comm: Callable[[int], Comm] | None = None) -> list[ShardedBuffer]:
     """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and the model
     axes a parameter is replicated across (``replicated_of(param, group index)``, see
     comm._model_axes), from (parameter, param-group index) pairs; ``names`` by ``id``;
     ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counts(axes)``: whether this
-    rank counts such parameters in the norm. Every rank (each buffer broadcasts rank 0's weights)."""
-    by_kind: dict[tuple[torch.dtype, str, frozenset[str]], list[tuple[torch.nn.Parameter, int]]] = {}
+    rank counts such parameters in the norm; ``dtensor_of``: by ``id`` of a stand-in, the DTensor
+    parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
+    group's parameters are sharded over (its own process_group, else ``comm``). Every rank (each
+    buffer broadcasts rank 0's weights)."""
+    dtensor_of = dtensor_of or {}
+    group_comm = group_comm or (lambda gi: comm)
+    by_kind: dict[tuple[torch.dtype, str, frozenset[str], int], list[tuple[torch.nn.Parameter, int]]] = {}
+    comms: dict[int, Comm] = {}
     for p, gi in trainable:
-        by_kind.setdefault((p.dtype, rule_of(gi), replicated_of(p, gi)), []).append((p, gi))
+        c = group_comm(gi)
+        comms[id(c)] = c
+        by_kind.setdefault((p.dtype, rule_of(gi), replicated_of(p, gi), id(c)), []).append((p, gi))
     buffers = []
-    for k, ((_, rule, over), entries) in enumerate(by_kind.items()):
+    for k, ((_, rule, over, cid), entries) in enumerate(by_kind.items()):
+        own = comms[cid]
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
-        buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], comm, config,
+        buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], own, config,
                                      names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
                                      amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
-                                     replicated_over=over, counted_in_norm=counts(over)))
+                                     replicated_over=over, counted_in_norm=counts(over),
+                                     dtensors=[dtensor_of.get(id(p)) for p, _ in entries],
+                                     grad_factor=own.world_size / comm.world_size))
     return buffers

@@ -1,0 +1,104 @@
+"""DTensor parameters (``torch.distributed.tensor``, as ``parallelize_module`` makes them).
+
+[Note: DTensor parameters]
+A DTensor parameter's values on this rank are its *local tensor*, a plain tensor; the optimizer
+shards and updates local tensors over its data-parallel ranks exactly as it does plain
+parameters. Each DTensor parameter gets a *stand-in*: a plain ``nn.Parameter`` that the records,
+the flat buffer, the reducer and the update see in its place (``ParamRecord.param``). Once the
+stand-in is a view of the flat buffer, the DTensor parameter is rebuilt over that same view
+(``DTensor.from_local`` with its mesh, placements, shape and stride, put in place by
+``torch.utils.swap_tensors``, so the model keeps the very same parameter object, still a DTensor
+with its placements): the forward pass reads the flat buffer, the weight all-gather after a step
+writes it. Autograd accumulates the gradient into the DTensor parameter's ``.grad``; the
+optimizer's hook on the DTensor parameter (``ParamRecord.leaf``) moves its local tensor into the
+stand-in's ``.grad`` as autograd would have accumulated it there (``move_grad``), and the rest of
+the gradient's life is a plain parameter's. So a DTensor parameter's ``.grad`` is None after
+backward: the optimizer holds it (in stage 2 as shards), as it holds a plain parameter's in
+stage 2; clip with ``opt.clip_grad_norm_``.
+
+Each DTensor parameter's mesh (1-D: the tensor-parallel ranks) is a model axis (see
+comm._model_axes): a Shard placement is a part of the model, a Replicate placement (and a plain
+parameter beside DTensor ones) a copy counted once in the norm. A parameter object that something
+holds a weak reference to cannot be swapped: ``stand_ins`` says which, before anything changes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (without importing it when no
+    DTensor module was ever loaded). A question."""
+    import sys
+
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(t, cls)
+
+
+def mesh_of(p: Tensor) -> Any:
+    return p.device_mesh  # type: ignore[attr-defined]
+
+
+def axis_name(p: Tensor) -> str:
+    """The model-axis name of ``p``'s (1-D) mesh: its dimension's name, else "tp"."""
+    names = getattr(mesh_of(p), "mesh_dim_names", None)
+    return str(names[0]) if names else "tp"
+
+
+def check_placements(p: Tensor, name: str) -> None:
+    """Raise ValueError for a DTensor parameter ShardedAdamW cannot take: a mesh of more than one
+    dimension, or a Partial placement. Local."""
+    mesh = mesh_of(p)
+    if mesh.ndim != 1:
+        raise ValueError(f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {tuple(mesh.shape)}: ShardedAdamW "
+                         "takes DTensor parameters on a 1-D (tensor-parallel) mesh and shards their local tensors "
+                         "over its own data-parallel group; parallelize the model over mesh['tp'] and pass "
+                         "device_mesh=mesh['dp'] to the optimizer")
+    kinds = {type(pl).__name__ for pl in p.placements}  # type: ignore[attr-defined]
+    if not kinds <= {"Shard", "Replicate"}:
+        raise ValueError(f"parameter {name} is a DTensor with placements {tuple(p.placements)}: ShardedAdamW "  # type: ignore[attr-defined]
+                         "takes Shard and Replicate placements (as parallelize_module makes them)")
+
+
+def replicated(p: Tensor) -> bool:
+    """Whether DTensor ``p`` is a copy on every rank of its mesh (a Replicate placement)."""
+    return all(type(pl).__name__ == "Replicate" for pl in p.placements)  # type: ignore[attr-defined]
+
+
+def stand_in(p: Tensor) -> torch.nn.Parameter:
+    """A plain parameter holding a copy of DTensor ``p``'s local tensor (see [Note: DTensor parameters])."""
+    with torch.no_grad():
+        local = p.detach().to_local()  # type: ignore[attr-defined]
+        return torch.nn.Parameter(local.clone(memory_format=torch.contiguous_format), requires_grad=p.requires_grad)
+
+
+def rewrap(p: Tensor, view: Tensor) -> None:
+    """Make DTensor parameter ``p`` (the same object) hold ``view`` as its local tensor, with its
+    mesh, placements, shape and stride. Raises RuntimeError when something holds a weak reference
+    to ``p`` (torch cannot swap it then). Local."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        new = torch.nn.Parameter(DTensor.from_local(view, mesh_of(p), p.placements, run_check=False,  # type: ignore[attr-defined]
+                                                    shape=p.shape, stride=p.stride()),
+                                 requires_grad=p.requires_grad)
+    torch.utils.swap_tensors(p, new)
+
+
+def move_grad(p: Tensor, into: Tensor) -> None:
+    """Move DTensor parameter ``p``'s ``.grad`` (its local tensor) into stand-in ``into``'s
+    ``.grad``, as autograd accumulates: assigned when ``into.grad`` is None, else added in place
+    (a stage-2 placeholder keeps it as its pending part). ``p.grad`` becomes None. Local."""
+    g = p.grad
+    if g is None:
+        return
+    p.grad = None
+    local = g.to_local() if is_dtensor(g) else g  # type: ignore[attr-defined]
+    if into.grad is None:
+        into.grad = local
+    else:
+        into.grad.add_(local)

@@ -1,0 +1,48 @@
+"""Muon for a matrix split over tensor-parallel ranks (a DTensor parameter with a Shard placement).
+
+[Note: Muon beside tensor parallelism]
+Newton-Schulz needs the whole matrix: orthogonalising each tensor-parallel piece on its own is a
+different update (the pieces' singular vectors are not the whole's). Each piece is owned whole by
+one rank of its data-parallel group, the same data-parallel rank at every tensor-parallel position
+(the layouts are alike there). That owner's momentum-averaged update of its piece is gathered
+across the tensor-parallel mesh (the DTensor's own all-gather, ``full_tensor``), every owner
+orthogonalises the whole matrix, as ``torch.optim.Muon`` would, and keeps its piece (the same
+``torch.chunk`` split DTensor's Shard placement uses). The learning-rate adjustment reads the whole
+matrix's shape. Pieces are gathered in layout order, alike at every tensor-parallel position, so
+every rank of the mesh meets the same gathers. Bytes: each owner receives the whole matrix's fp32
+update once per step, (tp - 1)/tp of it from the others.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+from shardopt.kernels.muon_reference import orthogonalize
+
+
+def sharded_dim(dt: Tensor) -> int | None:
+    """The dimension DTensor parameter ``dt`` is split along on its mesh, or None (a copy)."""
+    for pl in dt.placements:  # type: ignore[attr-defined]
+        if type(pl).__name__ == "Shard":
+            return int(pl.dim)
+    return None
+
+
+def whole_orthogonalizer(dt: Tensor) -> Callable[..., Tensor]:
+    """``orthogonalize`` for this rank's piece of DTensor parameter ``dt``'s update: gathers the
+    pieces across ``dt``'s mesh, orthogonalises the whole, returns this rank's piece (see [Note:
+    Muon beside tensor parallelism]). Every rank of the mesh, in the same order."""
+    from torch.distributed.tensor import DTensor
+
+    dim = sharded_dim(dt)
+    mesh, placements = dt.device_mesh, dt.placements  # type: ignore[attr-defined]
+
+    def piece(update: Tensor, **kw: Any) -> Tensor:
+        whole = DTensor.from_local(update.contiguous(), mesh, placements, run_check=False,
+                                   shape=dt.shape, stride=dt.stride()).full_tensor()
+        ortho = orthogonalize(whole, **kw)
+        return torch.chunk(ortho, mesh.size(), dim=dim)[mesh.get_local_rank()]
+
+    return piece
