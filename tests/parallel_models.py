@@ -38,7 +38,7 @@ class Whole(nn.Module):
         self.to(dtype)
 
     def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.fc1(self.norm(x)))
+        return torch.tanh(self.fc1(self.norm(x.to(self.norm.weight.dtype))))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((self.fc2(self.hidden(x)).float() - y) ** 2).mean()

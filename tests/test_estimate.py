@@ -297,3 +297,18 @@ def test_estimate_matches_measured_bytes_per_rank(pools, world_size):
             # Not told, the estimate is off by at most one bucket's buffers.
             first = estimate_memory(None, world_size, stage, mode, dtype, **kw)
             assert 0 <= r["later"]["buffers"] - first.buffers <= first.buffers_slack, (where, r["later"], first)
+
+
+def test_cli_with_tensor_and_pipeline_parallelism_counts_one_ranks_part(capsys):
+    # a 7B model split over 2 x 2 ranks: each rank holds the figures of a 1.75B model
+    assert cli_main(["--params", "7e9", "--world-size", "8", "--tp", "2", "--pp", "2"]) == 0
+    split = capsys.readouterr().out
+    assert cli_main(["--params", "1.75e9", "--world-size", "8"]) == 0
+    part = capsys.readouterr().out
+    rows = lambda text: [line for line in text.splitlines() if line.startswith("| stage") or line.startswith("| DDP")]
+    assert rows(split) == rows(part) and len(rows(split)) == 9  # DDP, 2 stages x 4 modes
+    assert "split over --tp 2 x --pp 2" in split and "1/4 of the parameters" in split
+    assert cli_main(["--params", "7e9", "--world-size", "8", "--tp", "2", "--pp", "2", "--compact"]) == 0
+    compact = capsys.readouterr().out
+    assert cli_main(["--params", "1.75e9", "--world-size", "8", "--compact"]) == 0
+    assert compact.splitlines()[2].split("|")[3:] == capsys.readouterr().out.splitlines()[2].split("|")[3:]

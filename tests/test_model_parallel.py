@@ -463,3 +463,45 @@ def duplicate_block_case(path: str) -> str:
 def test_two_ranks_writing_one_block_are_refused(pools, tmp_path):
     for msg in pools(2).run(duplicate_block_case, str(tmp_path / "dup")):
         assert "ranks 0 and 1 both write 'model.w'" in msg, msg
+
+
+def dtensor_options_case(kw: dict, dtype_name: str) -> dict:
+    """DTensor TP (dp 2 x tp 2) with ``kw`` (offload, master-weight mode, moments) and two
+    micro-batches under no_sync, against the same options on the whole model over the same 2
+    data-parallel ranks (each tensor-parallel rank trains a whole copy alongside)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dtype = getattr(torch, dtype_name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    tp_model, whole = Whole(0, dtype), Whole(0, dtype)
+    parallelize_module(tp_model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opts = [shardopt.ShardedAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                  device_mesh=mesh["dp"], **kw) for m in (tp_model, whole)]
+    for step in range(3):
+        for m, opt in zip((tp_model, whole), opts):
+            opt.zero_grad()
+            x, y = batch(dp, step)
+            with opt.no_sync():
+                opt.backward(m(x[:2], y[:2]))
+            opt.backward(m(x[2:], y[2:]))
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+    theirs = dict(whole.named_parameters())
+    worst = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach().float()
+                 - theirs[n].detach().float()).abs().max().item() for n, p in tp_model.named_parameters())
+    return {"worst": worst, "dtensors": sum(isinstance(p, DTensor) for p in tp_model.parameters())}
+
+
+@pytest.mark.parametrize("kw,dtype,tol", [
+    (dict(offload="cpu", stage=2), "float32", 1e-6),
+    (dict(offload="cpu", offload_fraction=0.5, stage=1), "float32", 1e-6),
+    # two bf16 ulps at the weights' size (0.3): 8-bit blocks of a local shard are not the whole's
+    (dict(master_weights="remainder", moments="8bit"), "bfloat16", 4e-3),
+    # stochastic rounding draws by element offset, which differ between a shard and the whole
+    (dict(master_weights="stochastic", moments="bf16"), "bfloat16", 3e-2),
+], ids=["offload", "offload-half-stage1", "remainder-8bit", "stochastic-bf16"])
+def test_offload_master_modes_moments_and_no_sync_work_beside_dtensor_tp(pools, kw, dtype, tol):
+    for r, got in enumerate(pools(4).run(dtensor_options_case, kw, dtype)):
+        assert got["dtensors"] == 4 and got["worst"] <= tol, (r, got)

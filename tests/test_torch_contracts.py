@@ -644,6 +644,14 @@ def refused_keywords_case() -> dict:
         else:
             out[key] = error_of(lambda: shardopt.ShardedAdamW(model.parameters(), **kw))
     out["muon_flag"] = error_of(lambda: shardopt.ShardedMuon([torch.nn.Parameter(torch.ones(3, 3))], maximize=True))
+    # amsgrad turned on after construction: refused at the step, before any shard moves
+    model = make_model()
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["amsgrad"] = True
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    out["late_amsgrad"] = error_of(opt.step)
+    out["late_amsgrad_untouched"] = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     return out
 
 
@@ -655,6 +663,8 @@ def test_adamw_keywords_that_cannot_hold_name_the_flag_on_every_rank(pools):
         assert "these are on cpu" in out["capturable"][1], out
         assert out["amsgrad_8bit"][0] == "ValueError" and "moments='8bit'" in out["amsgrad_8bit"][1], out
         assert out["muon_flag"][0] == "TypeError" and "'maximize'" in out["muon_flag"][1], out
+        assert out["late_amsgrad"][0] == "ValueError" and "set after ShardedAdamW was built" in out["late_amsgrad"][1]
+        assert out["late_amsgrad_untouched"], out
 
 
 # -- 14: a tensor learning rate, and ShardedMuon's messages --------------------------------------------

@@ -54,7 +54,7 @@ def settle(opt: Any, call: str, timeout: float | None = None) -> None:
 
 
 def _locations(opt: Any) -> dict[int, tuple[Any, int]]:
-    return {id(p): (b, i) for b in opt._buffers for i, p in enumerate(b.flat.params)}
+    return {id(r.leaf): (b, r.index) for b in opt._buffers for r in b.records}  # the model's parameter (core._dtensor)
 
 
 def _param_pieces(b: Any, i: int) -> list[Range]:
@@ -246,7 +246,7 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}
     for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
         for r in b.records:
-            r.lag = 0 if b.rule == "muon" else opt._step - step_of.get(id(r.param), 0)
+            r.lag = 0 if b.rule == "muon" else opt._step - step_of.get(id(r.leaf), 0)
         b.binding.record()
     if header["loss_scaler"] is not None:
         opt._scaler.load_state_dict(header["loss_scaler"])
@@ -269,7 +269,7 @@ def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -
         if not 0 <= idx < len(numbered) or tuple(numbered[idx].shape) != shape:
             raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
                              "optimizer does not have; was it saved for another model?")
-    rule = {id(p): b.rule for b in opt._buffers for p in b.flat.params}
+    rule = {id(r.leaf): b.rule for b in opt._buffers for r in b.records}
     for idx, (shape, shape_sq, step, _) in sorted(header["state"].items()):
         if not 0 <= idx < len(numbered):
             raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")

@@ -73,7 +73,9 @@ def blocks_of(key: str, shape: Iterable[int], r: Range, piece: Tensor) -> list[B
         n = math.prod(sizes)
         out.append(Block(key, shape, offsets, piece[cursor:cursor + n].view(sizes)))
         cursor += n
-    assert cursor == piece.numel() == r.size, (key, r, piece.numel())
+    if not cursor == piece.numel() == r.size:
+        raise AssertionError(f"the blocks of {key!r} over range {r} cover {cursor} elements of a {piece.numel()}-element "
+                             "piece")
     return out
 
 

@@ -27,9 +27,9 @@ def rank_state_dict(opt: Any) -> dict[str, Any]:
     for b, moments in zip(opt._buffers, buffers):
         for r in b.records:
             if opt.state.has_entry(b, r, opt._step):
-                state[index[id(r.param)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
+                state[index[id(r.leaf)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
     state = {k: state[k] for k in sorted(state)}
-    state.update({k: v for k, v in opt.state.items() if not isinstance(k, Tensor)})  # entries of other keys, as torch
+    state.update(opt.state.other_entries())  # entries of other keys, as torch
     return {
         "format": STATE_FORMAT,
         "world_size": opt._comm.world_size,

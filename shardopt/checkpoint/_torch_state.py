@@ -73,6 +73,11 @@ class ParamStateView(MutableMapping):
             out.update(b.moments.state_piece(r.local))
         return out
 
+    def other_entries(self) -> dict[Any, Any]:
+        """The entries stored under keys that are not tensors (``opt.state["my_key"]``), which
+        travel with the state dict as torch's do; without decoding any parameter's piece. A query."""
+        return {k: v for k, v in self._other.items() if not isinstance(k, Tensor)}
+
     def __getitem__(self, p: Any) -> Any:
         found = self._record(p)
         if found is None:

@@ -61,9 +61,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--offload", action="store_true",
                    help="offload='cpu': master weights and moments in host memory; adds a host column, and "
                         "the totals count the accelerator")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per model: each rank holds 1/TP of each (split) matrix")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: each rank holds one stage, 1/PP of the layers")
     p.add_argument("--detail", action="store_true", help="also print every category of each estimate")
     p.add_argument("--compact", action="store_true", help="one row per (parameters, world size)")
     args = p.parse_args(argv)
+    if args.tp < 1 or args.pp < 1:
+        p.error(f"--tp and --pp must be >= 1, got --tp {args.tp} --pp {args.pp}")
     if args.amsgrad and args.moments == "8bit":
         p.error("--amsgrad keeps exp_avg_sq's running maximum, which --moments 8bit cannot store; use fp32 or bf16")
     return args
@@ -82,8 +87,23 @@ def _markdown(rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def _part(n: float, args: argparse.Namespace) -> float:
+    """Parameters one rank holds of an ``n``-parameter model split over ``--tp`` x ``--pp`` ranks."""
+    return n / (args.tp * args.pp)
+
+
+def _split_note(args: argparse.Namespace) -> str:
+    if args.tp == 1 and args.pp == 1:
+        return ""
+    return (f"; split over --tp {args.tp} x --pp {args.pp}: each rank holds its part, 1/{args.tp * args.pp} of the "
+            f"parameters (its tensor-parallel shard of its pipeline stage; LayerNorms and biases that every "
+            f"tensor-parallel rank keeps whole add a little), and 1/(data-parallel ranks) of that part's optimizer "
+            f"state; a job of W data-parallel ranks uses W x {args.tp * args.pp} devices")
+
+
 def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
+    whole, n = n, _part(n, args)
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,
               backend=args.backend, moments=args.moments, offload="cpu" if args.offload else None,
               amsgrad=args.amsgrad)
@@ -118,8 +138,8 @@ def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, lis
                        f"{e.comm_seconds(args.bandwidth):.3f} s"]
                     + ([f"{_across(e, args.gpus_per_node) / 1e9:,.2f}", f"{e.ring_hops(args.gpus_per_node)[1]:,}"]
                        if hybrid else []))
-    title = (f"{n:,} parameters ({args.param_dtype} weights), {world} ranks: GiB (2^30 bytes) on each rank; "
-             f"sent/step = bytes each rank sends per step (ring algorithms)")
+    title = (f"{whole:,} parameters ({args.param_dtype} weights), {world} ranks: GiB (2^30 bytes) on each rank; "
+             f"sent/step = bytes each rank sends per step (ring algorithms)" + _split_note(args))
     if hybrid:
         title += (f"; in rings across nodes = bytes each rank sends in ring collectives whose ranks sit on "
                   f"several nodes of {args.gpus_per_node} (flat: all of them; hybrid: the cross-replica all-reduce); "
@@ -145,9 +165,9 @@ def compact_table(args: argparse.Namespace) -> str:
     rows = [head]
     for n in args.params:
         for world in args.world_size:
-            by = {(s, m): estimate_memory(n, world, s, m.split("/")[0], **kw) for s, m in schemes}
+            by = {(s, m): estimate_memory(_part(n, args), world, s, m.split("/")[0], **kw) for s, m in schemes}
             any_est = next(iter(by.values()))
-            per_stage = [estimate_memory(n, world, s, "fp32", **kw) for s in args.stage]
+            per_stage = [estimate_memory(_part(n, args), world, s, "fp32", **kw) for s in args.stage]
             rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(any_est.ddp_total, args.gpu_memory)]
                         + [_fmt_gib(by[k].accelerator, args.gpu_memory) for k in schemes]
                         + [", ".join([f"{any_est.ddp_comm / 1e9:,.1f}"] + [f"{e.comm_bytes / 1e9:,.1f}" for e in per_stage]),
@@ -180,9 +200,10 @@ def _compact_hybrid(args: argparse.Namespace, kw: dict, schemes: list[tuple[int,
             cells = []
             for s, m in schemes:
                 for shard in (None, s_):
-                    cells.append(_fmt_gib(estimate_memory(n, world, s, m.split("/")[0], shard_size=shard,
+                    cells.append(_fmt_gib(estimate_memory(_part(n, args), world, s, m.split("/")[0], shard_size=shard,
                                                           **kw).accelerator, args.gpu_memory))
-            flat, hyb = (estimate_memory(n, world, traffic, "fp32", shard_size=shard, **kw) for shard in (None, s_))
+            flat, hyb = (estimate_memory(_part(n, args), world, traffic, "fp32", shard_size=shard, **kw)
+                         for shard in (None, s_))
             rows.append([f"{n / 1e9:g}B", str(world), _fmt_gib(flat.ddp_total, args.gpu_memory)] + cells
                         + [f"{_across(flat, args.gpus_per_node) / 1e9:,.1f}, {_across(hyb, args.gpus_per_node) / 1e9:,.1f}",
                            f"{flat.ring_hops(args.gpus_per_node)[1]:,}, {hyb.ring_hops(args.gpus_per_node)[1]:,}"])
@@ -205,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{args.bucket_cap_mb:g} MiB buckets" + (f"; * = more than {args.gpu_memory:g} GiB" if args.gpu_memory else ""))
     if args.compact:
         print(compact_table(args))
-        print(note + "; GiB per rank, totals of all categories" +
+        print(note + "; GiB per rank, totals of all categories" + _split_note(args) +
               (" left on the accelerator (offload='cpu' moves master weights and moments to host memory)"
                if args.offload else ""))
         return 0

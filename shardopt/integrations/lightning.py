@@ -140,7 +140,10 @@ class ShardedStrategy(DDPStrategy):
         """DDPStrategy's set-up without the DDP wrapper: convert the module (precision plugin), move
         it to the device, take rank 0's parameters and buffers, then build the optimizers (see
         [Note: where the module is converted]). Every rank."""
-        assert self.accelerator is not None and self.model is not None
+        if self.accelerator is None or self.model is None:
+            raise RuntimeError("ShardedStrategy.setup ran before Lightning gave the strategy its accelerator and model: "
+                               "pass the strategy to pl.Trainer(strategy=ShardedStrategy(...)) and let the Trainer "
+                               "call it, not strategy.setup() by hand")
         self.accelerator.setup(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
@@ -222,7 +225,9 @@ class ShardedStrategy(DDPStrategy):
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         if args:
             raise TypeError("with ShardedStrategy pass backward options by keyword (retain_graph=..., create_graph=...)")
-        assert self.lightning_module is not None
+        if self.lightning_module is None:
+            raise RuntimeError("ShardedStrategy.backward ran without a LightningModule connected to the strategy: "
+                               "call it through pl.Trainer.fit (or manual_backward inside training_step), not by hand")
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, self.lightning_module)
         opt.backward(closure_loss, **kwargs)

@@ -244,7 +244,7 @@ DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParalle
                "shardopt.integrations.lightning.ShardedStrategy")
 
 
-def watch_for_ddp(param_ids: set[int], stage: int, owner: Any = None) -> "torch.utils.hooks.RemovableHandle":
+def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> "torch.utils.hooks.RemovableHandle":
     """A global module forward pre-hook that looks at the first module called whose parameters
     include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
     one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and
@@ -262,7 +262,7 @@ def watch_for_ddp(param_ids: set[int], stage: int, owner: Any = None) -> "torch.
     def hook(module: torch.nn.Module, args: object) -> None:
         if torch.compiler.is_compiling():
             return  # torch.compile's wrapper was looked at eagerly (see _gather_wait [Note: compiled models])
-        if owner is not None and owner() is None:
+        if owner() is None:
             return  # its optimizer is gone
         if not any(id(p) in param_ids for p in module.parameters()):
             return  # another model: keep watching
@@ -276,6 +276,5 @@ def watch_for_ddp(param_ids: set[int], stage: int, owner: Any = None) -> "torch.
             raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
         warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
 
-    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(
-        hook if owner is None else owned_hook(hook, owner)))
+    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, owner)))
     return handle[0]

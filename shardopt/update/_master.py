@@ -247,7 +247,9 @@ def _max_arg(vmax: Tensor | None) -> dict[str, Tensor]:
 STRATEGIES: dict[str, type[MasterWeights]] = {
     "fp32": FP32Master, "remainder": RemainderMaster, "stochastic": StochasticMaster, "none": NoMaster,
 }
-assert tuple(STRATEGIES) == MASTER_MODES, "one strategy per mode core._config accepts"
+if tuple(STRATEGIES) != MASTER_MODES:  # checked at import, also under python -O
+    raise AssertionError(f"one master-weight strategy per mode core._config accepts: {tuple(STRATEGIES)} against "
+                         f"{MASTER_MODES}")
 
 
 def make_master(name: str, param_shard: Tensor, **kw: object) -> MasterWeights:

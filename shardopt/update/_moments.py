@@ -252,7 +252,9 @@ class MuonMomentum(Moments):
 
 MUON_MOMENTS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # how Muon's momentum can be stored
 MOMENTS: dict[str, type[Moments]] = {"fp32": FP32Moments, "bf16": BF16Moments, "8bit": Int8Moments}
-assert tuple(MOMENTS) == MOMENT_FORMATS, "one strategy per format core._config accepts"
+if tuple(MOMENTS) != MOMENT_FORMATS:  # checked at import, also under python -O
+    raise AssertionError(f"one moments strategy per format core._config accepts: {tuple(MOMENTS)} against "
+                         f"{MOMENT_FORMATS}")
 
 
 def make_moments(name: str, numel: int, device: torch.device, empty: Callable | None = None,

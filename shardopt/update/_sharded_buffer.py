@@ -131,6 +131,13 @@ class ShardedBuffer:
         step count within a bucket. Parameters whose record is not ``trained`` (no rank has a gradient); the
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
+        if not self.amsgrad and self.rule == "adamw":
+            late = sorted({r.group for r in self.records if param_groups[r.group].get("amsgrad")})
+            if late:  # every rank alike: the hyperparameters agreed at this step's message
+                raise ValueError(f"param group {late[0]} has amsgrad=True, set after ShardedAdamW was built without "
+                                 "it: the running maximum of exp_avg_sq is laid out at construction, so the step "
+                                 "cannot honour it; pass amsgrad=True (or the group's \"amsgrad\": True) to the "
+                                 "constructor. The step was not taken")
         grad_scale *= self.grad_factor
         if self.rule == "muon":
             return self._update_muon(step, grad_scale, param_groups)
