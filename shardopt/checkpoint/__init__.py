@@ -36,12 +36,12 @@ from torch import Tensor
 
 from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
 from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of,
-                                         whole)
+                                         placed, whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, claim, commit, data_checksums, latest_checkpoint, list_checkpoints,
                                         read_manifest, recover, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
-from shardopt.core._dtensor import is_dtensor
+from shardopt.core._dtensor import is_dtensor, local_box, replicated
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
@@ -54,17 +54,34 @@ class _Entry:
     """One model state-dict entry, and where ShardedAdamW keeps it if it shards it."""
 
     key: str
-    tensor: Tensor  # the model's tensor, detached (a sharded parameter's is a view of the flat buffer)
+    tensor: Tensor  # the model's tensor, detached (a sharded parameter's is a view of the flat buffer); local
     where: tuple[Any, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
+    shape: tuple[int, ...] = ()  # the whole tensor's: a DTensor's global shape, else the tensor's
+    offsets: tuple[int, ...] = ()  # where ``tensor`` starts in it (a DTensor's local piece)
+    writes: bool = True  # this rank writes it: False for a copy another rank of a model axis writes
+
+    def place(self, blocks: list[Block]) -> list[Block]:
+        """Blocks of ``tensor`` (the local piece) as blocks of the whole tensor."""
+        return placed(blocks, self.shape, self.offsets) if any(self.offsets) or self.shape != tuple(
+            self.tensor.shape) else blocks
 
 
 def _part(opt: Any) -> str:
-    """The prefix of this rank's keys: "" without model axes, else its position on each, e.g.
-    ``"pp1.tp0/"`` (see [Note: one checkpoint for every part of the model]). Local."""
+    """The prefix of this rank's keys: its position on each axis of ``model_parallel_group`` (the
+    parts shardopt cannot place in a whole tensor), e.g. ``"pp1.tp0/"``; "" without such axes (see
+    [Note: one checkpoint for every part of the model]). Local."""
     axes = getattr(opt, "_axes", None)
     if not axes:
         return ""
-    return ".".join(f"{a.name}{a.rank}" for a in axes.axes) + "/"
+    own = [a for a in axes.axes if a.name in opt._user_axes and a.name not in opt._dtensor_axes]
+    return ".".join(f"{a.name}{a.rank}" for a in own) + "/" if own else ""
+
+
+def replicated_writer(opt: Any) -> bool:
+    """Whether this rank writes the tensors that every rank of the DTensor meshes holds a copy of
+    (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each. Local."""
+    axes = getattr(opt, "_axes", None)
+    return not axes or all(a.rank == 0 for a in axes.axes if a.name in opt._dtensor_axes)
 
 
 def _state_items(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any]]:
@@ -85,9 +102,14 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
             aliases[key] = first[id(t)]
             continue
         first[id(t)] = key
-        # a DTensor's local tensor: this part's (see [Note: one checkpoint for every part of the model])
-        local = t.detach().to_local() if is_dtensor(t) else t.detach()
-        entries.append(_Entry(key, local, where.pop(id(t), None)))
+        # a DTensor: its local piece, at its offsets in the whole (see [Note: one checkpoint for every part of the model])
+        if is_dtensor(t):
+            shape, offsets = local_box(t)
+            writes = replicated_writer(opt) if replicated(t) else True
+            entries.append(_Entry(key, t.detach().to_local(), where.pop(id(t), None), shape, offsets, writes))
+        else:
+            entries.append(_Entry(key, t.detach(), where.pop(id(t), None), tuple(t.shape), (0,) * t.dim(),
+                                  replicated_writer(opt)))
     if where:
         b, i = next(iter(where.values()))
         raise ValueError(f"{len(where)} parameters that the optimizer updates are not in the model's state dict "
@@ -131,7 +153,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str]) -> dict:
     tensors = {}
     for e in entries:
-        info: dict[str, Any] = {"shape": list(e.tensor.shape), "dtype": _dtype_name(e.tensor.dtype),
+        info: dict[str, Any] = {"shape": list(e.shape), "dtype": _dtype_name(e.tensor.dtype),
                                 "sharded": e.where is not None}
         if e.where is not None:
             b, i = e.where
@@ -185,13 +207,19 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
 
 # [Note: one checkpoint for every part of the model]
 # Beside tensor or pipeline parallelism (an optimizer with model axes, see comm._model_axes) each
-# data-parallel group holds one part of the model, and the parts share parameter names (every
-# tensor-parallel rank's shard of "fc1.weight" is called "fc1.weight"). Every rank of the job then
-# saves into one checkpoint, in one DCP save over all of them: each part's keys carry its position
-# on the model axes ("tp1/fc1.weight"), its manifest (parameter table, param groups) is kept under
-# that prefix, and one commit makes the whole checkpoint appear at once. Within a part everything
-# reshards as before (another data-parallel size, stage, bucket size); a part is loaded by the
-# ranks at the same position, so the model axes must be the same at load. Separately, every save
+# data-parallel group holds one part of the model. Every rank of the job saves into one
+# checkpoint, in one DCP save over all of them, and one commit makes it appear at once.
+# A DTensor parameter is stored as the whole tensor it is a piece of: each rank's blocks of its
+# local tensor are placed at the piece's offsets (``local_box``), a Replicate placement (and a
+# plain parameter or buffer beside DTensors) is written by rank 0 of the mesh only. So such a
+# checkpoint loads at any tensor-parallel size, or into the same model without tensor parallelism,
+# and the other way round. Plain tensors of ``model_parallel_group``'s parts share names that
+# shardopt cannot place in a whole (every Megatron-style shard of "fc1.weight" is "fc1.weight"; a
+# pipeline stage may name its layers as the others do): each part's keys carry its position on
+# those axes ("tp1/fc1.weight"), its manifest (parameter table, param groups) is kept under that
+# prefix, and a part is loaded by the ranks at the same position, so those axes must be the same
+# at load. Within a part everything reshards as before (another data-parallel size, stage, bucket
+# size). Separately, every save
 # claims its path in the default store for the ranks that write it: another group of ranks that
 # saves to the same path in the same job (two data-parallel groups of one model built without
 # model_parallel_group, whose saves would replace each other's) is refused, naming both.
@@ -356,9 +384,11 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
     masters: dict[int, Tensor] = {}
     moments: dict[int, tuple[Tensor, Tensor]] = {}
     for e in entries:
+        if not e.writes:  # a copy that rank 0 of a model axis writes
+            continue
         if e.where is None:
             if comm.rank == 0:  # replicated on every rank: one copy is enough
-                blocks.append(whole(MODEL + e.key, e.tensor))
+                blocks += e.place([whole(MODEL + e.key, e.tensor)])
             continue
         b, i = e.where
         if b.comm.replica != 0:  # the first replica's ranks write the shards
@@ -370,11 +400,11 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
         if piece is None:
             continue
         shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
-        blocks += blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
+        blocks += e.place(blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range)))
         if b.dtype != torch.float32:
-            blocks += blocks_of(MASTER + e.key, shape, r, masters[id(b)][local])
+            blocks += e.place(blocks_of(MASTER + e.key, shape, r, masters[id(b)][local]))
         for key, moment in zip(_moment_keys(b.rule, b.amsgrad), moments[id(b)]):
-            blocks += blocks_of(key + e.key, shape, r, moment[local])
+            blocks += e.place(blocks_of(key + e.key, shape, r, moment[local]))
     return blocks
 
 
@@ -395,9 +425,9 @@ def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str
             raise ValueError(f"parameter {e.key!r} of the model is not in checkpoint {path}"
                              + (f" (there it is tied to {manifest['aliases'][e.key]!r})" if e.key in manifest["aliases"]
                                 else "; is it a checkpoint of another model?"))
-        if tuple(s["shape"]) != tuple(e.tensor.shape):
+        if tuple(s["shape"]) != tuple(e.shape):
             raise ValueError(f"parameter {e.key!r} has shape {tuple(s['shape'])} in checkpoint {path} but "
-                             f"{tuple(e.tensor.shape)} in this model; is it a checkpoint of another model?")
+                             f"{tuple(e.shape)} in this model; is it a checkpoint of another model?")
     for key in saved:
         if key not in mine:
             raise ValueError(f"checkpoint {path} has parameter {key!r}, which this model lacks"
@@ -473,25 +503,26 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
         pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
         for e in entries:
             s = manifest["tensors"][e.key]
-            if math.prod(s["shape"]) == 0:
+            if math.prod(s["shape"]) == 0 or not e.tensor.numel():
                 continue
             if e.where is None:
                 # Same dtype: the stored weights, bit for bit; another dtype: from the fp32 master if kept.
                 same = s["dtype"] == _dtype_name(e.tensor.dtype)
-                blocks.append(whole(MODEL + e.key if same else s.get("master", MODEL + e.key), e.tensor))
+                blocks += e.place([whole(MODEL + e.key if same else s.get("master", MODEL + e.key), e.tensor)])
                 continue
             b, i = e.where
             piece = pieces[id(b)].get(i)
             if piece is None:
                 continue
-            shape, r, local = tuple(s["shape"]), piece.param_range, piece.local_range.as_slice()
-            blocks += blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
+            # the local piece's shape: a DTensor's is read from wherever its whole was cut when saved
+            shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
+            blocks += e.place(blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local]))
             # Moments of the rule it was saved with; none when it was frozen, or saved under the
             # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
             if s["sharded"] and s.get("rule", "adamw") == b.rule:
                 saved_max = b.amsgrad and s.get("amsgrad", False)
                 for key, moment in zip(_moment_keys(b.rule, saved_max), moments[id(b)]):
-                    blocks += blocks_of(key + e.key, shape, r, moment[local])
+                    blocks += e.place(blocks_of(key + e.key, shape, r, moment[local]))
                 if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
                     without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
         from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read

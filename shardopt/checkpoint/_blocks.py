@@ -79,6 +79,12 @@ def blocks_of(key: str, shape: Iterable[int], r: Range, piece: Tensor) -> list[B
     return out
 
 
+def placed(blocks: list[Block], shape: tuple[int, ...], offsets: tuple[int, ...]) -> list[Block]:
+    """``blocks`` of a local piece (a DTensor's local tensor) as blocks of the whole tensor of
+    ``shape`` in which that piece starts at ``offsets``."""
+    return [Block(b.key, tuple(shape), tuple(o + a for o, a in zip(b.offsets, offsets)), b.tensor) for b in blocks]
+
+
 def whole(key: str, tensor: Tensor) -> Block:
     """A block that is the whole tensor (non-sharded state)."""
     return Block(key, tuple(tensor.shape), (0,) * tensor.dim(), tensor)

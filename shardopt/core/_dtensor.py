@@ -69,6 +69,27 @@ def replicated(p: Tensor) -> bool:
     return all(type(pl).__name__ == "Replicate" for pl in p.placements)  # type: ignore[attr-defined]
 
 
+def local_box(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the global shape, the offsets of this rank's local tensor in it) of DTensor ``p``, as its
+    Shard placement splits it (``torch.chunk``'s sizes; a Replicate placement: at 0). Raises
+    ValueError for a local tensor that is not that piece. Local."""
+    shape = tuple(int(n) for n in p.shape)
+    local = p.detach().to_local()  # type: ignore[attr-defined]
+    offsets = [0] * len(shape)
+    mesh = mesh_of(p)
+    for pl in p.placements:  # type: ignore[attr-defined]
+        if type(pl).__name__ != "Shard":
+            continue
+        d, k, rank = int(pl.dim), mesh.size(), mesh.get_local_rank()
+        chunk = -(-shape[d] // k)
+        offsets[d] = min(rank * chunk, shape[d])
+        if local.shape[d] != max(0, min(chunk, shape[d] - offsets[d])):
+            raise ValueError(f"a DTensor of shape {shape} holds a local tensor of shape {tuple(local.shape)} on rank "
+                             f"{rank} of its mesh, not the piece its placement {pl} makes; checkpoints store such "
+                             "a parameter by its pieces' offsets and need that split")
+    return shape, tuple(offsets)
+
+
 def stand_in(p: Tensor) -> torch.nn.Parameter:
     """A plain parameter holding a copy of DTensor ``p``'s local tensor (see [Note: DTensor parameters])."""
     with torch.no_grad():
