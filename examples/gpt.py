@@ -3,6 +3,11 @@
 Weights may be stored in 16 bits while the arithmetic runs in ``compute_dtype``: on CPUs without
 16-bit matrix hardware, bf16 weights with fp32 compute keep the optimizer's mixed-precision path
 while the matmuls stay fast. The LM head is tied to the token embedding (one shared parameter).
+
+``tensor_parallel(model, mesh["tp"])`` splits each block Megatron-style over a tensor-parallel mesh
+(``tp_plan`` names the modules): the attention's fused qkv and the MLP's up-projection by output
+features, the attention output and the MLP's down-projection by input features; the embeddings,
+LayerNorms and the head stay plain, replicated tensors. Each rank then runs its whole heads.
 """
 from __future__ import annotations
 
@@ -57,10 +62,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # Under tensor parallelism qkv's output is this rank's heads, [q; k; v] (see tensor_parallel):
+        # the number of heads here is read from it, not from the config.
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
+        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
@@ -103,6 +110,41 @@ class GPT(nn.Module):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         rest = [p for p in self.parameters() if p.dim() < 2]
         return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+def tp_plan(model: GPT) -> dict:
+    """``parallelize_module``'s plan for Megatron-style tensor parallelism of ``model``'s blocks:
+    qkv and fc split by output features (``ColwiseParallel``), proj and out by input features
+    (``RowwiseParallel``, their outputs summed over the tensor-parallel ranks). Apply it with
+    ``tensor_parallel``, which also lays qkv's rows out so that each rank holds whole heads."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan.update({f"blocks.{i}.qkv": ColwiseParallel(), f"blocks.{i}.proj": RowwiseParallel(),
+                     f"blocks.{i}.fc": ColwiseParallel(), f"blocks.{i}.out": RowwiseParallel()})
+    return plan
+
+
+def tensor_parallel(model: GPT, tp_mesh) -> GPT:
+    """Split ``model``'s blocks over the 1-D device mesh ``tp_mesh`` (in place; call it on every rank
+    of the mesh with the same model). The split matrices become DTensors, the rest stays plain.
+
+    [Note: whole heads per rank] ``ColwiseParallel`` gives rank r the r-th contiguous block of
+    qkv's 3C output rows, which for rows laid out [q; k; v] would mix q and k. The rows are first
+    regrouped to [q_0; k_0; v_0; q_1; k_1; v_1; ...], part r holding heads r*H/tp ... (r+1)*H/tp - 1,
+    so each rank's block is [q; k; v] of its own heads (with tp = 1 nothing moves). The DTensor's
+    global view of qkv is therefore in that grouped order, not the plain model's."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp, c = tp_mesh.size(), model.config
+    if c.n_head % tp:
+        raise ValueError(f"tensor parallelism splits whole heads: n_head={c.n_head} is not a multiple of tp={tp}")
+    with torch.no_grad():
+        for block in model.blocks:
+            for t in (block.qkv.weight, block.qkv.bias):
+                t.copy_(t.view(3, tp, c.n_embd // tp, -1).transpose(0, 1).reshape(t.shape))
+    return parallelize_module(model, tp_mesh, tp_plan(model))
 
 
 def muon_param_groups(model: nn.Module, weight_decay: float, adamw_lr: float) -> list[dict]:

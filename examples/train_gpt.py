@@ -17,6 +17,12 @@ attempt its own store: torch 2.13 otherwise hands a restarted attempt the dead o
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
         examples/train_gpt.py --save-every 50 --resume
 
+Tensor parallelism: --tp N splits each block Megatron-style over N ranks (examples/gpt.py,
+``tensor_parallel``) on a (dp, tp) device mesh of the world's ranks; ShardedAdamW shards each rank's
+part over the dp ranks. The N ranks of one tensor-parallel group read the same batches:
+
+    torchrun --standalone --nproc_per_node=4 examples/train_gpt.py --tp 2     # dp = 2, tp = 2
+
 SHARDOPT_EXAMPLE_CRASH_AT_STEP=K makes the last rank exit abruptly before step K of the first
 attempt (to try a restart).
 """
@@ -36,7 +42,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import shardopt  # noqa: E402
-from gpt import GPT, GPTConfig, load_bytes, muon_param_groups  # noqa: E402
+from gpt import GPT, GPTConfig, load_bytes, muon_param_groups, tensor_parallel  # noqa: E402
 
 CATEGORIES = ("params", "grads", "master", "exp_avg", "exp_avg_sq", "extra", "buffers")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shard-size", type=int, default=0,
                    help="hybrid sharding: shard over groups of this many ranks (e.g. the GPUs of a node), "
                         "replicate across groups (0: shard over all ranks)")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel ranks per block (Megatron-style); the world is dp x tp ranks")
     p.add_argument("--device", default="cpu")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--seed", type=int, default=1337)
@@ -99,18 +107,29 @@ def main(argv: list[str] | None = None) -> None:
     cfg = GPTConfig(block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd,
                     compute_dtype=DTYPES[args.compute_dtype])
     model = GPT(cfg).to(device=device, dtype=DTYPES[args.param_dtype])
+    mesh, dp_rank, dp = None, rank, world
+    if args.tp > 1:
+        if world % args.tp or args.shard_size:
+            raise SystemExit(f"--tp {args.tp} must divide the {world} ranks, and goes without --shard-size")
+        dp = world // args.tp
+        # ranks r*tp ... r*tp + tp - 1 split the blocks; on GPUs, keep them inside a node
+        mesh = init_device_mesh(device.type, (dp, args.tp), mesh_dim_names=("dp", "tp"))
+        dp_rank = mesh["dp"].get_local_rank()
+        try:
+            tensor_parallel(model, mesh["tp"])
+        except ValueError as e:
+            raise SystemExit(f"--tp {args.tp}: {e}") from None
     if args.loss_scale == "dynamic" or (args.loss_scale == "auto" and args.param_dtype == "fp16"):
         loss_scale = shardopt.DynamicScaler(init_scale=args.init_loss_scale)
     else:
         loss_scale = args.loss_scale if args.loss_scale in ("auto", "none") else float(args.loss_scale)
-    mesh = None
     if args.shard_size and args.shard_size != world:
         if world % args.shard_size:
             raise SystemExit(f"--shard-size {args.shard_size} must divide the {world} ranks")
         # ranks 0..S-1 form the first shard group: with torchrun, the processes of one node
         mesh = init_device_mesh(device.type, (world // args.shard_size, args.shard_size),
                                 mesh_dim_names=("replicate", "shard"))
-    common = dict(stage=args.stage, master_weights=args.master_weights, device_mesh=mesh,
+    common = dict(stage=args.stage, master_weights=args.master_weights, device_mesh=mesh["dp"] if args.tp > 1 else mesh,
                   loss_scale=None if loss_scale == "none" else loss_scale,
                   bucket_cap_mb=args.bucket_cap_mb, overlap_param_gather=args.overlap_param_gather)
     if args.optimizer == "muon":  # the schedule below scales both rules' lr alike
@@ -125,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
         return (args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * t))) / args.lr
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
-    gen = torch.Generator().manual_seed(args.seed + 1 + rank)  # different batches on each rank
+    gen = torch.Generator().manual_seed(args.seed + 1 + dp_rank)  # different batches on each dp rank
 
     def get_batch(src: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         ix = torch.randint(len(src) - args.block_size - 1, (args.batch_size,), generator=g)
@@ -155,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
     log(f"shardopt {shardopt.__version__} | torch {torch.__version__} | {world} ranks ({backend}) | "
         f"{n_params:,} parameters ({args.param_dtype} weights, {args.compute_dtype} compute) | "
         f"stage {args.stage}, master_weights={args.master_weights}"
-        + (f", {world // args.shard_size} replicas x {args.shard_size}" if mesh is not None else "") + f" | corpus {len(data):,} bytes")
-    tokens_per_step = args.batch_size * args.block_size * world
+        + (f", {world // args.shard_size} replicas x {args.shard_size}" if args.shard_size and mesh is not None else "")
+        + (f", dp {dp} x tp {args.tp}" if args.tp > 1 else "") + f" | corpus {len(data):,} bytes")
+    tokens_per_step = args.batch_size * args.block_size * dp
     t0, losses = time.perf_counter(), []
     it = 0
     t_log, it_log = t0, 0  # tokens/s over the iterations since the last log line
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> None:
         val_loss = sum(model(*get_batch(val, vgen)).item() for _ in range(8)) / 8
     vt = torch.tensor([val_loss], device=device)
     dist.all_reduce(vt)
-    finite = all(bool(torch.isfinite(p).all()) for p in model.parameters())
+    finite = all(bool(torch.isfinite(getattr(p, "_local_tensor", p)).all()) for p in model.parameters())
     log(f"final train loss {sum(losses[-10:]) / len(losses[-10:]):.4f} (mean of last 10) | "
         f"val loss {vt.item() / world:.4f} | {args.steps} steps in {time.perf_counter() - t0:.1f}s | "
         f"{opt.skipped_steps} skipped | weights finite: {'yes' if finite else 'NO'}")
@@ -203,12 +223,13 @@ def main(argv: list[str] | None = None) -> None:
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
     reports = [dataclasses.replace(report, rank=r, **dict(zip(CATEGORIES, t.tolist()))) for r, t in enumerate(every)]
-    log("\n" + memory_table(reports, DTYPES[args.param_dtype]))
+    log("\n" + memory_table(reports, DTYPES[args.param_dtype], tp=args.tp))
     dist.destroy_process_group()
 
 
-def memory_table(reports: list, param_dtype: torch.dtype) -> str:
-    """Markdown table of bytes per rank: shardopt measured (each rank), formula, and DDP + AdamW."""
+def memory_table(reports: list, param_dtype: torch.dtype, tp: int = 1) -> str:
+    """Markdown table of bytes per rank: shardopt measured (each rank), formula, and DDP + AdamW.
+    With tensor parallelism (``tp`` > 1) every figure is for the rank's own part of the model."""
     n = reports[0].num_params
     ddp = shardopt.ddp_adamw_bytes(n, param_dtype)
     cats = list(CATEGORIES)
@@ -228,7 +249,12 @@ def memory_table(reports: list, param_dtype: torch.dtype) -> str:
     ratio = sum(ddp.values()) / max(reports[0].total, 1)
     shard = reports[0].shard_size
     hybrid = f" sharded over {shard} ({len(reports) // shard} replicas)" if shard and shard != len(reports) else ""
-    return (f"Memory per rank, {n:,} parameters, {len(reports)} ranks{hybrid}, stage {reports[0].stage} "
+    what = f"{n:,} parameters, {len(reports)} ranks{hybrid}"
+    if tp > 1:  # each rank holds a part: 1/tp of the split matrices and all of the replicated rest
+        what = (f"{len(reports)} ranks as dp {len(reports) // tp} x tp {tp}; with --tp the figures are for each "
+                f"rank's part of the model ({n:,} parameters: 1/{tp} of the split matrices, all of the rest), "
+                f"sharded over the {len(reports) // tp} dp ranks, and DDP + AdamW is for the same part")
+    return (f"Memory per rank, {what}, stage {reports[0].stage} "
             f"(MiB = 2^20 bytes):\n" + "\n".join(lines) + f"\nDDP + AdamW needs {ratio:.2f}x the bytes of rank 0 here.")
 
 
