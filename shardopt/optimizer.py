@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
-from shardopt.comm._collectives import Comm, CommStats, ProcessGroup, group_ranks, is_process_group
+from shardopt.comm._collectives import Comm, CommStats, ProcessGroup, group_ranks, is_process_group, world_size
 from shardopt.comm._model_axes import ModelAxes, axis_groups
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._dtensor import axis_name, check_placements, is_dtensor, mesh_of, replicated, stand_in
@@ -155,7 +155,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._user_axes = frozenset(self._axes.name_of(g) for _, g in axis_groups(model_parallel_group))
         self._dtensor_axes = frozenset(self._axes.name_of(mesh_of(p).get_group()) for p in dtensors)
         self._axes.set_timeout(self.config.timeout)
-        self._job: Comm | None = None  # with model axes: every rank of the job, for checkpoints (made at the first)
+        # With model axes: every rank of the job (the default group), for checkpoints; made here, where every
+        # rank is, when the data-parallel group and the axes cover the default group (checkpoint._job)
+        self._job: Comm | None = None
+        if self._axes and self._comm.world_size * self._axes.size == world_size():
+            self._job = Comm(None)
+            self._job.timeout = self.config.timeout
         self._group_comms = self._own_groups()
         trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
         self._key_prefix = self._group_key_prefixes(trainable)

@@ -543,3 +543,28 @@ def dtensor_reshard_case(path: str) -> dict:
 def test_a_dtensor_checkpoint_loads_without_tensor_parallelism(pools, tmp_path):
     for r, got in enumerate(pools(4).run(dtensor_reshard_case, str(tmp_path / "ckpt"))):
         assert got["loaded"] and got["worst"] <= 1e-6 and got["step"] == STEPS, (r, got)
+
+
+def save_on_one_part_case(path: str) -> str:
+    """Only tensor-parallel position 0 calls save_checkpoint; position 1 goes on to clip_grad_norm_
+    (the model's own collectives would wait for position 0 forever: a backward is no test)."""
+    mesh, model, opt = _tp_setup(2, timeout=5.0)
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
+    opt.step()
+    opt.zero_grad()
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 1)))
+    try:
+        if mesh["tp"].get_local_rank() == 0:
+            shardopt.save_checkpoint(path, model, opt, timeout=3.0)
+        else:
+            opt.clip_grad_norm_(1.0)
+    except (RuntimeError, TimeoutError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def test_a_checkpoint_call_on_some_parts_only_raises_instead_of_hanging(pools, tmp_path):
+    res = pools(4).run(save_on_one_part_case, str(tmp_path / "ckpt"), timeout=120)
+    for r, msg in enumerate(res):
+        assert "Timeout" in msg.split(":")[0] and ("save_checkpoint()" if r in (0, 2) else "clip_grad_norm_()") in msg, \
+            (r, msg)

@@ -230,15 +230,13 @@ def _job(opt: Any) -> Comm:
     axes every rank of the default group (made at the first call; every rank of the job calls it)."""
     if not opt._axes:
         return opt._comm
-    if opt._job is None:
+    if opt._job is None:  # made at construction where the ranks cover the default group
         n = opt._comm.world_size * opt._axes.size
         if n != world_size():
             raise ValueError(f"a checkpoint of a model split over {opt._axes.describe()} is written by every rank of "
                              f"the job together, over the default group, but the data-parallel group ({opt._comm.world_size} "
                              f"ranks) times the model axes make {n} ranks, not the {world_size()} of the default group; "
                              "build the optimizer on every rank of the job")
-        opt._job = Comm(None)
-        opt._job.timeout = opt._comm.timeout
     return opt._job
 
 
@@ -300,6 +298,8 @@ def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: floa
     """``save_checkpoint`` of a path written as ``checkpoint_path`` writes it. Every rank."""
     settle(opt, "save_checkpoint", timeout)
     comm: Comm = _job(opt)  # every rank of the model (see [Note: one checkpoint for every part of the model])
+    if comm is not opt._comm:  # the other parts' ranks are in this call too
+        enter(comm, "save_checkpoint", deadline=timeout)
     try:
         entries, aliases = _entries(model, opt)
         manifest, error = _manifest(opt, model, entries, aliases), None
@@ -479,6 +479,8 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
         error = e
     if error is not None:
         agree(comm, error)
+    if job is not comm:  # the other parts' ranks are in this call too
+        enter(job, "load_checkpoint", deadline=timeout)
     try:
         path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
         marker = check_complete(path)

@@ -140,6 +140,8 @@ class StepAgreement:
         t = torch.zeros(2 + len(CALLS), dtype=torch.float64)
         t[0], t[1] = float(got.nonfinite), 0.0 if inf_norm or norm_type is None else float(got.norm)
         t[2 + CALLS.index(caller)] = 1.0
+        axes.during(f"{self.comm.where}, in its agreement with the ranks that hold the other parts of the model "
+                    f"({axes.describe()}),")
         axes.reduce(t)
         counts = dict(zip(CALLS, t[2:].tolist()))
         if counts[caller] != axes.size:
