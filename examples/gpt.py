@@ -62,10 +62,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        # Under tensor parallelism qkv's output is this rank's heads, [q; k; v] (see tensor_parallel):
-        # the number of heads here is read from it, not from the config.
-        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)
-        q, k, v = (t.view(B, T, -1, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # qkv's output features are grouped by head, [q; k; v] of head 0, then of head 1, ..., so that
+        # a split of its rows over tensor-parallel ranks gives each rank whole heads (see
+        # tensor_parallel); the number of heads here is read from the output, not from the config.
+        hd = C // self.n_head
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, -1, 3, hd).unbind(dim=3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(y.transpose(1, 2).reshape(B, T, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
@@ -116,7 +118,7 @@ def tp_plan(model: GPT) -> dict:
     """``parallelize_module``'s plan for Megatron-style tensor parallelism of ``model``'s blocks:
     qkv and fc split by output features (``ColwiseParallel``), proj and out by input features
     (``RowwiseParallel``, their outputs summed over the tensor-parallel ranks). Apply it with
-    ``tensor_parallel``, which also lays qkv's rows out so that each rank holds whole heads."""
+    ``tensor_parallel``."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     plan = {}
@@ -130,20 +132,15 @@ def tensor_parallel(model: GPT, tp_mesh) -> GPT:
     """Split ``model``'s blocks over the 1-D device mesh ``tp_mesh`` (in place; call it on every rank
     of the mesh with the same model). The split matrices become DTensors, the rest stays plain.
 
-    [Note: whole heads per rank] ``ColwiseParallel`` gives rank r the r-th contiguous block of
-    qkv's 3C output rows, which for rows laid out [q; k; v] would mix q and k. The rows are first
-    regrouped to [q_0; k_0; v_0; q_1; k_1; v_1; ...], part r holding heads r*H/tp ... (r+1)*H/tp - 1,
-    so each rank's block is [q; k; v] of its own heads (with tp = 1 nothing moves). The DTensor's
-    global view of qkv is therefore in that grouped order, not the plain model's."""
+    ``ColwiseParallel`` gives rank r the r-th contiguous block of qkv's output rows; since the rows
+    are grouped by head (see ``Block.forward``), that block is [q; k; v] of whole heads, and the
+    DTensor's whole tensor is the plain model's at every tensor-parallel size (a checkpoint moves
+    between sizes)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp, c = tp_mesh.size(), model.config
     if c.n_head % tp:
         raise ValueError(f"tensor parallelism splits whole heads: n_head={c.n_head} is not a multiple of tp={tp}")
-    with torch.no_grad():
-        for block in model.blocks:
-            for t in (block.qkv.weight, block.qkv.bias):
-                t.copy_(t.view(3, tp, c.n_embd // tp, -1).transpose(0, 1).reshape(t.shape))
     return parallelize_module(model, tp_mesh, tp_plan(model))
 
 
