@@ -15,10 +15,10 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 
 from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
-from shardopt.comm._collectives import Comm, CommStats, ProcessGroup, group_ranks, is_process_group, world_size
-from shardopt.comm._model_axes import ModelAxes, axis_groups
+from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
+from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
-from shardopt.core._dtensor import axis_name, check_placements, is_dtensor, mesh_of, replicated, stand_in
+from shardopt.core._dtensor import is_dtensor
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
 from shardopt.comm._gathers import WeightGathers
@@ -145,41 +145,20 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._comm = Comm(process_group, device_mesh)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
-        # The ranks with the rest of the model (see comm._model_axes [Note: the whole model's agreement]):
-        # model_parallel_group's, then the meshes of DTensor parameters (see core._dtensor)
-        dtensors = [p for g in self.param_groups for p in g["params"] if is_dtensor(p)]
-        for p in dtensors:
-            check_placements(p, self._names[id(p)])
-        self._axes = ModelAxes(axis_groups(model_parallel_group) +
-                               [(axis_name(p), mesh_of(p).get_group()) for p in dtensors], self._comm)
-        self._user_axes = frozenset(self._axes.name_of(g) for _, g in axis_groups(model_parallel_group))
-        self._dtensor_axes = frozenset(self._axes.name_of(mesh_of(p).get_group()) for p in dtensors)
-        self._axes.set_timeout(self.config.timeout)
-        # With model axes: every rank of the job (the default group), for checkpoints; made here, where every
-        # rank is, when the data-parallel group and the axes cover the default group (checkpoint._job)
-        self._job: Comm | None = None
-        if self._axes and self._comm.world_size * self._axes.size == world_size():
-            self._job = Comm(None)
-            self._job.timeout = self.config.timeout
-        self._group_comms = self._own_groups()
+        # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
+        self._parts = ModelParts(self.param_groups, self._names, self._comm, model_parallel_group, self.config.timeout)
         trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
-        self._key_prefix = self._group_key_prefixes(trainable)
         self._closed: str | None = None  # why this optimizer no longer trains, once released
-        # A plain stand-in for each DTensor parameter, by its id (see core._dtensor [Note: DTensor parameters])
-        stand = {id(p): stand_in(p) for p, _ in trainable if is_dtensor(p)}
-        self._dtensor_of = {id(s): p for p, _ in trainable for s in [stand.get(id(p))] if s is not None}
-        take_over(self, [p for p, _ in trainable], stand)  # see _ownership [Note: one optimizer per parameter]
+        flat = self._parts.settle(trainable, self._names)  # DTensor parameters by their stand-ins (core._dtensor)
+        # see _ownership [Note: one optimizer per parameter]
+        take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks([p for p, _ in trainable])
-        for p, s in ((p, stand.get(id(p))) for p, _ in trainable):
-            if s is not None:
-                self._names[id(s)] = self._names[id(p)]
-        self._buffers = build_buffers([(stand.get(id(p), p), gi) for p, gi in trainable], self._comm, self.config,
-                                      self._names,
+        parts = self._parts
+        self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                       lambda gi: self._rule_of(self.param_groups[gi]),
                                       lambda gi: bool(self.param_groups[gi].get("amsgrad")),
-                                      lambda p, gi: self._replicated_over(p, self.param_groups[gi]),
-                                      self._axes.counts, self._dtensor_of,
-                                      lambda gi: self._group_comms.get(gi, self._comm))
+                                      lambda p, gi: parts.replicated_over(p, self.param_groups[gi]),
+                                      parts.axes.counts, parts.dtensor_of, parts.group_comm)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]
@@ -192,7 +171,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
-        self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._axes)
+        self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
@@ -227,66 +206,6 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         core._config.ADAMW_FLAGS), as torch.optim.AdamW's param groups hold them."""
         return dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **{**ADAMW_FLAGS, **flags})
 
-    # [Note: param groups with their own data-parallel group]
-    # Expert parallelism: each expert is held by a few ranks of the optimizer's group (its expert
-    # data-parallel group), the dense parameters by all. A param group with its own
-    # ``"process_group"`` is laid out in flat buffers of its own, sharded, reduced and gathered over
-    # that group only. Its gradient is the sum over that group divided by the optimizer's
-    # data-parallel size (``ShardedBuffer.grad_factor``): the gradient of the mean loss over all the
-    # optimizer's ranks, as for the dense parameters (Megatron's expert-gradient scaling), whether a
-    # rank's tokens reached the expert through an all-to-all or the expert only sees its own ranks'.
-    # The clip norm sums every rank's shards over the optimizer's group, so each expert counts once.
-    # Its checkpoint keys carry the group's place among the groups of that param group
-    # (``"pg1-0/experts.0.weight"``, see checkpoint), so experts that share a name on different ranks
-    # stay apart; such a checkpoint loads at the same expert layout.
-    def _own_groups(self) -> dict[int, Comm]:
-        """The Comm of each param group with its own ``"process_group"`` (one per set of ranks),
-        made on every rank in param-group order. Every rank."""
-        made: dict[tuple[int, ...], Comm] = {}
-        out: dict[int, Comm] = {}
-        mine = set(self._comm.global_ranks)
-        for gi, g in enumerate(self.param_groups):
-            pg = g.get("process_group")
-            if pg is None:
-                continue
-            if not is_process_group(pg):
-                raise TypeError(f"param group {gi}'s process_group must be a torch.distributed ProcessGroup (the "
-                                f"ranks that hold its parameters, e.g. an expert's data-parallel group), got "
-                                f"{type(pg).__name__}")
-            ranks = tuple(group_ranks(pg))
-            if not set(ranks) <= mine:
-                raise ValueError(f"param group {gi}'s process_group holds ranks {sorted(set(ranks) - mine)} outside "
-                                 f"the optimizer's group {sorted(mine)}: a param group's own group is the part of "
-                                 "the optimizer's data-parallel ranks that hold its parameters")
-            if ranks not in made:
-                made[ranks] = Comm(pg)
-                made[ranks].timeout = self.config.timeout
-            out[gi] = made[ranks]
-        return out
-
-    def _group_key_prefixes(self, trainable: list[tuple[Tensor, int]]) -> dict[int, str]:
-        """By ``id`` of each parameter of a param group with its own process group, its checkpoint
-        key prefix ``"pg<group index>-<k>/"``: k numbers that group's distinct sets of ranks over the
-        optimizer's ranks (see [Note: param groups with their own data-parallel group]). Every rank."""
-        if not self._group_comms:
-            return {}
-        mine = {gi: tuple(c.global_ranks) for gi, c in self._group_comms.items()}
-        every = self._comm.all_gather_objects(mine)
-        place = {gi: sorted({e[gi] for e in every if gi in e}).index(ranks) for gi, ranks in mine.items()}
-        return {id(p): f"pg{gi}-{place[gi]}/" for p, gi in trainable if gi in place}
-
-    def _replicated_over(self, p: Tensor, group: dict[str, Any]) -> frozenset[str]:
-        """The model axes ``p`` (a plain parameter or a DTensor's stand-in) is replicated across
-        (see comm._model_axes): a DTensor's mesh when its placement is Replicate; for a plain
-        parameter the meshes of the DTensor parameters beside it; every axis of
-        ``model_parallel_group`` for a param group marked ``"replicated": True``."""
-        dt = self._dtensor_of.get(id(p))
-        if dt is not None:
-            over = {self._axes.name_of(mesh_of(dt).get_group())} if replicated(dt) else set()
-        else:
-            over = set(self._dtensor_axes)
-        return frozenset(over | (self._user_axes if group.get("replicated") else set()))
-
     def _rule_of(self, group: dict[str, Any]) -> str:
         """The update rule of a param group's parameters (see ``ShardedMuon``)."""
         return "adamw"
@@ -299,7 +218,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 raise ValueError(f"overlap_param_gather=True with DTensor parameters (param group {gi}): the wait for "
                                  "a weight gather in flight is tied to plain parameters; leave overlap_param_gather "
                                  "off beside tensor parallelism (each step then waits for its gathers)")
-            if g.get("replicated") and not self._axes:
+            if g.get("replicated") and not self._parts.axes:
                 raise ValueError(f'param group {gi} is marked "replicated": True, which says its parameters are '
                                  "copies on every rank of model_parallel_group; pass model_parallel_group= (the ranks "
                                  "with the other pipeline stages or tensor-parallel shards), or leave the key out")
@@ -443,7 +362,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     # -- uneven inputs: torch.distributed.algorithms.Join ----------------------------------
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The hook a Join runs on this rank once it ran out of inputs (see [Note: uneven inputs])."""
-        if self._axes:
+        if self._parts.axes:
             raise RuntimeError("torch.distributed.algorithms.Join with an optimizer that has model_parallel_group= "
                                "(or DTensor parameters) is not supported: a joined rank would have to shadow the "
                                "other parts of the model too; give every data-parallel rank the same number of "

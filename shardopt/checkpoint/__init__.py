@@ -67,26 +67,18 @@ class _Entry:
 
 
 def _part(opt: Any) -> str:
-    """The prefix of this rank's keys: its position on each axis of ``model_parallel_group`` (the
-    parts shardopt cannot place in a whole tensor), e.g. ``"pp1.tp0/"``; "" without such axes (see
-    [Note: one checkpoint for every part of the model]). Local."""
-    axes = getattr(opt, "_axes", None)
-    if not axes:
-        return ""
-    own = [a for a in axes.axes if a.name in opt._user_axes and a.name not in opt._dtensor_axes]
-    return ".".join(f"{a.name}{a.rank}" for a in own) + "/" if own else ""
+    """The prefix of this rank's keys (``ModelParts.key_part``; "" for a weights-only load). Local."""
+    return opt._parts.key_part() if opt is not None else ""
 
 
 def replicated_writer(opt: Any) -> bool:
-    """Whether this rank writes the tensors that every rank of the DTensor meshes holds a copy of
-    (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each. Local."""
-    axes = getattr(opt, "_axes", None)
-    return not axes or all(a.rank == 0 for a in axes.axes if a.name in opt._dtensor_axes)
+    """Whether this rank writes the copies every rank of a DTensor mesh holds (``ModelParts.writes_copies``)."""
+    return opt is None or opt._parts.writes_copies()
 
 
 def _state_items(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any]]:
     """The model's state-dict entries, keyed with this rank's part prefix. Local."""
-    part, own = _part(opt), getattr(opt, "_key_prefix", {})
+    part, own = _part(opt), (opt._parts.key_prefix if opt is not None else {})
     return [(part + own.get(id(t), "") + key, t) for key, t in model.state_dict(keep_vars=True).items()]
 
 
@@ -227,17 +219,18 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
 
 def _job(opt: Any) -> Comm:
     """The ranks that write or read one checkpoint together: the optimizer's group, or with model
-    axes every rank of the default group (made at the first call; every rank of the job calls it)."""
-    if not opt._axes:
+    axes every rank of the default group (``ModelParts.job``, made at construction where the
+    data-parallel group and the axes cover the default group). Local."""
+    axes = opt._parts.axes
+    if not axes:
         return opt._comm
-    if opt._job is None:  # made at construction where the ranks cover the default group
-        n = opt._comm.world_size * opt._axes.size
-        if n != world_size():
-            raise ValueError(f"a checkpoint of a model split over {opt._axes.describe()} is written by every rank of "
-                             f"the job together, over the default group, but the data-parallel group ({opt._comm.world_size} "
-                             f"ranks) times the model axes make {n} ranks, not the {world_size()} of the default group; "
-                             "build the optimizer on every rank of the job")
-    return opt._job
+    if opt._parts.job is None:
+        n = opt._comm.world_size * axes.size
+        raise ValueError(f"a checkpoint of a model split over {axes.describe()} is written by every rank of "
+                         f"the job together, over the default group, but the data-parallel group ({opt._comm.world_size} "
+                         f"ranks) times the model axes make {n} ranks, not the {world_size()} of the default group; "
+                         "build the optimizer on every rank of the job")
+    return opt._parts.job
 
 
 def _merged(parts: list[tuple[str, dict]]) -> dict:
@@ -276,7 +269,7 @@ def _own_part(manifest: dict, opt: Any, path: str) -> dict:
     Raises ValueError when the checkpoint was saved with other model axes. Local."""
     part = _part(opt)
     parts = manifest.get("parts")
-    mine_groups = set(getattr(opt, "_key_prefix", {}).values())
+    mine_groups = set(opt._parts.key_prefix.values()) if opt is not None else set()
     if any(_GROUP_PREFIX.search(k) for k in manifest["tensors"]):  # other expert groups' keys are theirs
         manifest = {**manifest,
                     "tensors": {k: v for k, v in manifest["tensors"].items() if _group_of(k) in mine_groups | {""}},

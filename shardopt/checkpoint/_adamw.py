@@ -181,7 +181,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
 def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
     """``load_full_state_dict`` once every rank is in the call (``settle``: its own, or
     ``load_state_dict``'s). Every rank."""
-    if opt._axes or opt._group_comms:
+    if opt._parts:
         raise ValueError("loading a torch.optim.AdamW-format state dict (load_full_state_dict, load_state_dict) "
                          "hands rank 0's dict to every rank, but this optimizer's ranks hold different parts of the "
                          "model (model_parallel_group, DTensor parameters or a param group's own process_group), which "

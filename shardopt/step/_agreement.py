@@ -120,7 +120,7 @@ def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) 
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
             "max_consecutive_skips": c.max_consecutive_skips,
             "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
-            "model axes": tuple((a.name, a.size) for a in opt._axes.axes),
+            "model axes": tuple((a.name, a.size) for a in opt._parts.axes.axes),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v if k != "process_group" else f"a group of {len(group_ranks(v))} ranks"
                for gi, g in enumerate(opt.param_groups) for k, v in sorted(g.items()) if k not in ("params", "param_names")}}

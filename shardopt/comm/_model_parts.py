@@ -1,0 +1,151 @@
+"""Which ranks hold which part of the model: one optimizer's view of tensor, pipeline and expert
+parallelism, settled at construction.
+
+Owns, for one optimizer: its model axes (``model_parallel_group=`` and the meshes of DTensor
+parameters, see _model_axes), the Comm over every rank of the job that checkpoints use, the Comm
+of each param group with its own ``"process_group"`` (expert parallelism), the plain stand-in of
+each DTensor parameter (see core._dtensor), which axes each parameter is a copy across, and the
+checkpoint key prefix of each expert group's parameters. The optimizer asks; nothing here changes
+after construction.
+
+[Note: param groups with their own data-parallel group]
+Expert parallelism: each expert is held by a few ranks of the optimizer's group (its expert
+data-parallel group), the dense parameters by all. A param group with its own ``"process_group"``
+is laid out in flat buffers of its own, sharded, reduced and gathered over that group only. Its
+gradient is the sum over that group divided by the optimizer's data-parallel size
+(``ShardedBuffer.grad_factor``): the gradient of the mean loss over all the optimizer's ranks, as
+for the dense parameters (Megatron's expert-gradient scaling), whether a rank's tokens reached the
+expert through an all-to-all or the expert only sees its own ranks'. The clip norm sums every
+rank's shards over the optimizer's group, so each expert counts once. Its checkpoint keys carry
+the group's place among the groups of that param group (``"pg1-0/experts.0.weight"``, see
+checkpoint), so experts that share a name on different ranks stay apart; such a checkpoint loads
+at the same expert layout.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from torch import Tensor
+
+from shardopt.comm._collectives import Comm, group_ranks, is_process_group, world_size
+from shardopt.comm._model_axes import ModelAxes, axis_groups
+from shardopt.core._dtensor import axis_name, check_placements, is_dtensor, mesh_of, replicated, stand_in
+
+
+class ModelParts:
+    """Built on every rank at the optimizer's construction, in the same order (it makes process
+    groups of its own): ``param_groups`` (torch's), ``names`` (how messages name each parameter,
+    by ``id``), the optimizer's data-parallel ``comm``, ``model_parallel_group=`` and the
+    optimizer's ``timeout`` (seconds or None)."""
+
+    def __init__(self, param_groups: Sequence[dict[str, Any]], names: dict[int, str], comm: Comm,
+                 model_parallel_group: Any, timeout: float | None) -> None:
+        self.comm = comm
+        dtensors = [p for g in param_groups for p in g["params"] if is_dtensor(p)]
+        for p in dtensors:
+            check_placements(p, names[id(p)])
+        given = axis_groups(model_parallel_group)
+        self.axes = ModelAxes(given + [(axis_name(p), mesh_of(p).get_group()) for p in dtensors], comm)
+        self.axes.set_timeout(timeout)
+        self.user_axes = frozenset(self.axes.name_of(g) for _, g in given)  # model_parallel_group's
+        self.dtensor_axes = frozenset(self.axes.name_of(mesh_of(p).get_group()) for p in dtensors)
+        # Every rank of the job (the default group), for checkpoints: made here, where every rank is,
+        # when the data-parallel group and the axes cover the default group (see checkpoint._job)
+        self.job: Comm | None = None
+        if self.axes and comm.world_size * self.axes.size == world_size():
+            self.job = Comm(None)
+            self.job.timeout = timeout
+        self.group_comms = self._own_groups(param_groups, timeout)
+        self.dtensor_of: dict[int, Tensor] = {}  # by id of a stand-in, the DTensor parameter it stands in for
+        self._stand_in: dict[int, Tensor] = {}  # by id of a DTensor parameter, its stand-in
+        self.key_prefix: dict[int, str] = {}  # by id of an expert group's parameter, its checkpoint key prefix
+
+    def _own_groups(self, param_groups: Sequence[dict[str, Any]], timeout: float | None) -> dict[int, Comm]:
+        """The Comm of each param group with its own ``"process_group"`` (one per set of ranks),
+        made on every rank in param-group order. Every rank."""
+        made: dict[tuple[int, ...], Comm] = {}
+        out: dict[int, Comm] = {}
+        mine = set(self.comm.global_ranks)
+        for gi, g in enumerate(param_groups):
+            pg = g.get("process_group")
+            if pg is None:
+                continue
+            if not is_process_group(pg):
+                raise TypeError(f"param group {gi}'s process_group must be a torch.distributed ProcessGroup (the "
+                                f"ranks that hold its parameters, e.g. an expert's data-parallel group), got "
+                                f"{type(pg).__name__}")
+            ranks = tuple(group_ranks(pg))
+            if not set(ranks) <= mine:
+                raise ValueError(f"param group {gi}'s process_group holds ranks {sorted(set(ranks) - mine)} outside "
+                                 f"the optimizer's group {sorted(mine)}: a param group's own group is the part of "
+                                 "the optimizer's data-parallel ranks that hold its parameters")
+            if ranks not in made:
+                made[ranks] = Comm(pg)
+                made[ranks].timeout = timeout
+            out[gi] = made[ranks]
+        return out
+
+    def __bool__(self) -> bool:
+        """Whether the ranks hold different parts of the model (model axes or expert groups)."""
+        return bool(self.axes) or bool(self.group_comms)
+
+    def settle(self, trainable: Sequence[tuple[Tensor, int]], names: dict[int, str]) -> list[tuple[Tensor, int]]:
+        """Once the ranks agreed on ``trainable`` ((parameter, group index) pairs): the pairs the
+        flat buffers are built from, each DTensor parameter replaced by its plain stand-in (named
+        as it is in ``names``), and each expert group's key prefix. Every rank (one small gather
+        when some param group has its own process group)."""
+        out = []
+        for p, gi in trainable:
+            if is_dtensor(p):
+                s = stand_in(p)
+                self.dtensor_of[id(s)], self._stand_in[id(p)] = p, s
+                names[id(s)] = names[id(p)]
+                out.append((s, gi))
+            else:
+                out.append((p, gi))
+        self.key_prefix = self._key_prefixes(trainable)
+        return out
+
+    def stand_ins(self) -> dict[int, Tensor]:
+        """By id of each DTensor parameter, its stand-in (what ``take_over`` holds weakly in its place)."""
+        return dict(self._stand_in)
+
+    def _key_prefixes(self, trainable: Sequence[tuple[Tensor, int]]) -> dict[int, str]:
+        """By ``id`` of each parameter of a param group with its own process group, its checkpoint
+        key prefix ``"pg<group index>-<k>/"``: k numbers that group's distinct sets of ranks over
+        the optimizer's ranks (see [Note: param groups with their own data-parallel group]). Every rank."""
+        if not self.group_comms:
+            return {}
+        mine = {gi: tuple(c.global_ranks) for gi, c in self.group_comms.items()}
+        every = self.comm.all_gather_objects(mine)
+        place = {gi: sorted({e[gi] for e in every if gi in e}).index(ranks) for gi, ranks in mine.items()}
+        return {id(p): f"pg{gi}-{place[gi]}/" for p, gi in trainable if gi in place}
+
+    def group_comm(self, gi: int) -> Comm:
+        """The Comm param group ``gi``'s parameters are sharded over."""
+        return self.group_comms.get(gi, self.comm)
+
+    def replicated_over(self, p: Tensor, group: dict[str, Any]) -> frozenset[str]:
+        """The model axes ``p`` (a plain parameter or a DTensor's stand-in) is a copy across (see
+        _model_axes): a DTensor's mesh when its placement is Replicate; for a plain parameter the
+        meshes of the DTensor parameters beside it; every axis of ``model_parallel_group`` for a
+        param group marked ``"replicated": True``."""
+        dt = self.dtensor_of.get(id(p))
+        if dt is not None:
+            over = {self.axes.name_of(mesh_of(dt).get_group())} if replicated(dt) else set()
+        else:
+            over = set(self.dtensor_axes)
+        return frozenset(over | (self.user_axes if group.get("replicated") else set()))
+
+    def key_part(self) -> str:
+        """This rank's checkpoint key prefix: its position on each axis of ``model_parallel_group``
+        that no DTensor mesh names (the parts a checkpoint cannot place in a whole tensor), e.g.
+        ``"pp1.tp0/"``; "" without such axes (see checkpoint [Note: one checkpoint for every part of
+        the model])."""
+        own = [a for a in self.axes.axes if a.name in self.user_axes and a.name not in self.dtensor_axes]
+        return ".".join(f"{a.name}{a.rank}" for a in own) + "/" if own else ""
+
+    def writes_copies(self) -> bool:
+        """Whether this rank writes the tensors every rank of the DTensor meshes holds a copy of
+        (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each."""
+        return all(a.rank == 0 for a in self.axes.axes if a.name in self.dtensor_axes)
