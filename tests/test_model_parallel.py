@@ -568,3 +568,31 @@ def test_a_checkpoint_call_on_some_parts_only_raises_instead_of_hanging(pools, t
     for r, msg in enumerate(res):
         assert "Timeout" in msg.split(":")[0] and ("save_checkpoint()" if r in (0, 2) else "clip_grad_norm_()") in msg, \
             (r, msg)
+
+
+def tp_memory_case() -> dict:
+    """The example GPT split over tp 2 by examples/gpt.py's tensor_parallel, bf16, 2 steps."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import GPT, GPTConfig, tensor_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16)).to(torch.bfloat16)
+    tensor_parallel(model, mesh["tp"])
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0.05, device_mesh=mesh["dp"])
+    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
+    for _ in range(2):
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        opt.backward(model(x, x.roll(1, dims=1)))
+        opt.step()
+        opt.zero_grad()
+    rep = opt.memory_report()
+    return {"buffers": rep.buffers, "predicted": rep.predicted["buffers"], "buffers_built": len(opt._buffers)}
+
+
+def test_memory_report_beside_tensor_parallelism_is_its_prediction_on_every_rank(pools):
+    for r, got in enumerate(pools(4).run(tp_memory_case)):
+        assert got["buffers"] == got["predicted"] and got["buffers_built"] == 1, (r, got)

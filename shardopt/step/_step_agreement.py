@@ -85,8 +85,6 @@ class StepAgreement:
         for b in self.buffers:
             bad, n = b.grad_stats(norm_type)
             nonfinite += bad
-            if not b.counted_in_norm:  # replicated across a model axis: its rank 0 counts it (see _model_axes)
-                continue
             norm = torch.maximum(norm, n) if norm_type is not None and math.isinf(norm_type) else norm + n
         return nonfinite, norm
 

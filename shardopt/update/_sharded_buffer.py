@@ -42,8 +42,8 @@ class ShardedBuffer:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
                  config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
-                 amsgrad: bool = False, replicated_over: frozenset[str] = frozenset(),
-                 counted_in_norm: bool = True, dtensors: Sequence[Tensor | None] | None = None,
+                 amsgrad: bool = False, counted: Sequence[bool] | None = None,
+                 dtensors: Sequence[Tensor | None] | None = None,
                  grad_factor: float = 1.0) -> None:
         self.comm, self.config, self.rule = comm, config, rule
         # The reduction averages over this buffer's group; the gradient each rank steps with is
@@ -51,8 +51,6 @@ class ShardedBuffer:
         # optimizer [Note: param groups with their own data-parallel group]).
         self.grad_factor = grad_factor
         # The model axes (comm._model_axes) these parameters are replicated across, and whether this
-        # rank counts them in the gradient's norm (on each such axis only its rank 0 does).
-        self.replicated_over, self.counted_in_norm = replicated_over, counted_in_norm
         self.amsgrad = amsgrad  # some param group of this buffer sets amsgrad=True: its moments keep max_exp_avg_sq
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
@@ -61,7 +59,9 @@ class ShardedBuffer:
                                                             alignment=alignment,
                                                             bucket_numel=config.bucket_numel(element_size))
             dtensors = dtensors if dtensors is not None else [None] * len(params)
-            params, group_of, names, dtensors = ([seq[i] for i in order] for seq in (params, group_of, names, dtensors))
+            counted = counted if counted is not None else [True] * len(params)
+            params, group_of, names, dtensors, counted = ([seq[i] for i in order]
+                                                          for seq in (params, group_of, names, dtensors, counted))
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))
@@ -75,6 +75,19 @@ class ShardedBuffer:
         # optimizer's step minus its lag.
         self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index,
                                                    dtensors)
+        # This rank's parts of the parameters it does not count in the gradient's norm: copies across a
+        # model axis, which that axis's rank 0 counts (see comm._model_axes [Note: the whole model's agreement])
+        uncounted = sorted((r.local for r, c in zip(self.records, counted or [True] * len(self.records))
+                            if not c and r.local is not None), key=lambda r: r.start)
+        self.counted_runs: list[Range] | None = None  # None: the whole shard counts
+        if uncounted:
+            self.counted_runs, at = [], 0
+            for r in uncounted:
+                if r.start > at:
+                    self.counted_runs.append(Range(at, r.start))
+                at = r.end
+            if at < self.layout.shard_numel:
+                self.counted_runs.append(Range(at, self.layout.shard_numel))
         self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
@@ -239,7 +252,11 @@ class ShardedBuffer:
         k = self.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
         if norm_type is None:
             return k.grad_nonfinite(g), zero
-        s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
+        if math.isinf(norm_type) or self.counted_runs is None:  # a copy counted twice changes no maximum
+            s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
+        else:  # without the copies that another rank of a model axis counts
+            s = sum((k.grad_norm_power(g[r.as_slice()], norm_type) for r in self.counted_runs if r.size),
+                    torch.zeros((), dtype=torch.float32, device=g.device))
         if self.grad_factor != 1.0:  # the norm of the gradient the step takes
             s = s * (self.grad_factor if math.isinf(norm_type) else self.grad_factor ** norm_type)
         return (~torch.isfinite(s)).float(), s
@@ -331,24 +348,24 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
                   counts: Callable[[frozenset[str]], bool] = lambda over: True,
                   dtensor_of: dict[int, Tensor] | None = None,
                   group_comm: Callable[[int], Comm] | None = None) -> list[ShardedBuffer]:
-    """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and the model
-    axes a parameter is replicated across (``replicated_of(param, group index)``, see
-    comm._model_axes), from (parameter, param-group index) pairs; ``names`` by ``id``;
-    ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counts(axes)``: whether this
-    rank counts such parameters in the norm; ``dtensor_of``: by ``id`` of a stand-in, the DTensor
+    """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and process
+    group, from (parameter, param-group index) pairs; ``names`` by ``id``;
+    ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``replicated_of(param, group
+    index)``: the model axes a parameter is a copy across (see comm._model_axes), and ``counts(axes)``
+    whether this rank counts such a parameter in the gradient's norm; ``dtensor_of``: by ``id`` of a stand-in, the DTensor
     parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
     group's parameters are sharded over (its own process_group, else ``comm``). Every rank (each
     buffer broadcasts rank 0's weights)."""
     dtensor_of = dtensor_of or {}
     group_comm = group_comm or (lambda gi: comm)
-    by_kind: dict[tuple[torch.dtype, str, frozenset[str], int], list[tuple[torch.nn.Parameter, int]]] = {}
+    by_kind: dict[tuple[torch.dtype, str, int], list[tuple[torch.nn.Parameter, int]]] = {}
     comms: dict[int, Comm] = {}
     for p, gi in trainable:
         c = group_comm(gi)
         comms[id(c)] = c
-        by_kind.setdefault((p.dtype, rule_of(gi), replicated_of(p, gi), id(c)), []).append((p, gi))
+        by_kind.setdefault((p.dtype, rule_of(gi), id(c)), []).append((p, gi))
     buffers = []
-    for k, ((_, rule, over, cid), entries) in enumerate(by_kind.items()):
+    for k, ((_, rule, cid), entries) in enumerate(by_kind.items()):
         own = comms[cid]
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
@@ -356,7 +373,7 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], own, config,
                                      names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
                                      amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
-                                     replicated_over=over, counted_in_norm=counts(over),
+                                     counted=[counts(replicated_of(p, g)) for p, g in entries],
                                      dtensors=[dtensor_of.get(id(p)) for p, _ in entries],
                                      grad_factor=own.world_size / comm.world_size))
     return buffers
