@@ -65,19 +65,6 @@ MUON_LR = 0.02
 
 
 # ----------------------------------------------------------------------------------- worker
-def _state_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -88,6 +75,7 @@ def worker(args: argparse.Namespace) -> None:
         sys.path.insert(0, os.path.abspath(args.baseline))
     import shardopt
     from gpt_batches import gpt_and_batches
+    from live_tensors import storage_bytes
 
     torch.set_num_threads(1)
     cuda = args.device == "cuda"
@@ -132,7 +120,7 @@ def worker(args: argparse.Namespace) -> None:
         def state():
             st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)] if name == "ddp" else \
                 [s for v in opt.optim.state.values() for s in v.values() if torch.is_tensor(s)]
-            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+            return storage_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
     elif name == "ddp-muon":  # what a careful user writes today: DDP, torch's Muon and fused AdamW on every rank
         from gpt import muon_param_groups
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -157,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def state():
             st = [s for o in (muon, adamw) for v in o.state.values() for s in v.values() if torch.is_tensor(s)]
-            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+            return storage_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
     elif name == "fsdp2":
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -180,7 +168,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def state():
             st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)]
-            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+            return storage_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
     elif name.startswith("deepspeed"):
         import deepspeed
 
@@ -205,7 +193,7 @@ def worker(args: argparse.Namespace) -> None:
             inner = getattr(opt, "optimizer", opt)
             st = [s for v in inner.state.values() for s in v.values() if torch.is_tensor(s)]
             extra = list(getattr(opt, "single_partition_of_fp32_groups", []))
-            return _state_bytes(list(model.parameters()) + st + extra)
+            return storage_bytes(list(model.parameters()) + st + extra)
     else:
         stage, dtype = int(name[8]), name.split("-")[1]
         if dtype == "bf16":

@@ -55,19 +55,6 @@ LOSS_TOL = {"fp32": 2e-3, "bf16": 3e-2}
 
 
 # ----------------------------------------------------------------------------------- worker
-def _state_bytes(tensors) -> int:
-    seen, total = set(), 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = getattr(t, "_local_tensor", t)  # DTensor -> this rank's shard
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 def worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
@@ -77,6 +64,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, os.path.join(ROOT, "examples"))
     import shardopt
     from gpt import tensor_parallel
+    from live_tensors import storage_bytes
     from gpt_batches import gpt_and_batches
 
     torch.set_num_threads(1)
@@ -123,7 +111,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def state() -> int:
             st = [s for v in opt.state.values() for s in v.values() if torch.is_tensor(s)]
-            return _state_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
+            return storage_bytes(list(model.parameters()) + [p.grad for p in model.parameters()] + st)
 
     losses = [train_step() for _ in range(args.warmup)]
     times = []

@@ -76,3 +76,19 @@ class LiveTensors:
         old = (r() for r in self._old)
         alive = [t for t in old if t is not None]
         return _count(alive, self.graph, seen) + _count(gc.get_objects(), self.graph, seen)
+
+
+def storage_bytes(tensors: Iterable[object]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped; a DTensor counts its local
+    tensor, this rank's piece): a model's state on this rank, counted once however many views."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is None:
+            continue
+        if hasattr(t, "to_local") and hasattr(t, "placements"):  # a DTensor: this rank's piece
+            t = t.to_local()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total

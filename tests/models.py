@@ -46,3 +46,25 @@ def param_groups(model: nn.Module, lr: float = 1e-2) -> list[dict]:
         {"params": decay, "weight_decay": 0.1},
         {"params": other, "weight_decay": 0.0, "lr": lr * 0.5, "betas": (0.8, 0.99)},
     ]
+
+
+def small_gpt(dtype: torch.dtype = torch.bfloat16):
+    """The example GPT (examples/gpt.py) at 2 layers, 64 wide, 4 heads, 16 tokens, seed 0."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
+    from gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16)).to(dtype)
+
+
+def gpt_steps(model: nn.Module, opt, seed: int, steps: int = 2) -> None:
+    """``steps`` training steps of ``small_gpt`` on random bytes from ``seed`` (2 sequences each)."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, 256, (2, 16), generator=g)
+        opt.backward(model(x, x.roll(1, dims=1)))
+        opt.step()
+        opt.zero_grad()

@@ -8,21 +8,17 @@ run with flat sharding over all 4 ranks (summation order differs, so: within fp3
 """
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
-from models import batch, make_model, param_groups
+from models import batch, gpt_steps, make_model, param_groups, small_gpt
 from shardopt.estimate import estimate_memory
 from shardopt.memory import CATEGORIES
 
 STEPS = 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _mesh(shape):
@@ -90,20 +86,11 @@ def test_hybrid_2x2_equals_flat_4(pools, stage):
 
 def memory_case(stage: int, master: str, moments: str) -> dict:
     """The example GPT, 2 x 2 mesh: bytes measured after two steps, and what the estimate needs."""
-    sys.path.insert(0, os.path.join(ROOT, "examples"))
-    from gpt import GPT, GPTConfig
-
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16)).to(torch.bfloat16)
+    model = small_gpt()
     groups = model.param_groups(0.1)
     opt = shardopt.ShardedAdamW(groups, lr=1e-3, stage=stage, master_weights=master, moments=moments,
                                 bucket_cap_mb=0.05, loss_scale=None, device_mesh=_mesh((2, 2)))
-    g = torch.Generator().manual_seed(dist.get_rank())
-    for _ in range(2):
-        x = torch.randint(0, 256, (2, 16), generator=g)
-        opt.backward(model(x, x.roll(1, dims=1)))
-        opt.step()
-        opt.zero_grad()
+    gpt_steps(model, opt, dist.get_rank())
     rep = opt.memory_report()
     in_opt = [p for grp in groups for p in grp["params"]]
     index = {id(p): i for i, p in enumerate(in_opt)}

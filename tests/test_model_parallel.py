@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
+from models import gpt_steps, small_gpt
 from parallel_models import (Experts, MegatronTP, Stage, Whole, batch, expert_reference, global_batch, pipeline_step,
                              reference)
 
@@ -165,20 +166,34 @@ def _tp_train(model, opt, mesh, steps) -> None:
         opt.step()
 
 
-def tp_checkpoint_case(path: str) -> dict:
-    """5 steps at once against 3 steps, a checkpoint every rank saves to one path, a fresh model
-    and optimizer loaded from it, 2 more steps."""
-    mesh, model, opt = _tp_setup(2)
-    _tp_train(model, opt, mesh, range(STEPS))
-    mesh, resumed, opt = _tp_setup(2)
-    _tp_train(resumed, opt, mesh, range(3))
+def _resume_worst(build, train, path: str, *, build_again=None, local=lambda p: p) -> tuple[float, int]:
+    """5 steps at once against 3 steps, a checkpoint every rank saves to ``path``, a fresh model
+    and optimizer (``build_again``, default ``build``) loaded from it, 2 more steps: (the largest
+    difference of ``local`` of the parameters, the resumed optimizer's step count)."""
+    model, opt = build()
+    train(model, opt, range(STEPS))
+    resumed, opt = build()
+    train(resumed, opt, range(3))
     shardopt.save_checkpoint(path, resumed, opt)
-    _, resumed, opt = _tp_setup(1)  # another stage: the part reshards as without model axes
+    resumed, opt = (build_again or build)()
     shardopt.load_checkpoint(path, resumed, opt)
-    _tp_train(resumed, opt, mesh, range(3, STEPS))
-    worst = max((p.detach() - q.detach()).abs().max().item()
+    train(resumed, opt, range(3, STEPS))
+    worst = max((local(p).detach() - local(q).detach()).abs().max().item()
                 for p, q in zip(model.parameters(), resumed.parameters()))
-    return {"worst": worst, "step": opt.step_count}
+    return worst, opt.step_count
+
+
+def tp_checkpoint_case(path: str) -> dict:
+    """Megatron-style TP; the resumed optimizer at another stage (the part reshards as without
+    model axes)."""
+    mesh = _tp_setup(2)[0]
+
+    def build(stage=2):
+        return _tp_setup(stage)[1:]
+
+    worst, step = _resume_worst(build, lambda m, o, steps: _tp_train(m, o, mesh, steps), path,
+                                build_again=lambda: build(1))
+    return {"worst": worst, "step": step}
 
 
 def test_tensor_parallel_ranks_save_to_one_path_and_each_resumes_its_part(pools, tmp_path):
@@ -204,16 +219,7 @@ def pp_checkpoint_case(path: str) -> dict:
             opt.clip_grad_norm_(CLIP)
             opt.step()
 
-    part, opt = build()
-    train(part, opt, range(STEPS))
-    resumed, opt = build()
-    train(resumed, opt, range(3))
-    shardopt.save_checkpoint(path, resumed, opt)
-    resumed, opt = build()
-    shardopt.load_checkpoint(path, resumed, opt)
-    train(resumed, opt, range(3, STEPS))
-    return {"worst": max((p.detach() - q.detach()).abs().max().item()
-                         for p, q in zip(part.parameters(), resumed.parameters()))}
+    return {"worst": _resume_worst(build, train, path)[0]}
 
 
 def test_pipeline_stages_save_to_one_path_and_each_resumes_its_stage(pools, tmp_path):
@@ -313,24 +319,11 @@ def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools
 def dtensor_checkpoint_case(path: str) -> dict:
     from torch.distributed.tensor import DTensor
 
-    def train(model, opt, mesh, steps):
-        for step in steps:
-            opt.zero_grad()
-            opt.backward(model(*batch(mesh["dp"].get_local_rank(), step)))
-            opt.clip_grad_norm_(CLIP)
-            opt.step()
-
-    mesh, model, opt, _ = _dtensor_setup(2)
-    train(model, opt, mesh, range(STEPS))
-    mesh, resumed, opt, _ = _dtensor_setup(2)
-    train(resumed, opt, mesh, range(3))
-    shardopt.save_checkpoint(path, resumed, opt)
-    mesh, resumed, opt, _ = _dtensor_setup(1)
-    shardopt.load_checkpoint(path, resumed, opt)
-    train(resumed, opt, mesh, range(3, STEPS))
-    local = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in model.parameters()]
-    again = [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in resumed.parameters()]
-    return {"worst": max((a - b).abs().max().item() for a, b in zip(local, again))}
+    mesh = _dtensor_setup(2)[0]
+    worst = _resume_worst(lambda: _dtensor_setup(2)[1:3], lambda m, o, steps: _tp_train(m, o, mesh, steps), path,
+                          build_again=lambda: _dtensor_setup(1)[1:3],
+                          local=lambda p: p.to_local() if isinstance(p, DTensor) else p)[0]
+    return {"worst": worst}
 
 
 def test_dtensor_tp_checkpoint_to_one_path_resumes_exactly(pools, tmp_path):
@@ -430,16 +423,7 @@ def expert_checkpoint_case(path: str) -> dict:
             opt.clip_grad_norm_(CLIP)
             opt.step()
 
-    model, opt = build(2)
-    train(model, opt, range(STEPS))
-    resumed, opt = build(2)
-    train(resumed, opt, range(3))
-    shardopt.save_checkpoint(path, resumed, opt)
-    resumed, opt = build(1)
-    shardopt.load_checkpoint(path, resumed, opt)
-    train(resumed, opt, range(3, STEPS))
-    return {"worst": max((p.detach() - q.detach()).abs().max().item()
-                         for p, q in zip(model.parameters(), resumed.parameters()))}
+    return {"worst": _resume_worst(lambda: build(2), train, path, build_again=lambda: build(1))[0]}
 
 
 def test_experts_that_share_a_name_on_different_ranks_save_apart_and_resume_exactly(pools, tmp_path):
@@ -516,18 +500,11 @@ def dtensor_reshard_case(path: str) -> dict:
     def full(model):
         return [(p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for p in model.parameters()]
 
-    def train(model, opt, mesh, steps):
-        for step in steps:
-            opt.zero_grad()
-            opt.backward(model(*batch(mesh["dp"].get_local_rank(), step)))
-            opt.clip_grad_norm_(CLIP)
-            opt.step()
-
     mesh, model, opt, _ = _dtensor_setup(2)
-    train(model, opt, mesh, range(STEPS))
+    _tp_train(model, opt, mesh, range(STEPS))
     uninterrupted = full(model)
     mesh, tp_model, opt, _ = _dtensor_setup(2)
-    train(tp_model, opt, mesh, range(3))
+    _tp_train(tp_model, opt, mesh, range(3))
     shardopt.save_checkpoint(path, tp_model, opt)
     saved = full(tp_model)
     plain = Whole(1)
@@ -535,7 +512,7 @@ def dtensor_reshard_case(path: str) -> dict:
                                 device_mesh=mesh["dp"])
     shardopt.load_checkpoint(path, plain, opt)
     loaded = all(torch.equal(a, b) for a, b in zip(saved, full(plain)))
-    train(plain, opt, mesh, range(3, STEPS))
+    _tp_train(plain, opt, mesh, range(3, STEPS))
     worst = max((a - b).abs().max().item() for a, b in zip(uninterrupted, full(plain)))
     return {"loaded": loaded, "worst": worst, "step": opt.step_count}
 
@@ -545,6 +522,26 @@ def test_a_dtensor_checkpoint_loads_without_tensor_parallelism(pools, tmp_path):
         assert got["loaded"] and got["worst"] <= 1e-6 and got["step"] == STEPS, (r, got)
 
 
+def tp_memory_case() -> dict:
+    """The example GPT split over tp 2 by examples/gpt.py's tensor_parallel, bf16, 2 steps."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = small_gpt()
+    from gpt import tensor_parallel  # examples/, on the path once small_gpt has run
+
+    tensor_parallel(model, mesh["tp"])
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0.05, device_mesh=mesh["dp"])
+    gpt_steps(model, opt, mesh["dp"].get_local_rank())
+    rep = opt.memory_report()
+    return {"buffers": rep.buffers, "predicted": rep.predicted["buffers"], "buffers_built": len(opt._buffers)}
+
+
+def test_memory_report_beside_tensor_parallelism_is_its_prediction_on_every_rank(pools):
+    for r, got in enumerate(pools(4).run(tp_memory_case)):
+        assert got["buffers"] == got["predicted"] and got["buffers_built"] == 1, (r, got)
+
+
+# Last in the module: it breaks shardopt's control groups on purpose (a timeout), and a pool whose
+# control groups are broken is replaced only between modules (see distpool).
 def save_on_one_part_case(path: str) -> str:
     """Only tensor-parallel position 0 calls save_checkpoint; position 1 goes on to clip_grad_norm_
     (the model's own collectives would wait for position 0 forever: a backward is no test)."""
@@ -568,31 +565,3 @@ def test_a_checkpoint_call_on_some_parts_only_raises_instead_of_hanging(pools, t
     for r, msg in enumerate(res):
         assert "Timeout" in msg.split(":")[0] and ("save_checkpoint()" if r in (0, 2) else "clip_grad_norm_()") in msg, \
             (r, msg)
-
-
-def tp_memory_case() -> dict:
-    """The example GPT split over tp 2 by examples/gpt.py's tensor_parallel, bf16, 2 steps."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples"))
-    from gpt import GPT, GPTConfig, tensor_parallel
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=16)).to(torch.bfloat16)
-    tensor_parallel(model, mesh["tp"])
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, bucket_cap_mb=0.05, device_mesh=mesh["dp"])
-    g = torch.Generator().manual_seed(mesh["dp"].get_local_rank())
-    for _ in range(2):
-        x = torch.randint(0, 256, (2, 16), generator=g)
-        opt.backward(model(x, x.roll(1, dims=1)))
-        opt.step()
-        opt.zero_grad()
-    rep = opt.memory_report()
-    return {"buffers": rep.buffers, "predicted": rep.predicted["buffers"], "buffers_built": len(opt._buffers)}
-
-
-def test_memory_report_beside_tensor_parallelism_is_its_prediction_on_every_rank(pools):
-    for r, got in enumerate(pools(4).run(tp_memory_case)):
-        assert got["buffers"] == got["predicted"] and got["buffers_built"] == 1, (r, got)
