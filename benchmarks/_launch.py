@@ -56,3 +56,20 @@ def run(cmd: list[str], timeout: float, **kw) -> tuple[int | None, str, str]:
         kill_tree(proc.pid)
         out, err = proc.communicate()
         return None, out, err
+
+
+def run_for_json(cmd: list[str], out: str, timeout: float, **kw) -> object | str:
+    """What ``cmd`` wrote as JSON to the file ``out`` (then removed), or why there is nothing: "timed
+    out after N s", or "failed: " and the last lines it printed."""
+    import json
+
+    code, stdout, stderr = run(cmd, timeout, **kw)
+    if code is None:
+        return f"timed out after {timeout} s"
+    if code != 0 or not os.path.exists(out):
+        tail = (stderr or stdout).strip().splitlines()[-3:]
+        return "failed: " + " / ".join(tail)[:300]
+    with open(out) as f:
+        res = json.load(f)
+    os.remove(out)
+    return res

@@ -143,15 +143,9 @@ def run_config(config: str, args: argparse.Namespace) -> list[dict] | str:
            "--warmup", str(args.warmup), "--batch-size", str(args.batch_size), "--block-size", str(args.block_size)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t = time.perf_counter()
-    code, stdout, stderr = launch.run(cmd, args.timeout, env=env)  # a hung launch is killed with its workers
-    if code is None:
-        return f"timed out after {args.timeout} s"
-    if code != 0 or not os.path.exists(out):
-        tail = (stderr or stdout).strip().splitlines()[-3:]
-        return "failed: " + " / ".join(tail)[:300]
-    with open(out) as f:
-        res = json.load(f)
-    os.remove(out)
+    res = launch.run_for_json(cmd, out, args.timeout, env=env)  # a hung launch is killed with its workers
+    if isinstance(res, str):
+        return res
     print(f"  {config:<14} {res[0]['step_s'] * 1e3:7.0f} ms/step  loss {res[0]['losses'][0]:.4f} -> "
           f"{res[0]['losses'][-1]:.4f}  ({time.perf_counter() - t:.0f}s)", flush=True)
     return res

@@ -32,15 +32,21 @@ def _tp_setup(stage: int, dtype: torch.dtype = torch.float32, **kw):
     return mesh, model, opt
 
 
-def megatron_tp_case(stage: int) -> dict:
-    mesh, model, opt = _tp_setup(stage)
-    dp = mesh["dp"].get_local_rank()
+def _clipped_steps(model, opt, dp: int, steps) -> list[float]:
+    """Training steps on data-parallel rank ``dp``'s batches, clipped to CLIP; the norms returned."""
     norms = []
-    for step in range(STEPS):
+    for step in steps:
         opt.zero_grad()
         opt.backward(model(*batch(dp, step)))
         norms.append(float(opt.clip_grad_norm_(CLIP)))
         opt.step()
+    return norms
+
+
+def megatron_tp_case(stage: int) -> dict:
+    mesh, model, opt = _tp_setup(stage)
+    dp = mesh["dp"].get_local_rank()
+    norms = _clipped_steps(model, opt, dp, range(STEPS))
     whole, ref_norms = reference(STEPS, 2, clip=CLIP)
     worst = max((p.detach() - q.detach()).abs().max().item() for p, q in model.pieces_of(whole))
     mine = torch.cat([p.detach().reshape(-1) for p in model.replicated()])
@@ -158,12 +164,7 @@ def test_replicated_without_a_model_axis_is_refused(pools):
 
 
 def _tp_train(model, opt, mesh, steps) -> None:
-    dp = mesh["dp"].get_local_rank()
-    for step in steps:
-        opt.zero_grad()
-        opt.backward(model(*batch(dp, step)))
-        opt.clip_grad_norm_(CLIP)
-        opt.step()
+    _clipped_steps(model, opt, mesh["dp"].get_local_rank(), steps)
 
 
 def _resume_worst(build, train, path: str, *, build_again=None, local=lambda p: p) -> tuple[float, int]:
@@ -284,12 +285,7 @@ def dtensor_tp_case(stage: int) -> dict:
 
     mesh, model, opt, placements = _dtensor_setup(stage)
     dp = mesh["dp"].get_local_rank()
-    norms = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        opt.backward(model(*batch(dp, step)))
-        norms.append(float(opt.clip_grad_norm_(CLIP)))
-        opt.step()
+    norms = _clipped_steps(model, opt, dp, range(STEPS))
     whole, ref_norms = reference(STEPS, 2, clip=CLIP)
     ref = dict(whole.named_parameters())
     worst, still = 0.0, {}
@@ -383,12 +379,7 @@ def expert_case(stage: int) -> dict:
     opt = shardopt.ShardedAdamW([{"params": model.dense.parameters()},
                                  {"params": model.experts.parameters(), "process_group": mesh["edp"].get_group()}],
                                 lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4)
-    norms = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        opt.backward(model(*batch(rank, step)))
-        norms.append(float(opt.clip_grad_norm_(CLIP)))
-        opt.step()
+    norms = _clipped_steps(model, opt, rank, range(STEPS))
     ref, ref_norms = expert_reference(STEPS, 4, 2, clip=CLIP)
     pairs = list(zip(model.dense.parameters(), ref.dense.parameters()))
     pairs += list(zip(model.experts[0].parameters(), ref.experts[e].parameters()))
@@ -417,11 +408,7 @@ def expert_checkpoint_case(path: str) -> dict:
             lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4)
 
     def train(model, opt, steps):
-        for step in steps:
-            opt.zero_grad()
-            opt.backward(model(*batch(rank, step)))
-            opt.clip_grad_norm_(CLIP)
-            opt.step()
+        _clipped_steps(model, opt, rank, steps)
 
     return {"worst": _resume_worst(lambda: build(2), train, path, build_again=lambda: build(1))[0]}
 
