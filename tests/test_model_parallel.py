@@ -527,6 +527,32 @@ def test_memory_report_beside_tensor_parallelism_is_its_prediction_on_every_rank
         assert got["buffers"] == got["predicted"] and got["buffers_built"] == 1, (r, got)
 
 
+def hybrid_tp_case() -> dict:
+    """DTensor TP over 2 ranks beside a hybrid (2 replicas x 2 shards) data-parallel mesh: 8 ranks."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    model = Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["replicate", "shard"])
+    dp = mesh["replicate"].get_local_rank() * 2 + mesh["shard"].get_local_rank()
+    norms = _clipped_steps(model, opt, dp, range(STEPS))
+    whole, ref_norms = reference(STEPS, 4, clip=CLIP)
+    ref = dict(whole.named_parameters())
+    worst = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - ref[n].detach()).abs().max().item()
+                for n, p in model.named_parameters())
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms}
+
+
+def test_dtensor_tp_beside_a_hybrid_data_parallel_mesh(pools):
+    for r, got in enumerate(pools(8).run(hybrid_tp_case)):
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
 # Last in the module: it breaks shardopt's control groups on purpose (a timeout), and a pool whose
 # control groups are broken is replaced only between modules (see distpool).
 def save_on_one_part_case(path: str) -> str:
