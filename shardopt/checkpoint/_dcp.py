@@ -71,7 +71,8 @@ class _BlockSavePlanner(dcp.DefaultSavePlanner):
     def __init__(self, blocks: list[Block]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._blocks = {(b.key, tuple(b.offsets)): b for b in blocks}
-        assert len(self._blocks) == len(blocks), "two blocks with the same key and offsets"
+        if len(self._blocks) != len(blocks):
+            raise AssertionError("a rank's checkpoint blocks hold two blocks with the same key and offsets")
 
     def create_local_plan(self) -> SavePlan:
         items = []
@@ -139,7 +140,8 @@ class _BlockLoadPlanner(dcp.DefaultLoadPlanner):
             self._by_key.setdefault(b.key, []).append(b)
 
     def create_local_plan(self) -> LoadPlan:
-        assert self.metadata is not None
+        if self.metadata is None:
+            raise AssertionError("DCP asked for the load plan before it read the checkpoint's metadata")
         requests: list[ReadItem] = []
         for key, blocks in self._by_key.items():
             md = self.metadata.state_dict_metadata.get(key)

@@ -133,7 +133,8 @@ class Pending:
     def wait_landed(self) -> "Pending | None":
         """Block until these collectives finished and run ``then``; return the follow-up it started
         when that one may be waited on later (``overlap``), else wait for it too and return None."""
-        assert not self.done, "a collective handle was waited twice"
+        if self.done:
+            raise AssertionError("a collective handle was waited twice")
         start = time.perf_counter()
         timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
         # A control message's own gloo timeout is ``deadline``: gloo decides, this wait is a backstop.

@@ -23,7 +23,8 @@ class FlatParams:
                  dtensors: Sequence[Tensor | None] | None = None) -> None:
         """``dtensors``: the DTensor parameter each of ``params`` stands in for (or None), rebuilt
         over the same view (see core._dtensor [Note: DTensor parameters])."""
-        assert len(params) == len(layout.params)
+        if len(params) != len(layout.params):
+            raise AssertionError(f"a flat buffer of {len(params)} parameters laid out for {len(layout.params)}")
         self.params = list(params)
         self.layout = layout
         self.dtype = params[0].dtype

@@ -40,7 +40,8 @@ class Range:
     end: int
 
     def __post_init__(self) -> None:
-        assert 0 <= self.start <= self.end, self
+        if not 0 <= self.start <= self.end:
+            raise AssertionError(f"a range must have 0 <= start <= end, got Range({self.start}, {self.end})")
 
     @property
     def size(self) -> int:

@@ -140,7 +140,8 @@ class ParamRecord:
 
     def to(self, state: ParamState) -> None:
         """The one place ``state`` changes."""
-        assert state in _PARAM_NEXT[self.state], (self.name, self.state, state)
+        if state not in _PARAM_NEXT[self.state]:
+            raise AssertionError(f"parameter {self.name}: its gradient cannot go from {self.state} to {state}")
         self.state = state
 
     def place(self, slot: GradSlot) -> None:
@@ -195,7 +196,8 @@ class BucketRecord:
 
     def to(self, state: BucketState) -> None:
         """The one place ``state`` changes."""
-        assert state in _BUCKET_NEXT[self.state], (self.buffer, self.index, self.state, state)
+        if state not in _BUCKET_NEXT[self.state]:
+            raise AssertionError(f"bucket {self.index} of buffer {self.buffer} cannot go from {self.state} to {state}")
         self.state = state
 
     @property

@@ -165,7 +165,8 @@ class ShardGrads(_Store):
 
     def _to(self, state: ShardSum) -> None:
         """The one place ``sum`` changes after construction."""
-        assert state in _SUM_NEXT[self.sum], (self.sum, state)
+        if state not in _SUM_NEXT[self.sum]:
+            raise AssertionError(f"the gradient shard's sum cannot go from {self.sum} to {state}")
         self.sum = state
 
     @property
@@ -262,7 +263,8 @@ class ShardGrads(_Store):
 
     def end_round(self) -> None:
         """Every bucket of the round landed: the shard holds the gradient the step will read."""
-        assert self._staging_bytes == 0, "staging left behind after a round"
+        if self._staging_bytes:
+            raise AssertionError(f"{self._staging_bytes} bytes of staging left behind after a round")
         self._to(ShardSum.SUMMED if self.accum_shard is not None else ShardSum.HELD)
 
     def round_sum(self) -> None:

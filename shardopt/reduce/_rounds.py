@@ -238,7 +238,8 @@ class Rounds:
 
     def _to(self, state: RoundState) -> None:
         """The one place a round changes state; BROKEN is reached from anywhere (``fail``)."""
-        assert state is RoundState.BROKEN or state in _NEXT[self.state], (self.state, state)
+        if state is not RoundState.BROKEN and state not in _NEXT[self.state]:
+            raise AssertionError(f"a round cannot go from {self.state} to {state}")
         self.state = state
 
     def fail(self, why: str) -> None:

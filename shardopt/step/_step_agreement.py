@@ -133,7 +133,8 @@ class StepAgreement:
         ``got``'s inf/NaN count and norm become the whole model's, in place. Raises RuntimeError on
         every rank of the model when its ranks are in different calls. Every rank of the model."""
         axes = self.axes
-        assert axes is not None
+        if axes is None:
+            raise AssertionError("the whole model's follow-up on an optimizer without model axes")
         inf_norm = norm_type is not None and math.isinf(norm_type)
         t = torch.zeros(2 + len(CALLS), dtype=torch.float64)
         t[0], t[1] = float(got.nonfinite), 0.0 if inf_norm or norm_type is None else float(got.norm)

@@ -40,7 +40,9 @@ class StepMessage:
             v = getattr(self, f.name)
             t = v.reshape(-1).float() if isinstance(v, Tensor) else torch.tensor(
                 [float(v)] if f.name in ("nonfinite", "norm") else [float(x) for x in v], dtype=torch.float32)
-            assert t.numel() == self.LENGTHS[f.name], (f.name, t.numel())
+            if t.numel() != self.LENGTHS[f.name]:
+                raise AssertionError(f"step message field {f.name} has {t.numel()} numbers, its slot "
+                                     f"{self.LENGTHS[f.name]}")
             parts.append(t.to(device))
         return torch.cat(parts)
 

@@ -200,7 +200,8 @@ class ShardedBuffer:
         tensor-parallel piece is orthogonalised as part of the whole matrix (see _muon_tp). Local,
         but for that piece's gather across its mesh."""
         place, r = self.place_of(rec.bucket), rec.local
-        assert r is not None
+        if r is None:
+            raise AssertionError(f"Muon's step of matrix {rec.name} on a rank that holds no part of it")
         gb = place.grad_of(rec.bucket, grad)  # Muon's gradient stays where it is (no host copy is kept)
         shape, hp, here = rec.span.shape, param_groups[rec.group], self.flat.device
         g = gb[r.as_slice()].view(shape).float()
