@@ -157,8 +157,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                       lambda gi: self._rule_of(self.param_groups[gi]),
                                       lambda gi: bool(self.param_groups[gi].get("amsgrad")),
-                                      lambda p, gi: parts.replicated_over(p, self.param_groups[gi]),
-                                      parts.axes.counts, parts.dtensor_of, parts.group_comm)
+                                      lambda p, gi: parts.counted(p, self.param_groups[gi]),
+                                      parts.dtensor_of, parts.group_comm)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]

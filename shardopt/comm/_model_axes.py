@@ -26,9 +26,10 @@ the others waiting, up to the optimizer's ``timeout`` (or the group's).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -110,18 +111,9 @@ class ModelAxes:
         return bool(self.axes)
 
     @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(a.name for a in self.axes)
-
-    @property
     def size(self) -> int:
         """Ranks that hold one part each of the model with this data-parallel position."""
         return math.prod(a.size for a in self.axes)
-
-    @property
-    def coordinate(self) -> tuple[int, ...]:
-        """This rank's position on each axis."""
-        return tuple(a.rank for a in self.axes)
 
     def counts(self, replicated_over: frozenset[str]) -> bool:
         """Whether this rank counts, in the norm, parameters replicated across the axes named
@@ -138,9 +130,13 @@ class ModelAxes:
         for a in self.axes:
             a.comm.timeout = timeout
 
-    def during(self, where: str) -> None:
-        for a in self.axes:
-            a.comm.where = where
+    @contextlib.contextmanager
+    def during(self, where: str) -> Iterator[None]:
+        """Name ``where`` in the timeout message of the follow-ups waited for inside (``Comm.during``)."""
+        with contextlib.ExitStack() as stack:
+            for a in self.axes:
+                stack.enter_context(a.comm.during(where))
+            yield
 
     def describe(self) -> str:
         """e.g. ``"tp 2 x pp 2 (this rank: tp 1, pp 0)"``. Local."""

@@ -125,6 +125,11 @@ class ModelParts:
         """The Comm param group ``gi``'s parameters are sharded over."""
         return self.group_comms.get(gi, self.comm)
 
+    def counted(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether this rank counts ``p`` (a plain parameter or a DTensor's stand-in, of param group
+        ``group``) in the gradient's norm: a copy across an axis counts on its rank 0 only."""
+        return self.axes.counts(self.replicated_over(p, group))
+
     def replicated_over(self, p: Tensor, group: dict[str, Any]) -> frozenset[str]:
         """The model axes ``p`` (a plain parameter or a DTensor's stand-in) is a copy across (see
         _model_axes): a DTensor's mesh when its placement is Replicate; for a plain parameter the
@@ -148,4 +153,4 @@ class ModelParts:
     def writes_copies(self) -> bool:
         """Whether this rank writes the tensors every rank of the DTensor meshes holds a copy of
         (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each."""
-        return all(a.rank == 0 for a in self.axes.axes if a.name in self.dtensor_axes)
+        return self.axes.counts(self.dtensor_axes)

@@ -70,10 +70,9 @@ class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""
 
-    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm,
-                 axes: ModelAxes | None = None) -> None:
+    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm, axes: ModelAxes) -> None:
         self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
-        self.axes = axes  # the ranks with the rest of the model (see _model_axes), or None
+        self.axes = axes  # the ranks with the rest of the model (see _model_axes); empty without
         self.device = self.buffers[0].flat.device
 
     def local_grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
@@ -133,15 +132,14 @@ class StepAgreement:
         ``got``'s inf/NaN count and norm become the whole model's, in place. Raises RuntimeError on
         every rank of the model when its ranks are in different calls. Every rank of the model."""
         axes = self.axes
-        if axes is None:
-            raise AssertionError("the whole model's follow-up on an optimizer without model axes")
         inf_norm = norm_type is not None and math.isinf(norm_type)
         t = torch.zeros(2 + len(CALLS), dtype=torch.float64)
         t[0], t[1] = float(got.nonfinite), 0.0 if inf_norm or norm_type is None else float(got.norm)
         t[2 + CALLS.index(caller)] = 1.0
-        axes.during(f"{self.comm.where}, in its agreement with the ranks that hold the other parts of the model "
-                    f"({axes.describe()}),")
-        axes.reduce(t)
+        where = f"{self.comm.where}, in its agreement with the ranks that hold the other parts of the model " \
+                f"({axes.describe()}),"
+        with axes.during(where):
+            axes.reduce(t)
         counts = dict(zip(CALLS, t[2:].tolist()))
         if counts[caller] != axes.size:
             others = ", ".join(f"{int(n)} in {c}()" for c, n in counts.items() if n and c != caller)
@@ -152,7 +150,8 @@ class StepAgreement:
         got.nonfinite = float(t[0])
         if inf_norm:
             m = torch.tensor([float(got.norm)], dtype=torch.float64)
-            axes.reduce(m, "max")
+            with axes.during(where):
+                axes.reduce(m, "max")
             got.norm = float(m[0])
         elif norm_type is not None:
             got.norm = float(t[1])

@@ -345,16 +345,15 @@ class ShardedBuffer:
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,
                   names: dict[int, str], rule_of: Callable[[int], str] = lambda gi: "adamw",
                   amsgrad_of: Callable[[int], bool] = lambda gi: False,
-                  replicated_of: Callable[[torch.nn.Parameter, int], frozenset[str]] = lambda p, gi: frozenset(),
-                  counts: Callable[[frozenset[str]], bool] = lambda over: True,
+                  counted_of: Callable[[torch.nn.Parameter, int], bool] = lambda p, gi: True,
                   dtensor_of: dict[int, Tensor] | None = None,
                   group_comm: Callable[[int], Comm] | None = None) -> list[ShardedBuffer]:
     """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and process
     group, from (parameter, param-group index) pairs; ``names`` by ``id``;
-    ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``replicated_of(param, group
-    index)``: the model axes a parameter is a copy across (see comm._model_axes), and ``counts(axes)``
-    whether this rank counts such a parameter in the gradient's norm; ``dtensor_of``: by ``id`` of a stand-in, the DTensor
-    parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
+    ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counted_of(param, group
+    index)``: whether this rank counts the parameter in the gradient's norm (a copy across a model
+    axis counts on that axis's rank 0 only, see comm._model_axes); ``dtensor_of``: by ``id`` of a
+    stand-in, the DTensor parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
     group's parameters are sharded over (its own process_group, else ``comm``). Every rank (each
     buffer broadcasts rank 0's weights)."""
     dtensor_of = dtensor_of or {}
@@ -374,7 +373,7 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
         buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], own, config,
                                      names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
                                      amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
-                                     counted=[counts(replicated_of(p, g)) for p, g in entries],
+                                     counted=[counted_of(p, g) for p, g in entries],
                                      dtensors=[dtensor_of.get(id(p)) for p, _ in entries],
                                      grad_factor=own.world_size / comm.world_size))
     return buffers
