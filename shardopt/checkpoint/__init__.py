@@ -42,6 +42,7 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         read_manifest, recover, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.core._dtensor import is_dtensor, local_box, replicated
+from shardopt.core._layout import Range
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
@@ -60,10 +61,14 @@ class _Entry:
     offsets: tuple[int, ...] = ()  # where ``tensor`` starts in it (a DTensor's local piece)
     writes: bool = True  # this rank writes it: False for a copy another rank of a model axis writes
 
-    def place(self, blocks: list[Block]) -> list[Block]:
-        """Blocks of ``tensor`` (the local piece) as blocks of the whole tensor."""
-        return placed(blocks, self.shape, self.offsets) if any(self.offsets) or self.shape != tuple(
-            self.tensor.shape) else blocks
+    def blocks(self, key: str, local_shape: tuple[int, ...], r: Range, piece: Tensor) -> list[Block]:
+        """``blocks_of`` the flat range ``r`` of the local piece (of ``local_shape``), placed in the
+        whole tensor of ``shape`` at ``offsets``."""
+        return placed(blocks_of(key, local_shape, r, piece), self.shape, self.offsets)
+
+    def whole(self, key: str) -> list[Block]:
+        """The local piece, whole, as a block of the whole tensor."""
+        return placed([whole(key, self.tensor)], self.shape, self.offsets)
 
 
 def _part(opt: Any) -> str:
@@ -95,13 +100,10 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
             continue
         first[id(t)] = key
         # a DTensor: its local piece, at its offsets in the whole (see [Note: one checkpoint for every part of the model])
-        if is_dtensor(t):
-            shape, offsets = local_box(t)
-            writes = replicated_writer(opt) if replicated(t) else True
-            entries.append(_Entry(key, t.detach().to_local(), where.pop(id(t), None), shape, offsets, writes))
-        else:
-            entries.append(_Entry(key, t.detach(), where.pop(id(t), None), tuple(t.shape), (0,) * t.dim(),
-                                  replicated_writer(opt)))
+        split = is_dtensor(t) and not replicated(t)
+        shape, offsets = local_box(t) if is_dtensor(t) else (tuple(t.shape), (0,) * t.dim())
+        local = t.detach().to_local() if is_dtensor(t) else t.detach()
+        entries.append(_Entry(key, local, where.pop(id(t), None), shape, offsets, split or replicated_writer(opt)))
     if where:
         b, i = next(iter(where.values()))
         raise ValueError(f"{len(where)} parameters that the optimizer updates are not in the model's state dict "
@@ -302,9 +304,12 @@ def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: floa
         claim(path, comm.global_ranks)
     except (TypeError, ValueError, FileExistsError) as e:
         error = e
-    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path), _part(opt), manifest))
-    manifest = _merged([(part, m) for _, _, part, m in agreed])
-    paths = [where for _, where, _, _ in agreed]
+    # the ranks' manifests differ only when they hold different parts: gathered then, merged on every rank
+    agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path),
+                                 (_part(opt), manifest) if opt._parts else None))
+    if opt._parts:
+        manifest = _merged([part for _, _, part in agreed])
+    paths = [where for _, where, _ in agreed]
     if len(set(paths)) > 1:
         other = next(r for r, where in enumerate(paths) if where != paths[0])
         raise ValueError(f"save_checkpoint got different paths on different ranks: {paths[0]!r} on rank 0, "
@@ -381,7 +386,7 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
             continue
         if e.where is None:
             if comm.rank == 0:  # replicated on every rank: one copy is enough
-                blocks += e.place([whole(MODEL + e.key, e.tensor)])
+                blocks += e.whole(MODEL + e.key)
             continue
         b, i = e.where
         if b.comm.replica != 0:  # the first replica's ranks write the shards
@@ -393,11 +398,11 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
         if piece is None:
             continue
         shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
-        blocks += e.place(blocks_of(MODEL + e.key, shape, r, b.flat.slice(piece.global_range)))
+        blocks += e.blocks(MODEL + e.key, shape, r, b.flat.slice(piece.global_range))
         if b.dtype != torch.float32:
-            blocks += e.place(blocks_of(MASTER + e.key, shape, r, masters[id(b)][local]))
+            blocks += e.blocks(MASTER + e.key, shape, r, masters[id(b)][local])
         for key, moment in zip(_moment_keys(b.rule, b.amsgrad), moments[id(b)]):
-            blocks += e.place(blocks_of(key + e.key, shape, r, moment[local]))
+            blocks += e.blocks(key + e.key, shape, r, moment[local])
     return blocks
 
 
@@ -465,13 +470,7 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
     else:
         settle(opt, "load_checkpoint", timeout)
         opt.zero_grad()  # gradients of the state being replaced must not reach the loaded one
-    data, job, error = comm, comm, None
-    try:
-        job = _job(opt) if opt is not None else comm  # see [Note: one checkpoint for every part of the model]
-    except ValueError as e:
-        error = e
-    if error is not None:
-        agree(comm, error)
+    job = _job(opt) if opt is not None else comm  # see [Note: one checkpoint for every part of the model]
     if job is not comm:  # the other parts' ranks are in this call too
         enter(job, "load_checkpoint", deadline=timeout)
     try:
@@ -486,7 +485,6 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
     except (FileNotFoundError, ValueError, TypeError) as e:
         error = e
     agree(job, error)
-    comm = data
     staging: dict[int, Tensor] = {}
     blocks: list[Block] = []
     with torch.no_grad():
@@ -503,7 +501,7 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
             if e.where is None:
                 # Same dtype: the stored weights, bit for bit; another dtype: from the fp32 master if kept.
                 same = s["dtype"] == _dtype_name(e.tensor.dtype)
-                blocks += e.place([whole(MODEL + e.key if same else s.get("master", MODEL + e.key), e.tensor)])
+                blocks += e.whole(MODEL + e.key if same else s.get("master", MODEL + e.key))
                 continue
             b, i = e.where
             piece = pieces[id(b)].get(i)
@@ -511,13 +509,13 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
                 continue
             # the local piece's shape: a DTensor's is read from wherever its whole was cut when saved
             shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
-            blocks += e.place(blocks_of(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local]))
+            blocks += e.blocks(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
             # Moments of the rule it was saved with; none when it was frozen, or saved under the
             # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
             if s["sharded"] and s.get("rule", "adamw") == b.rule:
                 saved_max = b.amsgrad and s.get("amsgrad", False)
                 for key, moment in zip(_moment_keys(b.rule, saved_max), moments[id(b)]):
-                    blocks += e.place(blocks_of(key + e.key, shape, r, moment[local]))
+                    blocks += e.blocks(key + e.key, shape, r, moment[local])
                 if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
                     without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
         from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read
