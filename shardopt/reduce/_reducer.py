@@ -55,6 +55,7 @@ class GradReducer:
                  reduce_dtype: torch.dtype | None = None) -> None:
         self.flat, self.comm = flat, comm
         self.records, self.buckets = list(records), list(buckets)
+        self.dtensor_records = [r for r in self.records if r.dtensor is not None]  # see core._dtensor
         # Reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for more precision:
         # the wire still carries the gradient dtype; the local sum runs in reduce_dtype and is rounded
         # once, after averaging (see comm._collectives [Note: deterministic reduction]).
@@ -346,17 +347,16 @@ class GradReducer:
     def take_dtensor_grads(self) -> None:
         """Move the ``.grad`` of each DTensor parameter into its stand-in (a gradient no hook moved:
         assigned by hand). See core._dtensor [Note: DTensor parameters]. Local."""
-        for r in self.records:
-            if r.dtensor is not None and r.dtensor.grad is not None:
+        for r in self.dtensor_records:
+            if r.dtensor.grad is not None:
                 move_grad(r.dtensor, r.param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
         parameters then have no gradient (a step leaves them alone), else a zero one (a step still
         applies weight decay and momentum to those that had one), as with torch. Local."""
-        for r in self.records:
-            if r.dtensor is not None:
-                r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
+        for r in self.dtensor_records:
+            r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
         self.held.forget(self.records)
         for r in self.records:
             r.place(GradSlot.OWN)

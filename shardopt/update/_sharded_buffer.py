@@ -48,9 +48,8 @@ class ShardedBuffer:
         self.comm, self.config, self.rule = comm, config, rule
         # The reduction averages over this buffer's group; the gradient each rank steps with is
         # that average times this (a param group with its own process_group, see
-        # optimizer [Note: param groups with their own data-parallel group]).
+        # comm._model_parts [Note: param groups with their own data-parallel group]).
         self.grad_factor = grad_factor
-        # The model axes (comm._model_axes) these parameters are replicated across, and whether this
         self.amsgrad = amsgrad  # some param group of this buffer sets amsgrad=True: its moments keep max_exp_avg_sq
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
@@ -75,6 +74,7 @@ class ShardedBuffer:
         # optimizer's step minus its lag.
         self.records, self.buckets = build_records(params, names, group_of, self.layout, comm.shard_rank, index,
                                                    dtensors)
+        self.groups = sorted(set(group_of))  # the param groups with parameters here
         # This rank's parts of the parameters it does not count in the gradient's norm: copies across a
         # model axis, which that axis's rank 0 counts (see comm._model_axes [Note: the whole model's agreement])
         uncounted = sorted((r.local for r, c in zip(self.records, counted or [True] * len(self.records))
@@ -145,7 +145,7 @@ class ShardedBuffer:
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
         if not self.amsgrad and self.rule == "adamw":
-            late = sorted({r.group for r in self.records if param_groups[r.group].get("amsgrad")})
+            late = [g for g in self.groups if param_groups[g].get("amsgrad")]
             if late:  # every rank alike: the hyperparameters agreed at this step's message
                 raise ValueError(f"param group {late[0]} has amsgrad=True, set after ShardedAdamW was built without "
                                  "it: the running maximum of exp_avg_sq is laid out at construction, so the step "
