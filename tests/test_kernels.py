@@ -805,6 +805,86 @@ def test_a_fused_kernel_that_fails_to_compile_falls_back_to_the_reference(monkey
         select(dtype=torch.float32, master="fp32", moments="fp32").grad_max(g)
 
 
+
+def _step_args():
+    w, m, v = torch.ones(8), torch.zeros(8), torch.zeros(8)
+    s = make_scalars(lr=1e-2, beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0, step=1, grad_scale=1.0)
+    return w, torch.full((8,), 0.5), m, v, s
+
+
+def test_an_error_of_the_compiled_step_propagates_and_the_step_is_not_run_twice(monkeypatch):
+    """A compiled step that fails while it runs (out of memory, a fault in the generated code),
+    after writing part of its tensors: the error reaches the caller with a note saying the shard
+    may be partly written, no warning, the object stays fused, and the reference does not run the
+    step again over the written tensors (which would apply it twice)."""
+    from shardopt.kernels import fused
+
+    def half_written_then_oom(name):
+        def kernel(w, g, m, v, s, key):
+            reference.step_fp32(w, g, m, v, s, key)  # the whole step written once ...
+            raise torch.OutOfMemoryError("out of memory while running the kernel")  # ... then a fault
+        return kernel
+
+    monkeypatch.setattr(fused, "_compiled", half_written_then_oom)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
+    w, g, m, v, s = _step_args()
+    w_once, _, m_once, v_once, _ = _step_args()
+    reference.step_fp32(w_once, g, m_once, v_once, s, None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning
+        with pytest.raises(torch.OutOfMemoryError) as raised:
+            kernels.step_fp32(w, g, m, v, s, None)
+    note = " ".join(getattr(raised.value, "__notes__", []))
+    assert "step_fp32 while it ran" in note and "partly written" in note and "not run again" in note, note
+    assert torch.equal(w, w_once) and torch.equal(m, m_once) and torch.equal(v, v_once)  # one step, not two
+    assert kernels.name == "fused" and kernels.step_fp32 is not reference.step_fp32
+
+
+def test_a_statistic_that_fails_while_running_says_it_wrote_nothing(monkeypatch):
+    from shardopt.kernels import fused
+
+    def failing(name):
+        def kernel(*args):
+            raise RuntimeError("illegal memory access")
+        return kernel
+
+    monkeypatch.setattr(fused, "_compiled", failing)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
+    with pytest.raises(RuntimeError, match="illegal memory access") as raised:
+        kernels.grad_max(torch.ones(4))
+    assert "writes nothing" in " ".join(raised.value.__notes__)
+    assert kernels.name == "fused"
+
+
+def test_a_compile_error_raised_at_the_first_call_runs_the_reference_once(monkeypatch):
+    """torch.compile compiles at the first call and raises a TorchDynamoException before the compiled
+    code runs (nothing written): the reference runs the call once, with the fallback warning."""
+    from torch._dynamo.exc import TorchDynamoException
+
+    from shardopt.kernels import fused
+
+    class CompileFailed(TorchDynamoException):  # as BackendCompilerFailed, whose arguments vary by release
+        pass
+
+    def fails_to_compile(name):
+        def kernel(*args):
+            raise CompileFailed("C++ compile error")
+        return kernel
+
+    monkeypatch.setattr(fused, "_compiled", fails_to_compile)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
+    w, g, m, v, s = _step_args()
+    w_once, _, m_once, v_once, _ = _step_args()
+    reference.step_fp32(w_once, g, m_once, v_once, s, None)
+    with pytest.warns(RuntimeWarning, match="torch.compile of the fused update failed"):
+        kernels.step_fp32(w, g, m, v, s, None)
+    assert torch.equal(w, w_once) and torch.equal(m, m_once) and torch.equal(v, v_once)
+    assert kernels.name == "reference"
+
+
 _WITHOUT_ADDITIONS = r"""
 import json, sys
 import torch

@@ -89,6 +89,9 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",
+    ("shardopt/kernels/fused.py", "with_fallback.run", "raise"):
+        "re-raises the compiled kernel's own error with a note from _ran_and_failed (its entry: 'An error "
+        "raised by the fused kernel while it ran')",
     ("shardopt/kernels/__init__.py", "Kernels._compile_failed", "error"):
         "with SHARDOPT_KERNEL=fused, re-raises torch.compile's own error (from a fused function's first call, "
         "fused.with_fallback, or from the self-check at construction)",

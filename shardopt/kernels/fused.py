@@ -9,11 +9,20 @@ Compilation is lazy: a kernel compiles on its first call.
 
 [Note: compile failure] Whether the compiler works shows only when it first runs (no C++ compiler,
 no Triton, an unsupported torch). A :class:`shardopt.kernels.Kernels` that chose the fused path
-therefore holds each fused function through :func:`with_fallback`: a plain function that calls the
-compiled kernel and, if that raises, hands the error to the object's ``on_failure`` (which warns
-once and rebinds every function of the object to the reference, or re-raises under
-``SHARDOPT_KERNEL=fused``) and returns the reference's result. The wrapper remembers the failure,
-so a caller that kept it runs the reference from then on too, without compiling again.
+therefore holds each fused function through :func:`with_fallback`, which tells a failure to
+compile from a failure of the compiled code:
+
+- torch.compile compiles a kernel before it runs it, tracing on fake tensors, and raises a
+  ``TorchDynamoException`` (``BackendCompilerFailed``, ``InductorError``, ...) from there: the
+  tensors the kernel would write are untouched. Such an error goes to the object's
+  ``on_failure`` (which warns once and rebinds every function of the object to the reference, or
+  re-raises under ``SHARDOPT_KERNEL=fused``), and the reference runs the call, once. The wrapper
+  remembers the failure, so a caller that kept it runs the reference from then on too.
+- Any other error (out of memory, a fault in the generated code) is raised where it happened,
+  with a note naming the kernel and what it may have written: a step kernel updates the shard's
+  weights, master weights and moments in place, so after such an error they may be partly
+  written, and the step is not run a second time over them (that would apply it twice). The
+  statistics kernels write nothing.
 """
 from __future__ import annotations
 
@@ -76,20 +85,54 @@ def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
     return _call("grad_norm_power", args, kwargs)
 
 
+# What a step kernel updates in place; the statistics kernels (moment8_scan, grad_*) write nothing.
+_WRITES = {"step_fp32", "step_remainder", "step_stochastic", "step_none"}
+
+
+def _compile_errors() -> tuple[type[BaseException], ...]:
+    """The errors torch.compile raises while compiling, before the compiled code runs."""
+    from torch._dynamo.exc import TorchDynamoException  # BackendCompilerFailed, InductorError, ...
+
+    return (TorchDynamoException,)
+
+
+def _ran_and_failed(name: str, error: Exception) -> None:
+    """Add to ``error`` (raised by the compiled kernel ``name`` while it ran) what it may have written."""
+    if name in _WRITES:
+        state = ("it updates this rank's shard of the weights, master weights and moments in place, so they may be "
+                 "partly written: the step was not run again over them. Load the last checkpoint "
+                 "(shardopt.load_checkpoint) before training on; SHARDOPT_KERNEL=reference runs the eager kernels")
+    else:
+        state = "it writes nothing (a gradient statistic), so the optimizer's state is as it was before the call"
+    error.add_note(f"shardopt: raised by the fused kernel {name} while it ran (after compiling); {state}")
+
+
 def with_fallback(name: str, on_failure: Callable[[Exception], None]) -> Callable:
-    """The fused function ``name`` (one of ``shardopt.kernels.STEP_NAMES``), run as the reference
-    for good once it has raised, after ``on_failure(error)`` (see [Note: compile failure])."""
-    fused_fn, reference_fn = globals()[name], getattr(reference, name)
+    """The fused function ``name`` (one of ``shardopt.kernels.STEP_NAMES``): a failure to compile
+    calls ``on_failure(error)`` and runs the reference, for good; an error of the compiled code
+    propagates with a note on what it may have written (see [Note: compile failure])."""
+    reference_fn = getattr(reference, name)
     failed = False
 
     def run(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the kernel's own signature and result
         nonlocal failed
-        if not failed:
+        if failed:
+            return reference_fn(*args, **kwargs)
+        try:
+            compiled = _compiled(name)
+        except Exception as e:  # noqa: BLE001 - torch.compile itself unusable: nothing ran
+            failure = e
+        else:
             try:
-                return fused_fn(*args, **kwargs)
-            except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
-                on_failure(e)
-                failed = True
+                with _cpu_codegen.fused_kernels():  # see [Note: wide tiling], [Note: wide bytes]
+                    return compiled(*args, **kwargs)
+            except _compile_errors() as e:  # compiling failed: the kernel never ran
+                failure = e
+            except Exception as e:
+                _ran_and_failed(name, e)
+                raise
+        on_failure(failure)
+        failed = True
         return reference_fn(*args, **kwargs)
 
     run.__name__ = name
