@@ -29,7 +29,16 @@ class OptimizerStateDict:
         """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler),
         loadable by ``load_state_dict`` on the same rank at the same world size and layout; on the
         rank that ``consolidate_state_dict`` gathered onto, the whole state instead (until the next
-        ``step``). Local: frameworks call it on one rank only."""
+        ``step``). Local: frameworks call it on one rank only.
+
+        Unlike torch's getter, it first takes in weights written from outside the optimizer on this
+        rank since the last step (``p.copy_(...)``, ``p.data = ...``, a loaded model state dict): the
+        master weights are the state a resume trains from, so a state dict saved after such a write
+        must hold the written weights, not the ones before it (a resume would otherwise silently
+        drop the write). It does what the next ``step`` would do first, without communication: the
+        parameter is re-bound to its place in the flat buffer and this rank's part of the master
+        follows it; the next step then finds nothing more to take in (and, as every step does,
+        still makes every rank agree on rank 0's values)."""
         for hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
             hook(self)
         sd = dict(self._consolidated) if self._consolidated is not None else rank_state_dict(self)
