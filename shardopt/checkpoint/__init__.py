@@ -561,7 +561,7 @@ def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], mod
     for b in opt._buffers:
         for r in b.records:
             saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
-            r.lag = opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step
+            r.resume(opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step)
         b.binding.record()  # the loaded master weights are the authority, not what was written before
     opt._scaler.load_state_dict(manifest["loss_scaler"])
     seed = manifest["config"].get("seed")

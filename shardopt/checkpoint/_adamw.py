@@ -246,7 +246,7 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}
     for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
         for r in b.records:
-            r.lag = 0 if b.rule == "muon" else opt._step - step_of.get(id(r.leaf), 0)
+            r.resume(0 if b.rule == "muon" else opt._step - step_of.get(id(r.leaf), 0))
         b.binding.record()
     if header["loss_scaler"] is not None:
         opt._scaler.load_state_dict(header["loss_scaler"])

@@ -125,7 +125,7 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
         b.moments.load_tensors(saved)
         b.load_master(saved)
         for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
-            r.lag = int(lag)
+            r.resume(lag)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     for k, v in sd.get("state", {}).items():

@@ -25,16 +25,14 @@ class WeightGathers:
 
     def started(self, bucket: BucketRecord, pending: Pending) -> None:
         """The gather of ``bucket`` was issued (a bucket still in flight keeps its place, with the new handle)."""
-        if bucket.gather is None:
+        if bucket.gathering(pending) is None:
             self._started.append(bucket)
-        bucket.gather = pending
 
     def wait(self, bucket: BucketRecord) -> bool:
         """Wait for the gather of ``bucket`` if it is in flight; True if it was."""
-        pending = bucket.gather
+        pending = bucket.gathering(None)
         if pending is None:
             return False
-        bucket.gather = None
         self._started.remove(bucket)
         pending.wait()
         self._on_landed(bucket)
@@ -48,8 +46,7 @@ class WeightGathers:
     def wait_quietly(self) -> None:
         """Wait for every gather without telling anyone (an optimizer being collected)."""
         for bucket in self._started:
-            pending, bucket.gather = bucket.gather, None
-            pending.wait()
+            bucket.gathering(None).wait()
         self._started.clear()
 
     def handles(self) -> list[Pending]:

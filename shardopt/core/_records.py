@@ -118,8 +118,7 @@ class ParamRecord:
     slot: GradSlot = GradSlot.OWN
     used: bool = False  # got a gradient on this rank since its gradient was last zeroed
     reach: Reach = Reach.DIRECT
-    gradless: bool = False  # before the first round, used only in forwards without gradients
-    arrived: bool = False  # its gradient arrived in the first round (the arrival order lists it)
+    arrival: int | None = None  # its place in the order gradients arrived in the first round; None: none arrived
     replaced: bool = False  # stage 2: p.grad replaced by a tensor after backward; reported at the step
     trained: bool = True  # some rank has a gradient for it at this step: the update touches it (step._usage_checks)
     hook: Any = None  # the handle of its post-accumulate-grad hook (reduce._rounds)
@@ -138,11 +137,86 @@ class ParamRecord:
         """The tensor autograd accumulates this parameter's gradient into: the model's parameter."""
         return self.param if self.dtensor is None else self.dtensor
 
+    @property
+    def gradless(self) -> bool:
+        """Used only in forwards without gradients (as a reentrant checkpoint runs its first
+        forward) before the first round. A question."""
+        return self.forward_without_grad and not self.forward_with_grad
+
+    # -- the verbs: outside build_records, every field changes in one of these ------------------
     def to(self, state: ParamState) -> None:
         """The one place ``state`` changes."""
         if state not in _PARAM_NEXT[self.state]:
             raise AssertionError(f"parameter {self.name}: its gradient cannot go from {self.state} to {state}")
         self.state = state
+
+    def attach(self, placeholder: Tensor, accumulator: Any) -> None:
+        """The reducer's: its stage-2 placeholder, and autograd's gradient accumulator (held)."""
+        self.placeholder, self.accumulator = placeholder, accumulator
+
+    def hooked(self, handle: Any) -> None:
+        """The scheduler's: the handle of its post-accumulate-grad hook (None: removed)."""
+        self.hook = handle
+
+    def used_in_forward(self, position: int, grad_enabled: bool) -> bool:
+        """Its module runs a forward before the first round; ``position``: the next first use's
+        place. True if this was its first use (the position is taken)."""
+        first = self.first_use is None
+        if first:
+            self.first_use = position
+        if grad_enabled:
+            self.forward_with_grad = True
+        else:
+            self.forward_without_grad = True
+        return first
+
+    def nest(self) -> None:
+        """Its gradient may come from a backward pass nested in the outer one: never counted ahead."""
+        self.reach = Reach.NESTED
+
+    def arrived(self, position: int) -> bool:
+        """Its gradient arrived in the first round, ``position``-th; True if it had not before."""
+        if self.arrival is not None:
+            return False
+        self.arrival = position
+        return True
+
+    def got_gradient(self, used: bool = True) -> None:
+        """Whether it has a gradient on this rank since its gradient was last zeroed."""
+        self.used = used
+
+    def mark_replaced(self, replaced: bool) -> None:
+        """Stage 2: ``p.grad`` was (or no longer is) a tensor put there by hand after backward."""
+        self.replaced = replaced
+
+    def mark_trained(self, trained: bool) -> None:
+        """Whether some rank has a gradient for it at this step (agreed over the ranks)."""
+        self.trained = trained
+
+    def keep_bytes(self, nbytes: int) -> int:
+        """Its ``.grad`` kept across no_sync passes is now ``nbytes``; returns the change, bytes."""
+        change, self.kept_bytes = nbytes - self.kept_bytes, nbytes
+        return change
+
+    def bound(self, ptr: int) -> None:
+        """It is (again) a view of its flat buffer at ``ptr``."""
+        self.ptr = ptr
+
+    def seen(self, version: int) -> None:
+        """Its value, at version counter ``version``, was taken by the optimizer."""
+        self.version, self.rebound = version, False
+
+    def mark_rebound(self) -> None:
+        """Re-bound to the flat buffer from storage of its own: written, though its version did not move."""
+        self.rebound = True
+
+    def stepped(self) -> None:
+        """A step ran: a parameter no rank had a gradient for falls one more step behind."""
+        self.lag += not self.trained
+
+    def resume(self, lag: int) -> None:
+        """A loaded state: its own step count is the optimizer's minus ``lag``."""
+        self.lag = int(lag)
 
     def place(self, slot: GradSlot) -> None:
         """The one place ``slot`` changes: what the optimizer just put in ``p.grad``. The placeholder
@@ -170,7 +244,7 @@ class HostCopy:
 
     weights: Tensor  # 1D, param dtype: the host copy of its weights, which the update writes
     device_weights: Tensor  # 1D, param dtype: the same range of the flat param buffer, on the accelerator
-    grad: Tensor | None  # 1D, grad dtype: the host copy of its averaged gradient (None: not copied, Muon)
+    gradient: Tensor | None  # 1D, grad dtype: the host copy of its averaged gradient (None: not copied, Muon)
     grad_copied: Any = None  # recorded when its gradient's device-to-host copy was issued
     weights_copied: Any = None  # recorded when its new weights' host-to-device copy was issued
 
@@ -194,11 +268,39 @@ class BucketRecord:
     gather: Any = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
     host: HostCopy | None = None  # offload="cpu": its part of the shard in host memory, and the copies' events
 
+    # -- the verbs: outside build_records, every field changes in one of these ------------------
     def to(self, state: BucketState) -> None:
-        """The one place ``state`` changes."""
+        """The one place ``state`` changes; WAITING (the next round) counts no parameter in."""
         if state not in _BUCKET_NEXT[self.state]:
             raise AssertionError(f"bucket {self.index} of buffer {self.buffer} cannot go from {self.state} to {state}")
         self.state = state
+        if state is BucketState.WAITING:
+            self.ready = 0
+
+    def placed(self, position: int) -> None:
+        """Its place among every bucket of the optimizer."""
+        self.position = position
+
+    def one_ready(self) -> None:
+        """One more of its parameters is in for the open round."""
+        self.ready += 1
+
+    def stage(self, staging: Tensor | None) -> None:
+        """Stage 2: the buffer its gradients are reduced from (None: freed)."""
+        self.staging = staging
+
+    def view_grad(self, grad_view: Tensor) -> None:
+        """Stage 1: its part of the flat gradient."""
+        self.grad_view = grad_view
+
+    def gathering(self, pending: Any) -> Any:
+        """Its weight gather is ``pending`` (None: waited for); returns the one it held."""
+        held, self.gather = self.gather, pending
+        return held
+
+    def offloaded(self, host: HostCopy) -> None:
+        """``offload="cpu"``: its part of the shard in host memory."""
+        self.host = host
 
     @property
     def complete(self) -> bool:

@@ -49,7 +49,7 @@ class FlatGrads(_Store):
         super().__init__(flat, comm, reduce_dtype, buckets)
         self.flat_grad = torch.zeros_like(flat.data)  # 1D, grad dtype, the whole padded buffer
         for b in self.buckets:
-            b.grad_view = self.flat_grad[b.global_range.as_slice()]
+            b.view_grad(self.flat_grad[b.global_range.as_slice()])
             for r in b.params:
                 r.param.grad = b.view_of(r)
         self._shard = flat.layout.shard_range(comm.shard_rank)
@@ -204,7 +204,7 @@ class ShardGrads(_Store):
 
     def _staging_for(self, b: BucketRecord) -> Tensor:
         if b.staging is None:
-            b.staging = torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device)
+            b.stage(torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device))
             self._staging_bytes += b.staging.numel() * b.staging.element_size()
             self.on_alloc()
         return b.staging
@@ -238,7 +238,7 @@ class ShardGrads(_Store):
         """Bucket ``b``'s reduction arrived: its staging goes."""
         if b.staging is not None:
             self._staging_bytes -= b.staging.numel() * b.staging.element_size()
-            b.staging = None
+            b.stage(None)
 
     def buffer_bytes(self) -> int:
         """Staging and the fp32 sum of several rounds held now, bytes."""

@@ -30,16 +30,14 @@ class HeldBytes:
         """Autograd produced a ``.grad`` of ``nbytes`` (0: it is the storage itself) for parameter
         ``r``; held until taken, or across ``no_sync`` passes when ``keep``."""
         if keep and nbytes:
-            self._loose_total += nbytes - r.kept_bytes
-            r.kept_bytes = nbytes
+            self._loose_total += r.keep_bytes(nbytes)
         self._pending = 0 if r.kept_bytes else nbytes
         self.grad_peak = max(self.grad_peak, self.grad_bytes + self._loose_total + self._pending)
         self.on_change()
 
     def unkeep(self, r: ParamRecord) -> None:
         """Parameter ``r``'s kept ``.grad`` is being taken."""
-        self._loose_total -= r.kept_bytes
-        r.kept_bytes = 0
+        self._loose_total += r.keep_bytes(0)
 
     def taken(self) -> None:
         """The ``.grad`` produced last is gone (moved into a buffer or a sum)."""
@@ -49,7 +47,7 @@ class HeldBytes:
         """Gradients zeroed: no ``.grad`` of ``records`` is kept any more."""
         if self._loose_total:  # else no record keeps any
             for r in records:
-                r.kept_bytes = 0
+                r.keep_bytes(0)
             self._loose_total = 0
 
     def buffers_grew(self) -> None:

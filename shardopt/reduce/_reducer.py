@@ -73,9 +73,8 @@ class GradReducer:
         for r in self.records:
             # p.grad holds it: stage 2 after a round, either stage while a 16-bit gradient is summed
             # in the fp32 accumulation buffer under no_sync.
-            r.placeholder = GradPlaceholder(r.param)
             # Its gradient accumulator (held, so autograd keeps using this one): which ones a backward pass reaches.
-            r.accumulator = get_gradient_edge(r.leaf).node
+            r.attach(GradPlaceholder(r.param), get_gradient_edge(r.leaf).node)
         self.store = (FlatGrads(flat, comm, self.reduce_dtype, self.buckets) if stage == 1 else
                       ShardGrads(flat, comm, self.reduce_dtype, self.accumulate_dtype, self.buckets))  # see _grad_store
         self.flat_grad = getattr(self.store, "flat_grad", None)
@@ -83,7 +82,7 @@ class GradReducer:
         self.held = HeldBytes(self.store.nbytes, self._buffer_bytes)  # see _held_bytes
         self.store.on_alloc = self.held.buffers_grew
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
-        self.arrival: list[ParamRecord] = []  # parameters in the order their gradients arrived in the first round
+        self._arrivals = 0  # gradients that arrived in the first round so far
         self.order: list[BucketRecord] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
 
@@ -106,9 +105,8 @@ class GradReducer:
         only in forwards without gradients (see _rounds [Note: launch order]) are never counted
         ahead. Local."""
         for r in self.records:
-            r.gradless = r.forward_without_grad and not r.forward_with_grad
             if r.gradless:
-                r.reach = Reach.NESTED
+                r.nest()
 
     def holds_unreduced(self) -> bool:
         """Some ``p.grad`` holds a gradient that no round took (assigned by hand, or accumulated
@@ -141,7 +139,7 @@ class GradReducer:
         """Hand ``grad`` (parameter ``r``'s whole gradient, or None) to the store."""
         used = self.store.put(r, grad)
         if used is not None:
-            r.used = used
+            r.got_gradient(used)
 
     def follow_views(self) -> bool:
         """Before a step, stage 1: make the gradient of each parameter whose ``p.grad`` was set to
@@ -176,9 +174,9 @@ class GradReducer:
                 g.zeroed = False  # zero_(): a zero gradient that still counts as present
             else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
                 r.place(GradSlot.OWN)
-                r.used = g is not None
+                r.got_gradient(g is not None)
                 if g is not None and at_step and not self.store.keeps_views:
-                    r.replaced = True
+                    r.mark_replaced(True)
             cleared.append(r)
         if not cleared:
             return False
@@ -195,10 +193,10 @@ class GradReducer:
         when its bucket has one more parameter in for this round. Local."""
         param = r.param
         if nested:
-            r.reach = Reach.NESTED
+            r.nest()
         state = r.state
         if state is ParamState.ABSENT:  # ABSENT -> TAKEN or WAITING: refused below, as if never counted
-            r.reach = Reach.NESTED  # never counted ahead again
+            r.nest()  # never counted ahead again
             r.to(ParamState.WAITING if r.bucket.state is BucketState.WAITING else ParamState.TAKEN)
             if param.dtype != self.flat.dtype or param.device != self.flat.device:
                 return False  # converted after construction (a new accumulator): reported at step() on every rank
@@ -207,7 +205,7 @@ class GradReducer:
                             "did not show, after its bucket was reduced without it; use use_reentrant=False, or turn "
                             "checkpointing on before the first backward pass")
             return False
-        r.used = True
+        r.got_gradient()
         grad = pending_of(param.grad)
         own = grad is None or self.store.is_storage(r, grad)  # no new tensor
         self.held.produced(r, 0 if own else grad.numel() * grad.element_size(),
@@ -216,9 +214,8 @@ class GradReducer:
             if self.accumulate_dtype is not None:
                 self._accumulate(r)
             return False
-        if first and not r.arrived:
-            r.arrived = True
-            self.arrival.append(r)
+        if first and r.arrived(self._arrivals):
+            self._arrivals += 1
         if state is ParamState.TAKEN:  # a second gradient in one round: used inside and outside a reentrant checkpoint
             self._late(r)
             return False
@@ -314,8 +311,7 @@ class GradReducer:
         self.store.end_round()
         self.accum = None
         for b in self.buckets:
-            b.ready = 0
-            b.to(BucketState.WAITING)  # LANDED -> WAITING: the next round
+            b.to(BucketState.WAITING)  # LANDED -> WAITING: the next round, none ready
         for r in self.records:
             r.to(ParamState.WAITING)  # any -> WAITING: the next round
         if not self.store.keeps_views:
@@ -326,6 +322,10 @@ class GradReducer:
                 if set_grad(r.param, ph):
                     r.place(GradSlot.PLACEHOLDER)
             self.check_seconds += time.perf_counter() - start
+
+    def arrival(self) -> list[ParamRecord]:
+        """The parameters whose gradients arrived in the first round, in that order. A question."""
+        return sorted((r for r in self.records if r.arrival is not None), key=lambda r: r.arrival)
 
     @property
     def forward_order(self) -> list[BucketRecord]:
@@ -360,7 +360,7 @@ class GradReducer:
         self.held.forget(self.records)
         for r in self.records:
             r.place(GradSlot.OWN)
-            r.replaced = False
+            r.mark_replaced(False)
         if not set_to_none:
             for r in self.records:  # a real .grad (16-bit accumulation aside) is zeroed in place
                 if r.param.grad is not None and not is_placeholder(r.param.grad):
@@ -379,7 +379,7 @@ class GradReducer:
         self.accum = None
         if set_to_none:
             for r in self.records:
-                r.used = False
+                r.got_gradient(False)
         self.stepped()
 
     def stepped(self) -> None:

@@ -101,7 +101,7 @@ class UsageChecks:
         for b in self.buffers:
             b.reducer.problems = []
             for r in b.records:
-                r.replaced = False
+                r.mark_replaced(False)
 
     def joined(self) -> Findings:
         """What a rank that shadows the others inside a Join reports: no gradient for any parameter,
@@ -114,10 +114,10 @@ class UsageChecks:
         from outside before it did lost that write to it. Noted for the next check. Local."""
         for r in b.binding.raced(records):
             self.late_problems.append(
-                f"parameter {r.name} was written through a tensor sharing its storage (a view or .data "
-                "taken before step()) while ShardedAdamW(overlap_param_gather=True) was still gathering the weights of "
-                "the last step into the model, which overwrote the write: call opt.finish_param_gather() before writing "
-                "weights into the model that way (writes through the parameters themselves wait by themselves)")
+                f"parameter {r.name} was written (through the parameter, a view or .data) while "
+                "ShardedAdamW(overlap_param_gather=True) was still gathering the weights of the last step into the "
+                "model, which overwrote the write: call opt.finish_param_gather() before writing weights into the model "
+                "outside a forward (model.load_state_dict() waits by itself)")
 
     def take_outside_writes(self) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint
@@ -208,12 +208,12 @@ class UsageChecks:
             trained, written = self._exchange_bitmaps(found)
             for b, flags in zip(self.buffers, trained):
                 for r, t in zip(b.records, flags):
-                    r.trained = t
+                    r.mark_trained(t)
         else:  # the usual step: every parameter has a gradient everywhere, nothing was written
             written = [[] for _ in self.buffers]
             for b in self.buffers:
                 for r in b.records:
-                    r.trained = True
+                    r.mark_trained(True)
         for b, changed in zip(self.buffers, written):
             if changed:
                 log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
@@ -276,5 +276,5 @@ def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> "torch.utils.h
             raise RuntimeError(DDP_MESSAGE.format(what=", into gradients that stage 2 keeps sharded"))
         warnings.warn(DDP_MESSAGE.format(what=", doubling the communication"), stacklevel=2)
 
-    handle.append(torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, owner)))
+    handle.append(owned_hook(torch.nn.modules.module.register_module_forward_pre_hook(hook), owner))
     return handle[0]

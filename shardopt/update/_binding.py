@@ -49,13 +49,13 @@ class ParamBinding:
     def __init__(self, flat: FlatParams, records: Sequence[ParamRecord]) -> None:
         self.flat, self.records = flat, list(records)
         for r in self.records:
-            r.ptr = r.param.data_ptr()  # its view of the flat buffer
+            r.bound(r.param.data_ptr())  # its view of the flat buffer
         self.record()
 
     def record(self) -> None:
         """Take the parameters' current values as seen (after the optimizer took them). Local."""
         for r in self.records:
-            r.version, r.rebound = version(r.param), False
+            r.seen(version(r.param))
 
     def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         """Those of ``records`` written since ``record`` (see ``UsageChecks.note_gathered``). A question. Local."""
@@ -105,7 +105,7 @@ class ParamBinding:
             if not p.is_contiguous():
                 relaid.append(r.name)
             p.data = view
-            r.rebound = True
+            r.mark_rebound()
         warn_layout_change(relaid, "after a model.to(memory_format=...) or p.data = t")
 
     def follow(self) -> tuple[list[ParamRecord], list[str]]:

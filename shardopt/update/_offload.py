@@ -153,9 +153,9 @@ class OnHost(OnDevice):
         event = torch.cuda.Event if self.accelerated else (lambda: None)
         for b in buckets:
             sl = b.local.as_slice()
-            b.host = HostCopy(weights=self.weights[sl], device_weights=weight_shard[sl],
-                              grad=None if self.grad is None else self.grad[sl],
-                              grad_copied=event(), weights_copied=event())
+            b.offloaded(HostCopy(weights=self.weights[sl], device_weights=weight_shard[sl],
+                              gradient=None if self.grad is None else self.grad[sl],
+                              grad_copied=event(), weights_copied=event()))
         self.buckets = tuple(buckets)
 
     @property
@@ -173,7 +173,7 @@ class OnHost(OnDevice):
             for b in buckets:
                 if b.host is None:  # offload_fraction < 1: a bucket beside the weights
                     continue
-                b.host.grad.copy_(grad[b.local.as_slice()], non_blocking=True)
+                b.host.gradient.copy_(grad[b.local.as_slice()], non_blocking=True)
                 b.host.grad_copied.record()
 
     def grad_of(self, b: BucketRecord, grad: Tensor) -> Tensor:
@@ -185,7 +185,7 @@ class OnHost(OnDevice):
         if self.accelerated:
             h.grad_copied.synchronize()
         else:
-            h.grad.copy_(grad[b.local.as_slice()])
+            h.gradient.copy_(grad[b.local.as_slice()])
         return self.grad
 
     def publish(self, b: BucketRecord) -> None:

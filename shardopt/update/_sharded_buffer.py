@@ -190,7 +190,7 @@ class ShardedBuffer:
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
             for r in self.records:
-                r.lag += not r.trained
+                r.stepped()
         return gathers
 
     def _muon_step(self, rec: ParamRecord, grad: Tensor, grad_scale: float, param_groups: Sequence[dict],
@@ -240,7 +240,7 @@ class ShardedBuffer:
             place.publish(b)
             gathers.append((b, self._gather(b)))
         for rec in self.records:  # left out: no state yet (see checkpoint._torch_state), as AdamW's lag
-            rec.lag += not rec.trained
+            rec.stepped()
         return gathers
 
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
@@ -322,7 +322,7 @@ class ShardedBuffer:
                                   moments=self.moments.name, rule=self.rule, amsgrad=self.amsgrad)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
-        arrival = [r.index for r in self.reducer.arrival] or None
+        arrival = [r.index for r in self.reducer.arrival()] or None
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival,
                                                  stage=self.config.stage, gloo=self.comm.backend != "nccl",
                                                  psize=self.flat.data.element_size(),
