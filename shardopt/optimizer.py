@@ -20,7 +20,7 @@ from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._dtensor import is_dtensor
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
-from shardopt.comm._gather_wait import in_flight, landed, watch_gathers
+from shardopt.comm._gather_wait import GatherWatch, in_flight, landed
 from shardopt.comm._gathers import WeightGathers
 from shardopt.reduce._held_bytes import HeldTotal
 from shardopt.view import OptimizerView
@@ -152,7 +152,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         flat = self._parts.settle(trainable, self._names)  # DTensor parameters by their stand-ins (core._dtensor)
         # see _ownership [Note: one optimizer per parameter]
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
-        remove_freed_hooks([p for p, _ in trainable])
+        remove_freed_hooks()
         parts = self._parts
         self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                       lambda gi: self._rule_of(self.param_groups[gi]),
@@ -186,7 +186,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
         # Weight all-gathers still in flight, in their buckets' records: see comm._gathers, comm._gather_wait.
         self._gathers = WeightGathers(self._on_landed(), self._record_of)
-        self._gather_hook = watch_gathers(self._gathers) if self.config.overlap_param_gather else None
+        self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         ref = weakref.ref(self)
         self._ddp_watch = watch_for_ddp(tracked, stage, ref)  # until the first step
@@ -347,8 +347,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         for b in self._buffers:
             for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
                 self._gathers.started(bucket, pending)
-                if self.config.overlap_param_gather:  # see _gather_wait [Note: reads of a weight still in flight]
-                    in_flight(self._gathers, bucket)
+                if self.config.overlap_param_gather:  # see _gather_wait [Note: compiled models]
+                    in_flight()
         waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
@@ -439,15 +439,15 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
 
     def _on_landed(self) -> Callable[[BucketRecord], None]:
-        """What a waited gather tells (overlap_param_gather only): its parameters are of their own
-        class again, and writes to them while it was in flight are checked. Holds no reference to
-        this optimizer, so that dropping it waits for its gathers at once (see __del__)."""
+        """What a waited gather tells (overlap_param_gather only): whether any gather is still in
+        flight, and that writes to its parameters while it was in flight are to be checked. Holds no
+        reference to this optimizer, so that dropping it waits for its gathers at once (see __del__)."""
         if not self.config.overlap_param_gather:
             return lambda bucket: None
         buffers, checks = self._buffers, self._checks
 
         def on_landed(bucket: BucketRecord) -> None:
-            landed([r.param for r in bucket.params])
+            landed()
             checks.note_gathered(buffers[bucket.buffer], bucket.params)
         return on_landed
 

@@ -94,9 +94,8 @@ def test_checkpoint_reads_match_dcp_resharding(seed):
 
 
 @pytest.mark.parametrize("internal", ["wrapper subclass", "disabled torch function", "version counter",
-                                      "subclass dispatch", "compiled wrapper"])
-def test_without_the_placeholder_gather_or_wrapper_internals_construction_names_the_torch_version(monkeypatch,
-                                                                                                  internal):
+                                      "compiled wrapper"])
+def test_without_the_placeholder_or_wrapper_internals_construction_names_the_torch_version(monkeypatch, internal):
     from torch._dynamo.eval_frame import OptimizedModule
 
     original_init = OptimizedModule.__init__
@@ -110,8 +109,6 @@ def test_without_the_placeholder_gather_or_wrapper_internals_construction_names_
         monkeypatch.delattr(torch._C, "_disabled_torch_function_impl")
     elif internal == "version counter":
         monkeypatch.setattr(torch.Tensor, "_version", None)
-    elif internal == "subclass dispatch":
-        monkeypatch.delattr(torch._C, "DisableTorchFunctionSubclass")
     else:
         monkeypatch.setattr(OptimizedModule, "__init__", init_elsewhere)
     with pytest.raises(RuntimeError, match=rf"does not have; install torch {_compat.TESTED}"):
@@ -130,24 +127,6 @@ def test_an_out_of_place_accumulation_into_the_stage2_placeholder_says_to_zero_f
     _forward(net, 0).backward(create_graph=True)
     opt.step()
     opt.close()
-
-
-def test_where_torch_keeps_hooks_elsewhere_a_freed_optimizers_hooks_stay_and_do_nothing(monkeypatch):
-    """hook_dicts' fallback: the hooks of a freed optimizer cannot be removed; they stay, return at
-    once, and the next optimizer over the same parameters trains as torch.optim.AdamW does."""
-    import gc
-
-    from shardopt.core import _ownership
-
-    monkeypatch.setattr(_ownership, "hook_dicts", lambda params: [])
-    model = _net()
-    first = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
-    del first  # freed without close(): only remove_freed_hooks could take its hooks away
-    gc.collect()
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.05)
-    n = len(list(model.parameters()))
-    assert sum(len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()) == 2 * n  # the old ones stayed
-    _trains_like_adamw(model, opt, 3)
 
 
 def test_the_control_groups_timeout_is_its_parents_or_torchs_default():

@@ -66,3 +66,38 @@ def test_hooks_of_a_freed_optimizer_go_at_the_next_construction_never_during_a_c
     opt = shardopt.ShardedAdamW(torch.nn.Linear(2, 2).parameters())
     assert not installed & set(_global_forward_pre_hooks)
     opt.close()
+
+
+def test_torchs_hook_dicts_hold_no_hook_of_a_freed_optimizer_once_the_next_is_built():
+    """Every hook of an optimizer freed without close() (the gradient hooks on the parameters, the
+    global forward pre-hooks, the module hooks of the overlapped gathers) is gone from torch's own
+    hook dicts once the next optimizer over the same model is built; a collection removes none."""
+    from torch.nn.modules.module import _global_forward_pre_hooks
+
+    def hooks(model):  # the ids of every hook in the torch dicts that shardopt registers in
+        ids = set(_global_forward_pre_hooks)
+        for m in model.modules():
+            ids |= set(m._forward_pre_hooks) | set(m._state_dict_pre_hooks) | set(m._load_state_dict_pre_hooks)
+        for p in model.parameters():
+            ids |= set(p._post_accumulate_grad_hooks or {})
+        return ids
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    before = hooks(model)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2, overlap_param_gather=True)
+    for _ in range(2):
+        opt.backward(model(torch.randn(4, 8)).square().mean())
+        opt.step()
+        opt.zero_grad()
+    installed = hooks(model) - before
+    params = len(list(model.parameters()))
+    owning = sum(1 for m in model.modules() if list(m.parameters(recurse=False)))
+    assert len(installed) >= params + 3 * owning  # gradient hooks; forward, state-dict and load pre-hooks
+    ref = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert ref() is None and installed <= hooks(model)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    assert not installed & hooks(model)
+    opt.close()

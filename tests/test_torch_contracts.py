@@ -376,8 +376,9 @@ def ema_case(read: str) -> tuple[float, list[float]]:
         opt.backward(model(batch(dist.get_rank(), step)))
         opt.step()
         model.zero_grad()  # what frameworks do between step and the next forward: no weight read
+        opt.finish_param_gather()  # weights read outside a forward: wait for the gathers first
         if read == "ema":
-            ema.update_parameters(model)  # reads every weight while its gather may still be in flight
+            ema.update_parameters(model)
         else:  # a parent reading a child's weight outside the child's forward
             sums.append(float(model.fc2.weight.sum()))
         ref_step(ref, ref_opt, step)

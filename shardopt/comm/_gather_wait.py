@@ -2,169 +2,160 @@
 
 [Note: overlapped gather]
 With overlap_param_gather=True, step() returns while the weights are still being all-gathered.
-A global forward pre-hook waits, before any module runs, for the buckets holding that module's
-own parameters, so the gathers of later layers overlap the compute of earlier ones. The first
-time the hook sees a module that owns such parameters, it also gives it a state-dict pre-hook
-that waits for every gather, so ``model.state_dict()`` right after ``step()`` (to save weights)
-returns the updated weights. At interpreter exit the gathers still in flight are waited for, so
-no collective is left running when torch tears the process group down.
+Each module that directly owns some of the optimizer's parameters gets a forward pre-hook of its
+own that waits, before the module runs, for the buckets holding those parameters, so the gathers
+of later layers overlap the compute of earlier ones (as FSDP2 and Megatron's
+overlap_param_gather do). The optimizer is not given the model, so it finds those modules at the
+first forward: a global forward pre-hook looks at each module the first time it is called, and
+registers the hooks on every module under it that owns such parameters (for the outermost
+module, the whole model at once); after that it does nothing for that module. Each such module
+also gets a state-dict pre-hook and a load-state-dict pre-hook that wait for every gather, so
+``model.state_dict()`` right after ``step()`` (to save weights) returns the updated weights and
+``model.load_state_dict()`` is not overwritten by a gather landing after it. The handles are kept
+(see core._ownership [Note: hooks of a freed optimizer]) and removed when the optimizer is
+released. At interpreter exit the gathers still in flight are waited for, so no collective is
+left running when torch tears the process group down.
 
-[Note: reads of a weight still in flight]
-A weight can be read outside its module's forward: an EMA or SWA model averaging the weights
-right after ``step()`` (``AveragedModel.update_parameters``), a parent reading a child's weight,
-logging. So while its bucket's gather is in flight, a parameter's class is an in-flight subclass
-of its own class whose ``__torch_function__`` first waits for that gather (and turns the
-parameter back into its own class), then runs the call as torch would. Reading ``p.grad``,
-``p.shape`` and the like does not read the weight and does not wait, so ``model.zero_grad()``
-between ``step()`` and the next forward keeps the overlap. The cost falls only on calls that
-take such a parameter; every other tensor op is untouched.
+[Note: reads of a weight outside a forward]
+A weight read outside a forward, right after ``step()``, may still be in flight: an EMA or SWA
+model averaging the weights (``AveragedModel.update_parameters``), a parent reading a child's
+weight, logging, a write through the parameter. As with Megatron's overlap_param_gather and FSDP2,
+the weights are current inside a forward, in ``model.state_dict()``/``load_state_dict()``, in
+the optimizer's own calls (step, checkpoints) and after ``opt.finish_param_gather()``; any other
+read calls ``opt.finish_param_gather()`` first. A write that raced a gather is found at the next
+step (see step._usage_checks). Nothing wraps the parameters, so they stay plain
+``nn.Parameter``s and no tensor op pays for the overlap.
 
 [Note: compiled models]
-Dynamo traces global module hooks into the compiled forward. The hook therefore does its work
-only when run eagerly: ``torch.compile(model)`` runs it eagerly once for the compiled wrapper,
-which waits for every gather of the model before the compiled code starts, so the traced hooks
-inside find nothing in flight and add no graph break. Where the hook is traced with gathers in
-flight (a module compiled in place with ``module.compile()``), it calls a function that dynamo
-does not trace and that waits for them: one graph break, and the weights are right.
+Dynamo traces module hooks into the compiled forward. The hooks therefore do their work only when
+run eagerly: ``torch.compile(model)`` runs the hooks of its wrapper eagerly, before the compiled
+code starts. The global hook found the whole model under it at the first call (before dynamo
+traced it) and gave the wrapper a hook that waits for every gather of the model, so the traced
+hooks inside find nothing in flight and add no graph break. Where a hook is traced with gathers in
+flight (a module compiled in place with ``module.compile()``, whose hooks all run traced), it calls
+a function that dynamo does not trace and that waits for them: one graph break, and the weights
+are right. Such a module is never seen eagerly, so it has no state-dict hooks: call
+``opt.finish_param_gather()`` before its ``state_dict()``.
 """
 from __future__ import annotations
 
 import atexit
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 
-from shardopt.core._compat import compiled_inner, disable_torch_function_subclass
+from shardopt.core._compat import compiled_inner
 from shardopt.comm._gathers import WeightGathers
-from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import owned_hook
 
-_in_flight = False  # some parameter's gather is in flight (read by the traced hook: a guard)
-_landing: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(param) -> (its WeightGathers, its bucket), weakly
-_restore: dict[type, type] = {}  # in-flight class -> the parameter's own class
-_in_flight_class: dict[type, type] = {}  # the parameter's own class -> its in-flight class
+_in_flight = False  # some overlapped gather may be in flight (read by the traced hooks: a guard)
 _optimizers: "weakref.WeakSet" = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
 
-# Calls that read no weight values: they never wait (see [Note: reads of a weight still in flight]).
-_NO_WAIT = {torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
-            torch.Tensor.requires_grad.__get__, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
-            torch.Tensor.device.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad_fn.__get__,
-            torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.data_ptr,
-            torch.Tensor.element_size, torch.Tensor.stride, torch.Tensor.is_contiguous}
 
-
-def _torch_function(cls: type, func: Callable, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-    kwargs = kwargs or {}
-    if func in _NO_WAIT:
-        with disable_torch_function_subclass():
-            return func(*args, **kwargs)
-    for t in _leaves((args, kwargs)):
-        if type(t) in _restore:
-            _land(t)
-    return func(*args, **kwargs)  # the parameters are of their own class again: torch's own dispatch
-
-
-def _leaves(x: Any) -> Iterable:
-    """The tensors (and other leaves) of a torch call's arguments: lists, tuples and dicts opened."""
-    if isinstance(x, (list, tuple)):
-        for y in x:
-            yield from _leaves(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _leaves(y)
-    else:
-        yield x
-
-
-def _class_in_flight(cls: type) -> type:
-    sub = _in_flight_class.get(cls)
-    if sub is None:
-        sub = type(f"InFlight{cls.__name__}", (cls,), {"__torch_function__": classmethod(_torch_function),
-                                                        "__module__": __name__})
-        _in_flight_class[cls], _restore[sub] = sub, cls
-    return sub
-
-
-def _land(p: torch.Tensor) -> None:
-    ref, bucket_ref = _landing.get(id(p), (None, None))
-    gathers = ref() if ref is not None else None
-    bucket = bucket_ref() if bucket_ref is not None else None
-    if gathers is None or bucket is None or not gathers.wait(bucket):  # waiting calls landed() for the bucket's parameters
-        landed([p])
-
-
-def in_flight(gathers: WeightGathers, bucket: BucketRecord) -> None:
-    """The gather of ``bucket`` (of ``gathers``) was issued. Local."""
+def in_flight() -> None:
+    """step() issued an overlapped gather. Local."""
     global _in_flight
-    ref, bucket_ref = weakref.ref(gathers), weakref.ref(bucket)
-    for r in bucket.params:
-        p = r.param
-        _landing[id(p)] = (ref, bucket_ref)
-        p.__class__ = _class_in_flight(type(p))
     _in_flight = True
 
 
-def landed(params: Iterable[torch.nn.Parameter]) -> None:
-    """The gather holding ``params`` was waited for: they are of their own class again. Local."""
+def landed() -> None:
+    """A gather was waited for: whether any is still in flight. Local."""
     global _in_flight
-    for p in params:
-        _landing.pop(id(p), None)
-        own = _restore.get(type(p))
-        if own is not None:
-            p.__class__ = own
-    _in_flight = bool(_landing)
+    _in_flight = any(_optimizers)
 
 
 @torch.compiler.disable
 def _finish_all() -> None:
     for gathers in list(_optimizers):
         gathers.finish()
+    landed()
 
 
-def watch_gathers(gathers: WeightGathers) -> "torch.utils.hooks.RemovableHandle":
-    """Install the hooks of the Notes above for one optimizer's ``gathers`` (held weakly); returns
-    the forward hook's handle, which the optimizer removes when it is released. Local."""
-    ref = weakref.ref(gathers)  # the global hook must not keep the optimizer's state alive
-    seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> it holds some of its parameters
-    _optimizers.add(gathers)
+class GatherWatch:
+    """The hooks of the Notes above for one optimizer's ``gathers`` (held weakly). Local."""
 
+    def __init__(self, gathers: WeightGathers) -> None:
+        ref = weakref.ref(gathers)  # no hook may keep the optimizer's state alive
+        _optimizers.add(gathers)
+        handles: list = []  # every hook of this watch, for remove()
+        seen: weakref.WeakSet = weakref.WeakSet()  # modules looked at (with everything under them)
+
+        def hook(module: torch.nn.Module, args: Any) -> None:  # the global one: finds the modules
+            if torch.compiler.is_compiling():  # see [Note: compiled models]
+                if _in_flight:
+                    _finish_all()
+                return
+            if module in seen:
+                return
+            o = ref()
+            if o is None:
+                return
+            now = None
+            for m in module.modules():
+                if m not in seen:
+                    seen.add(m)
+                    new, forward = _hooks_of(m, o, ref)
+                    handles.extend(owned_hook(h, ref) for h in new)
+                    now = forward if m is module else now
+            if now is not None:  # torch read this call's hooks before the new ones were registered
+                now(module, args)
+
+        handles.append(owned_hook(torch.nn.modules.module.register_module_forward_pre_hook(hook), ref))
+        self._handles = handles
+        atexit.register(_finish_at_exit, ref)
+
+    def remove(self) -> None:
+        """Remove every hook of this watch (the optimizer is released). Local."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def _hooks_of(m: torch.nn.Module, o: WeightGathers, ref: weakref.ref) -> tuple[list, Callable | None]:
+    """Register on ``m`` the hooks it needs: their handles, and its forward pre-hook (None if none)."""
+    if compiled_inner(m) is not None:  # torch.compile's wrapper: everything before the compiled code
+        if not any(id(p) in o.record_of for p in m.parameters()):
+            return [], None
+        forward = _finish(ref)
+        return [m.register_forward_pre_hook(forward, prepend=True)], forward
+    if not any(id(p) in o.record_of for p in m.parameters(recurse=False)):
+        return [], None
+    forward, finish = _wait_own(ref), _finish(ref)
+    return [m.register_forward_pre_hook(forward, prepend=True),  # before the module's other hooks
+            m.register_state_dict_pre_hook(lambda module, prefix, keep_vars: finish(module, None)),
+            m.register_load_state_dict_pre_hook(lambda module, *args: finish(module, None))], forward
+
+
+def _wait_own(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
     def hook(module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():  # see [Note: compiled models]
             if _in_flight:
                 _finish_all()
             return
         o = ref()
-        if o is None:
-            return
-        if module not in seen:  # once per module
-            seen[module] = any(id(p) in o.record_of for p in module.parameters())
-            if any(id(p) in o.record_of for p in module.parameters(recurse=False)):
-                module.register_state_dict_pre_hook(_finish_before_state_dict(ref))
-        if not o:
-            return
-        if compiled_inner(module) is not None:  # torch.compile's wrapper: everything before the compiled code
-            if seen[module]:
-                o.finish()
+        if not o:  # freed, or nothing in flight
             return
         for p in module.parameters(recurse=False):
             r = o.record_of.get(id(p))
             if r is not None:
                 o.wait(r.bucket)
-
-    atexit.register(_finish_at_exit, ref)
-    return torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, ref))
-
-
-def _finish_before_state_dict(ref: "weakref.ref") -> Callable[..., None]:
-    def hook(module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
-        gathers = ref()
-        if gathers is not None:
-            gathers.finish()
     return hook
 
 
-def _finish_at_exit(ref: "weakref.ref") -> None:
+def _finish(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
+    def hook(module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():  # see [Note: compiled models]
+            if _in_flight:
+                _finish_all()
+            return
+        o = ref()
+        if o:
+            o.finish()
+    return hook
+
+
+def _finish_at_exit(ref: weakref.ref) -> None:
     gathers = ref()
     if gathers:
         gathers.finish()

@@ -7,7 +7,7 @@ there, and by the kernels' self-check); docs/design.md ("Torch internals") lists
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import operator
 
@@ -43,19 +43,6 @@ make_wrapper_subclass = getattr(torch.Tensor, "_make_wrapper_subclass", None)  #
 disabled_torch_function = getattr(torch._C, "_disabled_torch_function_impl", None)  # it handles __torch_dispatch__ only
 
 
-disable_torch_function_subclass = getattr(torch._C, "DisableTorchFunctionSubclass", None)  # torch's own dispatch
-
-
-def hook_dicts(params: Iterable[torch.Tensor]) -> list[dict]:
-    """The dicts torch keeps hooks in (private): the global module forward pre-hooks, then each of
-    ``params``' post-accumulate-grad hooks; to remove those of a freed optimizer. Where torch keeps
-    them elsewhere a dict is missing here, and such hooks stay registered, each returning at once
-    (they hold their optimizer weakly)."""
-    owners = [(torch.nn.modules.module, "_global_forward_pre_hooks")]
-    owners += [(p, "_post_accumulate_grad_hooks") for p in params]
-    return [d for d in (getattr(owner, name, None) for owner, name in owners) if d]
-
-
 def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) wraps, ``_orig_mod``; None for any
     other module. No fallback: :func:`require` checks the wrapper still sets it."""
@@ -87,8 +74,6 @@ def require() -> None:
         # the stage-2 gradient placeholder (see _grad_placeholder); its class is built at import
         ("torch.Tensor._make_wrapper_subclass", callable(getattr(torch.Tensor, "_make_wrapper_subclass", None))),
         ("torch._C._disabled_torch_function_impl", hasattr(torch._C, "_disabled_torch_function_impl")),
-        # the weight gather overlapped with the next forward (see _gather_wait)
-        ("torch._C.DisableTorchFunctionSubclass", hasattr(torch._C, "DisableTorchFunctionSubclass")),
         # a parameter's version counter: writes to parameters from outside the optimizer (see _binding)
         ("Tensor._version", isinstance(getattr(torch.empty(0), "_version", None), int)),
         # torch.compile's module wrapper: the DDP check and the gather wait look inside it

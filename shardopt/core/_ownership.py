@@ -12,37 +12,41 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 from torch import Tensor
-
-from shardopt.core._compat import hook_dicts
+from torch.utils.hooks import RemovableHandle
 
 # id(parameter) -> (weak parameter, weak optimizer); keyed by id because tensors compare elementwise.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.ref, bool]] = {}  # (weak parameter or its anchor, weak optimizer, anchored)
 
+# weak owner -> the handles of the hooks that work for it (see [Note: hooks of a freed optimizer]).
+# Grouped by owner, so that the check at every step() looks at a few owners, not at every hook.
+_HOOKS: dict[weakref.ref, list[RemovableHandle]] = {}
+
 
 # [Note: hooks of a freed optimizer]
-# Every hook a ShardedAdamW installs holds its state weakly and does nothing once the optimizer is
-# freed. The garbage collector never removes them: a collection may run while torch.compile traces
-# a module call, whose guards read the global hook dict (a hook removed there breaks the
-# compilation), and a handle found in the garbage has lost its weak reference to its dict anyway.
-# They are removed at the next safe point instead: the next optimizer's construction (the global
-# hooks, and the parameter hooks of the parameters it takes over) and every step().
-def owned_hook(fn: Callable, ref: weakref.ref) -> Callable:
-    """Mark ``fn``, a hook that works for the object behind ``ref``, as removable once it is gone."""
-    fn.shardopt_alive = lambda: ref() is not None  # type: ignore[attr-defined]
-    return fn
+# Every hook a ShardedAdamW installs (gradient hooks on the parameters, module and global forward
+# pre-hooks, state-dict pre-hooks) holds its state weakly and does nothing once the optimizer is
+# freed. Its handle is kept here, strongly (a RemovableHandle holds its hooks dict weakly, so a
+# handle kept only by the freed optimizer would go with it), under a weak reference to the object
+# the hook works for. The garbage collector never removes them: a collection may run while
+# torch.compile traces a module call, whose guards read the hook dicts (a hook removed there breaks
+# the compilation). They are removed at the next safe point instead: the next optimizer's
+# construction and every step(), both outside compiled code.
+def owned_hook(handle: RemovableHandle, ref: weakref.ref) -> RemovableHandle:
+    """Keep ``handle``, of a hook that works for the object behind ``ref``, to remove the hook once
+    that object is gone; returns ``handle``. Local."""
+    _HOOKS.setdefault(ref, []).append(handle)
+    return handle
 
 
-def remove_freed_hooks(params: Iterable[Tensor] = ()) -> None:
-    """Remove the global forward pre-hooks of freed optimizers, and their hooks on ``params`` (see
-    [Note: hooks of a freed optimizer]). Local; call outside compiled code."""
-    for hooks in hook_dicts(params):
-        for key, fn in list(hooks.items()):
-            alive = getattr(fn, "shardopt_alive", None)
-            if alive is not None and not alive():
-                del hooks[key]
+def remove_freed_hooks() -> None:
+    """Remove every hook whose owner is gone (see [Note: hooks of a freed optimizer]). Local; call
+    outside compiled code."""
+    for ref in [r for r in _HOOKS if r() is None]:
+        for handle in _HOOKS.pop(ref):
+            handle.remove()
 
 
 def take_over(opt: Any, params: Iterable[Tensor], anchors: dict[int, Any] | None = None) -> None:

@@ -32,7 +32,7 @@ class ForwardOrder:
             if order is not None:
                 order.note(module)
 
-        self._handle: Any = torch.nn.modules.module.register_module_forward_pre_hook(owned_hook(hook, ref))
+        self._handle: Any = owned_hook(torch.nn.modules.module.register_module_forward_pre_hook(hook), ref)
 
     def note(self, module: torch.nn.Module) -> None:
         """``module`` is about to run its forward. Local."""

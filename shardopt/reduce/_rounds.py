@@ -146,8 +146,8 @@ class Rounds:
         for k, r in enumerate(self.reducers):
             for rec in r.records:
                 # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-                rec.hook = rec.leaf.register_post_accumulate_grad_hook(
-                    owned_hook(torch.compiler.disable(self._make_hook(k, rec.index)), weakref.ref(self)))
+                rec.hook = owned_hook(rec.leaf.register_post_accumulate_grad_hook(
+                    torch.compiler.disable(self._make_hook(k, rec.index))), weakref.ref(self))
         self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
         self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
