@@ -556,17 +556,11 @@ def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], mod
         for k, v in saved.items():
             if k != "params":
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
-    opt._step = int(manifest["step"])
-    opt.skipped_steps = int(manifest["skipped_steps"])
-    for b in opt._buffers:
-        for r in b.records:
-            saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
-            r.resume(opt._step - int(saved.get("step", opt._step)) if saved.get("sharded") else opt._step)
-        b.binding.record()  # the loaded master weights are the authority, not what was written before
-    opt._scaler.load_state_dict(manifest["loss_scaler"])
-    seed = manifest["config"].get("seed")
-    if seed is not None and hasattr(opt.config, "seed") and seed != opt.config.seed:
-        # Stochastic rounding draws from (seed, step, element offset): the saved seed continues the same stream.
-        opt.config = dataclasses.replace(opt.config, seed=seed)
-        for b in opt._buffers:
-            b.master.seed = seed
+    step = int(manifest["step"])
+
+    def lag_of(b: Any, r: Any) -> int:  # a parameter saved without state was left out of every step
+        saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
+        return step - int(saved.get("step", step)) if saved.get("sharded") else step
+
+    opt._resume(step=step, lag_of=lag_of, skipped_steps=int(manifest["skipped_steps"]),
+                seed=manifest["config"].get("seed"), loss_scaler=manifest["loss_scaler"])

@@ -10,7 +10,6 @@ format is as exact as one through ``save_checkpoint``.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -242,19 +241,13 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
             if k != "params" and (k in ours or k not in adamw_only):
                 g[k] = tuple(v) if k == "betas" else v
     steps = [s for _, _, s, _ in header["state"].values() if s is not None]
-    opt._step = int(max(steps)) if steps else 0
+    step = int(max(steps)) if steps else 0
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}
-    for b in opt._buffers:  # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
-        for r in b.records:
-            r.resume(0 if b.rule == "muon" else opt._step - step_of.get(id(r.leaf), 0))
-        b.binding.record()
-    if header["loss_scaler"] is not None:
-        opt._scaler.load_state_dict(header["loss_scaler"])
-        opt.skipped_steps = header["skipped_steps"]
-    if header["seed"] is not None:  # the stochastic-rounding stream goes on where it was
-        opt.config = dataclasses.replace(opt.config, seed=int(header["seed"]))
-        for b in opt._buffers:
-            b.master.seed = opt.config.seed
+    scaler = header["loss_scaler"]
+    # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
+    opt._resume(step=step, lag_of=lambda b, r: 0 if b.rule == "muon" else step - step_of.get(id(r.leaf), 0),
+                skipped_steps=header["skipped_steps"] if scaler is not None else None, seed=header["seed"],
+                loss_scaler=scaler)
 
 
 def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:

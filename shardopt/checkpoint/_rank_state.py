@@ -2,7 +2,6 @@
 same world size and layout (``save_checkpoint`` and ``consolidate_state_dict`` change world size)."""
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -124,20 +123,13 @@ def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
     for saved, b in zip(sd["buffers"], opt._buffers):
         b.moments.load_tensors(saved)
         b.load_master(saved)
-        for r, lag in zip(b.records, saved.get("lag", [0] * len(b.records))):
-            r.resume(lag)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     for k, v in sd.get("state", {}).items():
         if not isinstance(k, int):
             opt.state[k] = v  # entries of other keys, as torch.optim keeps them
-    opt._step = int(sd["step"])
-    opt.skipped_steps = int(sd.get("skipped_steps", 0))
-    opt.config = dataclasses.replace(opt.config, seed=int(sd.get("seed", opt.config.seed)))
-    for b in opt._buffers:
-        b.master.seed = opt.config.seed
-    opt._scaler.load_state_dict(sd["loss_scaler"])
     for pending in [b.gather_params() for b in opt._buffers]:
         pending.wait()
-    for b in opt._buffers:
-        b.binding.record()  # weights loaded into the model before this are superseded by the master
+    lags = {id(b): saved.get("lag", [0] * len(b.records)) for saved, b in zip(sd["buffers"], opt._buffers)}
+    opt._resume(step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
+                skipped_steps=int(sd.get("skipped_steps", 0)), seed=sd.get("seed"), loss_scaler=sd["loss_scaler"])

@@ -4,7 +4,8 @@ torch runs them) over shardopt's two formats, this rank's shard (``_rank_state``
 """
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable
 
 from shardopt.checkpoint._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 
@@ -46,6 +47,28 @@ class OptimizerStateDict:
             out = hook(self, sd)
             sd = sd if out is None else out
         return sd
+
+    def _resume(self, *, step: int, lag_of: Callable[[Any, Any], int], skipped_steps: int | None = None,
+                seed: int | None = None, loss_scaler: dict[str, Any] | None = None) -> None:
+        """The one place a load sets the optimizer's counters, after the loaded master weights were
+        gathered into the parameters: the step count, each parameter's lag (``lag_of(buffer,
+        record)``: steps it was left out of, so its own step count is ``step`` minus that), the
+        skipped steps and the loss scaler (None: kept), and the stochastic-rounding seed (None:
+        kept; the saved one continues the same random stream). The parameters' values are then
+        the loaded ones, not writes from outside. Every rank, each with its own shard."""
+        self._step = int(step)
+        for b in self._buffers:
+            for r in b.records:
+                r.resume(lag_of(b, r))
+        if skipped_steps is not None:
+            self.skipped_steps = int(skipped_steps)
+        if loss_scaler is not None:
+            self._scaler.load_state_dict(loss_scaler)
+        if seed is not None and int(seed) != self.config.seed:
+            self.config = dataclasses.replace(self.config, seed=int(seed))
+        for b in self._buffers:
+            b.master.seed = self.config.seed
+            b.binding.record()  # the loaded master weights are the authority, not what was written before
 
     def full_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
