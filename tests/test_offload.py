@@ -206,7 +206,7 @@ def memory_case(group) -> dict:
     hi = lo + buf.host_buffer.numel()
     state = [buf.master_copy] if buf.master_copy is not None else []
     state += list(buf.moment_tensors.values()) + [opt._buffers[0].master.rem_lo, opt._buffers[0].master.rem_hi]
-    views = [t for b in buf.buckets for t in (b.host.weights, b.host.grad)]
+    views = [t for b in buf.buckets for t in (b.host.weights, b.host.gradient)]
     out["outside"] = [(t.numel(), t.dtype, t.data_ptr() - lo) for t in state + views if t.numel() and not (
         t.device.type == "cpu" and lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi)]
     out["host"], out["held"] = report.host, buf.host_buffer.numel()
