@@ -1,8 +1,9 @@
 """Tier 1, one process: the per-parameter and per-bucket records (shardopt.core._records).
 
 Catches records whose ranges disagree with the layout's own index math, a state that changes
-without its guard, a record that says p.grad holds something other than what it holds, and a
-question that changes what it asks about.
+without its guard (also under ``python -O``), a record that says p.grad holds something other than
+what it holds, a question that changes what it asks about, and a record field written outside the
+record's own verbs.
 """
 from __future__ import annotations
 
@@ -129,3 +130,89 @@ def test_stage1_an_empty_parameter_without_a_gradient_is_left_out_of_the_step() 
         opt.step()
     assert not rec.used and not rec.trained and rec.lag == 2  # as AdamW leaves a parameter without .grad
     opt.close()
+
+
+def _record_fields() -> set[str]:
+    import dataclasses
+
+    from shardopt.core._records import BucketRecord, HostCopy, ParamRecord
+
+    return {f.name for c in (ParamRecord, BucketRecord, HostCopy) for f in dataclasses.fields(c)}
+
+
+def record_field_writes(root: str) -> list[str]:
+    """Every assignment (plain, augmented, annotated, tuple, or ``del``) in the package's modules
+    to an attribute named like a field of a record, on an object other than ``self`` (a class's
+    own attribute of the same name is its own), outside ``core/_records.py``: ``file:line: code``."""
+    import ast
+    from pathlib import Path
+
+    fields, found = _record_fields(), []
+    package = Path(root) / "shardopt"
+    for path in sorted(package.rglob("*.py")):
+        if path.relative_to(package).as_posix() == "core/_records.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = (node.targets if isinstance(node, (ast.Assign, ast.Delete))
+                       else [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for t in ast.walk(target):
+                    if (isinstance(t, ast.Attribute) and t.attr in fields and isinstance(t.ctx, (ast.Store, ast.Del))
+                            and not (isinstance(t.value, ast.Name) and t.value.id == "self")):
+                        found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_record_fields_change_only_through_the_records_own_verbs() -> None:
+    """Each field of ParamRecord, BucketRecord and HostCopy is written in core/_records.py only
+    (build_records and the records' verbs); every other module calls a verb. The one exception is
+    the torch attribute ``.grad`` of a parameter (``r.param.grad = ...``), which is torch's, not a
+    record field: no record field is named ``grad``."""
+    import os
+
+    assert "grad" not in _record_fields()  # see the docstring: p.grad writes must stay distinguishable
+    root = os.path.join(os.path.dirname(__file__), "..")
+    assert record_field_writes(root) == []
+
+
+def test_record_field_writes_are_found(tmp_path) -> None:
+    """The scan above finds a write where there is one: a copy of the package with one added."""
+    import os
+    import shutil
+
+    src = os.path.join(os.path.dirname(__file__), "..", "shardopt")
+    shutil.copytree(src, tmp_path / "shardopt", ignore=shutil.ignore_patterns("__pycache__"))
+    before = record_field_writes(str(tmp_path))
+    target = tmp_path / "shardopt" / "reduce" / "_reducer.py"
+    target.write_text(target.read_text() + "\n\ndef _bad(r):\n    r.lag += 1\n    b, r.used = 1, True\n")
+    found = [f for f in record_field_writes(str(tmp_path)) if f not in before]
+    assert len(found) == 2 and all("reduce/_reducer.py" in f for f in found), found
+
+
+_TRANSITIONS_UNDER_O = """
+import pytest, torch
+from torch import nn
+from shardopt.core._layout import build_layout
+from shardopt.core._records import BucketState, ParamState, build_records
+params = list(nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)).parameters())
+records, buckets = build_records(params, ["a"] * len(params), [0] * len(params),
+                                 build_layout([p.shape for p in params], 1), 0, 0)
+r, b = records[0], buckets[0]
+r.to(ParamState.TAKEN)
+with pytest.raises(AssertionError, match="cannot go from ParamState.TAKEN to ParamState.ABSENT"):
+    r.to(ParamState.ABSENT)
+with pytest.raises(AssertionError, match="cannot go from BucketState.WAITING to BucketState.LANDED"):
+    b.to(BucketState.LANDED)
+assert __debug__ is False  # really under -O: a bare assert would have been removed
+print("guarded")
+"""
+
+
+@pytest.mark.launch
+def test_the_transitions_stay_guarded_under_python_O() -> None:
+    """``python -O`` removes ``assert`` statements: the records' guards are explicit raises."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-O", "-c", _TRANSITIONS_UNDER_O], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "guarded", out.stderr[-2000:]

@@ -4,17 +4,24 @@
 Everything shardopt knows about one parameter sits in its :class:`ParamRecord`, and everything
 about one bucket (a run of whole parameters that is reduced and gathered together) in its
 :class:`BucketRecord`. They are built once per flat buffer, from its layout (:func:`build_records`),
-and every other part reads and changes them: the scheduler and the reducer (``reduce/``) move a
-parameter's gradient through its round, the step's checks (``step/``) read what each parameter
-got and whether it was written from outside, the update (``update/``) reads each parameter's
-shard range, param group and lag, and starts each bucket's weight gather. No list or dict indexed
-by parameter or bucket lives anywhere else in those paths; the orders (the agreed launch order,
-the order gradients arrived in) are lists of records.
+and every other part reads them and asks them to change: the scheduler and the reducer
+(``reduce/``) move a parameter's gradient through its round, the step's checks (``step/``) read
+what each parameter got and whether it was written from outside, the update (``update/``) reads
+each parameter's shard range, param group and lag, and starts each bucket's weight gather. No
+list or dict indexed by parameter or bucket lives anywhere else in those paths; the orders (the
+agreed launch order, the order gradients arrived in) are lists of records, or each record's own
+place in them.
 
-A field that has states has an enum, and each enum changes in one guarded method, as
-``Rounds._to`` does for a round: :meth:`ParamRecord.to` for :class:`ParamState`,
-:meth:`ParamRecord.place` for :class:`GradSlot`, :meth:`BucketRecord.to` for :class:`BucketState`.
-Asking a record a question (``holds``, ``may_nest``, ``written``) never changes it.
+[Note: the records' verbs] Outside :func:`build_records`, a field changes only in a method of its
+record (``to``, ``place``, ``nest``, ``arrived``, ``stepped``, ``gathering``, ...), each named for
+what happened, so a search for the verb finds every writer; ``tests/test_records.py`` walks the
+package's syntax trees and fails on an assignment to a record field anywhere else. A field that
+has states has an enum, and each enum changes in one guarded method, as ``Rounds._to`` does for a
+round: :meth:`ParamRecord.to` for :class:`ParamState`, :meth:`ParamRecord.place` for
+:class:`GradSlot`, :meth:`BucketRecord.to` for :class:`BucketState`; a transition the table does
+not allow raises (an explicit raise, so ``python -O`` keeps it). A fact is stored once: what
+follows from other fields is a question (``gradless`` from the forward uses, ``complete`` from
+``ready``), and asking a record a question (``holds``, ``may_nest``, ``gradless``) never changes it.
 
 The life of a gradient through them (stage 2; stage 1 all-reduces into its view of the flat
 gradient instead)::

@@ -41,13 +41,8 @@ class ForwardOrder:
             r = self._record_of.get(id(p))
             if r is None:
                 continue
-            if r.first_use is None:
-                r.first_use = self._uses
+            if r.used_in_forward(self._uses, grad):
                 self._uses += 1
-            if grad:
-                r.forward_with_grad = True
-            else:
-                r.forward_without_grad = True
 
     def stop(self) -> None:
         """Remove the hook (idempotent). Local."""

@@ -142,12 +142,12 @@ class Rounds:
         self._device = self.reducers[0].flat.device
         self.buckets: list[BucketRecord] = [b for r in self.reducers for b in r.buckets]  # every buffer's
         for i, b in enumerate(self.buckets):
-            b.position = i
+            b.placed(i)
         for k, r in enumerate(self.reducers):
             for rec in r.records:
                 # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-                rec.hook = owned_hook(rec.leaf.register_post_accumulate_grad_hook(
-                    torch.compiler.disable(self._make_hook(k, rec.index))), weakref.ref(self))
+                rec.hooked(owned_hook(rec.leaf.register_post_accumulate_grad_hook(
+                    torch.compiler.disable(self._make_hook(k, rec.index))), weakref.ref(self)))
         self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
         self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
@@ -205,7 +205,7 @@ class Rounds:
             for rec in r.records:
                 if rec.hook is not None:
                     rec.hook.remove()
-                    rec.hook = None
+                    rec.hooked(None)
 
     def on_hook(self, rec: ParamRecord) -> bool:
         """From every gradient hook (``rec``'s), before the reducer looks at the gradient: opens a
@@ -333,7 +333,7 @@ class Rounds:
 
     def _count(self, b: BucketRecord) -> None:
         """One more parameter of bucket ``b`` is in; launch what is ready, in order."""
-        b.ready += 1
+        b.one_ready()
         self._launch_ready()
 
     def _launch_ready(self) -> None:
