@@ -185,7 +185,7 @@ class BufferView:
     @property
     def bucket_order(self) -> tuple[int, ...] | None:
         """Buckets in the launch order the ranks agreed on; None until the first backward pass."""
-        order = self._buf.reducer.order
+        order = self._buf.reducer.launch_order()
         return None if order is None else tuple(b.index for b in order)
 
     @property

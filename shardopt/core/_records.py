@@ -268,9 +268,11 @@ class BucketRecord:
     pieces: tuple[Range, ...]  # each rank's part of it, relative to the bucket start: how its reduction is cut
     gather_pieces: tuple[Range, ...]  # each rank's global range of it: what its weight all-gather assembles
     position: int = -1  # its place among every bucket of the optimizer (reduce._rounds)
+    launch: int | None = None  # its place in the launch order the ranks agreed on; None until the first round
     ready: int = 0  # parameters in for the open round
     state: BucketState = BucketState.WAITING
     staging: Tensor | None = None  # stage 2: 1D, grad dtype, the bucket's gradients while it is reduced
+    landing: Tensor | None = None  # stage 2: 1D, where its reduction lands when not in the gradient shard itself
     grad_view: Tensor | None = None  # stage 1: 1D, its part of the flat gradient
     gather: Any = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
     host: HostCopy | None = None  # offload="cpu": its part of the shard in host memory, and the copies' events
@@ -288,6 +290,10 @@ class BucketRecord:
         """Its place among every bucket of the optimizer."""
         self.position = position
 
+    def ordered(self, launch: int) -> None:
+        """Its place in the launch order the ranks agreed on (reduce._rounds [Note: launch order])."""
+        self.launch = launch
+
     def one_ready(self) -> None:
         """One more of its parameters is in for the open round."""
         self.ready += 1
@@ -295,6 +301,10 @@ class BucketRecord:
     def stage(self, staging: Tensor | None) -> None:
         """Stage 2: the buffer its gradients are reduced from (None: freed)."""
         self.staging = staging
+
+    def land_in(self, landing: Tensor | None) -> None:
+        """Stage 2: where its reduction lands before it goes into the gradient shard (None: in the shard itself)."""
+        self.landing = landing
 
     def view_grad(self, grad_view: Tensor) -> None:
         """Stage 1: its part of the flat gradient."""

@@ -22,7 +22,7 @@ from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._flat import FlatParams, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord
 
-Launch = tuple[list[Callable[[], Pending]], Callable[[], None] | None]  # collectives to issue in order; then
+Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
 
 
 class _Store:
@@ -94,10 +94,13 @@ class FlatGrads(_Store):
         """A second gradient in one round: autograd already added it to the view, in place."""
 
     def launch(self, b: BucketRecord) -> Launch:
-        return self.comm.all_reduce_parts(b.grad_view, b.pieces, self.reduce_dtype), None
+        return self.comm.all_reduce_parts(b.grad_view, b.pieces, self.reduce_dtype)
 
     def landed(self, b: BucketRecord) -> None:
         pass
+
+    def reduced(self, b: BucketRecord) -> None:
+        """Reduced in place, in the flat gradient: nothing to write."""
 
     def buffer_bytes(self) -> int:
         return 0
@@ -214,25 +217,37 @@ class ShardGrads(_Store):
         return self.grad_shard[b.local.as_slice()]
 
     def launch(self, b: BucketRecord) -> Launch:
+        """Bucket ``b``'s reduce-scatter: straight into its part of the gradient shard when that
+        part is overwritten in the gradient dtype (the first round since zero_grad), else into a
+        landing buffer that :meth:`reduced` writes into the shard or the fp32 sum."""
         staging = self._staging_for(b)
         dest = self.shard_part(b)
-        fresh = self.sum is ShardSum.FRESH
-        if fresh and self.reduce_dtype is None:
-            out, after = dest, None
-        elif not fresh and self.accumulate_dtype is not None:  # see [Note: accumulating in the shard]
-            if self.accum_shard is None:
-                self.accum_shard = self.grad_shard.to(self.accumulate_dtype)
+        if self.sum is ShardSum.FRESH and self.reduce_dtype is None:
+            out = dest
+        else:
+            if self.sum is not ShardSum.FRESH and self.accumulate_dtype is not None and self.accum_shard is None:
+                self.accum_shard = self.grad_shard.to(self.accumulate_dtype)  # see [Note: accumulating in the shard]
                 self.shard_accumulated = True
                 self.on_alloc()
-            total = self.accum_shard[b.local.as_slice()]
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
+        b.land_in(None if out is dest else out)
+        return self.comm.reduce_scatter_parts(out, staging, b.pieces)
 
-            def after() -> None:
-                total.add_(out)
+    def reduced(self, b: BucketRecord) -> None:
+        """Bucket ``b``'s reduction is complete (a cross-replica follow-up too): write what landed
+        into this rank's gradient shard, replacing it in the first round since zero_grad, else
+        adding to it (or to the fp32 sum of several rounds)."""
+        out = b.landing
+        if out is None:
+            return  # landed in the shard itself
+        b.land_in(None)
+        local = b.local.as_slice()
+        if self.sum is ShardSum.FRESH:
+            self.grad_shard[local].copy_(out)
+        elif self.accum_shard is not None:
+            self.accum_shard[local].add_(out)
         else:
-            out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
-            after = (lambda: dest.copy_(out)) if fresh else (lambda: dest.add_(out))
-        return self.comm.reduce_scatter_parts(out, staging, b.pieces), after
+            self.grad_shard[local].add_(out)
 
     def landed(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction arrived: its staging goes."""

@@ -83,7 +83,6 @@ class GradReducer:
         self.store.on_alloc = self.held.buffers_grew
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self._arrivals = 0  # gradients that arrived in the first round so far
-        self.order: list[BucketRecord] | None = None  # this buffer's buckets in the agreed launch order (set by _rounds)
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
 
     # -- what _rounds asks of a reducer ----------------------------------------------------
@@ -302,9 +301,13 @@ class GradReducer:
         return self.store.launch(b)
 
     def landed(self, b: BucketRecord) -> None:
-        """Bucket ``b``'s reduction arrived."""
+        """Bucket ``b``'s reduction arrived: its staging was read."""
         b.to(BucketState.LANDED)
         self.store.landed(b)
+
+    def reduced(self, b: BucketRecord) -> None:
+        """Bucket ``b``'s gradient is complete (after a cross-replica follow-up, if any): into the shard."""
+        self.store.reduced(b)
 
     def end_round(self) -> None:
         """Every bucket of this round was reduced: reset for the next. Local."""
@@ -327,11 +330,16 @@ class GradReducer:
         """The parameters whose gradients arrived in the first round, in that order. A question."""
         return sorted((r for r in self.records if r.arrival is not None), key=lambda r: r.arrival)
 
+    def launch_order(self) -> list[BucketRecord] | None:
+        """This buffer's buckets in the launch order the ranks agreed on; None before the first round. A question."""
+        if not self.buckets or self.buckets[0].launch is None:
+            return None
+        return sorted(self.buckets, key=lambda b: b.launch)
+
     @property
     def forward_order(self) -> list[BucketRecord]:
-        """Buckets in the order the forward pass is expected to use them (reverse of gradient readiness)."""
-        order = self.order if self.order is not None else self.buckets
-        return order[::-1]
+        """Buckets in the order the forward pass is expected to use them (reverse of gradient readiness). A question."""
+        return (self.launch_order() or self.buckets)[::-1]
 
     # -- what the optimizer sees ---------------------------------------------------------
     def round_sum(self) -> None:

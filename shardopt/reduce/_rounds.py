@@ -169,8 +169,8 @@ class Rounds:
 
     def _reset(self) -> None:
         self._pos = 0  # next position in self.order to launch
-        # oldest first: (collective, what runs once the bucket's reduction is complete, the bucket on its last)
-        self._inflight: list[tuple[Pending, Callable[[], None] | None, BucketRecord | None]] = []
+        # oldest first: (collective, the bucket on its last collective, whether a cross-replica follow-up)
+        self._inflight: list[tuple[Pending, BucketRecord | None, bool]] = []
         self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
         self._tag_pending: Pending | None = None
         self._tag_lost = False
@@ -328,8 +328,8 @@ class Rounds:
             order = order.to(self._device)
             self.comm.broadcast(order, src=0).wait()
         self.order = [self.buckets[i] for i in order.cpu().tolist()]
-        for k, r in enumerate(self.reducers):
-            r.order = [b for b in self.order if b.buffer == k]
+        for i, b in enumerate(self.order):
+            b.ordered(i)
 
     def _count(self, b: BucketRecord) -> None:
         """One more parameter of bucket ``b`` is in; launch what is ready, in order."""
@@ -346,13 +346,10 @@ class Rounds:
             self._pos += 1
 
     def _launch(self, b: BucketRecord) -> None:
-        self._issue(b, *self.reducers[b.buffer].launch(b))
-
-    def _issue(self, b: BucketRecord, parts: list[Callable[[], Pending]], after: Callable[[], None] | None) -> None:
         """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
+        parts = self.reducers[b.buffer].launch(b)
         for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
-            last = j == len(parts) - 1
-            self._inflight.append((issue(), after if last else None, b if last else None))
+            self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
             self.reducers[b.buffer].held.buffers_grew()
             # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
             while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
@@ -372,20 +369,19 @@ class Rounds:
     def _complete_oldest(self) -> None:
         """Wait for the oldest collective in flight. A reduction that starts a follow-up (the
         cross-replica all-reduce of hybrid sharding) frees its staging now; the follow-up goes to
-        the back of the queue and carries what runs once the bucket's gradient is complete."""
+        the back of the queue, and the bucket's gradient is complete when it lands."""
         self._wait_tag()
-        pending, after, b = self._inflight.pop(0)
-        if pending.overlap:
+        pending, b, follow_up = self._inflight.pop(0)
+        if follow_up:
             self._follow_ups -= 1
         follow = pending.wait_landed()
-        if b is not None:  # the bucket's last collective: its staging was read
+        if b is not None and not follow_up:  # the bucket's last collective: its staging was read
             self.reducers[b.buffer].landed(b)
         if follow is not None:
-            self._inflight.append((follow, after, None))
+            self._inflight.append((follow, b, True))
             self._follow_ups += 1
-            return
-        if after is not None:
-            after()
+        elif b is not None:
+            self.reducers[b.buffer].reduced(b)
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
