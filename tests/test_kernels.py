@@ -498,12 +498,14 @@ def user(x):  # bitcasts, an integer hash, 8-bit conversions, lerp and addcmul: 
     y = (h >> 8).to(torch.int8).to(torch.float32) + (h & 0x3F7FFFFF).view(torch.float32) * 0.5
     return torch.addcmul(torch.lerp(y, x, x[0].abs()), x * 0.1, y)
 
+x = torch.randn(4099, generator=torch.Generator().manual_seed(3))
+
 def code():
     torch._dynamo.reset()
-    _, (c,) = run_and_get_code(torch.compile(user, options={"fx_graph_cache": False}), torch.randn(4099))
-    return "\n".join(line for line in c.splitlines() if not line.startswith("# AOT ID"))  # a per-process count
+    out, (c,) = run_and_get_code(torch.compile(user, options={"fx_graph_cache": False}), x)
+    return "\n".join(line for line in c.splitlines() if not line.startswith("# AOT ID")), out  # a per-process count
 
-before = code()
+before, bits_before = code()
 import torch.distributed as dist
 import shardopt
 from shardopt.kernels import _cpu_codegen
@@ -516,9 +518,10 @@ with tempfile.TemporaryDirectory() as d:
         opt.step()
         opt.close()
     dist.destroy_process_group()
-after = code()
+after, bits_after = code()
 json.dump({"installed": _cpu_codegen.installed(), "wide": _cpu_codegen._state["wide"],
-           "fma": _cpu_codegen._state["fma"], "same": before == after}, sys.stdout)
+           "fma": _cpu_codegen._state["fma"], "same": before == after,
+           "same bits": torch.equal(bits_before.view(torch.int32), bits_after.view(torch.int32))}, sys.stdout)
 """
 
 
@@ -526,7 +529,8 @@ json.dump({"installed": _cpu_codegen.installed(), "wide": _cpu_codegen._state["w
 def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
     """shardopt's additions to inductor's CPU code generator apply to its own fused kernels only
     (see _cpu_codegen [Note: scoped to shardopt's kernels]): a user's function compiled before
-    shardopt is imported and after shardopt's kernels compiled and ran gets the same code."""
+    shardopt is imported and after shardopt's kernels compiled and ran gets the same code and
+    computes the same bits."""
     import json
     import subprocess
     import sys
@@ -541,7 +545,7 @@ def test_a_users_compiled_code_is_the_same_with_shardopt_imported():
     assert run.returncode == 0, run.stderr[-2000:]
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got["installed"] and got["wide"] and got["fma"], got  # in place while the user compiled again
-    assert got["same"], got
+    assert got["same"] and got["same bits"], got
 
 
 def test_the_codecs_compile_bit_for_bit_on_this_torch():
