@@ -215,9 +215,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         ``ShardedMuon``); raises TypeError or ValueError, on every rank alike. Local."""
         for gi, g in enumerate(self.param_groups):
             if self.config.overlap_param_gather and any(is_dtensor(p) for p in g["params"]):
-                raise ValueError(f"overlap_param_gather=True with DTensor parameters (param group {gi}): the wait for "
-                                 "a weight gather in flight is tied to plain parameters; leave overlap_param_gather "
-                                 "off beside tensor parallelism (each step then waits for its gathers)")
+                raise ValueError(f"overlap_param_gather=True with DTensor parameters (param group {gi}): the "
+                                 "overlapped gather is not tested beside tensor parallelism, so it is refused there; "
+                                 "leave overlap_param_gather off (each step then waits for its gathers)")
             if g.get("replicated") and not self._parts.axes:
                 raise ValueError(f'param group {gi} is marked "replicated": True, which says its parameters are '
                                  "copies on every rank of model_parallel_group; pass model_parallel_group= (the ranks "
