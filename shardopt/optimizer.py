@@ -26,6 +26,7 @@ from shardopt.reduce._held_bytes import HeldTotal
 from shardopt.view import OptimizerView
 from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
+from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
 from shardopt.step._skips import SkipWatch
@@ -294,7 +295,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
         self._check_open()
-        with self._comm.during("step()"):
+        with self._comm.during("step()"), record_function(STEP):  # see core._ranges [Note: profiler ranges]
             return self._take_step(closure)
 
     def _take_step(self, closure: Callable[[], Any] | None) -> Any:
@@ -314,7 +315,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
         coef, self._clip_coef = self._clip_coef, 1.0
         try:
-            found_inf = self._agree_on_gradients(None)[0]
+            with record_function(STEP_AGREEMENT):
+                found_inf = self._agree_on_gradients(None)[0]
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
             return self._apply_step(found_inf, coef, loss)

@@ -11,6 +11,7 @@ from typing import Callable, Iterator
 
 from shardopt.comm._collectives import Pending
 from shardopt.core._records import BucketRecord, ParamRecord
+from shardopt.core._ranges import GATHER_WAIT, bucket_range
 
 
 class WeightGathers:
@@ -34,8 +35,9 @@ class WeightGathers:
         if pending is None:
             return False
         self._started.remove(bucket)
-        pending.wait()
-        self._on_landed(bucket)
+        with bucket_range(GATHER_WAIT, bucket.buffer, bucket.index):  # see core._ranges [Note: profiler ranges]
+            pending.wait()
+            self._on_landed(bucket)
         return True
 
     def finish(self) -> None:

@@ -83,6 +83,7 @@ from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
 from shardopt.core._dtensor import move_grad
 from shardopt.reduce._forward_order import ForwardOrder
 from shardopt.core._ownership import owned_hook
+from shardopt.core import _ranges
 from shardopt.core._records import BucketRecord, ParamRecord
 from shardopt.step._step_message import StepMessage
 
@@ -347,9 +348,10 @@ class Rounds:
 
     def _launch(self, b: BucketRecord) -> None:
         """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
-        parts = self.reducers[b.buffer].launch(b)
-        for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
-            self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
+        with _ranges.bucket_range(_ranges.REDUCE_LAUNCH, b.buffer, b.index):  # see _ranges [Note: profiler ranges]
+            parts = self.reducers[b.buffer].launch(b)
+            for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
+                self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
             self.reducers[b.buffer].held.buffers_grew()
             # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
             while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
@@ -374,25 +376,27 @@ class Rounds:
         pending, b, follow_up = self._inflight.pop(0)
         if follow_up:
             self._follow_ups -= 1
-        follow = pending.wait_landed()
-        if b is not None and not follow_up:  # the bucket's last collective: its staging was read
-            self.reducers[b.buffer].landed(b)
-        if follow is not None:
-            self._inflight.append((follow, b, True))
-            self._follow_ups += 1
-        elif b is not None:
-            self.reducers[b.buffer].reduced(b)
+        with _ranges.record_function(_ranges.REDUCE_LAND, None if b is None else f"{b.buffer}.{b.index}"):
+            follow = pending.wait_landed()
+            if b is not None and not follow_up:  # the bucket's last collective: its staging was read
+                self.reducers[b.buffer].landed(b)
+            if follow is not None:
+                self._inflight.append((follow, b, True))
+                self._follow_ups += 1
+            elif b is not None:
+                self.reducers[b.buffer].reduced(b)
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
         at the end of each backward pass. Every rank."""
         self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
         try:
-            for b in self.order[self._pos:]:
-                self._launch(b)
-            while self._inflight:
-                self._complete_oldest()
-            self._wait_tag()
+            with _ranges.record_function(_ranges.FINISH_ROUND):
+                for b in self.order[self._pos:]:
+                    self._launch(b)
+                while self._inflight:
+                    self._complete_oldest()
+                self._wait_tag()
         except BaseException as e:
             self.fail(f"a round of gradient reductions failed on this rank: {e}")
             raise

@@ -16,6 +16,7 @@ from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
 from shardopt.core._flat import FlatParams
 from shardopt.core._layout import Range, build_layout
+from shardopt.core._ranges import ALL_GATHER, UPDATE, bucket_range
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
 from shardopt.reduce._reducer import GradReducer
 from shardopt.reduce._rounds import MAX_INFLIGHT
@@ -178,15 +179,16 @@ class ShardedBuffer:
             place.begin(grad, self.reducer.forward_order)
         for b in self.reducer.forward_order:
             place = self.place_of(b)
-            g = place.grad_of(b, grad)
-            for key, whole in segments:
-                r = whole.intersect(b.local)
-                if r.size:
-                    s, gr = scalars_of(*key, place.device), g[r.as_slice()]
-                    vmax = self.moments.max_operand(r) if param_groups[key[0]].get("amsgrad") else None
-                    self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels_for(r)), s,
-                                        step - key[1], vmax)
-            place.publish(b)
+            with bucket_range(UPDATE, b.buffer, b.index):  # see core._ranges [Note: profiler ranges]
+                g = place.grad_of(b, grad)
+                for key, whole in segments:
+                    r = whole.intersect(b.local)
+                    if r.size:
+                        s, gr = scalars_of(*key, place.device), g[r.as_slice()]
+                        vmax = self.moments.max_operand(r) if param_groups[key[0]].get("amsgrad") else None
+                        self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels_for(r)), s,
+                                            step - key[1], vmax)
+                place.publish(b)
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
             for r in self.records:
@@ -234,10 +236,11 @@ class ShardedBuffer:
         done = {id(rec) for rec in split}
         for b in self.reducer.forward_order:
             place = self.place_of(b)
-            for rec in b.params:
-                if rec.local is not None and rec.trained and id(rec) not in done:
-                    self._muon_step(rec, grad, grad_scale, param_groups, step)
-            place.publish(b)
+            with bucket_range(UPDATE, b.buffer, b.index):
+                for rec in b.params:
+                    if rec.local is not None and rec.trained and id(rec) not in done:
+                        self._muon_step(rec, grad, grad_scale, param_groups, step)
+                place.publish(b)
             gathers.append((b, self._gather(b)))
         for rec in self.records:  # left out: no state yet (see checkpoint._torch_state), as AdamW's lag
             rec.stepped()
@@ -307,7 +310,8 @@ class ShardedBuffer:
         return [(b, self._gather(b)) for b in self.reducer.forward_order]
 
     def _gather(self, b: BucketRecord) -> Pending:
-        return self.comm.all_gather_inplace(self.flat.data, b.gather_pieces)
+        with bucket_range(ALL_GATHER, b.buffer, b.index):
+            return self.comm.all_gather_inplace(self.flat.data, b.gather_pieces)
 
     def gather_params(self) -> Pending:
         """All buckets' all-gathers as one handle. Every rank."""
