@@ -361,6 +361,40 @@ def test_a_compiled_train_step_runs_shardopt_eagerly(pools):
             assert warm >= 1 and total == warm, (stage, warm, total)  # nothing compiled after warm-up
 
 
+
+def compiled_autograd_case(stage: int) -> float:
+    """Compiled autograd traces the backward pass, gradient hooks included: shardopt's hooks run
+    eagerly there (a graph break each), and the training is torch's."""
+    gc.collect()
+    from torch._dynamo import compiled_autograd
+
+    model, ref = make_model(seed=12), make_model(seed=12)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+
+    @torch.compile(backend="eager")
+    def forward_backward(x):
+        loss = model(x)
+        loss.backward()
+        return loss
+
+    enable = getattr(compiled_autograd, "_enable", None) or compiled_autograd.enable
+    with enable(torch.compile(backend="eager")):
+        for step in range(3):
+            forward_backward(batch(dist.get_rank(), step))
+            opt.step()
+            opt.zero_grad()
+    for step in range(3):
+        ref_step(ref, ref_opt, step)
+    return param_diff(model, ref)
+
+
+def test_compiled_autograd_runs_the_gradient_hooks_eagerly(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for worst in pool.run(compiled_autograd_case, stage):
+            assert worst < 1e-5, (stage, worst)
+
 # -- 7: EMA / SWA right after an overlapped step ----------------------------------------------------
 def ema_case(read: str) -> tuple[float, list[float]]:
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn

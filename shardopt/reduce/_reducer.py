@@ -293,11 +293,13 @@ class GradReducer:
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
     def launch(self, b: BucketRecord) -> Launch:
-        """Stage bucket ``b``: (the functions that issue its reduction, one collective each, to be
-        called in order on every rank; what to run once the last landed)."""
+        """Stage bucket ``b``: the functions that issue its reduction, one collective each, to be
+        called in order on every rank."""
         b.to(BucketState.LAUNCHED)
+        taken = ParamState.TAKEN
         for r in b.params:
-            self._take(r)  # parameters without a gradient this round count as zero
+            if r.state is not taken:
+                self._take(r)  # parameters without a gradient this round count as zero
         return self.store.launch(b)
 
     def landed(self, b: BucketRecord) -> None:

@@ -146,9 +146,8 @@ class Rounds:
             b.placed(i)
         for k, r in enumerate(self.reducers):
             for rec in r.records:
-                # eager also inside a compiled function that runs backward (dynamo would trace the rounds' bookkeeping)
-                rec.hooked(owned_hook(rec.leaf.register_post_accumulate_grad_hook(
-                    torch.compiler.disable(self._make_hook(k, rec.index))), weakref.ref(self)))
+                rec.hooked(owned_hook(rec.leaf.register_post_accumulate_grad_hook(self._make_hook(k, rec.index)),
+                                      weakref.ref(self)))
         self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
         self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
@@ -197,7 +196,19 @@ class Rounds:
             if reducer.arrive(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
                 rounds._count(rec.bucket)
 
-        return hook
+        # Eager also where dynamo traces the backward pass (compiled autograd): the rounds'
+        # bookkeeping must not be traced, so there the hook is a graph break. Asked per call instead
+        # of wrapping every hook in torch.compiler.disable, whose wrapper costs about 5 us per
+        # parameter per backward pass in eager mode (benchmarks/bench_per_param.py).
+        eager_only = torch.compiler.disable(hook)
+
+        def entry(param: torch.Tensor) -> None:
+            if torch.compiler.is_compiling():
+                eager_only(param)
+            else:
+                hook(param)
+
+        return entry
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""

@@ -63,8 +63,11 @@ class ParamBinding:
 
     def _unchanged(self) -> bool:
         dtype = self.flat.dtype
-        return all(not r.rebound and r.param.data_ptr() == r.ptr and version(r.param) == r.version
-                   and r.param.dtype is dtype for r in self.records)
+        for r in self.records:  # a plain loop: this runs over every parameter at every step
+            p = r.param
+            if r.rebound or version(p) != r.version or p.data_ptr() != r.ptr or p.dtype is not dtype:
+                return False
+        return True
 
     def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]:
         """(parameters whose values changed from outside since ``record``, parameters given new
