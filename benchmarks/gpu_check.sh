@@ -6,6 +6,9 @@
 #
 #     bash benchmarks/gpu_check.sh            # PYTHON=... to choose the interpreter (default: .venv, else python3)
 #     OFFLOAD_ONLY=1 bash benchmarks/gpu_check.sh   # only the offload part
+#     QUICK=1 bash benchmarks/gpu_check.sh          # under five minutes: the profile of one step (NCCL's calls at one
+#                                                   # rank, shardopt's ranges, a trace), the checkpoint check, and the
+#                                                   # multi-GPU tests where there are two GPUs or more
 #
 # Results: benchmarks/results/memory_cuda.{md,csv,png}, offload_cuda.md; logs in $LOG_DIR (default /tmp/shardopt-gpu-check).
 set -euo pipefail
@@ -42,6 +45,31 @@ step() {  # step NAME SECONDS COMMAND...: run with a time limit, keep the log, s
     fi
     tail -n "${TAIL:-12}" "$LOG_DIR/$name.log"
 }
+
+# One step under torch.profiler at one rank on NCCL: the collective calls a multi-GPU run makes (there is no one-rank
+# shortcut), shardopt's ranges by name, and a Chrome/Perfetto trace; fails when a range is missing.
+if [ -z "${OFFLOAD_ONLY:-}" ]; then
+TAIL=30 step profile 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 benchmarks/profile_step.py \
+    --device cuda --n-layer 12 --n-embd 768 --bucket-cap-mb 25 --trace "$LOG_DIR/step_trace.json"
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then  # NCCL between GPUs: parity with averaged AdamW, hybrid (4 GPUs), offload
+    TAIL=8 step multi-gpu 600 "$PY" -m pytest -q -rs tests/test_multi_gpu.py
+else
+    echo "== multi-gpu: skipped, $GPUS GPU(s) (tests/test_multi_gpu.py needs 2, its hybrid case 4)"
+fi
+fi
+
+if [ -n "${QUICK:-}" ]; then
+    step checkpoint 180 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 tests/test_elastic.py cuda \
+        "$(mktemp -d)"
+    grep -q "cuda checkpoint ok" "$LOG_DIR/checkpoint.log" || { echo "gpu_check: checkpoint check printed no success"; FAILED+=(checkpoint-ok); }
+    if [ ${#FAILED[@]} -gt 0 ]; then
+        echo "gpu_check: FAILED: ${FAILED[*]} ($((SECONDS - start))s)"
+        exit 1
+    fi
+    echo "gpu_check: quick check passed in $((SECONDS - start))s"
+    exit 0
+fi
 
 if [ -z "${OFFLOAD_ONLY:-}" ]; then  # OFFLOAD_ONLY=1: only the offload part below (under five minutes)
 # GPT-2 small shapes over bytes (85M parameters): large enough for the GPU to matter, built in seconds.

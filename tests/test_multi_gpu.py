@@ -1,0 +1,130 @@
+"""Tier 3, on a machine with two or more CUDA GPUs: the production path, NCCL between real GPUs.
+
+Each test launches ``torchrun --nproc_per_node=<GPUs>`` on this file, one rank per GPU, and runs
+one case against an independent reference computed in the same processes: ``torch.optim.AdamW``
+on a copy of the model whose gradients are averaged with ``dist.all_reduce`` (what DDP computes,
+``usage_reference.ddp_average``).
+
+- parity: stage 1 and 2, fp32 weights, every step within fp32 rounding of the reference;
+- hybrid: ``device_mesh=(replicas, shards)`` over 4 GPUs, the same reference;
+- offload: ``offload="cpu"`` against the same optimizer without offload, bit for bit.
+
+Skipped where fewer GPUs than a case needs are visible, as torch's own ``skip_if_lt_x_gpu``. So that
+the cases stay runnable where no GPU is (CI), the same ranks also run every case on gloo and the
+CPU (``test_the_cases_run_on_gloo``): the same code, only the backend and the device differ.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.launch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def skip_if_lt_x_gpu(n: int) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} CUDA GPUs, this machine has {GPUS}")
+
+
+def _launch(case: str, nproc: int, backend: str = "nccl") -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, case,
+           backend]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    return run.stdout
+
+
+@skip_if_lt_x_gpu(2)
+def test_nccl_parity_with_averaged_adamw_at_both_stages():
+    out = _launch("parity", 2)
+    assert out.count("parity ok") == 2 * 2, out[-2000:]  # two stages on two ranks
+
+
+@skip_if_lt_x_gpu(4)
+def test_nccl_hybrid_mesh_parity():
+    out = _launch("hybrid", 4)
+    assert out.count("hybrid ok") == 4, out[-2000:]
+
+
+@skip_if_lt_x_gpu(2)
+def test_nccl_offload_is_bit_for_bit_the_same_training():
+    out = _launch("offload", 2)
+    assert out.count("offload ok") == 2, out[-2000:]
+
+
+def test_the_cases_run_on_gloo():
+    """The cases above on gloo and the CPU, 4 ranks: the ranks' code stays runnable without GPUs."""
+    out = _launch("all", 4, "gloo")
+    assert out.count("parity ok") == 2 * 4 and out.count("hybrid ok") == 4 and out.count("offload ok") == 4, out[-2000:]
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+def _worker(case: str, backend: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import shardopt
+    from models import batch, make_model
+    from usage_reference import ddp_average
+
+    dist.init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = "cuda" if backend == "nccl" else "cpu"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    hp = {"lr": 1e-2, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.1}
+
+    def train(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            loss = model(batch(rank, step).to(device))
+            if isinstance(opt, torch.optim.AdamW):
+                loss.backward()
+                ddp_average(model)  # what DDP computes
+            else:
+                opt.backward(loss)
+            opt.step()
+
+    def diff(a, b) -> float:
+        return max((p.detach().float() - q.detach().float()).abs().max().item()
+                   for p, q in zip(a.parameters(), b.parameters()))
+
+    def build(**kw):
+        model = make_model(seed=7).to(device)
+        return model, shardopt.ShardedAdamW(model.parameters(), **hp, bucket_cap_mb=1e-4, **kw)
+
+    ref = make_model(seed=7).to(device)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **hp)
+    train(ref, ref_opt, range(5))
+    if case in ("parity", "all"):
+        for stage in (1, 2):
+            model, opt = build(stage=stage)
+            train(model, opt, range(5))
+            worst = diff(model, ref)
+            assert worst < 1e-5, (stage, worst)
+            print(f"rank {rank}: stage {stage} parity ok ({worst:.2e})", flush=True)
+    if case in ("hybrid", "all"):
+        mesh = init_device_mesh(device, (world // 2, 2), mesh_dim_names=("replicate", "shard"))
+        model, opt = build(stage=2, device_mesh=mesh)
+        train(model, opt, range(5))
+        worst = diff(model, ref)
+        assert worst < 1e-5, worst
+        print(f"rank {rank}: hybrid ok ({worst:.2e})", flush=True)
+    if case in ("offload", "all"):
+        (a, opt_a), (b, opt_b) = build(stage=2), build(stage=2, offload="cpu")
+        train(a, opt_a, range(5))
+        train(b, opt_b, range(5))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+        print(f"rank {rank}: offload ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__" and sys.argv[1:2] in (["parity"], ["hybrid"], ["offload"], ["all"]):
+    sys.path.insert(0, HERE)
+    _worker(sys.argv[1], sys.argv[2])
