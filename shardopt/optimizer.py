@@ -43,7 +43,7 @@ class _JoinHook(JoinHook):
     """What a rank that ran out of inputs inside ``torch.distributed.algorithms.Join`` runs for
     each training step of the others (see ShardedAdamW [Note: uneven inputs])."""
 
-    def __init__(self, opt: "ShardedAdamW") -> None:
+    def __init__(self, opt: ShardedAdamW) -> None:
         self._ref = weakref.ref(opt)
 
     def main_hook(self) -> None:

@@ -23,7 +23,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 import shardopt
 from models import batch, make_model
-from usage_reference import HP, error_of, param_diff
+from usage_reference import HP, param_diff
 
 COUNTS = (3, 5, 4)  # batches of rank 0, 1, 2
 

@@ -126,7 +126,7 @@ def test_fused_matches_reference(mode, dtype):
         for key, a in exact.items():
             b = fused[key]
             a, b = (codecs.join_remainder(a), codecs.join_remainder(b)) if key == "rem" else (a, b)
-            assert a is None and b is None or torch.equal(a, b), (mode, dtype, n, key)
+            assert (a is None and b is None) or torch.equal(a, b), (mode, dtype, n, key)
 
 
 @pytest.mark.parametrize("moments", ["fp32", "bf16", "8bit"])
@@ -258,7 +258,7 @@ def test_random_bits_do_not_depend_on_how_the_buffer_is_split():
         whole = bits(9, 100, 1000, stream)
         parts = torch.cat([bits(9, 100 + a, b - a, stream) for a, b in [(0, 7), (7, 513), (513, 1000)]])
         assert torch.equal(whole, parts)
-        assert 0 <= int(whole.min()) and int(whole.max()) < 2**16
+        assert int(whole.min()) >= 0 and int(whole.max()) < 2**16
         assert (whole != bits(10, 100, 1000, stream)).float().mean() > 0.99  # another step
     assert (bits(9, 100, 1000, 0) != bits(9, 100, 1000, 1)).float().mean() > 0.99  # other streams
     assert (bits(9, 100, 1000, 0) != bits(9, 100, 1000, 2)).float().mean() > 0.99
@@ -708,7 +708,7 @@ def _recording_kernels(seen: set):
     """Kernels that run the reference and add to ``seen`` what _codecs_used finds in each call."""
     import types
 
-    from shardopt.kernels import STEP_NAMES, _self_check
+    from shardopt.kernels import STEP_NAMES
 
     def recorded(fn):
         def run(*args, **kwargs):

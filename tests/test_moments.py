@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 import shardopt
 from models import batch, make_model
-from test_kernels import _ulps
 from shardopt.core._layout import Range, build_layout
 from shardopt.checkpoint import full_state_dict, load_checkpoint, save_checkpoint
 from shardopt.kernels import codecs, make_scalars, reference, select

@@ -14,7 +14,7 @@ from torch import nn
 
 import shardopt
 from models import batch, make_model
-from usage_reference import ddp_average, error_of, param_diff
+from usage_reference import ddp_average, error_of
 
 MUON = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
 ADAMW = dict(lr=5e-3, betas=(0.8, 0.99), weight_decay=0.0)

@@ -36,7 +36,7 @@ def check_packing(shapes, world_size, alignment=8):
     occupied: dict[int, list[tuple[int, int]]] = {r: [] for r in range(world_size)}  # per rank, (start, end)
     for i, (r, off, n) in enumerate(zip(p.owner, p.offset, numels)):
         assert off % alignment == 0, (i, off)
-        assert 0 <= off and off + n <= p.chunk_numel, (i, off, n, p.chunk_numel)
+        assert off >= 0 and off + n <= p.chunk_numel, (i, off, n, p.chunk_numel)
         occupied[r].append((off, off + n))
         rng = p.matrix_range(i)  # the same place seen from the whole reduce-scatter buffer
         assert (rng.start, rng.size) == (r * p.chunk_numel + off, n)

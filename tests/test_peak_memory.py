@@ -11,7 +11,6 @@ as the optimizer leaves it, and right after every reduction is issued.
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
 import sys
 from typing import Callable, Iterator

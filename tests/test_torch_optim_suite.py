@@ -51,7 +51,7 @@ NOT_APPLICABLE = {
 }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _infos() -> dict[str, Any]:
     """torch's OptimizerInfo for AdamW and Muon. Imported in the ranks only: torch's test utilities
     set the inductor cache directory and freeze backend flags when imported, which is undone here."""
@@ -562,7 +562,7 @@ def non_empty_state_case(kind: str) -> None:
         opt = make(kind, model.parameters(), **inp.kwargs)
         model(torch.rand(2, 5)).sum().backward()
         opt.step()
-        assert len(opt.state) > 0 or kind == "muon" and dist.get_rank() > 0, inp.desc  # Muon: the owner holds it
+        assert len(opt.state) > 0 or (kind == "muon" and dist.get_rank() > 0), inp.desc  # Muon: the owner holds it
         for state in opt.state.values():
             assert len(state) > 0, inp.desc
 

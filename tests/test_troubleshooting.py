@@ -282,8 +282,8 @@ class Collector:
               and isinstance(f.value, ast.Name) and (f.value.id in mod.loggers or f.value.id == "logging")):
             arg = node.args[0] if node.args else kw.get("msg")
             self._record(mod, node, names, scopes, f"log.{f.attr}", arg, percent=True)
-        elif isinstance(f, ast.Attribute) and (f.attr in REPORTERS or f.attr == "append" and _receiver(f).endswith(
-                "problems")):
+        elif isinstance(f, ast.Attribute) and (f.attr in REPORTERS or (f.attr == "append" and _receiver(f).endswith(
+                "problems"))):
             at = REPORTERS.get(f.attr, 0)
             self._record(mod, node, names, scopes, "RuntimeError", node.args[at] if len(node.args) > at else None)
         elif (isinstance(f, ast.Name) and f.id == "print" and "file" in kw

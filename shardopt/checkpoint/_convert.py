@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import torch
 
-from shardopt.checkpoint._adamw import adamw_defaults  # noqa: F401 (also for callers)
+from shardopt.checkpoint._adamw import adamw_defaults
 from shardopt.checkpoint._blocks import EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, whole
 from shardopt.checkpoint._files import read_manifest
 

@@ -108,8 +108,8 @@ class OptimizerStateDict:
         with self._comm.during("load_state_dict()"):
             settle(self, "load_state_dict")
             kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
-                    "adamw" if isinstance(sd, dict) and ("state" in sd and "param_groups" in sd
-                                                        or not sd and self._comm.rank != 0) else "other")
+                    "adamw" if isinstance(sd, dict) and (("state" in sd and "param_groups" in sd)
+                                                        or (not sd and self._comm.rank != 0)) else "other")
             kinds = agree(self._comm, None, kind)
             if len(set(kinds)) > 1 or kind == "other":
                 raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "

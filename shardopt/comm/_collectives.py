@@ -113,9 +113,9 @@ class Pending:
     works: list = field(default_factory=list)
     keep_alive: list = field(default_factory=list)
     stats: CommStats | None = None
-    then: Callable[[], "Pending | None"] | None = None  # local work once the data has arrived; may start more
+    then: Callable[[], Pending | None] | None = None  # local work once the data has arrived; may start more
     done: bool = False
-    comm: "Comm | None" = None  # for its deadline and the name of the call waiting (see Comm.timeout)
+    comm: Comm | None = None  # for its deadline and the name of the call waiting (see Comm.timeout)
     overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
     deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
     control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
@@ -130,7 +130,7 @@ class Pending:
         while follow is not None:
             follow = follow.wait_landed()
 
-    def wait_landed(self) -> "Pending | None":
+    def wait_landed(self) -> Pending | None:
         """Block until these collectives finished and run ``then``; return the follow-up it started
         when that one may be waited on later (``overlap``), else wait for it too and return None."""
         if self.done:
@@ -606,7 +606,7 @@ class Comm:
             rel = [r.relative_to(run.start) if r.size else Range(0, 0) for r in chunk]
             sub = chunk[self.shard_rank]
             dest = out[sub.start - mine.start:sub.end - mine.start] if sub.size else out[:0]
-            parts.append(lambda d=dest, src=bucket[run.as_slice()], p=rel: self.reduce_scatter_avg(d, src, p))
+            parts.append(lambda d=dest, src=bucket[run.as_slice()], p=rel: self.reduce_scatter_avg(d, src, p))  # noqa: B008
         return parts
 
     def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],

@@ -50,7 +50,7 @@ from shardopt.comm._gathers import WeightGathers
 from shardopt.core._ownership import owned_hook
 
 _in_flight = False  # some overlapped gather may be in flight (read by the traced hooks: a guard)
-_optimizers: "weakref.WeakSet" = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
+_optimizers: weakref.WeakSet = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
 
 
 def in_flight() -> None:

@@ -7,6 +7,7 @@ there, and by the kernels' self-check); docs/design.md ("Torch internals") lists
 """
 from __future__ import annotations
 
+import datetime
 from typing import Any, Callable
 
 import operator
@@ -84,12 +85,10 @@ def require() -> None:
                            f"install torch {TESTED} (the versions shardopt is tested with, see setup.cfg)")
 
 
-def group_timeout(group: Any) -> "datetime.timedelta":
+def group_timeout(group: Any) -> datetime.timedelta:
     """The timeout ``group`` was made with, for shardopt's control group over the same ranks: its
     backend's ``options._timeout`` (gloo's or NCCL's). Where that is missing, torch's documented
     default of 30 minutes: the control group's messages then wait that long before torch gives up."""
-    import datetime
-
     for device in ("cpu", "cuda"):
         try:
             return group._get_backend(torch.device(device)).options._timeout

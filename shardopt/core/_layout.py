@@ -47,13 +47,13 @@ class Range:
     def size(self) -> int:
         return self.end - self.start
 
-    def intersect(self, other: "Range") -> "Range":
+    def intersect(self, other: Range) -> Range:
         """The overlap with ``other``; an empty range placed at a clamped position if none."""
         start = max(self.start, other.start)
         end = min(self.end, other.end)
         return Range(start, max(start, end)) if start <= end else Range(start, start)
 
-    def relative_to(self, origin: int) -> "Range":
+    def relative_to(self, origin: int) -> Range:
         """This range expressed relative to ``origin`` (e.g. global -> local)."""
         return Range(self.start - origin, self.end - origin)
 

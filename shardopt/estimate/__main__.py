@@ -31,7 +31,7 @@ def parse_count(text: str) -> int:
     m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([kmbgt]?)\s*", text.lower())
     if not m:
         raise argparse.ArgumentTypeError(f"not a count: {text!r} (try 7e9, 7B or 350M)")
-    return int(round(float(m.group(1)) * _SUFFIX[m.group(2)]))
+    return round(float(m.group(1)) * _SUFFIX[m.group(2)])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -144,13 +144,13 @@ class _Binding(SavedState):
             [[i] for i in torch_opts]
 
         def taken(unit: list[int]) -> bool:
-            return self.convert_kwargs is not None or pending_model is not None and \
-                _covers(set().union(*(_params(args[i]) for i in unit)), pending_model)
+            return self.convert_kwargs is not None or (pending_model is not None and \
+                _covers(set().union(*(_params(args[i]) for i in unit)), pending_model))
 
         mine = sorted([i for i, a in enumerate(args) if isinstance(_unwrapped(a), ShardedAdamW)]
                       + [i for unit in units if taken(unit) for i in unit])
         merging = len(mine) > 1 and set(mine) <= set(torch_opts)
-        if len(mine) > 1 and not merging or mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt:
+        if (len(mine) > 1 and not merging) or (mine and self.opt is not None and _unwrapped(args[mine[0]]) is not self.opt):
             raise ValueError("one Accelerator trains one ShardedAdamW; put all param groups into one optimizer")
         if mine and acc.distributed_type in _UNSUPPORTED:
             raise ValueError(f"ShardedAdamW replaces DDP and shards the optimizer itself; it does not run under "

@@ -347,7 +347,7 @@ class _ShardedClipping:
         return super().clip_grad_by_value(optimizer, clip_val)  # type: ignore[misc]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _with_sharded_clipping(cls: type) -> type:
     return type(f"Sharded{cls.__name__}", (_ShardedClipping, cls), {"__module__": __name__})
 
@@ -356,7 +356,7 @@ def _forwarded(name: str) -> Any:
     method = getattr(ShardedAdamW, name)
 
     @functools.wraps(method)
-    def forward(self: "_ShardedLightningOptimizer", *args: Any, **kwargs: Any) -> Any:
+    def forward(self: _ShardedLightningOptimizer, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._optimizer, name)(*args, **kwargs)
 
     return forward

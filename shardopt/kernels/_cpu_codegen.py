@@ -143,9 +143,9 @@ def _install_wide_tiling(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen 
 
     def select_tiling(self, fn_list, var_sizes_list):  # noqa: ANN001, ANN202 - inductor's signature
         factors, indices, *rest = original(self, fn_list, var_sizes_list)  # torch 2.13 adds op statistics
-        if _ours.get() and fp32_lanes and factors == [fp32_lanes]:
-            if byte_ops is not None or not loop_dtypes(loop_bodies(fn_list)) & set(_BYTES):
-                factors = [2 * fp32_lanes]
+        if _ours.get() and fp32_lanes and factors == [fp32_lanes] and (
+                byte_ops is not None or not loop_dtypes(loop_bodies(fn_list)) & set(_BYTES)):
+            factors = [2 * fp32_lanes]
         return (factors, indices, *rest)
 
     select_tiling.__wrapped__ = original  # type: ignore[attr-defined]

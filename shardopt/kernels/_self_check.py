@@ -120,7 +120,7 @@ def _same(a: Tensor, b: Tensor) -> bool:
     return bool(((a.view(ints) == b.view(ints)) | nan).all())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def differences(device: str = "cpu") -> tuple[str, ...]:
     """The codecs (of :data:`NAMES`) whose compiled result differs from eager on ``device`` (see
     [Note: self-check]). Compiles once per device per process; raises what compiling raises."""

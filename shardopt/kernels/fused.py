@@ -43,7 +43,7 @@ def compile_options() -> dict:
     return {"emulate_precision_casts": True, **_cpu_codegen.compile_options()}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
     return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=compile_options())
 

@@ -90,7 +90,7 @@ class MemoryReport:
         """Bytes of master weights, moments and extras: what ZeRO shards in stage 1."""
         return self.master + self.exp_avg + self.exp_avg_sq + self.extra
 
-    def __add__(self, other: "MemoryReport") -> "MemoryReport":
+    def __add__(self, other: MemoryReport) -> MemoryReport:
         merged = {c: getattr(self, c) + getattr(other, c) for c in CATEGORIES}
         pred = {c: self.predicted.get(c, 0) + other.predicted.get(c, 0) for c in CATEGORIES}
         return MemoryReport(**merged, predicted=pred, num_params=self.num_params + other.num_params,

@@ -56,8 +56,8 @@ class GradPlaceholder(Tensor):
     accumulating: bool  # it stands for a 16-bit gradient summed in fp32 under no_sync (else: stage-2 shards)
 
     @staticmethod
-    def __new__(cls, like: Tensor, *, dtype: torch.dtype | None = None,
-                device: torch.device | None = None) -> "GradPlaceholder":
+    def __new__(cls: type[GradPlaceholder], like: Tensor, *, dtype: torch.dtype | None = None,
+                device: torch.device | None = None) -> GradPlaceholder:
         t = make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype, device=device or like.device,
                                   requires_grad=False)
         t.zeroed = t.accumulating = False

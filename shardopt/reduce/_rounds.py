@@ -115,7 +115,7 @@ class _EndOfBackward:
     Only the engine holds it: when the engine drops it without running it (the backward pass
     raised), its finalizer marks the round it opened LOST."""
 
-    def __init__(self, rounds: "Rounds", opened: int) -> None:
+    def __init__(self, rounds: Rounds, opened: int) -> None:
         self._rounds, self._opened, self._ran = weakref.ref(rounds), opened, [False]
         weakref.finalize(self, _dropped, self._rounds, opened, self._ran)
 
@@ -126,7 +126,7 @@ class _EndOfBackward:
             rounds.finish_round()  # OPEN -> FLUSHING -> IDLE: the backward pass ended
 
 
-def _dropped(ref: "weakref.ref[Rounds]", opened: int, ran: list[bool]) -> None:
+def _dropped(ref: weakref.ref[Rounds], opened: int, ran: list[bool]) -> None:
     rounds = ref()
     if rounds is not None and not ran[0] and rounds.opened == opened and rounds.state is RoundState.OPEN:
         rounds._to(RoundState.LOST)  # OPEN -> LOST: the backward pass raised; settle() finishes the round

@@ -40,7 +40,7 @@ _CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backwa
                "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()",
                "consolidate_state_dict": "consolidate_state_dict()",
                "refresh_master_weights": "refresh_master_weights()", "joined": "a Join's shadow of the calls"}
-if CALL_LEN != len(CALLS) + 2:  # checked at import, also under python -O
+if len(CALLS) + 2 != CALL_LEN:  # checked at import, also under python -O
     raise AssertionError(f"_step_message.CALL_LEN is {CALL_LEN}: one slot per call ({len(CALLS)}), then (a, -a)")
 
 

@@ -10,7 +10,7 @@ step's all-reduce is taken from the reduced message, never from a rank-local val
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Sequence
+from typing import ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -30,7 +30,7 @@ class StepMessage:
     checks: Sequence[float]  # the usage checks' flags
     hyper: Sequence[float]  # the hyperparameters' digest
 
-    LENGTHS = {"nonfinite": 1, "norm": 1, "call": CALL_LEN, "checks": CHECKS_LEN, "hyper": HYPER_LEN}
+    LENGTHS: ClassVar[dict[str, int]] = {"nonfinite": 1, "norm": 1, "call": CALL_LEN, "checks": CHECKS_LEN, "hyper": HYPER_LEN}
     NUMEL = sum(LENGTHS.values())  # elements of the all-reduce
 
     def pack(self, device: torch.device) -> Tensor:
@@ -47,13 +47,13 @@ class StepMessage:
         return torch.cat(parts)
 
     @classmethod
-    def tag(cls, call: Sequence[float]) -> "StepMessage":
+    def tag(cls, call: Sequence[float]) -> StepMessage:
         """A message that carries only a call header: each backward pass's round tag, which has the
         step's shape so that a rank in a backward pass meets a rank in a step."""
         return cls(0.0, 0.0, call, [0.0] * CHECKS_LEN, [0.0] * HYPER_LEN)
 
     @classmethod
-    def reduced(cls, t: Tensor) -> "StepMessage":
+    def reduced(cls, t: Tensor) -> StepMessage:
         """Read back the reduced tensor: every field as plain floats. Local (one device sync)."""
         values = t.tolist()
         out, at = {}, 0

@@ -244,7 +244,7 @@ DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParalle
                "shardopt.integrations.lightning.ShardedStrategy")
 
 
-def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> "torch.utils.hooks.RemovableHandle":
+def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> torch.utils.hooks.RemovableHandle:
     """A global module forward pre-hook that looks at the first module called whose parameters
     include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
     one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and

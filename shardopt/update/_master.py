@@ -76,7 +76,7 @@ class MasterWeights(abc.ABC):
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
         return self.param_shard.float()
 
-    def refresh_(self, r: Range) -> None:
+    def refresh_(self, r: Range) -> None:  # noqa: B027 - a default, not abstract: most strategies keep it
         """The weights over local range ``r`` were written from outside the optimizer (e.g.
         ``model.load_state_dict``): make them the master there. Default: the weight is the master."""
 

@@ -34,7 +34,7 @@ def split_point(buckets: Sequence[BucketRecord], shard_numel: int, fraction: flo
 def _routed(name: str) -> Any:
     """A method that calls the piece holding its local range ``r`` (first argument), with ``r``
     made relative to that piece."""
-    def method(self: "_Pieces", r: Range, *args: Any) -> Any:
+    def method(self: _Pieces, r: Range, *args: Any) -> Any:
         part, local = self._find(r)
         return getattr(part, name)(local, *args)
     method.__name__ = name

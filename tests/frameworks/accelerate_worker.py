@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 
 import shardopt
 import shardopt.integrations.accelerate as so_accelerate
-from common import max_diff, tiny_gpt2, tokens, torch_muon_pair, weights, write_result
+from common import tiny_gpt2, tokens, torch_muon_pair, weights, write_result
 
 ACCUM, CLIP, LR, MICRO = 2, 0.5, 3e-3, 8  # micro-batches per rank in a full run
 SAVE_AFTER = 4  # micro-batches (two optimizer steps) before save_state
