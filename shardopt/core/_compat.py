@@ -32,7 +32,7 @@ def graph_task_id() -> int:
     return torch._C._current_graph_task_id()
 
 
-def queue_at_end_of_backward(callback: object) -> None:
+def queue_at_end_of_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the running backward pass ends (as DDP does):
     ``Variable._execution_engine.queue_callback``; no fallback, see :func:`require`."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
@@ -40,8 +40,8 @@ def queue_at_end_of_backward(callback: object) -> None:
 
 version = operator.attrgetter("_version")  # a tensor's version counter, moved by every in-place write; see require()
 # Where one of these is missing the name is None and require() raises at construction.
-make_wrapper_subclass = getattr(torch.Tensor, "_make_wrapper_subclass", None)  # a tensor without storage (the placeholder)
-disabled_torch_function = getattr(torch._C, "_disabled_torch_function_impl", None)  # it handles __torch_dispatch__ only
+make_wrapper_subclass: Any = getattr(torch.Tensor, "_make_wrapper_subclass", None)  # a tensor without storage (the placeholder)
+disabled_torch_function: Any = getattr(torch._C, "_disabled_torch_function_impl", None)  # it handles __torch_dispatch__ only
 
 
 def compiled_inner(module: torch.nn.Module) -> torch.nn.Module | None:

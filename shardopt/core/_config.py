@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 
@@ -190,7 +190,7 @@ def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: 
         raise ValueError(f"invalid weight_decay={weight_decay!r}: need a number >= 0")
 
 
-def _is_number(x: object) -> bool:
+def _is_number(x: object) -> TypeGuard[float | torch.Tensor]:
     import torch
 
     if isinstance(x, torch.Tensor):
@@ -204,7 +204,8 @@ _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def param_names(param_groups: list[dict[str, Any]]) -> dict[int, str]:
     """How messages name each parameter (by ``id``): its name when named parameters were given,
     else its position in param-group order and its shape."""
-    names, k = {}, 0
+    names: dict[int, str] = {}
+    k = 0
     for gi, g in enumerate(param_groups):
         given = g.get("param_names")
         for j, p in enumerate(g["params"]):

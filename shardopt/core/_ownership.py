@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, NoReturn
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
@@ -79,6 +79,10 @@ class Lifetime:
     """The end of a ShardedAdamW's life: ``close``, being superseded (``take_over``), being
     collected, and copies refused. A mixin over the optimizer's own attributes."""
 
+    _closed: str | None  # why it no longer trains, once released (set by the optimizer)
+    if TYPE_CHECKING:
+        def finish_param_gather(self) -> None: ...
+
     def close(self) -> None:
         """Stop training: wait for the last weight gathers, remove every hook this optimizer put on
         the parameters and modules; ``step`` and ``backward`` then raise. Building another
@@ -104,10 +108,10 @@ class Lifetime:
                 hook.remove()
                 self.__dict__[name] = None
 
-    def __deepcopy__(self, memo: dict) -> None:
+    def __deepcopy__(self, memo: dict) -> NoReturn:
         raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))
 
-    def __getstate__(self) -> None:  # copy.copy, pickle, torch.save of the optimizer object
+    def __getstate__(self) -> NoReturn:  # copy.copy, pickle, torch.save of the optimizer object
         raise TypeError(_NO_COPY.format(how="copying or pickling"))
 
     def _check_open(self) -> None:

@@ -42,12 +42,23 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import Tensor
 
 from shardopt.core._layout import FlatLayout, ParamSpan, Range
+
+if TYPE_CHECKING:
+    class Placeholder(Tensor):
+        """What reduce._grad_placeholder.GradPlaceholder adds to a tensor, for the type checker: this
+        layer cannot name that class. At run time the name is Tensor, GradPlaceholder's base."""
+
+        zeroed: bool
+        pending: Tensor | None
+        accumulating: bool
+else:
+    Placeholder = Tensor
 
 
 class ParamState(enum.Enum):
@@ -120,7 +131,7 @@ class ParamRecord:
     bucket: BucketRecord = field(init=False, repr=False)
     at: slice = field(init=False, repr=False)  # its elements within its bucket (a bucket-sized buffer)
     accumulator: Any = None  # autograd's gradient accumulator, held so that autograd keeps using this one
-    placeholder: Tensor | None = None  # its stage-2 / no_sync placeholder (reduce._grad_placeholder)
+    placeholder: Placeholder | None = None  # its stage-2 / no_sync placeholder (reduce._grad_placeholder)
     state: ParamState = ParamState.WAITING
     slot: GradSlot = GradSlot.OWN
     used: bool = False  # got a gradient on this rank since its gradient was last zeroed
@@ -237,8 +248,9 @@ class ParamRecord:
         g = self.param.grad
         if g is None:
             return Holds.NONE
-        if g is self.placeholder:
-            return Holds.ZEROED if g.zeroed else Holds.PLACEHOLDER
+        ph = self.placeholder
+        if ph is not None and g is ph:
+            return Holds.ZEROED if ph.zeroed else Holds.PLACEHOLDER
         view = self.bucket.view_of(self)
         return Holds.VIEW if view is not None and g.data_ptr() == view.data_ptr() else Holds.TENSOR
 

@@ -31,6 +31,7 @@ import torch
 from torch import Tensor
 
 from shardopt.core._compat import disabled_torch_function, make_wrapper_subclass
+from shardopt.core._records import Placeholder
 
 _aten = torch.ops.aten
 _ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
@@ -48,7 +49,7 @@ ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by Sha
                 "16 bits; p.grad = None and p.grad.zero_() work as usual")
 
 
-class GradPlaceholder(Tensor):
+class GradPlaceholder(Placeholder):
     """A storage-less stand-in for a stage-2 parameter's gradient (see the module docstring)."""
 
     zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
@@ -67,7 +68,7 @@ class GradPlaceholder(Tensor):
     __torch_function__ = disabled_torch_function  # only __torch_dispatch__ below
 
     @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:  # type: ignore[override]  # torch's stub leaves out func
         if func in _ZEROING:
             targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
             for t in targets:

@@ -13,7 +13,7 @@ It issues collectives through :mod:`shardopt.comm._collectives` and knows nothin
 from __future__ import annotations
 
 import enum
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -72,7 +72,7 @@ class FlatGrads(_Store):
         parameter converted or replaced after the optimizer was built (see update._binding) must
         not stop a backward on one rank only: its gradient is dropped here and step() reports it
         on every rank."""
-        view, used = r.bucket.view_of(r), None
+        view, used = cast(Tensor, r.bucket.view_of(r)), None  # stage 1: every bucket has its view
         if grad is None:
             view.zero_()
             used = False  # zeroed by p.grad = None and no gradient since
@@ -285,7 +285,7 @@ class ShardGrads(_Store):
     def round_sum(self) -> None:
         """Round the fp32 sum of several rounds into ``grad_shard`` (once, before the step reads it). Local."""
         if self.sum is ShardSum.SUMMED:
-            self.grad_shard.copy_(self.accum_shard)
+            self.grad_shard.copy_(cast(Tensor, self.accum_shard))  # SUMMED: the sum is held
             self._to(ShardSum.ROUNDED)
 
     def zero(self) -> None:
@@ -296,5 +296,5 @@ class ShardGrads(_Store):
         """The gradient shard; after several rounds not yet rounded (``round_sum``), a rounded copy
         of their fp32 sum (a question: changes nothing)."""
         if self.sum is ShardSum.SUMMED:
-            return self.accum_shard.to(self.grad_shard.dtype)
+            return cast(Tensor, self.accum_shard).to(self.grad_shard.dtype)
         return self.grad_shard

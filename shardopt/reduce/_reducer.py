@@ -24,7 +24,7 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
@@ -152,7 +152,7 @@ class GradReducer:
     def _untouched(self) -> bool:
         """Nothing zeroed or replaced since the placeholders were placed (the usual case). A question."""
         return all(r.slot is GradSlot.OWN for r in self.records) or all(
-            r.slot is not GradSlot.OWN and r.param.grad is r.placeholder and not r.placeholder.zeroed
+            r.slot is not GradSlot.OWN and r.param.grad is r.placeholder and not cast(GradPlaceholder, r.placeholder).zeroed
             for r in self.records)
 
     def apply_zeroing(self, *, at_step: bool = False) -> bool:
@@ -168,9 +168,10 @@ class GradReducer:
                 continue  # no placeholder out: no gradient since zeroing, or autograd is accumulating one
             g = r.param.grad
             if g is r.placeholder:
-                if not g.zeroed:
+                ph = cast(GradPlaceholder, g)  # every record has one (see __init__)
+                if not ph.zeroed:
                     continue
-                g.zeroed = False  # zero_(): a zero gradient that still counts as present
+                ph.zeroed = False  # zero_(): a zero gradient that still counts as present
             else:  # removed (model.zero_grad()) or replaced by hand: the new value replaces the old
                 r.place(GradSlot.OWN)
                 r.got_gradient(g is not None)
@@ -207,7 +208,7 @@ class GradReducer:
         r.got_gradient()
         grad = pending_of(param.grad)
         own = grad is None or self.store.is_storage(r, grad)  # no new tensor
-        self.held.produced(r, 0 if own else grad.numel() * grad.element_size(),
+        self.held.produced(r, 0 if own or grad is None else grad.numel() * grad.element_size(),
                            keep=not sync and self.accumulate_dtype is None)
         if not sync:
             if self.accumulate_dtype is not None:
@@ -260,7 +261,7 @@ class GradReducer:
         if self.store.is_storage(r, grad):
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
         # The placeholder keeps model.zero_grad() and p.grad.zero_() visible while the sum sits in accum.
-        ph = r.placeholder
+        ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
         ph.zeroed, ph.pending = False, None
         if set_grad(r.param, ph):
             r.place(GradSlot.ACCUMULATING)
@@ -322,7 +323,7 @@ class GradReducer:
         if not self.store.keeps_views:
             start = time.perf_counter()
             for r in self.records:
-                ph = r.placeholder
+                ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
                 ph.zeroed = False
                 if set_grad(r.param, ph):
                     r.place(GradSlot.PLACEHOLDER)
@@ -358,7 +359,7 @@ class GradReducer:
         """Move the ``.grad`` of each DTensor parameter into its stand-in (a gradient no hook moved:
         assigned by hand). See core._dtensor [Note: DTensor parameters]. Local."""
         for r in self.dtensor_records:
-            if r.dtensor.grad is not None:
+            if r.dtensor is not None and r.dtensor.grad is not None:
                 move_grad(r.dtensor, r.param)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -366,7 +367,8 @@ class GradReducer:
         parameters then have no gradient (a step leaves them alone), else a zero one (a step still
         applies weight decay and momentum to those that had one), as with torch. Local."""
         for r in self.dtensor_records:
-            r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
+            if r.dtensor is not None:
+                r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
         self.held.forget(self.records)
         for r in self.records:
             r.place(GradSlot.OWN)
@@ -382,7 +384,7 @@ class GradReducer:
                     if set_to_none or is_placeholder(p.grad):
                         p.grad = None
                     continue
-                ph = r.placeholder
+                ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
                 ph.zeroed, ph.pending = False, None
                 r.place(GradSlot.PLACEHOLDER)  # a zero gradient that is still there
         self.store.zero()

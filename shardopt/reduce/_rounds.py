@@ -73,7 +73,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 
@@ -349,7 +349,7 @@ class Rounds:
         self._launch_ready()
 
     def _launch_ready(self) -> None:
-        order = self.order
+        order = cast(list[BucketRecord], self.order)  # agreed before any bucket is counted
         while self._pos < len(order) and order[self._pos].complete:
             b = order[self._pos]
             if self.nesting_seen and b.may_nest:
@@ -374,7 +374,7 @@ class Rounds:
         pending, self._tag_pending = self._tag_pending, None
         pending.wait()
         try:
-            check_calls(StepMessage.reduced(self._tag_sum).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+            check_calls(StepMessage.reduced(cast(torch.Tensor, self._tag_sum)).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
         except RuntimeError as e:
             self.fail(str(e))
             raise

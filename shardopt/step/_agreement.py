@@ -7,7 +7,7 @@ names it with rank 0's and the other rank's values, raised on every rank alike.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn, Sequence
 
 import torch
 
@@ -55,19 +55,19 @@ def _every_rank_calls(call: str) -> bool:
     return call not in ("clip_grad_norm_", "step", "backward", "joined")
 
 
-def joined_ranks(header: list[float]) -> int:
+def joined_ranks(header: Sequence[float]) -> int:
     """How many ranks shadow the others' calls inside a Join, from a summed header."""
     return int(header[CALLS.index("joined")])
 
 
-def the_call(header: list[float]) -> str | None:
+def the_call(header: Sequence[float]) -> str | None:
     """The call the ranks that are not joined are in, from a summed header; None when they are in
     several (every rank raises at its own check then)."""
     calls = [c for c, n in zip(CALLS, header) if n > 0 and c != "joined"]
     return calls[0] if len(calls) == 1 else None
 
 
-def check_calls(header: list[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
+def check_calls(header: Sequence[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
     """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
     every rank in ``call`` with the same ``lost_round``; ranks that joined inside a Join (summed
     headers only) shadow ``clip_grad_norm_``, ``step`` and backward passes, not the calls every rank
@@ -152,7 +152,7 @@ def agree_on_params(opt: Any, comm: Any, names: dict[int, str], loss_scale: obje
     raise_first_difference(comm.all_gather_objects(desc), comm.rank)
 
 
-def raise_first_difference(every: list[list], rank: int) -> None:
+def raise_first_difference(every: list[list], rank: int) -> NoReturn:
     """Raise, on every rank alike, the first difference between rank 0's description and another
     rank's (``every``: each rank's ``[("settings", items), params..., ("frozen", params)]``, or
     ``[("error", kind, message)]``)."""
@@ -172,16 +172,16 @@ def raise_first_difference(every: list[list], rank: int) -> None:
     for r, other in enumerate(every):
         if other == ref:
             continue
-        for kind, mine, theirs in (("trainable", ref[:-1], other[:-1]), ("frozen", ref[-1][1], other[-1][1])):
-            for i, (a, b) in enumerate(zip(mine, theirs)):
+        for which, mine, their in (("trainable", ref[:-1], other[:-1]), ("frozen", ref[-1][1], other[-1][1])):
+            for i, (a, b) in enumerate(zip(mine, their)):
                 if a != b:
                     raise ValueError(
-                        f"parameter sets differ across ranks: {kind} parameter #{i} is (group, shape, dtype"
+                        f"parameter sets differ across ranks: {which} parameter #{i} is (group, shape, dtype"
                         f"{', name' if len(a) > 3 else ''})={a} on rank 0 but {b} on rank {r}; build the same model "
                         "and pass the same parameters in the same order, with the same requires_grad, on every rank")
-            if len(mine) != len(theirs):
-                raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {kind} parameters, "
-                                 f"rank {r} has {len(theirs)}; build the same model on every rank")
+            if len(mine) != len(their):
+                raise ValueError(f"parameter sets differ across ranks: rank 0 has {len(mine)} {which} parameters, "
+                                 f"rank {r} has {len(their)}; build the same model on every rank")
     raise AssertionError("unreachable: descriptions differ but no difference found")
 
 
@@ -218,7 +218,7 @@ def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
     return chunks + [-d if maxed else d * d for d in chunks]
 
 
-def hyperparameters_agree(reduced: list[float], ranks: int, maxed: bool) -> bool:
+def hyperparameters_agree(reduced: Sequence[float], ranks: int, maxed: bool) -> bool:
     """Whether ``reduced`` (``ranks`` ranks' ``hyper_code``, summed or maxed) shows the same digest
     from every one of them. A question, from the reduced message alone."""
     chunks, second = reduced[:HYPER_CHUNKS], reduced[HYPER_CHUNKS:]
@@ -227,7 +227,7 @@ def hyperparameters_agree(reduced: list[float], ranks: int, maxed: bool) -> bool
     return all(ranks * e == d * d for d, e in zip(chunks, second))
 
 
-def check_hyperparameters_agree(reduced: list[float], values: list[tuple[int, str, Any]] | None, comm: Any,
+def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int, str, Any]] | None, comm: Any,
                                 maxed: bool, joined: int = 0) -> None:
     """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
     or maxed) shows a hyperparameter that differs across ranks, naming the first one. ``joined``

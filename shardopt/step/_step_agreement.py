@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -169,10 +169,11 @@ class StepAgreement:
             adopt_hyperparameters(param_groups, hyper, self.comm)
         checks.seconds += time.perf_counter() - start
         checks.apply(found, got.checks, loss_scale)
-        found_inf = got.nonfinite > 0 or not math.isfinite(got.norm)
+        nonfinite, norm = cast(float, got.nonfinite), cast(float, got.norm)  # reduced: plain floats
+        found_inf = nonfinite > 0 or not math.isfinite(norm)
         if norm_type is None or maxed or math.isinf(norm_type):
-            return found_inf, got.norm
-        return found_inf, got.norm ** (1.0 / norm_type)
+            return found_inf, norm
+        return found_inf, norm ** (1.0 / norm_type)
 
     def norm_follow_up(self, norm_type: float, local: Tensor) -> float:
         """Inside a Join, after clip_grad_norm_'s message: its norm, from one small all-reduce of each

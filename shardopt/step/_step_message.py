@@ -10,7 +10,7 @@ step's all-reduce is taken from the reduced message, never from a rank-local val
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 import torch
 from torch import Tensor
@@ -56,7 +56,8 @@ class StepMessage:
     def reduced(cls, t: Tensor) -> StepMessage:
         """Read back the reduced tensor: every field as plain floats. Local (one device sync)."""
         values = t.tolist()
-        out, at = {}, 0
+        out: dict[str, Any] = {}
+        at = 0
         for name, n in cls.LENGTHS.items():
             out[name] = values[at] if name in ("nonfinite", "norm") else values[at:at + n]
             at += n

@@ -268,8 +268,8 @@ def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> torch.utils.ho
             return  # another model: keep watching
         handle[0].remove()
         inner = module
-        while compiled_inner(inner) is not None:  # torch.compile's wrapper
-            inner = compiled_inner(inner)
+        while (wrapped := compiled_inner(inner)) is not None:  # torch.compile's wrapper
+            inner = wrapped
         if not isinstance(inner, DistributedDataParallel):
             return
         if stage == 2:
