@@ -74,11 +74,12 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import functools
 import hashlib
 import pickle
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, NoReturn, Sequence
+from typing import Any, Callable, Iterator, NoReturn, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -144,11 +145,11 @@ class Pending:
             try:
                 w.wait(**limit)
             except RuntimeError as e:
-                if self.control:
-                    self.comm.control_failed(e, timeout)  # raises
+                if self.control:  # a control message has its comm and its deadline
+                    cast(Comm, self.comm).control_failed(e, cast(float, timeout))  # raises
                 if timeout is None or not _timed_out(e):
                     raise
-                raise TimeoutError(self.comm.timed_out(timeout)) from None
+                raise TimeoutError(cast(Comm, self.comm).timed_out(timeout)) from None  # a timeout: the comm's
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
         self.done = True
@@ -183,7 +184,7 @@ class ControlGone(RuntimeError):
         self.why = why
 
 
-def _timed_out(e: RuntimeError) -> bool:
+def _timed_out(e: Exception) -> bool:
     """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
     return "imeout" in str(e) or "imed out" in str(e)
 
@@ -382,9 +383,10 @@ class Comm:
 
     # -- small collectives: on the control group ----------------------------------------
     def _control(self) -> ProcessGroup:
-        if self.control.broken:
-            raise RuntimeError(self.control.broken)
-        return self.control.group
+        control = cast(ControlGroup, self.control)  # callers return early without one (a single rank)
+        if control.broken:
+            raise RuntimeError(control.broken)
+        return control.group
 
     def control_all_reduce(self, t: Tensor, op: str = "sum", *, deadline: float | None = None) -> Pending:
         """In-place SUM (or ``"max"``) of ``t`` over the group, through the control group (see
@@ -399,7 +401,7 @@ class Comm:
             deadline = self.timeout if self.timeout is not None else self.control.timeout.total_seconds()
         host = t if t.device.type == "cpu" else t.cpu()
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the members as RedOpType
         opts.timeout = datetime.timedelta(seconds=deadline)
         group = self._control()  # raises why, once this rank gave up on it
         try:
@@ -431,7 +433,7 @@ class Comm:
                          notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")
             raise ControlTimeout(text, waited) from None
         torch_says = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        why = self.control.notice(_NOTICE_WAIT) or (
+        why = cast(ControlGroup, self.control).notice(_NOTICE_WAIT) or (
             "another rank closed shardopt's control group: it gave up waiting for this rank in a call that every "
             "rank must make, or it ended (its own output says why)")
         text = (f"rank {self.rank} of {self.world_size}: {self.where} cannot reach the other ranks: {why}. This rank "
@@ -599,14 +601,14 @@ class Comm:
         if len(chunks) <= 1:
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
         mine = pieces[self.shard_rank]
-        parts = []
+        parts: list[Callable[[], Pending]] = []
         for chunk in chunks:
             owned = [r for r in chunk if r.size]
             run = Range(owned[0].start, owned[-1].end)
             rel = [r.relative_to(run.start) if r.size else Range(0, 0) for r in chunk]
             sub = chunk[self.shard_rank]
             dest = out[sub.start - mine.start:sub.end - mine.start] if sub.size else out[:0]
-            parts.append(lambda d=dest, src=bucket[run.as_slice()], p=rel: self.reduce_scatter_avg(d, src, p))  # noqa: B008
+            parts.append(functools.partial(self.reduce_scatter_avg, dest, bucket[run.as_slice()], rel))
         return parts
 
     def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from torch import Tensor
+from torch.nn import Parameter
 
 from shardopt.comm._collectives import Comm, group_ranks, is_process_group, world_size
 from shardopt.comm._model_axes import ModelAxes, axis_groups
@@ -89,7 +90,7 @@ class ModelParts:
         """Whether the ranks hold different parts of the model (model axes or expert groups)."""
         return bool(self.axes) or bool(self.group_comms)
 
-    def settle(self, trainable: Sequence[tuple[Tensor, int]], names: dict[int, str]) -> list[tuple[Tensor, int]]:
+    def settle(self, trainable: Sequence[tuple[Parameter, int]], names: dict[int, str]) -> list[tuple[Parameter, int]]:
         """Once the ranks agreed on ``trainable`` ((parameter, group index) pairs): the pairs the
         flat buffers are built from, each DTensor parameter replaced by its plain stand-in (named
         as it is in ``names``), and each expert group's key prefix. Every rank (one small gather
