@@ -408,7 +408,11 @@ class Comm:
             work = group.allreduce([host], opts)
         except RuntimeError as e:  # gloo reports in wait(); an error here would mean the same
             self.control_failed(e, deadline)
-        back = None if host is t else (lambda: t.copy_(host) and None)
+
+        def copy_back() -> None:  # the reduced host copy written back into t
+            t.copy_(host)
+
+        back = None if host is t else copy_back
         return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
                        deadline=deadline, control=True)
 
