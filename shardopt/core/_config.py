@@ -21,9 +21,9 @@ class ShardConfig:
     moments: str = "fp32"  # how exp_avg and exp_avg_sq are stored (see shardopt.update._moments)
     bucket_cap_mb: float = 25.0
     alignment: int = 8
-    accumulate_dtype: object = None  # torch.dtype of the no_sync gradient sum for 16-bit params
+    accumulate_dtype: torch.dtype | None = None  # torch.dtype of the no_sync gradient sum for 16-bit params
     seed: int = 0  # stochastic rounding: random bits depend on (seed, step, element offset) only
-    reduce_dtype: object = None  # torch.dtype gradients are averaged in; None: the gradient dtype
+    reduce_dtype: torch.dtype | None = None  # torch.dtype gradients are averaged in; None: the gradient dtype
     overlap_param_gather: bool = False
     timeout: float | None = None  # seconds a collective may take before every waiting rank raises
     max_consecutive_skips: int | None = 3  # inf/NaN steps in a row, with no dynamic loss scale, that raise

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Iterable
+from typing import TYPE_CHECKING, Iterable
 
 import torch
 
@@ -36,6 +36,16 @@ class Kernels:
     reference, with one warning, when one of them differs (a RuntimeError under
     ``SHARDOPT_KERNEL=fused``). A compile failure at a fused function's first call moves the object
     to the reference then (see fused [Note: compile failure])."""
+
+    if TYPE_CHECKING:  # set by _use: each with the signature of reference's function of that name
+        step_fp32 = staticmethod(reference.step_fp32)
+        step_remainder = staticmethod(reference.step_remainder)
+        step_stochastic = staticmethod(reference.step_stochastic)
+        step_none = staticmethod(reference.step_none)
+        moment8_scan = staticmethod(reference.moment8_scan)
+        grad_nonfinite = staticmethod(reference.grad_nonfinite)
+        grad_max = staticmethod(reference.grad_max)
+        grad_norm_power = staticmethod(reference.grad_norm_power)
 
     def __init__(self, name: str, codecs: Iterable[str] = _self_check.NAMES,
                  device: torch.device | str = "cpu") -> None:

@@ -81,11 +81,12 @@ import contextlib
 import contextvars
 import inspect
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 _ours = contextvars.ContextVar("shardopt_fused_kernel", default=False)  # see [Note: scoped to shardopt's kernels]
-_state = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "fma": None}
+_state: dict[str, Any] = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "fma": None}
 _VERSION = 6  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
@@ -119,7 +120,7 @@ def install() -> bool:
         return original(x, dtype, src_dtype)
 
     to_dtype_bitcast.__wrapped__ = original  # type: ignore[attr-defined]
-    overrides.to_dtype_bitcast = staticmethod(to_dtype_bitcast)
+    overrides.to_dtype_bitcast = staticmethod(to_dtype_bitcast)  # type: ignore[method-assign]  # patching inductor
     _state["installed"] = True
     _install_wide_tiling(cpp)
     return True
@@ -176,7 +177,7 @@ def _replace(owner: type, wrappers: dict, originals: dict) -> None:
 
 def _install_counter(cpp) -> None:  # noqa: ANN001 - inductor's cpp codegen module
     """See [Note: counter vector]; left out on a torch laid out otherwise."""
-    kernel_type = getattr(cpp, "CppVecKernel", None)
+    kernel_type: Any = getattr(cpp, "CppVecKernel", None)  # inductor's class
     originals = _methods(kernel_type, {"arange": ["self", "index", "stride"]}) if kernel_type else None
     if originals is None:
         return

@@ -129,7 +129,8 @@ def differences(device: str = "cpu") -> tuple[str, ...]:
     return tuple(name for name, want, got in pairs if want.dtype != got.dtype or not _same(want, got))
 
 
-_WEIGHT_CODECS = {  # step function -> the codecs it writes its 16-bit weight with, by weight dtype
+# step function -> the codecs it writes its 16-bit weight with, by weight dtype
+_WEIGHT_CODECS: dict[str, dict[torch.dtype, tuple[str, ...]]] = {
     "step_fp32": {torch.bfloat16: ("bf16 weight",), torch.float16: ("fp16 weight",)},
     "step_none": {torch.bfloat16: ("bf16 weight",), torch.float16: ("fp16 weight",)},
     "step_stochastic": {torch.bfloat16: ("stochastic bf16",), torch.float16: ("stochastic fp16",)},

@@ -63,7 +63,7 @@ def orthogonalize(update: Tensor, *, ns_coefficients: tuple[float, float, float]
     return x.T if tall else x
 
 
-def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: tuple[int, int] | torch.Size) -> float | Tensor:
+def adjusted_lr(lr: float | Tensor, adjust_lr_fn: str | None, shape: tuple[int, ...] | torch.Size) -> float | Tensor:
     """The learning rate the orthogonalized update of an (m, n) matrix is applied with.
 
     ``None`` or ``"original"``: ``lr * sqrt(max(1, m / n))`` (Keller Jordan's scaling);
@@ -85,7 +85,7 @@ def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: floa
                ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS, eps: float = NS_EPS,
                ns_steps: int = NS_STEPS, adjust_lr_fn: str | None = None,
                orthogonalize_fn: Callable[..., Tensor] | None = None,
-               shape: tuple[int, int] | None = None) -> None:
+               shape: tuple[int, ...] | None = None) -> None:
     """One Muon step of one (m, n) matrix, in place on ``param`` and ``momentum_buffer``.
 
     ``param``, ``grad`` and ``momentum_buffer`` are fp32 (m, n) tensors on one device; the buffer
@@ -112,4 +112,5 @@ def muon_step_(param: Tensor, grad: Tensor, momentum_buffer: Tensor, *, lr: floa
         lr = lr.detach().reshape(())  # torch's _to_scalar: a 1-element tensor as a 0-d one
     step_lr = adjusted_lr(lr, adjust_lr_fn, shape if shape is not None else param.shape)
     param.mul_(1 - lr * weight_decay)
-    param.add_(ortho, alpha=-step_lr)
+    # ignored: a 0-d tensor lr is a Scalar to torch, its stub takes numbers only
+    param.add_(ortho, alpha=-step_lr)  # type: ignore[arg-type]

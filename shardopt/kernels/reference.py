@@ -45,6 +45,8 @@ fp32 buffers of the segment's length; two hold two floats per block.
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
@@ -180,7 +182,7 @@ def load_moments(m: Tensor | tuple, v: Tensor | tuple, s: Scalars) -> tuple[Tens
         m32, r = _decode_moment8_sqrt(m[0], m[1], v[0], v[1])
         bound = r * s[8]  # moment_ratio_bound
         return torch.minimum(torch.maximum(m32, -bound), bound), r * r
-    return m.float(), v.float()
+    return m.float(), cast(Tensor, v).float()  # m and v are stored alike
 
 
 def moment8_scan(grad: Tensor, m: tuple, v: tuple, s: Scalars) -> tuple[Tensor, Tensor]:
@@ -203,10 +205,10 @@ def store_moments_(m: Tensor | tuple, v: Tensor | tuple, m32: Tensor, v32: Tenso
         v[1].copy_(vs)
     elif m.dtype == torch.float32:
         m.copy_(m32)
-        v.copy_(v32)
-    else:
+        cast(Tensor, v).copy_(v32)  # m and v are stored alike
+    else:  # bf16, rounded stochastically: a key is given for every format but fp32
         m.copy_(m32)
-        v.copy_(stochastic_round_bf16(v32, random_bits16(key, v32.numel(), 2)))
+        cast(Tensor, v).copy_(stochastic_round_bf16(v32, random_bits16(cast(Key, key), v32.numel(), 2)))
 
 
 def load_max(vmax: Tensor | None) -> Tensor | None:

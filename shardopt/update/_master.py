@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -29,8 +29,7 @@ from shardopt.core._layout import Range
 from shardopt.kernels import Kernels, codecs, select
 from shardopt.kernels.codecs import round_to_dtype
 from shardopt.kernels.reference import Scalars
-
-Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales, new maxima)
+from shardopt.update._moments import Moment
 
 
 class MasterWeights(abc.ABC):
@@ -110,8 +109,8 @@ class MasterWeights(abc.ABC):
 class FP32Master(MasterWeights):
     name = "fp32"
 
-    def __init__(self, param_shard: Tensor, **kw: object) -> None:
-        super().__init__(param_shard, **kw)  # type: ignore[arg-type]
+    def __init__(self, param_shard: Tensor, **kw: Any) -> None:
+        super().__init__(param_shard, **kw)
         self.owns_copy = param_shard.dtype != torch.float32
         # 1D fp32; aliases param_shard for fp32 params
         self.master: Tensor = self.empty(param_shard.numel(), torch.float32).copy_(param_shard) if self.owns_copy \
@@ -154,8 +153,8 @@ class FP32Master(MasterWeights):
 class RemainderMaster(MasterWeights):
     name = "remainder"
 
-    def __init__(self, param_shard: Tensor, **kw: object) -> None:
-        super().__init__(param_shard, **kw)  # type: ignore[arg-type]
+    def __init__(self, param_shard: Tensor, **kw: Any) -> None:
+        super().__init__(param_shard, **kw)
         # The 16-bit remainder of each element as two int8 planes, low and high byte (see
         # kernels.codecs [Note: remainder planes]); 1D, this rank's shard.
         self.rem_lo: Tensor = self.empty(param_shard.numel(), torch.int8).zero_()
@@ -252,7 +251,7 @@ if tuple(STRATEGIES) != MASTER_MODES:  # checked at import, also under python -O
                          f"{MASTER_MODES}")
 
 
-def make_master(name: str, param_shard: Tensor, **kw: object) -> MasterWeights:
+def make_master(name: str, param_shard: Tensor, **kw: Any) -> MasterWeights:
     """The strategy called ``name`` over ``param_shard`` (``fp32`` for fp32 parameters, with a warning
     when another mode was asked for)."""
     if name not in STRATEGIES:

@@ -29,6 +29,8 @@ from shardopt.core._layout import Range
 from shardopt.kernels import Kernels
 from shardopt.kernels.reference import MOMENT_BLOCK, Scalars, decode_moment8, encode_moment8
 
+Moment = Tensor | tuple  # a moment's kernel operand: a tensor (fp32, bf16) or 8-bit (codes, scales, new maxima)
+
 
 class Moments(abc.ABC):
     """Base: this rank's two Adam moments over ``numel`` elements of its shard."""
@@ -52,10 +54,10 @@ class Moments(abc.ABC):
         return self.empty(numel, dtype).zero_()
 
     @abc.abstractmethod
-    def operands(self, r: Range) -> tuple[object, object]:
+    def operands(self, r: Range) -> tuple[Moment, Moment]:
         """(exp_avg, exp_avg_sq) operands of the step kernels over local range ``r``."""
 
-    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[Moment, Moment]:
         """The operands of this step over local range ``r`` (``grad``: its slice of the gradient
         shard), after any pass the step needs first. Local."""
         return self.operands(r)
@@ -126,7 +128,7 @@ class _Dense(Moments):
         # 1D, this rank's shard: amsgrad's running maximum of exp_avg_sq (bf16: rounded to nearest)
         self.max_exp_avg_sq = self.zeros(numel, self.dtype) if amsgrad else None
 
-    def operands(self, r: Range) -> tuple[object, object]:
+    def operands(self, r: Range) -> tuple[Moment, Moment]:
         return self.exp_avg[r.as_slice()], self.exp_avg_sq[r.as_slice()]
 
     def max_operand(self, r: Range) -> Tensor | None:
@@ -174,13 +176,13 @@ class Int8Moments(Moments):
         self.v_codes = self.zeros(numel, torch.uint8)  # sqrt(exp_avg_sq) / scale * 255
         self.v_scales = self.zeros(blocks, torch.float32)  # per block: max sqrt(exp_avg_sq)
 
-    def operands(self, r: Range) -> tuple[object, object]:
+    def operands(self, r: Range) -> tuple[tuple, tuple]:
         if r.start % MOMENT_BLOCK or r.size % MOMENT_BLOCK:
             raise ValueError(f"8-bit moments update whole {MOMENT_BLOCK}-element blocks, got range {r}")
         s, b = r.as_slice(), slice(r.start // MOMENT_BLOCK, r.end // MOMENT_BLOCK)
         return (self.m_codes[s], self.m_scales[b]), (self.v_codes[s], self.v_scales[b])
 
-    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[object, object]:
+    def prepare(self, r: Range, grad: Tensor, s: Scalars, kernels: Kernels) -> tuple[Moment, Moment]:
         # Two passes (see kernels.reference.moment8_scan): the new blocks' maxima, then the step.
         m, v = self.operands(r)
         m_max, v_max = kernels.moment8_scan(grad, m, v, s)
@@ -222,7 +224,8 @@ class MuonMomentum(Moments):
         self.name = name  # one of MUON_MOMENTS, checked by ShardedMuon
         self.buffer = self.zeros(numel, MUON_MOMENTS[name])  # 1D, this rank's shard
 
-    def operands(self, r: Range) -> tuple[object, object]:
+    # ignored: Muon keeps one moment, so there is no second operand; no AdamW step reads these
+    def operands(self, r: Range) -> tuple[Tensor, None]:  # type: ignore[override]
         return self.buffer[r.as_slice()], None
 
     def read(self, r: Range) -> Tensor:

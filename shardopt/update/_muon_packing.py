@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 from shardopt.core._layout import DEFAULT_ALIGNMENT, FlatLayout, Range, _round_up, build_layout
 
@@ -136,8 +136,8 @@ def owned_layout(shapes: Sequence[Sequence[int]], world_size: int, *, alignment:
     that buffer order. Valid on any rank; no communication."""
     packing = pack_matrices(shapes, world_size, alignment=alignment)
     order = sorted(range(len(packing.shapes)), key=lambda i: (packing.owner[i], packing.offset[i]))
-    packing = dataclasses.replace(packing, **{k: tuple(getattr(packing, k)[i] for i in order)
-                                              for k in ("shapes", "owner", "offset")})
+    reordered: dict[str, Any] = {k: tuple(getattr(packing, k)[i] for i in order) for k in ("shapes", "owner", "offset")}
+    packing = dataclasses.replace(packing, **reordered)
     layout = build_layout(packing.shapes, world_size, alignment=alignment, bucket_numel=bucket_numel,
                           starts=[o * packing.chunk_numel + off for o, off in zip(packing.owner, packing.offset)],
                           numel=world_size * packing.chunk_numel)

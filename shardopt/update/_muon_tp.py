@@ -14,7 +14,7 @@ update once per step, (tp - 1)/tp of it from the others.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
@@ -36,7 +36,7 @@ def whole_orthogonalizer(dt: Tensor) -> Callable[..., Tensor]:
     Muon beside tensor parallelism]). Every rank of the mesh, in the same order."""
     from torch.distributed.tensor import DTensor
 
-    dim = sharded_dim(dt)
+    dim = cast(int, sharded_dim(dt))  # only a piece split along a dimension gets here
     mesh, placements = dt.device_mesh, dt.placements  # type: ignore[attr-defined]
 
     def piece(update: Tensor, **kw: Any) -> Tensor:

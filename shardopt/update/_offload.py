@@ -31,7 +31,7 @@ import logging
 import mmap
 import warnings
 import weakref
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
@@ -177,7 +177,7 @@ class OnHost(OnDevice):
                 b.host.grad_copied.record()
 
     def grad_of(self, b: BucketRecord, grad: Tensor) -> Tensor:
-        h = b.host
+        h = cast(HostCopy, b.host)  # a bucket of this placement: in host memory
         if self.accelerated:
             h.weights_copied.synchronize()  # the last step's copy of these weights to the device has read them
         if self.grad is None:
@@ -189,7 +189,7 @@ class OnHost(OnDevice):
         return self.grad
 
     def publish(self, b: BucketRecord) -> None:
-        h = b.host
+        h = cast(HostCopy, b.host)  # a bucket of this placement: in host memory
         h.device_weights.copy_(h.weights, non_blocking=self.accelerated)
         if self.accelerated:
             h.weights_copied.record()
@@ -197,7 +197,7 @@ class OnHost(OnDevice):
     def _settle(self) -> None:
         if self.accelerated:
             for b in self.buckets:
-                b.host.weights_copied.synchronize()
+                cast(HostCopy, b.host).weights_copied.synchronize()  # this placement's buckets are in host memory
 
     def pull(self, r: Range) -> None:
         self._settle()

@@ -6,7 +6,7 @@ and the Adam moments of this rank's shard. Holds no math of its own.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -38,6 +38,9 @@ def lr_value(lr: object) -> float | Tensor:
     return lr if isinstance(lr, Tensor) else float(lr)  # type: ignore[arg-type]
 
 
+_Segments = list[tuple[tuple[int, int], Range]]  # runs of one (param group, lag) key in the shard (update)
+
+
 class ShardedBuffer:
     """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
 
@@ -60,8 +63,8 @@ class ShardedBuffer:
                                                             bucket_numel=config.bucket_numel(element_size))
             dtensors = dtensors if dtensors is not None else [None] * len(params)
             counted = counted if counted is not None else [True] * len(params)
-            params, group_of, names, dtensors, counted = ([seq[i] for i in order]
-                                                          for seq in (params, group_of, names, dtensors, counted))
+            in_order: list[Sequence[Any]] = [params, group_of, names, dtensors, counted]
+            params, group_of, names, dtensors, counted = ([seq[i] for i in order] for seq in in_order)
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))
@@ -89,7 +92,7 @@ class ShardedBuffer:
                 at = r.end
             if at < self.layout.shard_numel:
                 self.counted_runs.append(Range(at, self.layout.shard_numel))
-        self._segments: dict[tuple, list] = {}  # update segments by (group, lag)-or-None keys (a cache)
+        self._segments: dict[tuple, _Segments] = {}  # update segments by (group, lag)-or-None keys (a cache)
         self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
                                    config.accumulate_dtype, config.reduce_dtype)
         self._place_state(config, rule)
@@ -104,7 +107,8 @@ class ShardedBuffer:
             split_point(self.buckets, n, config.offload_fraction)
         pieces = [(0, split, config.offload), (split, n, None)] if 0 < split < n else \
             [(0, n, config.offload if split else None)]
-        kernels = dict(dtype=self.flat.dtype, master=config.master_weights, moments=config.moments, rule=rule)
+        kernels: dict[str, Any] = dict(dtype=self.flat.dtype, master=config.master_weights, moments=config.moments,
+                                       rule=rule)
         masters, moments, self.placements = [], [], []
         for start, end, offload in pieces:
             state = predict_bytes(end - start, 1, stage=2, param_dtype=self.flat.dtype,
@@ -161,7 +165,7 @@ class ShardedBuffer:
         if segments is None:
             if len(self._segments) > 8:
                 self._segments.clear()
-            segments = self._segments[keys] = self.layout.segments(self.comm.shard_rank, keys)
+            segments = self._segments[keys] = cast(_Segments, self.layout.segments(self.comm.shard_rank, keys))
         scalars: dict[tuple, tuple] = {}  # by (group, lag, device): the step's scalars where each piece updates
 
         def scalars_of(g: int, lag: int, device: torch.device) -> tuple:
@@ -186,13 +190,13 @@ class ShardedBuffer:
                     if r.size:
                         s, gr = scalars_of(*key, place.device), g[r.as_slice()]
                         vmax = self.moments.max_operand(r) if param_groups[key[0]].get("amsgrad") else None
-                        self.master.update_(r, gr, *self.moments.prepare(r, gr, s, self.master.kernels_for(r)), s,
-                                            step - key[1], vmax)
+                        m, v = self.moments.prepare(r, gr, s, self.master.kernels_for(r))
+                        self.master.update_(r, gr, m, v, s, step - key[1], vmax)
                 place.publish(b)
             gathers.append((b, self._gather(b)))
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
-            for r in self.records:
-                r.stepped()
+            for rec in self.records:
+                rec.stepped()
         return gathers
 
     def _muon_step(self, rec: ParamRecord, grad: Tensor, grad_scale: float, param_groups: Sequence[dict],
@@ -209,17 +213,18 @@ class ShardedBuffer:
         g = gb[r.as_slice()].view(shape).float()
         if grad_scale != 1.0:
             g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
-        tp = rec.dtensor is not None and sharded_dim(rec.dtensor) is not None
+        tp = rec.dtensor if rec.dtensor is not None and sharded_dim(rec.dtensor) is not None else None  # a TP piece
+        moments = cast("MuonMomentum | SplitMoments", self.moments)  # rule "muon": Muon's one moment
         # offloaded: the master and momentum move to the gradient's device for the step and back
-        master, momentum = self.master.read_fp32(r).to(here), self.moments.read(r).to(here)
+        master, momentum = self.master.read_fp32(r).to(here), moments.read(r).to(here)
         muon_step_(master.view(shape), g, momentum.view(shape),
                    lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                    nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                    eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"],
-                   orthogonalize_fn=whole_orthogonalizer(rec.dtensor) if tp else None,
-                   shape=tuple(rec.dtensor.shape) if tp else None)
+                   orthogonalize_fn=whole_orthogonalizer(tp) if tp is not None else None,
+                   shape=tuple(tp.shape) if tp is not None else None)
         self.master.write_fp32_(r, master.to(place.device), step)
-        self.moments.write_(r, momentum.to(place.device))
+        moments.write_(r, momentum.to(place.device))
 
     def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
@@ -332,9 +337,9 @@ class ShardedBuffer:
                                                  psize=self.flat.data.element_size(),
                                                  hybrid=self.comm.hybrid, max_inflight=MAX_INFLIGHT)
         if self.reducer.accumulated:
-            predicted["buffers"] += self.layout.numel * self.reducer.accumulate_dtype.itemsize
+            predicted["buffers"] += self.layout.numel * cast(torch.dtype, self.reducer.accumulate_dtype).itemsize
         if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _grad_store)
-            predicted["buffers"] += self.layout.shard_numel * self.reducer.accumulate_dtype.itemsize
+            predicted["buffers"] += self.layout.shard_numel * cast(torch.dtype, self.reducer.accumulate_dtype).itemsize
         return MemoryReport(
             params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
             exp_avg=self.moments.exp_avg_bytes, exp_avg_sq=self.moments.exp_avg_sq_bytes, extra=self.master.extra_bytes,
