@@ -90,7 +90,7 @@ class ShardedMuon(ShardedAdamW):
         check_muon_hyperparameters(self._muon_defaults, -1)
         super().__init__(params, lr=lr, eps=eps, weight_decay=weight_decay, **kwargs)
 
-    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+    def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
                   flags: dict[str, Any]) -> dict[str, Any]:
         return dict(self._muon_defaults)
 

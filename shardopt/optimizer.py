@@ -8,11 +8,12 @@ import dataclasses
 import logging
 import time
 import weakref
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.utils.hooks import RemovableHandle
 
 from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
@@ -99,6 +100,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     default), and the weight gathers. Then it zeroes its gradients, as the others do each step. A
     call every rank must make (a checkpoint) raises on every rank while a rank is joined.
     """
+
+    # torch.optim.Optimizer's stub types state as a defaultdict; here it is a view of the shard.
+    state: ParamStateView  # type: ignore[assignment]
 
     def __init__(
         self,
@@ -190,7 +194,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         ref = weakref.ref(self)
-        self._ddp_watch = watch_for_ddp(tracked, stage, ref)  # until the first step
+        self._ddp_watch: RemovableHandle | None = watch_for_ddp(tracked, stage, ref)  # until the first step
         Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
         self._noticed: Any = None  # None: no Join notice sent this step; else its work handle (or False)
         self._joined = False  # this rank shadows the others' calls (inside _shadow_step)
@@ -201,7 +205,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._built = True
 
     # -- construction --------------------------------------------------------------------
-    def _defaults(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+    def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
                   flags: dict[str, Any]) -> dict[str, Any]:
         """Every param group's defaults: the hyperparameters, then torch.optim.AdamW's flags (see
         core._config.ADAMW_FLAGS), as torch.optim.AdamW's param groups hold them."""
@@ -422,7 +426,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                     found = self._checks.joined()
                     scale = self._scaler.scale
                     if call == "clip_grad_norm_":  # its norm needs this rank's share; the coefficient comes with the step
-                        norm_type = got.norm / (self._comm.world_size - joined_ranks(got.call))
+                        norm_type = cast(float, got.norm) / (self._comm.world_size - joined_ranks(got.call))  # reduced: a float
                         self._agreement.norm_follow_up(norm_type, self._agreement.local_grad_stats(norm_type)[1])
                         self._agreement.conclude(got, call, self.param_groups, found, None, scale, None, False)
                         continue

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import types
 import weakref
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor
@@ -27,8 +27,33 @@ from shardopt.reduce._rounds import RoundState
 from shardopt.update._muon_packing import MuonPacking
 from shardopt.update._sharded_buffer import ShardedBuffer
 
+if TYPE_CHECKING:
+    from shardopt.comm._collectives import Comm
+    from shardopt.comm._gathers import WeightGathers
+    from shardopt.core._config import ShardConfig
+    from shardopt.reduce._held_bytes import HeldTotal
+    from shardopt.reduce._rounds import Rounds
+    from shardopt.step._loss_scale import LossScaler
+    from shardopt.update._master import FP32Master
+    from shardopt.update._split import SplitMaster
 
-def _alive(ref: weakref.ref) -> Any:
+    class _Optimizer(Protocol):
+        """What a view reads of a ShardedAdamW, which lives a layer up (optimizer.py): named by these
+        attributes, since setup.cfg's contracts let no lower folder import it, not even for types."""
+
+        config: ShardConfig
+        _buffers: list[ShardedBuffer]
+        _comm: Comm
+        _step: int
+        _scaler: LossScaler
+        _held: HeldTotal
+        _gathers: WeightGathers
+        _rounds: Rounds
+
+_T = TypeVar("_T")
+
+
+def _alive(ref: weakref.ref[_T]) -> _T:
     obj = ref()
     if obj is None:
         raise ReferenceError("the ShardedAdamW this view reads was collected")
@@ -120,7 +145,8 @@ class BufferView:
         """The fp32 master copy of this rank's shard (1-D, ``shard_numel`` elements) when one is held
         apart from the weights: 16-bit parameters with ``master_weights="fp32"``; else None."""
         master = self._buf.master
-        return master.master if getattr(master, "owns_copy", False) else None
+        held = getattr(master, "owns_copy", False)  # only the fp32 strategy (or its pieces) holds one
+        return cast("FP32Master | SplitMaster", master).master if held else None
 
     @property
     def master_fp32(self) -> Tensor:
@@ -222,7 +248,7 @@ class OptimizerView:
 
     __slots__ = ("_ref",)
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # a ShardedAdamW (one floor up)
+    def __init__(self, optimizer: _Optimizer) -> None:  # a ShardedAdamW (one floor up)
         self._ref = weakref.ref(optimizer)
 
     def __repr__(self) -> str:
@@ -233,7 +259,7 @@ class OptimizerView:
                 f"buffers={self.buffers})")
 
     @property
-    def _opt(self) -> Any:
+    def _opt(self) -> _Optimizer:
         return _alive(self._ref)
 
     # -- ranks ---------------------------------------------------------------------------------

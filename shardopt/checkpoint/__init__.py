@@ -29,7 +29,7 @@ import shutil
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -42,9 +42,13 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         read_manifest, recover, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.core._dtensor import is_dtensor, local_box, replicated
-from shardopt.core._layout import Range
+from shardopt.core._layout import Range, ShardPiece
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
+
+if TYPE_CHECKING:
+    from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
            "save_checkpoint"]
@@ -56,7 +60,7 @@ class _Entry:
 
     key: str
     tensor: Tensor  # the model's tensor, detached (a sharded parameter's is a view of the flat buffer); local
-    where: tuple[Any, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
+    where: tuple[ShardedBuffer, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
     shape: tuple[int, ...] = ()  # the whole tensor's: a DTensor's global shape, else the tensor's
     offsets: tuple[int, ...] = ()  # where ``tensor`` starts in it (a DTensor's local piece)
     writes: bool = True  # this rank writes it: False for a copy another rank of a model axis writes
@@ -71,26 +75,27 @@ class _Entry:
         return placed([whole(key, self.tensor)], self.shape, self.offsets)
 
 
-def _part(opt: Any) -> str:
+def _part(opt: ShardedOptimizer | None) -> str:
     """The prefix of this rank's keys (``ModelParts.key_part``; "" for a weights-only load). Local."""
     return opt._parts.key_part() if opt is not None else ""
 
 
-def replicated_writer(opt: Any) -> bool:
+def replicated_writer(opt: ShardedOptimizer | None) -> bool:
     """Whether this rank writes the copies every rank of a DTensor mesh holds (``ModelParts.writes_copies``)."""
     return opt is None or opt._parts.writes_copies()
 
 
-def _state_items(model: torch.nn.Module, opt: Any) -> list[tuple[str, Any]]:
+def _state_items(model: torch.nn.Module, opt: ShardedOptimizer | None) -> list[tuple[str, Any]]:
     """The model's state-dict entries, keyed with this rank's part prefix. Local."""
     part, own = _part(opt), (opt._parts.key_prefix if opt is not None else {})
     return [(part + own.get(id(t), "") + key, t) for key, t in model.state_dict(keep_vars=True).items()]
 
 
-def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, str]]:
+def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None) -> tuple[list[_Entry], dict[str, str]]:
     """The model's state-dict entries (each tensor once) and the aliases of tied ones. Local."""
     where = {id(r.leaf): (b, r.index) for b in (opt._buffers if opt is not None else []) for r in b.records}
-    entries, aliases, first = [], {}, {}
+    entries, aliases = [], {}
+    first: dict[int, str] = {}  # id(tensor) -> its first key
     for key, t in _state_items(model, opt):
         if not isinstance(t, Tensor):
             raise TypeError(f"model state-dict entry {key!r} is a {type(t).__name__}, not a tensor; checkpoints "
@@ -102,7 +107,7 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
         # a DTensor: its local piece, at its offsets in the whole (see [Note: one checkpoint for every part of the model])
         split = is_dtensor(t) and not replicated(t)
         shape, offsets = local_box(t) if is_dtensor(t) else (tuple(t.shape), (0,) * t.dim())
-        local = t.detach().to_local() if is_dtensor(t) else t.detach()
+        local = t.detach().to_local() if is_dtensor(t) else t.detach()  # type: ignore[attr-defined]  # a DTensor's
         entries.append(_Entry(key, local, where.pop(id(t), None), shape, offsets, split or replicated_writer(opt)))
     if where:
         b, i = next(iter(where.values()))
@@ -112,9 +117,9 @@ def _entries(model: torch.nn.Module, opt: Any) -> tuple[list[_Entry], dict[str, 
     return entries, aliases
 
 
-def _group_keys(opt: Any, model: torch.nn.Module) -> list[list[str]]:
+def _group_keys(opt: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
     """For each param group, the state-dict key of each of its parameters."""
-    key_of = {}
+    key_of: dict[int, str] = {}
     for key, t in _state_items(model, opt):
         key_of.setdefault(id(t), key)
     out = []
@@ -144,7 +149,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _manifest(opt: Any, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str]) -> dict:
+def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str]) -> dict:
     tensors = {}
     for e in entries:
         info: dict[str, Any] = {"shape": list(e.shape), "dtype": _dtype_name(e.tensor.dtype),
@@ -219,7 +224,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *
 # model_parallel_group, whose saves would replace each other's) is refused, naming both.
 
 
-def _job(opt: Any) -> Comm:
+def _job(opt: ShardedOptimizer) -> Comm:
     """The ranks that write or read one checkpoint together: the optimizer's group, or with model
     axes every rank of the default group (``ModelParts.job``, made at construction where the
     data-parallel group and the axes cover the default group). Local."""
@@ -266,7 +271,7 @@ def _group_of(key: str) -> str:
     return m.group(0) if m is not None else ""
 
 
-def _own_part(manifest: dict, opt: Any, path: str) -> dict:
+def _own_part(manifest: dict, opt: ShardedOptimizer | None, path: str) -> dict:
     """``manifest`` as this rank's part sees it: its tensors, aliases, param groups and buffers.
     Raises ValueError when the checkpoint was saved with other model axes. Local."""
     part = _part(opt)
@@ -289,12 +294,13 @@ def _own_part(manifest: dict, opt: Any, path: str) -> dict:
     return {**manifest, "tensors": mine, "aliases": aliases, **parts[part]}
 
 
-def _save(path: str, model: torch.nn.Module, opt: Any, extra: Any, timeout: float | None) -> None:
+def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, timeout: float | None) -> None:
     """``save_checkpoint`` of a path written as ``checkpoint_path`` writes it. Every rank."""
     settle(opt, "save_checkpoint", timeout)
     comm: Comm = _job(opt)  # every rank of the model (see [Note: one checkpoint for every part of the model])
     if comm is not opt._comm:  # the other parts' ranks are in this call too
         enter(comm, "save_checkpoint", deadline=timeout)
+    error: Exception | None  # this rank's, which agree() raises on every rank
     try:
         entries, aliases = _entries(model, opt)
         manifest, error = _manifest(opt, model, entries, aliases), None
@@ -370,7 +376,7 @@ def _check_loadable(extra: Any) -> None:
                          "(e.g. a numpy RNG state as a list or a tensor)") from None
 
 
-def _pieces(b: Any, rank: int) -> dict[int, Any]:
+def _pieces(b: ShardedBuffer, rank: int) -> dict[int, ShardPiece]:
     return {piece.param: piece for piece in b.layout.shard_pieces(rank)}
 
 
@@ -378,9 +384,9 @@ def _blocks_to_save(entries: list[_Entry], comm: Comm) -> list[Block]:
     """What this rank writes: its shard, once per shard (by the ranks of the first replica), and
     on rank 0 the tensors every rank holds whole."""
     blocks: list[Block] = []
-    pieces: dict[int, dict[int, Any]] = {}
+    pieces: dict[int, dict[int, ShardPiece]] = {}
     masters: dict[int, Tensor] = {}
-    moments: dict[int, tuple[Tensor, Tensor]] = {}
+    moments: dict[int, tuple[Tensor, ...]] = {}
     for e in entries:
         if not e.writes:  # a copy that rank 0 of a model axis writes
             continue
@@ -463,7 +469,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = 
         return _load(path, model, opt, comm, timeout)
 
 
-def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: float | None) -> Any:
+def _load(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, comm: Comm, timeout: float | None) -> Any:
     """``load_checkpoint`` of a path written as ``checkpoint_path`` writes it, over ``comm``. Every rank."""
     if opt is None:
         enter(comm, "load_checkpoint", deadline=timeout)
@@ -482,8 +488,8 @@ def _load(path: str, model: torch.nn.Module, opt: Any, comm: Comm, timeout: floa
         _check_matches(manifest, entries, aliases, opt, model, path)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
         error = None
-    except (FileNotFoundError, ValueError, TypeError) as e:
-        error = e
+    except (FileNotFoundError, ValueError, TypeError) as err:
+        error = err
     agree(job, error)
     staging: dict[int, Tensor] = {}
     blocks: list[Block] = []
@@ -546,7 +552,7 @@ def _read_extra(path: str) -> Any:
                          "was loaded") from None
 
 
-def _restore_optimizer(opt: Any, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
+def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
     """``model_keys``: (id of buffer, index in it) -> state-dict key of that parameter."""
     for b in opt._buffers:
         b.load_master({"master": staging[id(b)]})  # also writes this rank's weight shard

@@ -10,7 +10,7 @@ format is as exact as one through ``save_checkpoint``.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -19,12 +19,17 @@ from shardopt.checkpoint._files import agree
 from shardopt.core._layout import Range
 from shardopt.step._step_agreement import enter
 
+if TYPE_CHECKING:
+    from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+    from shardopt.comm._collectives import Comm
+    from shardopt.update._sharded_buffer import ShardedBuffer
+
 
 def adamw_defaults() -> dict[str, Any]:
     return dict(torch.optim.AdamW([torch.zeros(1, requires_grad=True)]).defaults)
 
 
-def settle(opt: Any, call: str, timeout: float | None = None) -> None:
+def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> None:
     """Check that every rank is in ``call`` (``_step_agreement.enter``, waiting ``timeout`` seconds
     for them: by default the optimizer's timeout, else ``ENTRY_TIMEOUT``), wait for weight
     all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
@@ -52,22 +57,22 @@ def settle(opt: Any, call: str, timeout: float | None = None) -> None:
         checks.take_outside_writes()
 
 
-def _locations(opt: Any) -> dict[int, tuple[Any, int]]:
+def _locations(opt: ShardedOptimizer) -> dict[int, tuple[ShardedBuffer, int]]:
     return {id(r.leaf): (b, r.index) for b in opt._buffers for r in b.records}  # the model's parameter (core._dtensor)
 
 
-def _param_pieces(b: Any, i: int) -> list[Range]:
+def _param_pieces(b: ShardedBuffer, i: int) -> list[Range]:
     """Each rank's piece of parameter ``i`` of buffer ``b``, as ranges within the flattened parameter."""
     span = b.layout.params[i].global_range
     return [span.intersect(b.layout.shard_range(r)).relative_to(span.start) for r in range(b.layout.world_size)]
 
 
-def _keeps_master(opt: Any, b: Any) -> bool:
+def _keeps_master(opt: ShardedOptimizer, b: ShardedBuffer) -> bool:
     """Whether buffer ``b`` holds master weights that its 16-bit weights do not already encode."""
     return b.dtype != torch.float32 and opt.config.master_weights in ("fp32", "remainder")
 
 
-def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False, call: str = "full_state_dict") -> dict[str, Any]:
+def full_state_dict(opt: ShardedOptimizer, *, to: int = 0, extras: bool = False, call: str = "full_state_dict") -> dict[str, Any]:
     """``opt``'s state in ``torch.optim.AdamW``'s format, on rank ``to`` (``{}`` on other ranks);
     with ``extras``, also the ``"shardopt"`` entry (master weights of 16-bit parameters, loss scaler).
     ``call``: the name the ranks agree on and messages use (``consolidate_state_dict`` gathers so).
@@ -80,7 +85,7 @@ def full_state_dict(opt: Any, *, to: int = 0, extras: bool = False, call: str = 
         return _gather_state(opt, to, extras)
 
 
-def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
+def _gather_state(opt: ShardedOptimizer, to: int, extras: bool) -> dict[str, Any]:
     """``full_state_dict`` once every rank is in the call. Every rank."""
     comm = opt._comm
     keep = comm.rank == to
@@ -124,7 +129,7 @@ def _gather_state(opt: Any, to: int, extras: bool) -> dict[str, Any]:
     return out
 
 
-def _gather(b: Any, i: int, shard: Tensor, comm: Any) -> Tensor:
+def _gather(b: ShardedBuffer, i: int, shard: Tensor, comm: Comm) -> Tensor:
     """Parameter ``i``'s slice of the flat fp32 state ``shard`` (this rank's shard), whole on every rank."""
     span = b.layout.params[i].global_range
     pieces = _param_pieces(b, i)
@@ -143,7 +148,7 @@ def _header(sd: dict[str, Any]) -> dict[str, Any]:
         raise ValueError("expected a torch.optim.AdamW state dict with 'state' and 'param_groups' on rank 0, got "
                          f"{type(sd).__name__} with keys {sorted(sd) if isinstance(sd, dict) else '-'}")
     groups = [dict(g) for g in sd["param_groups"]]
-    state = {}
+    state: dict[int, tuple[tuple, tuple, float | None, bool]] = {}
     for idx, s in sd["state"].items():
         if not isinstance(idx, int) and not (isinstance(idx, str) and idx.isdigit()):
             continue  # an entry under another key (opt.state["my_key"]): not a parameter's
@@ -162,7 +167,7 @@ def _header(sd: dict[str, Any]) -> dict[str, Any]:
             "seed": extra.get("seed")}
 
 
-def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
+def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """Load a ``torch.optim.AdamW``-format state dict (``full_state_dict``'s output, or a plain
     AdamW's) into ``opt`` at any world size.
 
@@ -177,7 +182,7 @@ def load_full_state_dict(opt: Any, state_dict: dict[str, Any]) -> None:
         load_settled(opt, state_dict)
 
 
-def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
+def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """``load_full_state_dict`` once every rank is in the call (``settle``: its own, or
     ``load_state_dict``'s). Every rank."""
     if opt._parts:
@@ -212,7 +217,7 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
             if id(p) not in where:
                 continue  # frozen here: AdamW state for it is ignored
             b, i = where[id(p)]
-            keys = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+            keys: tuple[str, ...] = ("momentum_buffer",) if b.rule == "muon" else ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
             saved_max = idx in header["state"] and header["state"][idx][3]
             # amsgrad here but not in the dict: the running maximum starts at the loaded exp_avg_sq
             keys = keys if b.amsgrad and saved_max else keys[:2] + ("exp_avg_sq",) if b.amsgrad else keys[:2]
@@ -250,7 +255,7 @@ def load_settled(opt: Any, state_dict: dict[str, Any]) -> None:
                 loss_scaler=scaler)
 
 
-def _check_structure(opt: Any, header: dict[str, Any], numbered: list[Tensor]) -> None:
+def _check_structure(opt: ShardedOptimizer, header: dict[str, Any], numbered: list[Tensor]) -> None:
     groups = header["param_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"state dict has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")

@@ -41,6 +41,7 @@ Non-sharded model state (frozen parameters, module buffers) is written whole, by
 from __future__ import annotations
 
 import warnings
+from typing import cast
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -87,7 +88,8 @@ class _BlockSavePlanner(dcp.DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> Tensor:
-        return self._blocks[(write_item.index.fqn, tuple(write_item.index.offset))].tensor.detach()
+        offset = cast(torch.Size, write_item.index.offset)  # a tensor's item has its offset
+        return self._blocks[(write_item.index.fqn, tuple(offset))].tensor.detach()
 
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan, after refusing two ranks that write the same block: DCP would keep one
@@ -151,7 +153,7 @@ class _BlockLoadPlanner(dcp.DefaultLoadPlanner):
         return LoadPlan(requests)
 
     def resolve_tensor(self, read_item: ReadItem) -> Tensor:
-        block = self._by_key[read_item.dest_index.fqn][read_item.dest_index.index]
+        block = self._by_key[read_item.dest_index.fqn][cast(int, read_item.dest_index.index)]  # set by read_items
         t = block.tensor.detach()
         for dim, (offset, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
             t = t.narrow(dim, offset, length)

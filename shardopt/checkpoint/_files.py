@@ -65,9 +65,12 @@ import re
 import shutil
 import time
 import zlib
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from shardopt.core._compat import default_store
+
+if TYPE_CHECKING:
+    from shardopt.comm._collectives import Comm
 
 FORMAT = "shardopt.checkpoint.v1"
 MANIFEST = "shardopt.json"  # step, hyperparameters, parameter table (JSON, human-readable)
@@ -82,7 +85,7 @@ _ERRORS = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, Val
                                          OSError)}
 
 
-def agree(comm: Any, error: BaseException | None, payload: Any = None) -> list:
+def agree(comm: Comm, error: BaseException | None, payload: Any = None) -> list:
     """Every rank's ``payload``, unless some rank had an error: then every rank raises (its own
     error, or the first peer's, naming that rank).
 

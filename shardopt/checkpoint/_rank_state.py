@@ -2,15 +2,19 @@
 same world size and layout (``save_checkpoint`` and ``consolidate_state_dict`` change world size)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+    from shardopt.core._records import ParamRecord
+
 STATE_FORMAT = "shardopt.rank_shard.v1"
 
 
-def rank_state_dict(opt: Any) -> dict[str, Any]:
+def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """``opt``'s shard on this rank: master weights, moments, steps, groups, scaler, and torch's two
     keys (see [Note: torch's keys in the rank state dict]). Local."""
     opt.finish_param_gather()
@@ -75,7 +79,7 @@ def param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
     return index
 
 
-def _on_clones(entry: dict[str, Any], moments: dict[str, Tensor], r: Any) -> dict[str, Any]:
+def _on_clones(entry: dict[str, Any], moments: dict[str, Tensor], r: ParamRecord) -> dict[str, Any]:
     """``entry`` (``opt.state`` of record ``r``) with each fp32 piece replaced by the same piece of
     the cloned moments ``moments``, so that the state dict holds no second copy of them."""
     out = dict(entry)
@@ -86,7 +90,7 @@ def _on_clones(entry: dict[str, Any], moments: dict[str, Tensor], r: Any) -> dic
     return out
 
 
-def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
+def check_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``sd`` is ``rank_state_dict``'s output for this rank and layout. Local."""
     if sd["world_size"] != opt._comm.world_size or sd["rank"] != opt._comm.rank or \
             sd.get("shard_size", sd["world_size"]) != opt._comm.shard_size:
@@ -116,7 +120,7 @@ def check_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
                              "was it saved for another model or another bucket_cap_mb?")
 
 
-def load_rank_state_dict(opt: Any, sd: dict[str, Any]) -> None:
+def load_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Restore ``rank_state_dict``'s output (checked by ``check_rank_state_dict``) on the rank and
     world size it came from, and write the restored master weights into the model. Every rank
     (the weights are all-gathered)."""

@@ -5,15 +5,31 @@ torch runs them) over shardopt's two formats, this rank's shard (``_rank_state``
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
 from shardopt.checkpoint._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
+
+if TYPE_CHECKING:
+    from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+
+    class _Hooked(ShardedOptimizer, Protocol):
+        """The optimizer with torch.optim's state-dict hooks (its ``torch.optim.Optimizer`` base keeps them)."""
+
+        @property
+        def _optimizer_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+        @property
+        def _optimizer_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+        @property
+        def _optimizer_load_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+        @property
+        def _optimizer_load_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
+        def _load_state_dict(self, sd: Any) -> None: ...
 
 
 class OptimizerStateDict:
     """Mixed into ``ShardedAdamW``; reads its ``_comm`` and ``_consolidated``."""
 
-    def consolidate_state_dict(self, to: int = 0) -> None:
+    def consolidate_state_dict(self: ShardedOptimizer, to: int = 0) -> None:
         """Gather the whole state onto rank ``to`` (as ``ZeroRedundancyOptimizer`` does): until the
         next ``step``, ``state_dict()`` on that rank returns it in ``torch.optim.AdamW``'s format, plus
         a ``"shardopt"`` entry with the fp32 master weights of 16-bit parameters and the loss scaler.
@@ -26,7 +42,7 @@ class OptimizerStateDict:
         consolidated = full_state_dict(self, to=to, extras=True, call="consolidate_state_dict")
         self._consolidated = consolidated if self._comm.rank == to else None
 
-    def state_dict(self) -> dict[str, Any]:
+    def state_dict(self: _Hooked) -> dict[str, Any]:
         """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler),
         loadable by ``load_state_dict`` on the same rank at the same world size and layout; on the
         rank that ``consolidate_state_dict`` gathered onto, the whole state instead (until the next
@@ -70,21 +86,21 @@ class OptimizerStateDict:
             b.master.seed = self.config.seed
             b.binding.record()  # the loaded master weights are the authority, not what was written before
 
-    def full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self: ShardedOptimizer) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
         ranks), gathered one parameter at a time. Every rank."""
         from shardopt.checkpoint import full_state_dict  # checkpoint builds on the optimizer
 
         return full_state_dict(self)
 
-    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_full_state_dict(self: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim.AdamW``-format state dict (rank 0's is used; others may pass ``{}``)
         at any world size; the master weights are taken from the model's current weights. Every rank."""
         from shardopt.checkpoint import load_full_state_dict
 
         load_full_state_dict(self, state_dict)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self: _Hooked, state_dict: dict[str, Any]) -> None:
         """Restore either a ``state_dict`` taken on this rank at the same world size, or a whole
         state in ``torch.optim.AdamW``'s format (a plain AdamW's, ``full_state_dict``'s or
         ``consolidate_state_dict``'s) at any world size, where rank 0's copy is used; write the
@@ -97,7 +113,7 @@ class OptimizerStateDict:
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
 
-    def _load_state_dict(self, sd: Any) -> None:
+    def _load_state_dict(self: ShardedOptimizer, sd: Any) -> None:
         """``load_state_dict`` between torch's hooks. Like every call that every rank must make, it
         starts with the entry message (``checkpoint._adamw.settle``): a call on some ranks only
         raises on every rank that made it, naming it, instead of meeting another call's messages

@@ -27,10 +27,15 @@ the shard, and a write there must go through the tensors in place or a state dic
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence, cast
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from shardopt.core._layout import Range
+    from shardopt.core._records import ParamRecord
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
 
 class ParamStateView(MutableMapping):
@@ -40,33 +45,34 @@ class ParamStateView(MutableMapping):
     records, rule and moments are read); ``order``: the trained parameters in param-group order;
     ``steps``: the optimizer's steps taken so far. Local; no communication."""
 
-    def __init__(self, buffers: Sequence[Any], order: Sequence[Tensor], steps: Callable[[], int]) -> None:
+    def __init__(self, buffers: Sequence[ShardedBuffer], order: Sequence[Tensor], steps: Callable[[], int]) -> None:
         self._buffers, self._steps = list(buffers), steps
         self._found = {id(r.leaf): (b, r) for b in self._buffers for r in b.records}
         self._order = [p for p in order if id(p) in self._found]
         self._other: dict[Any, Any] = {}  # entries for tensors this optimizer does not train
 
-    def _record(self, p: object) -> tuple[Any, Any] | None:
+    def _record(self, p: object) -> tuple[ShardedBuffer, ParamRecord] | None:
         found = self._found.get(id(p))
         return found if found is not None and found[1].param is p else None
 
     @staticmethod
-    def _param_steps(r: Any, steps: int) -> int:
+    def _param_steps(r: ParamRecord, steps: int) -> int:
         return steps - r.lag
 
-    def has_entry(self, b: Any, r: Any, steps: int) -> bool:
+    def has_entry(self, b: ShardedBuffer, r: ParamRecord, steps: int) -> bool:
         """Whether parameter ``r`` (of buffer ``b``) has state here after ``steps`` optimizer steps:
         it took a step, and (Muon) this rank owns it. A question, without reading the state."""
         return self._param_steps(r, steps) > 0 and (b.rule != "muon" or r.local is not None)
 
-    def entry(self, b: Any, r: Any, steps: int) -> dict[str, Tensor]:
+    def entry(self, b: ShardedBuffer, r: ParamRecord, steps: int) -> dict[str, Tensor]:
         """Parameter ``r``'s (of buffer ``b``) state as torch keeps it, after ``steps`` optimizer
         steps; empty before its first step. A question."""
         if not self.has_entry(b, r, steps):
             return {}
         if b.rule == "muon":
-            piece = b.moments.state_piece(r.local)
-            return {k: v.view(r.span.shape) if r.local.size == v.numel() == r.span.numel else v
+            local = cast("Range", r.local)  # has_entry: this rank owns the matrix
+            piece = b.moments.state_piece(local)
+            return {k: v.view(r.span.shape) if local.size == v.numel() == r.span.numel else v
                     for k, v in piece.items()}
         out: dict[str, Tensor] = {"step": torch.tensor(float(self._param_steps(r, steps)), dtype=torch.float32)}
         if r.local is not None:
