@@ -101,7 +101,7 @@ def _split_note(args: argparse.Namespace) -> str:
             f"state; a job of W data-parallel ranks uses W x {args.tp * args.pp} devices")
 
 
-def scheme_table(n: int, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
+def scheme_table(n: float, world: int, args: argparse.Namespace) -> tuple[str, list[MemoryEstimate]]:
     """Rows DDP + AdamW and each (stage, mode); bytes on one rank and bytes sent per step."""
     whole, n = n, _part(n, args)
     kw = dict(param_dtype=args.param_dtype, bucket_cap_mb=args.bucket_cap_mb, largest_param=args.largest_param,

@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import torch
 from torch import Tensor
 
 from shardopt.checkpoint import load_checkpoint, save_checkpoint
+
+if TYPE_CHECKING:
+    from shardopt.optimizer import ShardedAdamW
 
 CHECKPOINT_DIR = "shardopt"  # the sharded optimizer checkpoint's folder inside a saved state
 
@@ -33,11 +36,13 @@ class _LoadInto(torch.nn.Module):
     refuses a model whose tensors share one storage (they are views of the flat buffer), so it is
     shown no tensors of its own and its ``load_state_dict`` goes to the real model."""
 
+    target: torch.nn.Module
+
     def __init__(self, model: torch.nn.Module) -> None:
         super().__init__()
         self.__dict__["target"] = model  # not a submodule: state_dict() stays empty
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    def state_dict(self, *args: Any, **kwargs: Any) -> dict[str, Any]:  # type: ignore[override]  # any of torch's forms
         return {}
 
     def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
@@ -47,6 +52,13 @@ class _LoadInto(torch.nn.Module):
 class SavedState:
     """The binding's ``get_state_dict``, ``save_state`` and ``load_state``, and the hooks Accelerate
     calls before it saves or loads."""
+
+    # The binding's (accelerate._Binding):
+    accelerator: Any  # accelerate's Accelerator, which has no type information
+    model: torch.nn.Module | None
+    opt: ShardedAdamW | None
+    wrapped: object  # its ShardedAcceleratedOptimizer (accelerate.py, which imports this module)
+    original: dict[str, Callable[..., Any]]
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
         """``Accelerator.get_state_dict``; for the ShardedAdamW's model, copies of the weights (they
@@ -91,20 +103,21 @@ class SavedState:
     def _before_save(self, models: list, weights: list, output_dir: str) -> None:
         if self.opt is None:  # weights: get_state_dict above copied them out of the flat buffer
             return
-        self._check_model()
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, self.opt)
+        model = self._check_model()
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, self.opt)
 
-    def _check_model(self) -> None:
+    def _check_model(self) -> torch.nn.Module:
         if self.model is None:
             raise ValueError("the model this ShardedAdamW trains was not prepared by this accelerator: prepare it "
                              "through shardopt.integrations.accelerate.prepare (with the optimizer, or before it)")
+        return self.model
 
     def _before_load(self, models: list, input_dir: str) -> None:  # ``models`` holds the _LoadInto
         if self.opt is None:
             return
-        self._check_model()
+        model = self._check_model()
         path = os.path.join(input_dir, CHECKPOINT_DIR)
         if not os.path.isdir(path):
             raise FileNotFoundError(f"{input_dir} holds no shardopt optimizer checkpoint ({CHECKPOINT_DIR}/); it was "
                                     "not saved by an accelerator prepared with shardopt.integrations.accelerate")
-        load_checkpoint(path, self.model, self.opt)
+        load_checkpoint(path, model, self.opt)

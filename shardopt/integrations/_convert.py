@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -153,8 +153,8 @@ def _track_step_called(opt: torch.optim.Optimizer) -> None:
 
     @functools.wraps(step)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        target = ref()
-        target._opt_called = True  # type: ignore[union-attr]
+        target = cast(torch.optim.Optimizer, ref())  # alive while anything steps it
+        target._opt_called = True  # type: ignore[attr-defined]  # what torch's LRScheduler reads
         return step(target, *args, **kwargs)
 
     wrapper._wrapped_by_lr_sched = True  # type: ignore[attr-defined]

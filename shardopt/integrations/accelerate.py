@@ -21,7 +21,7 @@ See docs/design.md [Note: teaching an Accelerator] for why the instance is patch
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterable, Iterator
+from typing import Any, Iterable, Iterator, cast
 
 import torch
 from accelerate import Accelerator
@@ -210,7 +210,7 @@ class _Binding(SavedState):
         self.model = model
 
     def _drop_pending(self) -> None:
-        self.pending[2].remove()  # the guard hook of _wait_for_optimizer
+        cast(tuple, self.pending)[2].remove()  # the guard hook of _wait_for_optimizer (callers check there is one)
         self.pending = None
 
     def _wait_for_optimizer(self, model: torch.nn.Module, kwargs: dict[str, Any]) -> None:

@@ -21,9 +21,10 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch.optim.lr_scheduler import LRScheduler
 from transformers import Trainer
 from transformers.trainer import SCHEDULER_NAME
 
@@ -80,19 +81,20 @@ class ShardedTrainer(Trainer):
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the ShardedAdamW from the TrainingArguments, with Trainer's decay/no-decay groups.
         Every rank."""
-        opt_model = self.model if model is None else model
+        opt_model = cast(torch.nn.Module, self.model if model is None else model)  # Trainer has its model by now
         if self.sharded_optimizer is not None:  # a second train(): self.optimizer is Accelerate's wrapper
-            return self.optimizer
+            return cast(torch.optim.Optimizer, self.optimizer)
         if self.optimizer is None:
             decay = set(self.get_decay_parameter_names(opt_model))
             named = [(n, p) for n, p in opt_model.named_parameters() if p.requires_grad]
-            hp = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
+            hp: dict[str, Any] = dict(lr=self.args.learning_rate, betas=(self.args.adam_beta1, self.args.adam_beta2),
                       eps=self.args.adam_epsilon, weight_decay=self.args.weight_decay)
             given = getattr(self, "optimizer_cls_and_kwargs", None)
             if given is not None:  # Trainer(optimizer_cls_and_kwargs=(AdamW, {...})): those values win, as in Trainer
                 hp.update({k: v for k, v in given[1].items() if k in hp})
             muon = set() if self.muon_kwargs is None else _hidden_matrices(opt_model)
             wd = self.args.weight_decay
+            groups: list[dict[str, Any]]
             groups = [{"params": [p for n, p in named if n in decay and n not in muon], "weight_decay": wd},
                       {"params": [p for n, p in named if n not in decay and n not in muon], "weight_decay": 0.0}]
             groups = [g for g in groups if g["params"]]
@@ -123,25 +125,26 @@ class ShardedTrainer(Trainer):
             return super()._save_optimizer_and_scheduler(output_dir)
         # Every rank; rank 0 arrives after writing the model's weights alone (Trainer.save_model), which
         # may take minutes: wait as long as a step would, not the checkpoint's default entry deadline.
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), self.model, opt, timeout=math.inf)
-        if self.args.should_save:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        model = cast(torch.nn.Module, self.model)
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT_DIR), model, opt, timeout=math.inf)
+        if self.args.should_save:  # Trainer made its scheduler with the optimizer
+            torch.save(cast(LRScheduler, self.lr_scheduler).state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         opt = self.sharded_optimizer
         path = None if checkpoint is None else os.path.join(checkpoint, CHECKPOINT_DIR)
         if opt is None or path is None or not os.path.isdir(path):
             return super()._load_optimizer_and_scheduler(checkpoint)  # e.g. a plain AdamW's optimizer.pt
-        load_checkpoint(path, self.model, opt)  # every rank, at any number of processes
-        sched = os.path.join(checkpoint, SCHEDULER_NAME)
-        if os.path.isfile(sched):
-            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+        load_checkpoint(path, cast(torch.nn.Module, self.model), opt)  # every rank, at any number of processes
+        sched = os.path.join(cast(str, checkpoint), SCHEDULER_NAME)  # not None: path is not
+        if os.path.isfile(sched):  # Trainer made its scheduler with the optimizer
+            cast(LRScheduler, self.lr_scheduler).load_state_dict(torch.load(sched, weights_only=True))
 
 
 def _hidden_matrices(model: torch.nn.Module) -> set[str]:
     """Names of the trainable 2-D parameters Muon is meant for: all but embeddings (every
     ``nn.Embedding``, and the output embeddings), which, like vectors, train with AdamW."""
-    modules = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    modules: list[torch.nn.Module | None] = [m for m in model.modules() if isinstance(m, torch.nn.Embedding)]
     for get in ("get_input_embeddings", "get_output_embeddings"):
         modules.append(getattr(model, get, lambda: None)())
     embeddings = {id(p) for m in modules if m is not None for p in m.parameters()}

@@ -44,7 +44,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from typing import Any, Iterator
+from typing import Any, Iterator, Literal, cast
 
 import torch
 from torch import Tensor
@@ -120,7 +120,7 @@ class ShardedStrategy(DDPStrategy):
         precision_plugin: Precision | None = None,
         process_group_backend: str | None = None,
         timeout: Any = default_pg_timeout,
-        start_method: str = "popen",
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         **shardopt_options: Any,
     ) -> None:
         unknown = sorted(set(shardopt_options) - _SHARDOPT_OPTIONS)
@@ -164,19 +164,19 @@ class ShardedStrategy(DDPStrategy):
         """Run ``configure_optimizers``, convert each ``torch.optim.AdamW`` into a ``ShardedAdamW``
         (a torch Muon + AdamW pair into one ``ShardedMuon``) and point the LR schedulers built on
         them at the new optimizer. Every rank."""
-        module = self.lightning_module
+        module = cast(pl.LightningModule, self.lightning_module)  # connected by now
         own = module.__dict__.get("configure_optimizers")
         hook = module.configure_optimizers
         views: dict[int, Any] = {}
         # The pair is merged before Lightning counts the optimizers (one in automatic optimization).
-        module.configure_optimizers = lambda: merge_torch_pair(hook(), views, **self.shardopt_options)
+        module.configure_optimizers = lambda: merge_torch_pair(hook(), views, **self.shardopt_options)  # type: ignore[method-assign]  # on this instance, for the call
         try:
             super().setup_optimizers(trainer)
         finally:
             if own is None:
                 del module.configure_optimizers
             else:
-                module.configure_optimizers = own
+                module.configure_optimizers = own  # type: ignore[method-assign]  # the instance's own, put back
         for config in self.lr_scheduler_configs:  # each pair member's schedulers onto its own groups
             if id(config.scheduler) in views:
                 config.scheduler.optimizer = views[id(config.scheduler)]
@@ -286,7 +286,7 @@ class ShardedStrategy(DDPStrategy):
         if isinstance(plugin, _ShardedClipping):
             return
         self._plugin_class = type(plugin)
-        plugin.__class__ = _with_sharded_clipping(type(plugin))
+        plugin.__class__ = _with_sharded_clipping(cast(type, type(plugin)))
 
 
 def _check_trainer(trainer: pl.Trainer, plugin: Precision) -> None:
@@ -356,7 +356,7 @@ def _forwarded(name: str) -> Any:
     method = getattr(ShardedAdamW, name)
 
     @functools.wraps(method)
-    def forward(self: _ShardedLightningOptimizer, *args: Any, **kwargs: Any) -> Any:
+    def forward(self: LightningOptimizer, *args: Any, **kwargs: Any) -> Any:
         return getattr(self._optimizer, name)(*args, **kwargs)
 
     return forward
@@ -370,7 +370,7 @@ def _forwarded(name: str) -> Any:
 # optimizer) would never apply it; ShardedAdamW.__del__ would remove the optimizer's forward hook when
 # a wrapper is collected. This wrapper sends every public method ShardedAdamW defines, except step
 # (which goes through the strategy as usual), to the optimizer itself.
-_ShardedLightningOptimizer = type(
+_ShardedLightningOptimizer: type[LightningOptimizer] = type(
     "_ShardedLightningOptimizer", (LightningOptimizer,),
     {"__module__": __name__, "__del__": lambda self: None,
      "__doc__": "LightningOptimizer for a ShardedAdamW (see [Note: the LightningOptimizer wrapper]).",
