@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, NoReturn
+from typing import TYPE_CHECKING, Iterable, NoReturn
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
@@ -49,12 +49,12 @@ def remove_freed_hooks() -> None:
             handle.remove()
 
 
-def take_over(opt: Any, params: Iterable[Tensor], anchors: dict[int, Any] | None = None) -> None:
+def take_over(opt: Lifetime, params: Iterable[Tensor], anchors: dict[int, Tensor] | None = None) -> None:
     """Make ``opt`` the optimizer of ``params``, releasing any other ShardedAdamW that trained
     one of them. ``anchors``: by ``id`` of a parameter, what to hold a weak reference to in its
     place (a DTensor parameter's stand-in: torch cannot swap a tensor that has weak references,
     see core._dtensor). Local (every rank builds its optimizers the same way)."""
-    previous: dict[int, Any] = {}
+    previous: dict[int, Lifetime] = {}
     anchors = anchors or {}
     for key in [k for k, (p, o, _) in _OWNERS.items() if p() is None or o() is None]:
         del _OWNERS[key]  # parameters or optimizers gone

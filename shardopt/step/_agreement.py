@@ -7,7 +7,7 @@ names it with rank 0's and the other rank's values, raised on every rank alike.
 from __future__ import annotations
 
 import zlib
-from typing import Any, Callable, NoReturn, Sequence
+from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence
 
 import torch
 
@@ -15,6 +15,18 @@ from shardopt.comm._collectives import group_ranks
 from shardopt.core._config import trainable_params
 from shardopt.step._step_message import CALL_LEN, HYPER_LEN
 from shardopt.step._loss_scale import make_scaler
+
+if TYPE_CHECKING:
+    from shardopt.comm._collectives import Comm
+    from shardopt.comm._model_parts import ModelParts
+    from shardopt.core._config import ShardConfig
+
+    class _Built(Protocol):
+        """What construction's agreement reads of the ShardedAdamW being built (a floor up: named by use)."""
+
+        config: ShardConfig
+        param_groups: list[dict[str, Any]]
+        _parts: ModelParts
 
 # [Note: ranks in different calls]
 # clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
@@ -111,7 +123,7 @@ def check_calls(header: Sequence[float], call: str, lost_round: bool, world_size
     raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[call]}, another rank "
                        f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
-def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
+def settings(opt: _Built, comm: Comm, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
     """What must be equal on every rank besides the parameters: the sharding settings, every
     group's hyperparameters and the loss scaler (each shapes the collectives or the math). Local."""
     c = opt.config
@@ -127,7 +139,7 @@ def settings(opt: Any, comm: Any, loss_scale: object, dtypes: set[torch.dtype]) 
                for gi, g in enumerate(opt.param_groups) for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
 
 
-def agree_on_params(opt: Any, comm: Any, names: dict[int, str], loss_scale: object,
+def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: object,
                     check: Callable[[], None] = lambda: None) -> list[tuple[torch.nn.Parameter, int]]:
     """(parameter, param-group index) of ``opt``'s trainable parameters, validated on every rank and
     compared across ranks with one small collective; any problem, local or a mismatch, raises on
@@ -227,7 +239,7 @@ def hyperparameters_agree(reduced: Sequence[float], ranks: int, maxed: bool) -> 
     return all(ranks * e == d * d for d, e in zip(chunks, second))
 
 
-def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int, str, Any]] | None, comm: Any,
+def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int, str, Any]] | None, comm: Comm,
                                 maxed: bool, joined: int = 0) -> None:
     """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
     or maxed) shows a hyperparameter that differs across ranks, naming the first one. ``joined``
@@ -248,7 +260,7 @@ def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int
 
 
 def adopt_hyperparameters(param_groups: list[dict[str, Any]], values: list[tuple[int, str, Any]] | None,
-                          comm: Any) -> None:
+                          comm: Comm) -> None:
     """Inside a Join, at every step while some rank is joined: every rank sends its hyperparameters
     (a joined rank None) and a joined rank takes the first other rank's into its param groups (its
     scheduler stopped with its inputs, the others' went on), so that it updates its shard as they

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Sequence, cast
+from typing import TYPE_CHECKING, Protocol, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -20,6 +20,17 @@ from shardopt.step._agreement import (CALLS, adopt_hyperparameters, call_header,
 from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
 from shardopt.comm._model_axes import ModelAxes
 from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
+
+if TYPE_CHECKING:
+    from shardopt.step._usage_checks import CheckedBuffer, Findings, UsageChecks
+
+    class _Rounds(Protocol):
+        """What the step reads of the optimizer's reduce._rounds.Rounds (a floor up: named by use)."""
+
+        lost_round: bool
+
+        def fail(self, why: str) -> None: ...
+        def before_step(self) -> None: ...
 
 
 ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
@@ -70,7 +81,8 @@ class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""
 
-    def __init__(self, buffers: Sequence[Any], rounds: Any, checks: Any, comm: Comm, axes: ModelAxes) -> None:
+    def __init__(self, buffers: Sequence[CheckedBuffer], rounds: _Rounds, checks: UsageChecks, comm: Comm,
+                 axes: ModelAxes) -> None:
         self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
         self.axes = axes  # the ranks with the rest of the model (see _model_axes); empty without
         self.device = self.buffers[0].flat.device
@@ -156,7 +168,7 @@ class StepAgreement:
         elif norm_type is not None:
             got.norm = float(t[1])
 
-    def conclude(self, got: StepMessage, caller: str, param_groups: list[dict], found: Any,
+    def conclude(self, got: StepMessage, caller: str, param_groups: list[dict], found: Findings,
                  hyper: list | None, loss_scale: float, norm_type: float | None, maxed: bool) -> tuple[bool, float]:
         """What every rank does with the reduced step message ``got``: check the hyperparameters
         (``hyper`` None on a rank that shadows the others inside a Join, which takes theirs at a

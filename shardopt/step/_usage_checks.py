@@ -13,13 +13,50 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
 
 from shardopt.comm._collectives import Comm
 from shardopt.core._compat import compiled_inner
 from shardopt.core._ownership import owned_hook
+
+if TYPE_CHECKING:
+    import weakref
+
+    from torch import Tensor
+
+    from shardopt.core._flat import FlatParams
+    from shardopt.core._records import ParamRecord
+
+    # What the checks read of a sharded buffer, its reducer and its binding, which live floors up
+    # (update._sharded_buffer, reduce._reducer, update._binding): setup.cfg's contracts let no
+    # lower folder import them, not even for types, so they are named by what is used of them.
+    class _Reducer(Protocol):
+        problems: list[str]
+        scaled_backwards: int
+        unscaled_backwards: int
+
+        def follow_views(self) -> bool: ...
+        def apply_zeroing(self, *, at_step: bool = False) -> bool: ...
+
+    class _Binding(Protocol):
+        def follow(self) -> tuple[list[ParamRecord], list[str]]: ...
+        def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]: ...
+        def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]: ...
+
+    class CheckedBuffer(Protocol):
+        @property
+        def records(self) -> Sequence[ParamRecord]: ...
+        @property
+        def flat(self) -> FlatParams: ...
+        @property
+        def reducer(self) -> _Reducer: ...
+        @property
+        def binding(self) -> _Binding: ...
+        def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]: ...
+        def take_model_weights(self, records: Sequence[ParamRecord]) -> None: ...
+        def refresh_master(self, records: Sequence[ParamRecord]) -> None: ...
 
 log = logging.getLogger("shardopt")
 
@@ -28,7 +65,7 @@ log = logging.getLogger("shardopt")
 class Findings:
     """What one rank found; ``flags()`` turns it into the numbers that are summed over ranks."""
 
-    written: list[list[Any]]  # per buffer: records (core._records.ParamRecord) of parameters written from outside
+    written: list[list[ParamRecord]]  # per buffer: records of parameters written from outside
     problems: list[str]  # messages of problems that stop training
     scaled: int = 0  # backward passes since the last step that ran inside opt.backward
     unscaled: int = 0  # ... and that did not
@@ -42,7 +79,7 @@ class UsageChecks:
     flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer, a floor up):
     their records, reducer and binding are read."""
 
-    def __init__(self, buffers: Sequence[Any], untracked: Sequence[torch.nn.Parameter],
+    def __init__(self, buffers: Sequence[CheckedBuffer], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
@@ -109,7 +146,7 @@ class UsageChecks:
         return Findings(written=[[] for _ in self.buffers], problems=[], joined=True,
                         used=[[False] * len(b.records) for b in self.buffers])
 
-    def note_gathered(self, b: Any, records: Sequence[Any]) -> None:
+    def note_gathered(self, b: CheckedBuffer, records: Sequence[ParamRecord]) -> None:
         """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
         from outside before it did lost that write to it. Noted for the next check. Local."""
         for r in b.binding.raced(records):
@@ -158,7 +195,7 @@ class UsageChecks:
             "over the ranks, e.g. between clip_grad_norm_ and step: the ranks would update their shards with "
             "different gradients. Zero gradients on every rank alike (or before backward)")
 
-    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[Any]]]:
+    def _exchange_bitmaps(self, found: Findings) -> tuple[list[list[bool]], list[list[ParamRecord]]]:
         """Per buffer: which parameters have a gradient on some rank, and the records of those
         written from outside on some rank: one all-reduce (MAX) of two bitmaps. Every rank."""
         parts = []
@@ -244,7 +281,7 @@ DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParalle
                "shardopt.integrations.lightning.ShardedStrategy")
 
 
-def watch_for_ddp(param_ids: set[int], stage: int, owner: Any) -> torch.utils.hooks.RemovableHandle:
+def watch_for_ddp(param_ids: set[int], stage: int, owner: weakref.ref) -> torch.utils.hooks.RemovableHandle:
     """A global module forward pre-hook that looks at the first module called whose parameters
     include these (the outermost one of the forward: a DistributedDataParallel wrapper if there is
     one, also under ``torch.compile``) and then removes itself, so that it costs nothing later and
