@@ -418,7 +418,7 @@ def _moment_keys(rule: str, amsgrad: bool = False) -> tuple[str, ...]:
     return (MOMENTUM,) if rule == "muon" else (EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ) if amsgrad else (EXP_AVG, EXP_AVG_SQ)
 
 
-def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: Any,
+def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: ShardedOptimizer | None,
                    model: torch.nn.Module, path: str) -> None:
     """Raise ValueError naming the first parameter where the checkpoint and the model differ."""
     saved = manifest["tensors"]

@@ -87,6 +87,7 @@ from torch import Tensor
 
 from shardopt.core._compat import default_store, group_timeout, mesh_flattener
 from shardopt.core._layout import Range, receive_chunks
+from shardopt.core._records import Gather
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
 
@@ -108,7 +109,7 @@ class CommStats:
 
 
 @dataclass
-class Pending:
+class Pending(Gather):
     """Handles of collectives in flight, plus tensors that must stay alive until they finish."""
 
     works: list = field(default_factory=list)

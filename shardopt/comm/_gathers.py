@@ -7,7 +7,7 @@ gather is waited for exactly once, here.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 from shardopt.comm._collectives import Pending
 from shardopt.core._records import BucketRecord, ParamRecord
@@ -53,7 +53,7 @@ class WeightGathers:
 
     def handles(self) -> list[Pending]:
         """The handles in flight (for tests that check they were waited for)."""
-        return [b.gather for b in self._started]
+        return [cast(Pending, b.gather) for b in self._started]  # each started bucket holds its Pending
 
     def __iter__(self) -> Iterator[BucketRecord]:
         return iter(list(self._started))

@@ -57,8 +57,15 @@ if TYPE_CHECKING:
         zeroed: bool
         pending: Tensor | None
         accumulating: bool
+
+    class Gather:
+        """What comm._collectives.Pending is to a bucket record: a weight all-gather in flight, to
+        be waited for (for the type checker, as Placeholder; at run time the name is object)."""
+
+        def wait(self) -> None: ...
 else:
     Placeholder = Tensor
+    Gather = object
 
 
 class ParamState(enum.Enum):
@@ -286,7 +293,7 @@ class BucketRecord:
     staging: Tensor | None = None  # stage 2: 1D, grad dtype, the bucket's gradients while it is reduced
     landing: Tensor | None = None  # stage 2: 1D, where its reduction lands when not in the gradient shard itself
     grad_view: Tensor | None = None  # stage 1: 1D, its part of the flat gradient
-    gather: Any = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
+    gather: Gather | None = None  # the weight all-gather step() started and nobody waited for yet (a Pending)
     host: HostCopy | None = None  # offload="cpu": its part of the shard in host memory, and the copies' events
 
     # -- the verbs: outside build_records, every field changes in one of these ------------------

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Sequence, cast
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 
@@ -21,7 +21,7 @@ _MUON_KEPT = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "
 _FLAGS = ("amsgrad", "maximize", "capturable", "differentiable")
 
 
-def is_torch_pair_member(opt: Any) -> bool:
+def is_torch_pair_member(opt: object) -> bool:
     """Whether ``opt`` is a plain ``torch.optim.AdamW`` or ``torch.optim.Muon`` (what can be converted)."""
     return type(opt) in (torch.optim.AdamW, torch.optim.Muon)
 
@@ -117,13 +117,17 @@ class GroupView:
         self.sharded._opt_called = value  # type: ignore[attr-defined]
 
 
-def replacements(optimizers: Sequence[torch.optim.Optimizer], sharded: ShardedAdamW) -> dict[int, Any]:
+Replacement = torch.optim.Optimizer | GroupView  # what a converted torch optimizer's schedulers drive instead
+
+
+def replacements(optimizers: Sequence[torch.optim.Optimizer], sharded: ShardedAdamW) -> dict[int, Replacement]:
     """What each of ``optimizers`` (all converted into ``sharded`` by ``from_torch``) is replaced by
     for the schedulers built on it: the sharded optimizer itself for a lone optimizer, otherwise a
     ``GroupView`` of its own param groups (the Muon's come first, then the AdamW's)."""
     if len(optimizers) <= 1:
         return {id(o): sharded for o in optimizers}
-    out, at = {}, 0
+    out: dict[int, Replacement] = {}
+    at = 0
     for o in _merge_order(optimizers):
         n = len(o.param_groups)
         out[id(o)] = GroupView(sharded, sharded.param_groups[at:at + n])
@@ -131,7 +135,7 @@ def replacements(optimizers: Sequence[torch.optim.Optimizer], sharded: ShardedAd
     return out
 
 
-def retarget_scheduler(scheduler: Any, replaced: dict[int, Any]) -> None:
+def retarget_scheduler(scheduler: Any, replaced: Mapping[int, Replacement]) -> None:
     """Point ``scheduler`` (and the schedulers a SequentialLR / ChainedScheduler holds) at what
     replaced its optimizer (see ``replacements``). The converted param groups carry the scheduler's
     ``initial_lr`` and current ``lr``, so the schedule continues unchanged."""

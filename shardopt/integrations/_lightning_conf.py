@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from shardopt.integrations._convert import from_torch, is_torch_pair_member, replacements, retarget_scheduler
+from shardopt.integrations._convert import Replacement, from_torch, is_torch_pair_member, replacements, retarget_scheduler
 
 
 def _split(conf: Any) -> tuple[list, list] | None:
@@ -30,7 +30,7 @@ def _split(conf: Any) -> tuple[list, list] | None:
     return list(conf), []
 
 
-def merge_torch_pair(conf: Any, views: dict[int, Any], **shardopt_options: Any) -> Any:
+def merge_torch_pair(conf: Any, views: dict[int, Replacement], **shardopt_options: Any) -> Any:
     """``conf`` with a torch Muon + AdamW pair replaced by one ShardedMuon, in Lightning's two-lists
     form; any other output as it was. Every scheduler points at the ShardedMuon while Lightning
     checks that the returned schedulers belong to returned optimizers; ``views`` gets, by scheduler

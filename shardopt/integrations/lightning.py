@@ -63,7 +63,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
                       "(or pip install lightning)") from e
 
 from shardopt.comm._module_sync import sync_module_states
-from shardopt.integrations._convert import from_torch, is_torch_pair_member, retarget_scheduler
+from shardopt.integrations._convert import Replacement, from_torch, is_torch_pair_member, retarget_scheduler
 from shardopt.integrations._lightning_conf import merge_torch_pair
 from shardopt.optimizer import ShardedAdamW
 
@@ -167,7 +167,7 @@ class ShardedStrategy(DDPStrategy):
         module = cast(pl.LightningModule, self.lightning_module)  # connected by now
         own = module.__dict__.get("configure_optimizers")
         hook = module.configure_optimizers
-        views: dict[int, Any] = {}
+        views: dict[int, Replacement] = {}
         # The pair is merged before Lightning counts the optimizers (one in automatic optimization).
         module.configure_optimizers = lambda: merge_torch_pair(hook(), views, **self.shardopt_options)  # type: ignore[method-assign]  # on this instance, for the call
         try:
@@ -179,7 +179,7 @@ class ShardedStrategy(DDPStrategy):
                 module.configure_optimizers = own  # type: ignore[method-assign]  # the instance's own, put back
         for config in self.lr_scheduler_configs:  # each pair member's schedulers onto its own groups
             if id(config.scheduler) in views:
-                config.scheduler.optimizer = views[id(config.scheduler)]
+                config.scheduler.optimizer = views[id(config.scheduler)]  # type: ignore[assignment]  # a GroupView stands in
         given = [opt.optimizer if isinstance(opt, LightningOptimizer) else opt for opt in self.optimizers]
         converted = [self._sharded(i, opt) for i, opt in enumerate(given)]
         replaced = {id(old): new for old, new in zip(given, converted) if new is not old}

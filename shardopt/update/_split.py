@@ -15,13 +15,17 @@ translated; whole-shard reads concatenate the pieces (on the host), whole-shard 
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Generic, Sequence, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from shardopt.core._layout import Range
 from shardopt.core._records import BucketRecord
+from shardopt.update._master import FP32Master, MasterWeights
+from shardopt.update._moments import Moments
+
+_Strategy = TypeVar("_Strategy", bound="MasterWeights | Moments")  # what one piece holds
 
 
 def split_point(buckets: Sequence[BucketRecord], shard_numel: int, fraction: float) -> int:
@@ -46,15 +50,15 @@ def _summed(name: str) -> property:
     return property(lambda self: sum(getattr(p, name) for p in self.parts))
 
 
-class _Pieces:
+class _Pieces(Generic[_Strategy]):
     """Routes local ranges to the piece holding them. The callers move values to the piece's
     device themselves (``ShardedBuffer.place_of``)."""
 
-    def __init__(self, parts: Sequence[Any], starts: Sequence[int]) -> None:
+    def __init__(self, parts: Sequence[_Strategy], starts: Sequence[int]) -> None:
         self.parts, self.starts = list(parts), list(starts)
         self.name = parts[0].name
 
-    def _find(self, r: Range) -> tuple[Any, Range]:
+    def _find(self, r: Range) -> tuple[_Strategy, Range]:
         k = sum(1 for start in self.starts[1:] if r.start >= start)  # the last piece starting at or before r
         if k + 1 < len(self.starts) and r.end > self.starts[k + 1]:
             raise AssertionError(f"range {r} spans two pieces of the shard (split at {self.starts[1:]})")
@@ -67,7 +71,7 @@ class _Pieces:
         return list(torch.split(t.reshape(-1), list(sizes)))
 
 
-class SplitMaster(_Pieces):
+class SplitMaster(_Pieces[MasterWeights]):
     """One master-weight strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
 
     update_ = _routed("update_")
@@ -99,14 +103,14 @@ class SplitMaster(_Pieces):
 
     @property
     def master(self) -> Tensor:  # the fp32 copy, for inspect(): a host copy of both pieces
-        return self._cat([p.master for p in self.parts])
+        return self._cat([cast(FP32Master, p).master for p in self.parts])  # read when owns_copy: fp32 pieces
 
     @property
     def owns_copy(self) -> bool:
         return all(getattr(p, "owns_copy", False) for p in self.parts)
 
 
-class SplitMoments(_Pieces):
+class SplitMoments(_Pieces[Moments]):
     """One moment strategy per piece, as one over the whole shard (see [Note: offload fraction])."""
 
     prepare = _routed("prepare")
