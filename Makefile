@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 FLOOR_VENV  ?= .venv-floor
 FLOOR_TORCH ?= torch==2.9.1
 
-.PHONY: setup demo test test-fast test-floor docs clean
+.PHONY: setup demo lint test test-fast test-floor docs clean
 
 setup: $(VENV)/.installed
 
@@ -20,9 +20,13 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 demo: setup
 	$(VENV)/bin/torchrun --standalone --nproc_per_node=2 examples/train_gpt.py
 
-test: setup  # lint-imports first: an upward import between folders or an import circle fails (setup.cfg, [importlinter]);
-	# then the unit tier on both cores, then the tiers that start processes of their own, one at a time
+lint: setup  # the layers (lint-imports: an upward import between folders or an import circle fails, setup.cfg),
+	# ruff's rules and mypy's types (both configured in pyproject.toml)
 	$(VENV)/bin/lint-imports --no-logo
+	$(VENV)/bin/ruff check shardopt tests
+	$(VENV)/bin/mypy shardopt
+
+test: lint  # the lint first; then the unit tier on both cores, then the tiers that start processes of their own, one at a time
 	$(PY) -m pytest -q -m unit -n 2
 	$(PY) -m pytest -q -m "not unit"
 
@@ -35,6 +39,7 @@ test-floor:  # the unit tier on the floor torch (a 1.4 GB download the first tim
 	@$(FLOOR_VENV)/bin/python -m pip install -q "$(FLOOR_TORCH)" -e '.[test,hf,lightning]'
 	$(FLOOR_VENV)/bin/python -c "import torch; print('torch', torch.__version__)"
 	$(FLOOR_VENV)/bin/lint-imports --no-logo
+	$(FLOOR_VENV)/bin/mypy shardopt  # the types against torch 2.9's stubs (its ignores too: warn_unused_ignores)
 	$(FLOOR_VENV)/bin/python -m pytest -q -m unit -n 2 -p no:cacheprovider
 
 docs: setup  # the site in site/, strict: a broken link, anchor or page fails
@@ -43,4 +48,4 @@ docs: setup  # the site in site/, strict: a broken link, anchor or page fails
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info .pytest_cache site
+	rm -rf $(VENV) $(FLOOR_VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache site
