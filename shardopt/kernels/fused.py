@@ -27,6 +27,7 @@ compile from a failure of the compiled code:
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Callable
 
 import torch
@@ -89,7 +90,7 @@ def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
 _WRITES = {"step_fp32", "step_remainder", "step_stochastic", "step_none"}
 
 
-def _compile_errors() -> tuple[type[BaseException], ...]:
+def _compile_errors() -> tuple[type[Exception], ...]:
     """The errors torch.compile raises while compiling, before the compiled code runs."""
     from torch._dynamo.exc import TorchDynamoException  # BackendCompilerFailed, InductorError, ...
 
@@ -104,7 +105,8 @@ def _ran_and_failed(name: str, error: Exception) -> None:
                  "(shardopt.load_checkpoint) before training on; SHARDOPT_KERNEL=reference runs the eager kernels")
     else:
         state = "it writes nothing (a gradient statistic), so the optimizer's state is as it was before the call"
-    error.add_note(f"shardopt: raised by the fused kernel {name} while it ran (after compiling); {state}")
+    if sys.version_info >= (3, 11):  # exceptions take notes from 3.11 on; 3.10 raises the error without it
+        error.add_note(f"shardopt: raised by the fused kernel {name} while it ran (after compiling); {state}")
 
 
 def with_fallback(name: str, on_failure: Callable[[Exception], None]) -> Callable:
