@@ -29,7 +29,7 @@ GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def skip_if_lt_x_gpu(n: int) -> pytest.MarkDecorator:
-    return pytest.mark.skipif(GPUS < n, reason=f"needs {n} CUDA GPUs, this machine has {GPUS}")
+    return pytest.mark.skipif(n > GPUS, reason=f"needs {n} CUDA GPUs, this machine has {GPUS}")
 
 
 def _launch(case: str, nproc: int, backend: str = "nccl") -> str:

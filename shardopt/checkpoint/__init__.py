@@ -48,6 +48,7 @@ from shardopt._version import __version__
 
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+    from shardopt.core._records import ParamRecord
     from shardopt.update._sharded_buffer import ShardedBuffer
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
@@ -564,7 +565,7 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, staging: dict[int,
                 g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
     step = int(manifest["step"])
 
-    def lag_of(b: Any, r: Any) -> int:  # a parameter saved without state was left out of every step
+    def lag_of(b: ShardedBuffer, r: ParamRecord) -> int:  # a parameter saved without state was left out of every step
         saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
         return step - int(saved.get("step", step)) if saved.get("sharded") else step
 

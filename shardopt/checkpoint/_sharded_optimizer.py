@@ -7,12 +7,13 @@ these attributes. Nothing here runs.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.comm._collectives import Comm
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._config import ShardConfig
+from shardopt.core._records import ParamRecord
 from shardopt.step._loss_scale import LossScaler
 from shardopt.step._usage_checks import UsageChecks
 from shardopt.update._sharded_buffer import ShardedBuffer
@@ -35,5 +36,9 @@ class ShardedOptimizer(Protocol):
     _consolidated: dict[str, Any] | None
 
     def finish_param_gather(self) -> None: ...
+
+    def _resume(self, *, step: int, lag_of: Callable[[ShardedBuffer, ParamRecord], int],
+                skipped_steps: int | None = None, seed: int | None = None,
+                loss_scaler: dict[str, Any] | None = None) -> None: ...
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...

@@ -11,6 +11,8 @@ from shardopt.checkpoint._rank_state import STATE_FORMAT, check_rank_state_dict,
 
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
+    from shardopt.core._records import ParamRecord
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
     class _Hooked(ShardedOptimizer, Protocol):
         """The optimizer with torch.optim's state-dict hooks (its ``torch.optim.Optimizer`` base keeps them)."""
@@ -64,8 +66,9 @@ class OptimizerStateDict:
             sd = sd if out is None else out
         return sd
 
-    def _resume(self, *, step: int, lag_of: Callable[[Any, Any], int], skipped_steps: int | None = None,
-                seed: int | None = None, loss_scaler: dict[str, Any] | None = None) -> None:
+    def _resume(self: ShardedOptimizer, *, step: int, lag_of: Callable[[ShardedBuffer, ParamRecord], int],
+                skipped_steps: int | None = None, seed: int | None = None,
+                loss_scaler: dict[str, Any] | None = None) -> None:
         """The one place a load sets the optimizer's counters, after the loaded master weights were
         gathered into the parameters: the step count, each parameter's lag (``lag_of(buffer,
         record)``: steps it was left out of, so its own step count is ``step`` minus that), the

@@ -48,7 +48,7 @@ class WeightGathers:
     def wait_quietly(self) -> None:
         """Wait for every gather without telling anyone (an optimizer being collected)."""
         for bucket in self._started:
-            bucket.gathering(None).wait()
+            cast(Pending, bucket.gathering(None)).wait()  # a started bucket holds its gather
         self._started.clear()
 
     def handles(self) -> list[Pending]:

@@ -175,7 +175,7 @@ class ParamRecord:
             raise AssertionError(f"parameter {self.name}: its gradient cannot go from {self.state} to {state}")
         self.state = state
 
-    def attach(self, placeholder: Tensor, accumulator: Any) -> None:
+    def attach(self, placeholder: Placeholder, accumulator: Any) -> None:
         """The reducer's: its stage-2 placeholder, and autograd's gradient accumulator (held)."""
         self.placeholder, self.accumulator = placeholder, accumulator
 
@@ -329,7 +329,7 @@ class BucketRecord:
         """Stage 1: its part of the flat gradient."""
         self.grad_view = grad_view
 
-    def gathering(self, pending: Any) -> Any:
+    def gathering(self, pending: Gather | None) -> Gather | None:
         """Its weight gather is ``pending`` (None: waited for); returns the one it held."""
         held, self.gather = self.gather, pending
         return held

@@ -94,7 +94,7 @@ class FlatGrads(_Store):
         """A second gradient in one round: autograd already added it to the view, in place."""
 
     def launch(self, b: BucketRecord) -> Launch:
-        return self.comm.all_reduce_parts(b.grad_view, b.pieces, self.reduce_dtype)
+        return self.comm.all_reduce_parts(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype)  # stage 1: a view
 
     def landed(self, b: BucketRecord) -> None:
         pass
@@ -206,11 +206,13 @@ class ShardGrads(_Store):
         return self._staging_for(r.bucket)[r.at]
 
     def _staging_for(self, b: BucketRecord) -> Tensor:
-        if b.staging is None:
-            b.stage(torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device))
-            self._staging_bytes += b.staging.numel() * b.staging.element_size()
+        staging = b.staging
+        if staging is None:
+            staging = torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device)
+            b.stage(staging)
+            self._staging_bytes += staging.numel() * staging.element_size()
             self.on_alloc()
-        return b.staging
+        return staging
 
     def shard_part(self, b: BucketRecord) -> Tensor:
         """Bucket ``b``'s part of this rank's gradient shard (a view; may be empty)."""

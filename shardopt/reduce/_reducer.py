@@ -331,13 +331,13 @@ class GradReducer:
 
     def arrival(self) -> list[ParamRecord]:
         """The parameters whose gradients arrived in the first round, in that order. A question."""
-        return sorted((r for r in self.records if r.arrival is not None), key=lambda r: r.arrival)
+        return sorted((r for r in self.records if r.arrival is not None), key=lambda r: cast(int, r.arrival))
 
     def launch_order(self) -> list[BucketRecord] | None:
         """This buffer's buckets in the launch order the ranks agreed on; None before the first round. A question."""
         if not self.buckets or self.buckets[0].launch is None:
             return None
-        return sorted(self.buckets, key=lambda b: b.launch)
+        return sorted(self.buckets, key=lambda b: cast(int, b.launch))  # agreed for every bucket at once
 
     @property
     def forward_order(self) -> list[BucketRecord]:

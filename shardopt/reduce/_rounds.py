@@ -403,7 +403,7 @@ class Rounds:
         self._to(RoundState.FLUSHING)  # OPEN or LOST -> FLUSHING: the pass ended, or settle() found it lost
         try:
             with _ranges.record_function(_ranges.FINISH_ROUND):
-                for b in self.order[self._pos:]:
+                for b in cast(list[BucketRecord], self.order)[self._pos:]:
                     self._launch(b)
                 while self._inflight:
                     self._complete_oldest()

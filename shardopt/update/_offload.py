@@ -173,7 +173,8 @@ class OnHost(OnDevice):
             for b in buckets:
                 if b.host is None:  # offload_fraction < 1: a bucket beside the weights
                     continue
-                b.host.gradient.copy_(grad[b.local.as_slice()], non_blocking=True)
+                # with a gradient copy (self.grad), each bucket's host copy has its gradient part
+                cast(Tensor, b.host.gradient).copy_(grad[b.local.as_slice()], non_blocking=True)
                 b.host.grad_copied.record()
 
     def grad_of(self, b: BucketRecord, grad: Tensor) -> Tensor:
@@ -185,7 +186,7 @@ class OnHost(OnDevice):
         if self.accelerated:
             h.grad_copied.synchronize()
         else:
-            h.gradient.copy_(grad[b.local.as_slice()])
+            cast(Tensor, h.gradient).copy_(grad[b.local.as_slice()])  # with self.grad, each bucket's too
         return self.grad
 
     def publish(self, b: BucketRecord) -> None:
