@@ -363,10 +363,10 @@ class Rounds:
             parts = self.reducers[b.buffer].launch(b)
             for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
                 self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
-            self.reducers[b.buffer].held.buffers_grew()
-            # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
-            while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
-                self._complete_oldest()
+                self.reducers[b.buffer].held.buffers_grew()
+                # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
+                while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
+                    self._complete_oldest()
 
     def _wait_tag(self) -> None:
         if self._tag_pending is None:
