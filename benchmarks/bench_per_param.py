@@ -18,7 +18,8 @@ What each row does:
 * ``torch-zero``: ``DistributedDataParallel`` and ``ZeroRedundancyOptimizer(AdamW, fused=True)``;
 * ``shardopt1`` / ``shardopt2``: ``ShardedAdamW(stage=1 | 2)`` with its defaults (no DDP).
 Each time is the median over ``--steps`` iterations after ``--warmup``, rank 0, milliseconds; the
-ratio is to ``ddp`` in the same round.
+ratio is to ``ddp`` in the same round. ``--baseline DIR`` (a checkout of an earlier shardopt) adds
+configurations named ``NAME@base``, which run NAME with that checkout's shardopt, in the same rounds.
 """
 from __future__ import annotations
 
@@ -62,10 +63,12 @@ def worker(args: argparse.Namespace) -> None:
         net = DDP(model)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3, fused=True)
     else:
+        if args.config.endswith("@base"):  # the same configuration with an earlier checkout's shardopt
+            sys.path.insert(0, os.path.abspath(args.baseline))
         import shardopt
 
         net = model
-        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=int(args.config[-1]))
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=int(args.config.split("@")[0][-1]))
     x = torch.randn(16, generator=torch.Generator().manual_seed(rank))
     times = []
     for i in range(args.warmup + args.steps):
@@ -87,7 +90,7 @@ def run_config(config: str, tensors: int, args: argparse.Namespace) -> float | s
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
            "--worker", "--config", config, "--tensors", str(tensors), "--steps", str(args.steps),
-           "--warmup", str(args.warmup)]
+           "--warmup", str(args.warmup), "--baseline", args.baseline]
     code, out, err = run(cmd, timeout=args.timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if code is None:
         return f"timed out after {args.timeout} s"
@@ -110,6 +113,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--timeout", type=int, default=300, help="seconds for one launch")
     ap.add_argument("--out", default="", help="write the table to this file too")
+    ap.add_argument("--baseline", default="", help="a checkout of an earlier shardopt, for NAME@base configurations")
     args = ap.parse_args()
     if args.worker:
         args.tensors = int(args.tensors)

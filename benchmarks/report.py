@@ -48,6 +48,10 @@ SOURCES = (
     ("scheduler_ab.md", "The reduction path before and after its redesign",
      "The same configurations with an earlier checkout in the same rounds, and the split of `step()` "
      "into the update and the wait for weight gathers."),
+    ("records_ab.md", "The records' verbs and the module hooks, before and after",
+     "The training step and the overlapped step with the earlier checkout in the same rounds."),
+    ("per_param.md", "Host cost per parameter tensor",
+     "`backward() + step() + zero_grad()` on many 16-element tensors against DDP and torch's ZeRO."),
     ("step_muon.md", "Muon training step",
      "ShardedMuon at stage 1 and 2 against DDP with torch.optim.Muon and fused AdamW on every rank."),
     ("accumulation.md", "Gradient accumulation", "`no_sync` micro-batches against DDP's."),
