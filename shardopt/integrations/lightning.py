@@ -33,11 +33,12 @@ before training and reported on every rank.
 Lightning clips through ``trainer.precision_plugin.clip_gradients``, whose default calls
 ``torch.nn.utils.clip_grad_norm_`` on ``p.grad``: in stage 2 that raises (the gradient lives
 sharded), in stage 1 it would clip this rank's copy only after the optimizer has taken its own
-view. While the strategy is set up, the precision plugin's class gets a mixin in front
-(``_ShardedClipping``; reverted at teardown) that sends a ``ShardedAdamW`` to
-``opt.clip_grad_norm_``, leaves other optimizers to the plugin, and keeps the returned norm in
-``strategy.last_grad_norm``. The swap happens in ``setup``, in the training process, so that
-launchers that pickle the strategy never see the generated class.
+view. While the strategy is set up, its precision plugin is a copy of the user's (the same
+attributes) whose class is a subclass of the plugin's with a mixin in front (``_ShardedClipping``)
+that sends a ``ShardedAdamW`` to ``opt.clip_grad_norm_``, leaves other optimizers to the plugin,
+and keeps the returned norm in ``strategy.last_grad_norm``; teardown puts the user's own plugin
+object back, which is never changed. The copy is made in ``setup``, in the training process, so
+that launchers that pickle the strategy never see the generated class.
 """
 from __future__ import annotations
 
@@ -133,7 +134,9 @@ class ShardedStrategy(DDPStrategy):
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method)
         self.shardopt_options: dict[str, Any] = dict(stage=stage, master_weights=master_weights, **shardopt_options)
-        self._plugin_class: type | None = None  # the precision plugin's own class while the mixin is in front
+        # while ShardedStrategy is set up: the precision plugin it replaced with one that clips by the global norm
+        self._own_plugin: Precision | None = None
+        self._replaced = False
 
     # -- set-up ----------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer) -> None:
@@ -274,19 +277,23 @@ class ShardedStrategy(DDPStrategy):
     def teardown(self) -> None:
         for opt in self._sharded_optimizers():  # when fit returns, the module holds the last step's weights
             opt.finish_param_gather()
-        if self._plugin_class is not None and self._precision_plugin is not None:
-            self._precision_plugin.__class__ = self._plugin_class
-        self._plugin_class = None
+        if self._replaced:
+            self.precision_plugin = self._own_plugin  # the user's own object (None: Lightning's default) again
+        self._own_plugin, self._replaced = None, False
         super().teardown()
 
     def _put_clipping_in_front(self) -> None:
-        plugin = self.precision_plugin
-        if self._precision_plugin is None:  # the default plugin is built on every access: keep one
-            self._precision_plugin = plugin
+        """Use, until teardown, a copy of the precision plugin whose class puts the sharded clipping
+        in front of the plugin's own: an instance of a subclass, so Lightning's isinstance checks
+        still see the plugin's class, with the same attributes (the same objects: a shallow copy).
+        The user's plugin object itself is left as it is."""
+        plugin = self.precision_plugin  # Lightning builds its default plugin on every access
         if isinstance(plugin, _ShardedClipping):
             return
-        self._plugin_class = type(plugin)
-        plugin.__class__ = _with_sharded_clipping(cast(type, type(plugin)))
+        sharded: Precision = object.__new__(_with_sharded_clipping(cast(type, type(plugin))))
+        sharded.__dict__.update(plugin.__dict__)
+        self._own_plugin, self._replaced = self._precision_plugin, True
+        self.precision_plugin = sharded
 
 
 def _check_trainer(trainer: pl.Trainer, plugin: Precision) -> None:
