@@ -137,3 +137,50 @@ def test_the_control_groups_timeout_is_its_parents_or_torchs_default():
     parent = SimpleNamespace(_get_backend=lambda device: SimpleNamespace(options=SimpleNamespace(_timeout=made)))
     assert _compat.group_timeout(parent) == made
     assert _compat.group_timeout(object()) == datetime.timedelta(minutes=30)  # where the backend is hidden
+
+
+# The dicts torch keeps hooks in: shardopt removes its hooks through their RemovableHandles only.
+_TORCH_HOOK_DICTS = {"_global_forward_pre_hooks", "_global_forward_hooks", "_global_backward_hooks",
+                     "_global_backward_pre_hooks", "_post_accumulate_grad_hooks", "_forward_pre_hooks",
+                     "_forward_hooks", "_backward_hooks", "_backward_pre_hooks", "_state_dict_pre_hooks",
+                     "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks"}
+
+
+def reaches_into_torch(root: str) -> list[str]:
+    """``file:line: code`` for every assignment to an object's ``__class__`` and every use of one of
+    torch's hook dicts in the package's modules (their syntax trees, comments and strings aside)."""
+    import ast
+    from pathlib import Path
+
+    found = []
+    package = Path(root) / "shardopt"
+    for path in sorted(package.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            swap = isinstance(node, (ast.Assign, ast.AugAssign, ast.AnnAssign)) and any(
+                isinstance(t, ast.Attribute) and t.attr == "__class__"
+                for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                for t in ast.walk(target))
+            setattr_swap = (isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setattr"
+                            and len(node.args) > 1 and isinstance(node.args[1], ast.Constant)
+                            and node.args[1].value == "__class__")
+            hook_dict = (isinstance(node, ast.Attribute) and node.attr in _TORCH_HOOK_DICTS) or (
+                isinstance(node, ast.Constant) and node.value in _TORCH_HOOK_DICTS)
+            if swap or setattr_swap or hook_dict:
+                found.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node).splitlines()[0]}")
+    return found
+
+
+def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
+    """No live object's class is swapped (``type(p) is nn.Parameter`` holds, dynamo's guards see what
+    torch made) and no torch hook dict is read or changed: hooks go through RemovableHandles. The
+    scan finds both kinds where they are (a copy of the package with one of each added)."""
+    import os
+    import shutil
+
+    root = os.path.join(os.path.dirname(__file__), "..")
+    assert reaches_into_torch(root) == []
+    shutil.copytree(os.path.join(root, "shardopt"), tmp_path / "shardopt", ignore=shutil.ignore_patterns("__pycache__"))
+    bad = tmp_path / "shardopt" / "core" / "_ownership.py"
+    bad.write_text(bad.read_text() + "\n\ndef _bad(p, m):\n    p.__class__ = object\n"
+                   "    getattr(m, '_forward_pre_hooks').clear()\n    m._post_accumulate_grad_hooks.pop(0)\n")
+    assert len(reaches_into_torch(str(tmp_path))) == 3
