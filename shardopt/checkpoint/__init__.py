@@ -184,7 +184,7 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
     }
 
 
-def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any, *, extra: Any = None,
+def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: ShardedOptimizer, *, extra: Any = None,
                     timeout: float | None = None) -> str:
     """Save ``model`` and ``opt`` (a ``ShardedAdamW``) to the directory ``path``; returns ``path``
     as the checkpoint functions write it (``~`` expanded; a trailing ``/``, ``./`` and doubled ``/``
@@ -450,7 +450,7 @@ def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str
                 raise ValueError(f"param group {gi} differs from checkpoint {path}: parameter {b!r} here, {a!r} there")
 
 
-def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Any = None, *,
+def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: ShardedOptimizer | None = None, *,
                     process_group: ProcessGroup = None, timeout: float | None = None) -> Any:
     """Load the checkpoint at ``path`` into ``model`` and, if given, ``opt`` (a ``ShardedAdamW``
     at any world size, bucket size, stage or master-weight mode); returns the ``extra`` object
