@@ -129,7 +129,6 @@ _BUCKET_NEXT = {
 class ParamRecord:
     """One trained parameter: where it lies, where its gradient is, what it was bound to."""
 
-    index: int  # position in its flat buffer
     param: torch.nn.Parameter  # a plain parameter: the model's, or a DTensor parameter's stand-in (core._dtensor)
     name: str  # how messages name it
     group: int  # its param group's index
@@ -156,6 +155,11 @@ class ParamRecord:
     rebound: bool = False  # re-bound to the flat buffer since then: written, though its version did not move
     lag: int = 0  # steps it was left out of (no rank had a gradient): its step count is the optimizer's minus this
     dtensor: Tensor | None = None  # the model's DTensor parameter that ``param`` stands in for (see core._dtensor)
+
+    @property
+    def index(self) -> int:
+        """Its position in its flat buffer: the layout's (``span.index``), not a second copy of it."""
+        return self.span.index
 
     @property
     def leaf(self) -> Tensor:
@@ -364,10 +368,10 @@ def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], gr
     shard = layout.shard_range(shard_rank)
     records = []
     dtensors = dtensors if dtensors is not None else [None] * len(params)
-    for i, (p, name, g, span, dt) in enumerate(zip(params, names, groups, layout.params, dtensors)):
+    for p, name, g, span, dt in zip(params, names, groups, layout.params, dtensors):
         mine = span.global_range.intersect(shard)
         local = mine.relative_to(shard.start) if mine.size else None
-        records.append(ParamRecord(index=i, param=p, name=name, group=g, span=span, local=local, dtensor=dt))
+        records.append(ParamRecord(param=p, name=name, group=g, span=span, local=local, dtensor=dt))
     buckets = []
     for b in layout.buckets:
         mine = b.global_range.intersect(shard)
