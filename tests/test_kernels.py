@@ -816,25 +816,31 @@ def _step_args():
     return w, torch.full((8,), 0.5), m, v, s
 
 
+def _kernels_compiled_as(monkeypatch, compiled):
+    """fp32 kernels whose fused functions are ``compiled(name)``, and the step's arguments with the
+    state one reference step leaves (what the step must leave, once)."""
+    from shardopt.kernels import fused
+
+    monkeypatch.setattr(fused, "_compiled", compiled)
+    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
+    args = _step_args()
+    w_once, g, m_once, v_once, s = _step_args()
+    reference.step_fp32(w_once, g, m_once, v_once, s, None)
+    return select(dtype=torch.float32, master="fp32", moments="fp32"), args, (w_once, m_once, v_once)
+
+
 def test_an_error_of_the_compiled_step_propagates_and_the_step_is_not_run_twice(monkeypatch):
     """A compiled step that fails while it runs (out of memory, a fault in the generated code),
     after writing part of its tensors: the error reaches the caller with a note saying the shard
     may be partly written, no warning, the object stays fused, and the reference does not run the
     step again over the written tensors (which would apply it twice)."""
-    from shardopt.kernels import fused
-
     def half_written_then_oom(name):
         def kernel(w, g, m, v, s, key):
             reference.step_fp32(w, g, m, v, s, key)  # the whole step written once ...
             raise torch.OutOfMemoryError("out of memory while running the kernel")  # ... then a fault
         return kernel
 
-    monkeypatch.setattr(fused, "_compiled", half_written_then_oom)
-    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
-    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
-    w, g, m, v, s = _step_args()
-    w_once, _, m_once, v_once, _ = _step_args()
-    reference.step_fp32(w_once, g, m_once, v_once, s, None)
+    kernels, (w, g, m, v, s), (w_once, m_once, v_once) = _kernels_compiled_as(monkeypatch, half_written_then_oom)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback warning
         with pytest.raises(torch.OutOfMemoryError) as raised:
@@ -867,8 +873,6 @@ def test_a_compile_error_raised_at_the_first_call_runs_the_reference_once(monkey
     code runs (nothing written): the reference runs the call once, with the fallback warning."""
     from torch._dynamo.exc import TorchDynamoException
 
-    from shardopt.kernels import fused
-
     class CompileFailed(TorchDynamoException):  # as BackendCompilerFailed, whose arguments vary by release
         pass
 
@@ -877,12 +881,7 @@ def test_a_compile_error_raised_at_the_first_call_runs_the_reference_once(monkey
             raise CompileFailed("C++ compile error")
         return kernel
 
-    monkeypatch.setattr(fused, "_compiled", fails_to_compile)
-    monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
-    kernels = select(dtype=torch.float32, master="fp32", moments="fp32")
-    w, g, m, v, s = _step_args()
-    w_once, _, m_once, v_once, _ = _step_args()
-    reference.step_fp32(w_once, g, m_once, v_once, s, None)
+    kernels, (w, g, m, v, s), (w_once, m_once, v_once) = _kernels_compiled_as(monkeypatch, fails_to_compile)
     with pytest.warns(RuntimeWarning, match="torch.compile of the fused update failed"):
         kernels.step_fp32(w, g, m, v, s, None)
     assert torch.equal(w, w_once) and torch.equal(m, m_once) and torch.equal(v, v_once)

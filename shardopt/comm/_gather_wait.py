@@ -127,32 +127,34 @@ def _hooks_of(m: torch.nn.Module, o: WeightGathers, ref: weakref.ref) -> tuple[l
             m.register_load_state_dict_pre_hook(lambda module, *args: finish(module, None))], forward
 
 
-def _wait_own(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
+def _module_hook(ref: weakref.ref, work: Callable[[WeightGathers, torch.nn.Module], None]
+                 ) -> Callable[[torch.nn.Module, Any], None]:
+    """A module hook that runs ``work(gathers, module)`` eagerly while the gathers of ``ref`` are in
+    flight, and inside traced code waits for every gather (see [Note: compiled models])."""
     def hook(module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # see [Note: compiled models]
+        if torch.compiler.is_compiling():
             if _in_flight:
                 _finish_all()
             return
         o = ref()
-        if not o:  # freed, or nothing in flight
-            return
-        for p in module.parameters(recurse=False):
-            r = o.record_of.get(id(p))
-            if r is not None:
-                o.wait(r.bucket)
+        if o:  # not freed, and something in flight
+            work(o, module)
     return hook
+
+
+def _wait_for_own(o: WeightGathers, module: torch.nn.Module) -> None:
+    for p in module.parameters(recurse=False):
+        r = o.record_of.get(id(p))
+        if r is not None:
+            o.wait(r.bucket)
+
+
+def _wait_own(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
+    return _module_hook(ref, _wait_for_own)
 
 
 def _finish(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():  # see [Note: compiled models]
-            if _in_flight:
-                _finish_all()
-            return
-        o = ref()
-        if o:
-            o.finish()
-    return hook
+    return _module_hook(ref, lambda o, module: o.finish())
 
 
 def _finish_at_exit(ref: weakref.ref) -> None:
