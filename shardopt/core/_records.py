@@ -71,6 +71,8 @@ else:
 class ParamState(enum.Enum):
     """Where one parameter's gradient is in the open round; the round's end sets every one WAITING."""
 
+    __hash__ = object.__hash__  # members are singletons: identity, in C (Enum's own hashes the name in Python)
+
     WAITING = "waiting"  # nothing taken in this round yet
     TAKEN = "taken"  # its gradient (or zero) is in its bucket; another one in this round is a second gradient
     ABSENT = "absent"  # this backward pass will not reach it: counted in at once; a gradient for it is refused
@@ -111,6 +113,8 @@ class Reach(enum.Enum):
 
 class BucketState(enum.Enum):
     """Where one bucket's reduction is in the open round; the round's end sets every one WAITING."""
+
+    __hash__ = object.__hash__  # as ParamState's: the transition tables are looked up on every gradient
 
     WAITING = "waiting"  # gradients coming in (``ready`` counts them)
     LAUNCHED = "launched"  # staged and its collectives issued
@@ -155,6 +159,7 @@ class ParamRecord:
     rebound: bool = False  # re-bound to the flat buffer since then: written, though its version did not move
     lag: int = 0  # steps it was left out of (no rank had a gradient): its step count is the optimizer's minus this
     dtensor: Tensor | None = None  # the model's DTensor parameter that ``param`` stands in for (see core._dtensor)
+    grad_view: Tensor | None = None  # stage 1: its own view of the flat gradient, shaped (made once)
 
     @property
     def index(self) -> int:
@@ -330,8 +335,11 @@ class BucketRecord:
         self.landing = landing
 
     def view_grad(self, grad_view: Tensor) -> None:
-        """Stage 1: its part of the flat gradient."""
+        """Stage 1: its part of the flat gradient, and each parameter's own view of it (made once:
+        the hook hands the same tensor back to ``p.grad`` at every backward pass)."""
         self.grad_view = grad_view
+        for p in self.params:
+            p.grad_view = grad_view[p.at].view(p.span.shape)
 
     def gathering(self, pending: Gather | None) -> Gather | None:
         """Its weight gather is ``pending`` (None: waited for); returns the one it held."""
@@ -355,9 +363,7 @@ class BucketRecord:
 
     def view_of(self, p: ParamRecord) -> Tensor | None:
         """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None."""
-        if self.grad_view is None:
-            return None
-        return self.grad_view[p.at].view(p.span.shape)
+        return p.grad_view
 
 
 def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],

@@ -63,6 +63,8 @@ class FlatGrads(_Store):
         empty parameter's view has no storage (``data_ptr()`` 0), like any empty gradient."""
         if grad is None:
             return False
+        if grad is r.grad_view:
+            return True
         own = 0 if not r.span.numel else self.flat_grad.data_ptr() + r.span.global_range.start * self.flat_grad.element_size()
         return grad.data_ptr() == own
 
@@ -82,7 +84,8 @@ class FlatGrads(_Store):
                 used = True
             except RuntimeError:
                 view.zero_()
-        set_grad(r.param, view)
+        if r.param.grad is not view:
+            set_grad(r.param, view)
         return used
 
     def changed_views(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
