@@ -160,6 +160,7 @@ class ParamRecord:
     lag: int = 0  # steps it was left out of (no rank had a gradient): its step count is the optimizer's minus this
     dtensor: Tensor | None = None  # the model's DTensor parameter that ``param`` stands in for (see core._dtensor)
     grad_view: Tensor | None = None  # stage 1: its own view of the flat gradient, shaped (made once)
+    grad_ptr: int = 0  # stage 1: data_ptr of its place in the flat gradient (0: an empty parameter, or stage 2)
 
     @property
     def index(self) -> int:
@@ -340,6 +341,7 @@ class BucketRecord:
         self.grad_view = grad_view
         for p in self.params:
             p.grad_view = grad_view[p.at].view(p.span.shape)
+            p.grad_ptr = grad_view.data_ptr() + p.at.start * grad_view.element_size() if p.span.numel else 0
 
     def gathering(self, pending: Gather | None) -> Gather | None:
         """Its weight gather is ``pending`` (None: waited for); returns the one it held."""
@@ -362,8 +364,16 @@ class BucketRecord:
         return any(p.gradless for p in self.params)
 
     def view_of(self, p: ParamRecord) -> Tensor | None:
-        """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None."""
-        return p.grad_view
+        """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None. The view made
+        once is made again where it no longer points at its place in the flat gradient:
+        ``Module.to()`` and friends assign ``p.grad.data``, which re-points that very tensor."""
+        whole = self.grad_view
+        if whole is None:
+            return None
+        view = p.grad_view
+        if view is None or (view.data_ptr() != p.grad_ptr and p.grad_ptr):
+            view = p.grad_view = whole[p.at].view(p.span.shape)
+        return view
 
 
 def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],

@@ -61,12 +61,7 @@ class FlatGrads(_Store):
     def is_storage(self, r: ParamRecord, grad: Tensor | None) -> bool:
         """``grad`` is parameter ``r``'s own view of the buffer (autograd added to it in place); an
         empty parameter's view has no storage (``data_ptr()`` 0), like any empty gradient."""
-        if grad is None:
-            return False
-        if grad is r.grad_view:
-            return True
-        own = 0 if not r.span.numel else self.flat_grad.data_ptr() + r.span.global_range.start * self.flat_grad.element_size()
-        return grad.data_ptr() == own
+        return grad is not None and grad.data_ptr() == r.grad_ptr
 
     def put(self, r: ParamRecord, grad: Tensor | None) -> bool | None:
         """Make parameter ``r``'s view hold ``grad`` (None: no gradient) and point ``p.grad``
