@@ -194,7 +194,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         ref = weakref.ref(self)
-        self._ddp_watch: RemovableHandle | None = watch_for_ddp(tracked, stage, ref)  # until the first step
+        self._ddp_watch: RemovableHandle | None = watch_for_ddp(tracked, stage, ref)  # until the first forward over them, or the first step
         Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
         self._noticed: Any = None  # None: no Join notice sent this step; else its work handle (or False)
         self._joined = False  # this rank shadows the others' calls (inside _shadow_step)

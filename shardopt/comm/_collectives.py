@@ -54,8 +54,11 @@ bucket. A rank that owns most of a bucket would receive up to world_size buckets
 ``reduce_scatter_parts`` cuts such a bucket into several all-to-alls (``_layout.receive_chunks``),
 each receiving at most about one bucket, issued one after another under the caller's bound on
 collectives in flight: the receive side stays a constant number of buckets at any world size, and
-the sum, element by element in rank order, is unchanged. NCCL keeps its native, ring-based
-collectives (bucket-size-dependent summation order, no receive buffer).
+the sum, element by element in rank order, is unchanged. On NCCL a bucket's reduction is one
+``dist.reduce_scatter`` of its per-rank pieces (no receive buffer, NCCL's summation order). The
+pieces are rarely equal (shards are cut from the whole buffer, buckets from whole parameters), and
+torch runs a reduce-scatter of unequal pieces as one NCCL reduce per rank, grouped, not as NCCL's
+own reduce-scatter.
 
 [Note: hybrid sharding]
 With a 2-D ``DeviceMesh`` (replicate x shard) the state is sharded over the ``shard`` dimension
@@ -556,7 +559,7 @@ class Comm:
         in the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. With hybrid
         sharding the average spans the replicas too (see [Note: hybrid sharding]). Every rank, same
         order."""
-        if self.backend == "nccl":  # NCCL's own reduce-scatter: ring-efficient, no N-fold receive buffer
+        if self.backend == "nccl":  # no N-fold receive buffer; unequal pieces run as one reduce per rank
             src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
             work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
                                        group=self.shard_group, async_op=True)
@@ -596,7 +599,8 @@ class Comm:
         """:meth:`reduce_scatter_avg` as one or more collectives, each issued when its function is
         called (in list order, on every rank). On gloo the bucket is cut by ``receive_chunks`` so
         that no collective receives more than about one bucket, however many ranks there are; the
-        caller bounds how many are in flight. NCCL: one native reduce-scatter."""
+        caller bounds how many are in flight. NCCL: one ``dist.reduce_scatter`` of the pieces (see
+        [Note: deterministic reduction] for what torch makes of unequal ones)."""
         if self.backend == "nccl":
             return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
         key = tuple(pieces)
@@ -621,7 +625,7 @@ class Comm:
         """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
         called (in order, every rank): a reduce-scatter (summed in ``sum_dtype``, default the
         bucket's; see :meth:`reduce_scatter_parts`), then, once the last part is waited, an
-        all-gather of the averaged pieces. NCCL without ``sum_dtype``, not hybrid: one native all-reduce."""
+        all-gather of the averaged pieces. NCCL without ``sum_dtype``, not hybrid: one NCCL all-reduce."""
         if self.backend == "nccl" and sum_dtype in (None, bucket.dtype) and not self.hybrid:
             def whole() -> Pending:
                 work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
