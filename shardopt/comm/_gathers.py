@@ -35,7 +35,7 @@ class WeightGathers:
         if pending is None:
             return False
         self._started.remove(bucket)
-        with bucket_range(GATHER_WAIT, bucket.buffer, bucket.index):  # see core._ranges [Note: profiler ranges]
+        with bucket_range(GATHER_WAIT, bucket):  # see core._ranges [Note: profiler ranges]
             pending.wait()
             self._on_landed(bucket)
         return True

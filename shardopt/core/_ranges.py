@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from torch.profiler import record_function
 
+from shardopt.core._records import BucketRecord
+
 REDUCE_LAUNCH = "shardopt::reduce_launch"
 REDUCE_LAND = "shardopt::reduce_land"
 FINISH_ROUND = "shardopt::finish_round"
@@ -35,9 +37,9 @@ GATHER_WAIT = "shardopt::gather_wait"
 NAMES = (REDUCE_LAUNCH, REDUCE_LAND, FINISH_ROUND, STEP, STEP_AGREEMENT, UPDATE, ALL_GATHER, GATHER_WAIT)
 
 
-def bucket_range(name: str, buffer: int, index: int) -> record_function:
-    """The range ``name`` around the work of bucket ``index`` of flat buffer ``buffer``."""
-    return record_function(name, f"{buffer}.{index}")
+def bucket_range(name: str, bucket: BucketRecord | None) -> record_function:
+    """The range ``name`` around the work of ``bucket`` (None: of no one bucket)."""
+    return record_function(name, None if bucket is None else f"{bucket.buffer}.{bucket.index}")
 
 
 __all__ = ["NAMES", "bucket_range", "record_function"]

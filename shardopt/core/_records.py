@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -364,16 +364,13 @@ class BucketRecord:
         return any(p.gradless for p in self.params)
 
     def view_of(self, p: ParamRecord) -> Tensor | None:
-        """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None. The view made
-        once is made again where it no longer points at its place in the flat gradient:
-        ``Module.to()`` and friends assign ``p.grad.data``, which re-points that very tensor."""
-        whole = self.grad_view
-        if whole is None:
-            return None
+        """Stage 1: parameter ``p``'s view of the flat gradient, shaped; else None. A question: the
+        view made once (``view_grad``), or a new one where that no longer points at its place in the
+        flat gradient (``Module.to()`` and friends assign ``p.grad.data``, which re-points it)."""
         view = p.grad_view
-        if view is None or (view.data_ptr() != p.grad_ptr and p.grad_ptr):
-            view = p.grad_view = whole[p.at].view(p.span.shape)
-        return view
+        if view is None or not p.grad_ptr or view.data_ptr() == p.grad_ptr:
+            return view
+        return cast(Tensor, self.grad_view)[p.at].view(p.span.shape)
 
 
 def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],

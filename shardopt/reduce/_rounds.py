@@ -359,7 +359,7 @@ class Rounds:
 
     def _launch(self, b: BucketRecord) -> None:
         """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
-        with _ranges.bucket_range(_ranges.REDUCE_LAUNCH, b.buffer, b.index):  # see _ranges [Note: profiler ranges]
+        with _ranges.bucket_range(_ranges.REDUCE_LAUNCH, b):  # see _ranges [Note: profiler ranges]
             parts = self.reducers[b.buffer].launch(b)
             for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
                 self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
@@ -387,7 +387,7 @@ class Rounds:
         pending, b, follow_up = self._inflight.pop(0)
         if follow_up:
             self._follow_ups -= 1
-        with _ranges.record_function(_ranges.REDUCE_LAND, None if b is None else f"{b.buffer}.{b.index}"):
+        with _ranges.bucket_range(_ranges.REDUCE_LAND, b):
             follow = pending.wait_landed()
             if b is not None and not follow_up:  # the bucket's last collective: its staging was read
                 self.reducers[b.buffer].landed(b)

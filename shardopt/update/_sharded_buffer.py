@@ -179,11 +179,12 @@ class ShardedBuffer:
             return scalars[g, lag, device]
 
         gathers = []
+        order = self.reducer.forward_order
         for place in self.placements:
-            place.begin(grad, self.reducer.forward_order)
-        for b in self.reducer.forward_order:
+            place.begin(grad, order)
+        for b in order:
             place = self.place_of(b)
-            with bucket_range(UPDATE, b.buffer, b.index):  # see core._ranges [Note: profiler ranges]
+            with bucket_range(UPDATE, b):  # see core._ranges [Note: profiler ranges]
                 g = place.grad_of(b, grad)
                 for key, whole in segments:
                     r = whole.intersect(b.local)
@@ -241,7 +242,7 @@ class ShardedBuffer:
         done = {id(rec) for rec in split}
         for b in self.reducer.forward_order:
             place = self.place_of(b)
-            with bucket_range(UPDATE, b.buffer, b.index):
+            with bucket_range(UPDATE, b):
                 for rec in b.params:
                     if rec.local is not None and rec.trained and id(rec) not in done:
                         self._muon_step(rec, grad, grad_scale, param_groups, step)
@@ -315,7 +316,7 @@ class ShardedBuffer:
         return [(b, self._gather(b)) for b in self.reducer.forward_order]
 
     def _gather(self, b: BucketRecord) -> Pending:
-        with bucket_range(ALL_GATHER, b.buffer, b.index):
+        with bucket_range(ALL_GATHER, b):
             return self.comm.all_gather_inplace(self.flat.data, b.gather_pieces)
 
     def gather_params(self) -> Pending:
