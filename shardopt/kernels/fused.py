@@ -31,6 +31,7 @@ import sys
 from typing import Callable
 
 import torch
+from torch._dynamo.exc import TorchDynamoException  # what torch.compile raises while compiling
 
 from shardopt.kernels import _cpu_codegen, reference
 
@@ -49,9 +50,13 @@ def _compiled(name: str):  # noqa: ANN202 - returns a compiled callable
     return torch.compile(getattr(reference, name), fullgraph=True, dynamic=None, options=compile_options())
 
 
-def _call(name: str, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
+def _run(kernel: Callable, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
     with _cpu_codegen.fused_kernels():  # see [Note: wide tiling], [Note: wide bytes]
-        return _compiled(name)(*args, **kwargs)
+        return kernel(*args, **kwargs)
+
+
+def _call(name: str, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
+    return _run(_compiled(name), args, kwargs)
 
 
 def step_fp32(*args, **kwargs) -> None:  # noqa: ANN002, ANN003
@@ -90,13 +95,6 @@ def grad_norm_power(*args, **kwargs):  # noqa: ANN002, ANN003, ANN201
 _WRITES = {"step_fp32", "step_remainder", "step_stochastic", "step_none"}
 
 
-def _compile_errors() -> tuple[type[Exception], ...]:
-    """The errors torch.compile raises while compiling, before the compiled code runs."""
-    from torch._dynamo.exc import TorchDynamoException  # BackendCompilerFailed, InductorError, ...
-
-    return (TorchDynamoException,)
-
-
 def _ran_and_failed(name: str, error: Exception) -> None:
     """Add to ``error`` (raised by the compiled kernel ``name`` while it ran) what it may have written."""
     if name in _WRITES:
@@ -126,9 +124,8 @@ def with_fallback(name: str, on_failure: Callable[[Exception], None]) -> Callabl
             failure = e
         else:
             try:
-                with _cpu_codegen.fused_kernels():  # see [Note: wide tiling], [Note: wide bytes]
-                    return compiled(*args, **kwargs)
-            except _compile_errors() as e:  # compiling failed: the kernel never ran
+                return _run(compiled, args, kwargs)
+            except TorchDynamoException as e:  # compiling (BackendCompilerFailed, InductorError, ...): nothing ran
                 failure = e
             except Exception as e:
                 _ran_and_failed(name, e)
