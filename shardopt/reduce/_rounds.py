@@ -185,6 +185,9 @@ class Rounds:
         ref = weakref.ref(self)
 
         def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
+            if torch.compiler.is_compiling():  # see below
+                eager_only(param)
+                return
             rounds = ref()
             if rounds is None:  # the optimizer was freed; its hooks go with it
                 return
@@ -197,18 +200,12 @@ class Rounds:
                 rounds._count(rec.bucket)
 
         # Eager also where dynamo traces the backward pass (compiled autograd): the rounds'
-        # bookkeeping must not be traced, so there the hook is a graph break. Asked per call instead
-        # of wrapping every hook in torch.compiler.disable, whose wrapper costs about 5 us per
-        # parameter per backward pass in eager mode (benchmarks/bench_per_param.py).
+        # bookkeeping must not be traced, so there the hook calls itself through torch.compiler.disable
+        # (a graph break; inside it nothing is compiling). Asked per call instead of wrapping every
+        # hook in torch.compiler.disable, whose wrapper costs about 5 us per parameter per backward
+        # pass in eager mode (benchmarks/bench_per_param.py).
         eager_only = torch.compiler.disable(hook)
-
-        def entry(param: torch.Tensor) -> None:
-            if torch.compiler.is_compiling():
-                eager_only(param)
-            else:
-                hook(param)
-
-        return entry
+        return hook
 
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
