@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from shardopt.comm._collectives import Pending
+from shardopt.core._flat import whole
 from shardopt.core._layout import FlatLayout, Range
 from shardopt.core._records import BucketRecord, ParamRecord, ParamState
 from shardopt.reduce._rounds import RoundState
@@ -72,7 +73,7 @@ class BufferView:
         if self._ref() is None:
             return "BufferView(<collected>)"
         return (f"BufferView(dtype={self.dtype}, params={len(self.params)}, numel={self.numel}, "
-                f"shard_range={self.shard_range})")
+                f"shard_numel={self.shard_numel})")
 
     @property
     def _buf(self) -> ShardedBuffer:
@@ -110,9 +111,10 @@ class BufferView:
         return self._buf.layout.shard_numel
 
     @property
-    def shard_range(self) -> Range:
-        """This rank's shard, as a range of elements of the flat buffer."""
-        return self._buf.shard_range
+    def shard_runs(self) -> tuple[tuple[Range, Range], ...]:
+        """This rank's shard in the flat buffer: (local range, global range) of its piece of each
+        bucket, in bucket order (see ``_layout`` [Note: alignment, padding and shards])."""
+        return tuple(self._buf.shard.runs)
 
     @property
     def params(self) -> tuple[torch.nn.Parameter, ...]:
@@ -132,8 +134,9 @@ class BufferView:
 
     @property
     def shard_weights(self) -> Tensor:
-        """This rank's shard of ``weights`` (a view, ``shard_numel`` elements)."""
-        return self._buf.flat.slice(self._buf.shard_range)
+        """This rank's shard of ``weights`` (1-D, ``shard_numel`` elements, its pieces one after
+        another): a view when the shard is one piece (one bucket), else a copy."""
+        return self._buf.shard.read()
 
     @property
     def master_weights(self) -> str:
@@ -146,7 +149,7 @@ class BufferView:
         apart from the weights: 16-bit parameters with ``master_weights="fp32"``; else None."""
         master = self._buf.master
         held = getattr(master, "owns_copy", False)  # only the fp32 strategy (or its pieces) holds one
-        return cast("FP32Master | SplitMaster", master).master if held else None
+        return cast(Tensor, cast("FP32Master | SplitMaster", master).master) if held else None
 
     @property
     def master_fp32(self) -> Tensor:
@@ -204,8 +207,9 @@ class BufferView:
     def local_grad(self) -> Tensor:
         """This rank's shard of the averaged gradient, either stage (1-D, ``shard_numel``). In stage
         2, after several rounds since ``zero_grad``, their fp32 sum rounded, as ``step`` reads it
-        (a copy until the step rounds it into ``grad_shard``; reading changes nothing)."""
-        return self._buf.reducer.local_grad()
+        (a copy until the step rounds it into ``grad_shard``; reading changes nothing). Stage 1: its
+        pieces of ``flat_grad``, a copy unless the shard is one piece."""
+        return whole(self._buf.reducer.local_grad())
 
     # -- buckets and rounds -----------------------------------------------------------------
     @property

@@ -93,31 +93,25 @@ SHAPES = [(528,), (800,), (560,), (10, 100), (520,), (600,)]
 def test_buffers_replay_the_reducer_in_buffer_order():
     # The 1 KiB cap holds 512 bf16 elements and every parameter is larger, so each gets its own
     # bucket. Shapes are given in model order and the buffer reverses them: buckets of 600, 520,
-    # 1000, 560, 800 and 528 + 8 elements (the last absorbs the padding to a multiple of 2 * 8).
-    # Three buckets are alive at once (two reductions in flight and the next one).
+    # 1000, 560, 800 and 528 elements, each padded to a multiple of 2 * 8: 608, 528, 1008, 560,
+    # 800, 528. Three buckets are alive at once (two reductions in flight and the next one).
     kw = dict(param_shapes=SHAPES, bucket_cap_mb=1 / 1024)
     e = estimate_memory(None, 2, 2, "fp32", "bf16", **kw)
-    assert e.padded_numel == 4016
-    # NCCL, stage 2: staging only; windows of three: 2120, 2080, 2360, 1896 elements.
-    assert e.buffers == 2360 * 2 and e.buffers_slack == 1000 * 2
+    assert e.padded_numel == 608 + 528 + 1008 + 560 + 800 + 528 == 4032
+    # NCCL, stage 2: staging only; windows of three: 2144, 2096, 2368, 1888 elements.
+    assert e.buffers == 2368 * 2 and e.buffers_slack == 1008 * 2
     assert estimate_memory(None, 2, 1, "fp32", "bf16", **kw).buffers == 0
-    # gloo: shards [0, 2008) and [2008, 4016). Rank 0 owns 600, 520 and 888 elements of the first
-    # three buckets, rank 1 112, 560, 800 and 536 of the rest. A reduction receives two copies of a
-    # rank's piece, cut into all-to-alls in which no rank owns more than half the bucket: 600 is
-    # 300 + 300 (rank 0), 1000 is 500 (rank 0) then 388 (rank 0) + 112 (rank 1), 560 is 280 + 280
-    # (rank 1). What one rank receives per all-to-all, in elements, in launch order:
-    #   rank 0: 600 600 520 520 1000 776 0 ...      rank 1: 0 0 0 0 0 224 560 560 800 800 536 536
-    # and three are alive at once (two waited on, one just issued): 520 + 1000 + 776 on rank 0,
-    # 560 + 800 + 800 on rank 1 (uncut: 2 * (600 + 520 + 888) on rank 0).
+    # gloo: each rank owns half of every bucket, so a reduction's one all-to-all receives two copies
+    # of that half, the bucket's size, on either rank: 608 528 1008 560 800 528 in launch order, and
+    # three are alive at once (two waited on, one just issued): 1008 + 560 + 800.
     s1 = {r: estimate_memory(None, 2, 1, "fp32", "bf16", backend="gloo", rank=r, **kw) for r in (0, 1)}
-    assert s1[0].buffers == 2 * (520 + 1000 + 776) and s1[1].buffers == 2 * (560 + 800 + 800)
+    assert s1[0].buffers == s1[1].buffers == 2 * (1008 + 560 + 800)
     assert estimate_memory(None, 2, 1, "fp32", "bf16", backend="gloo", rank=0, **kw).rank == 0
-    # Stage 2 on rank 1: a bucket's staging lives from its gradient to its last all-to-all. The peak
-    # is at bucket 800's second all-to-all: 800 + 560 staged, 560 + 800 + 800 received (uncut: the
-    # last three buckets staged and 2 x their pieces received, 2 * 1896 + 4 * 1896 bytes).
+    # Stage 2: a bucket's staging lives from its gradient to its all-to-all's wait. The peak is at
+    # bucket 800's all-to-all: 1008 + 560 + 800 staged and as much received.
     s2 = estimate_memory(None, 2, 2, "fp32", "bf16", backend="gloo", rank=1, **kw)
-    assert s2.buffers == 2 * (800 + 560) + 2 * (560 + 800 + 800)
-    assert s2.buffers_slack == 2 * (800 + 800)
+    assert s2.buffers == 2 * (1008 + 560 + 800) + 2 * (1008 + 560 + 800)
+    assert s2.buffers_slack == 2 * (1008 + 1008)
     # Without shapes: three buckets of max(cap, largest parameter), never more than the gradient.
     assert estimate_memory(BIG, 8, 2, largest_param=10**8).buffers == 3 * 2 * 10**8
     assert estimate_memory(1000, 8, 2).buffers == 2 * 1024  # the whole (padded) gradient
@@ -126,15 +120,16 @@ def test_buffers_replay_the_reducer_in_buffer_order():
 
 def test_buffers_follow_the_order_gradients_arrive():
     # Buffer order A(16) D(400) B(600) C(520) F(616) with a 512-element cap: buckets [A, D] = 416,
-    # [B] = 600, [C] = 520, [F] = 616 + 8 padding. Shapes are given in optimizer order (reversed).
+    # [B] = 600 + 8, [C] = 520 + 8, [F] = 616 + 8 padding (each a multiple of 2 * 8). Shapes are given
+    # in optimizer order (reversed).
     shapes = [(8, 77), (520,), (600,), (400,), (16,)]  # F, C, B, D, A
     kw = dict(param_shapes=shapes, bucket_cap_mb=1 / 1024)
     first = estimate_memory(None, 2, 2, "fp32", "bf16", **kw)
-    assert first.buffers == 2 * (600 + 520 + 624)  # first pass, buffer order: the last three buckets
+    assert first.buffers == 2 * (608 + 528 + 624)  # first pass, buffer order: the last three buckets
     # A arrives first and D last: bucket [A, D] is staged from the start and launched at the end,
     # so all four buckets are staged when F arrives.
     later = estimate_memory(None, 2, 2, "fp32", "bf16", grad_order=[4, 2, 1, 0, 3], **kw)
-    assert later.buffers == 2 * (416 + 600 + 520 + 624)
+    assert later.buffers == 2 * (416 + 608 + 528 + 624)
     assert later.buffers - first.buffers <= first.buffers_slack == 2 * 624
     # Arriving in buffer order changes nothing.
     assert estimate_memory(None, 2, 2, "fp32", "bf16", grad_order=[4, 3, 2, 1, 0], **kw).buffers == first.buffers

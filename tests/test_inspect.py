@@ -12,7 +12,6 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.core._layout import Range
 from shardopt.reduce._rounds import RoundState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
@@ -41,7 +40,9 @@ def test_the_view_agrees_with_the_parameters_and_the_arguments(stage):
         mine = [p for p in model.parameters() if p.dtype == b.dtype]
         assert {id(p) for p in b.params} == {id(p) for p in mine} and len(b.names) == len(mine)
         assert b.param_numel == sum(p.numel() for p in mine) <= b.numel
-        assert b.shard_numel == b.numel and b.shard_range == Range(0, b.numel)  # one rank holds every shard
+        assert b.shard_numel == b.numel  # one rank holds every shard: each bucket whole, in place
+        assert [local for local, _ in b.shard_runs] == [glob for _, glob in b.shard_runs]
+        assert sum(local.size for local, _ in b.shard_runs) == b.numel
         assert b.weights.numel() == b.numel and b.shard_weights.numel() == b.shard_numel
         assert all(p.untyped_storage().data_ptr() == b.weights.untyped_storage().data_ptr() for p in b.params)
         assert b.master_weights == "fp32" and b.moments == "bf16"
@@ -69,7 +70,7 @@ def test_the_view_is_read_only_and_does_not_keep_the_optimizer():
     view = opt.inspect()
     buf = view.buffers[0]
     for obj, name in ((view, "stage"), (view, "rank"), (view, "buffers"), (view, "step_count"), (view, "anything"),
-                      (buf, "numel"), (buf, "shard_range"), (buf, "moment_tensors"), (buf, "master_fp32")):
+                      (buf, "numel"), (buf, "shard_runs"), (buf, "moment_tensors"), (buf, "master_fp32")):
         with pytest.raises(AttributeError):
             setattr(obj, name, 0)
     with pytest.raises(TypeError):

@@ -1,8 +1,9 @@
 """Tier 1: partition math, no process group.
 
-Catches shards that overlap or leave gaps, misaligned parameter starts, padding that is not a
-multiple of world_size * alignment, buckets that split a parameter or miss elements, segments
-that do not tile a shard, and views that do not round-trip through the flat buffer.
+Catches shards that overlap or leave gaps, misaligned parameter starts, buckets whose size is not
+a multiple of world_size * alignment or whose rank pieces are unequal, buckets that split a
+parameter or miss elements, segments that do not tile a shard, logical offsets that depend on the
+world size, and views that do not round-trip through the flat buffer.
 """
 from __future__ import annotations
 
@@ -30,31 +31,43 @@ def test_shards_cover_buffer_once(name, world_size, bucket_numel):
     shapes = SHAPES[name]
     layout = build_layout(shapes, world_size, alignment=8, bucket_numel=bucket_numel)
     numels = [math.prod(s) for s in shapes]
-    # Padding: total is the smallest multiple of world_size*8 holding every aligned parameter.
+    # Padding: each bucket is the smallest multiple of world_size*8 holding its aligned parameters.
     assert layout.numel % (world_size * 8) == 0
     assert layout.numel - layout.params[-1].global_range.end < world_size * 8
+    for b in layout.buckets:
+        assert b.global_range.size % (world_size * 8) == 0 and b.global_range.size == world_size * b.piece_numel
+        last = max([layout.params[i].global_range.end for i in b.params], default=b.global_range.start)
+        assert b.global_range.end - last < world_size * 8
     # Parameters: aligned, in order, not overlapping, right sizes.
     end = 0
     for span, n in zip(layout.params, numels):
         assert span.global_range.start % 8 == 0 and span.global_range.start >= end
         assert span.numel == n
         end = span.global_range.end
-    # Shards: equal, contiguous, cover [0, numel) exactly once.
+    # Shards: one equal piece of each bucket per rank, in rank order; together they cover [0, numel)
+    # exactly once, and each rank's pieces tile its local coordinates in bucket order.
     covered = torch.zeros(layout.numel, dtype=torch.int32)
     for r in range(world_size):
-        s = layout.shard_range(r)
-        assert s.size == layout.shard_numel and s.size % 8 == 0
-        covered[s.start:s.end] += 1
+        pos = 0
+        for local, glob in layout.shard_runs(r):
+            b = next(b for b in layout.buckets if b.global_range.start <= glob.start < b.global_range.end)
+            assert glob == Range(b.global_range.start + r * b.piece_numel, b.global_range.start + (r + 1) * b.piece_numel)
+            assert local == Range(pos, pos + glob.size) and glob.size % 8 == 0
+            pos = local.end
+            covered[glob.start:glob.end] += 1
+        assert pos == layout.shard_numel
     assert bool((covered == 1).all())
     # Pieces: every parameter element is owned by exactly one rank, with consistent ranges.
     owned = [torch.zeros(n, dtype=torch.int32) for n in numels]
     for r in range(world_size):
-        shard = layout.shard_range(r)
+        runs = layout.shard_runs(r)
         for piece in layout.shard_pieces(r):
             span = layout.params[piece.param]
             assert piece.global_range.size == piece.param_range.size == piece.local_range.size
             assert piece.global_range.start == span.global_range.start + piece.param_range.start
-            assert piece.local_range.start == piece.global_range.start - shard.start
+            local, glob = next((lo, g) for lo, g in runs if g.start <= piece.global_range.start < g.end)
+            assert piece.local_range.start == piece.global_range.start - glob.start + local.start
+            assert layout.to_global(r, piece.local_range) == piece.global_range
             owned[piece.param][piece.param_range.start:piece.param_range.end] += 1
     assert all(bool((o == 1).all()) for o in owned)
     # Buckets: tile the buffer, never split a parameter, respect the cap unless one param is bigger.
@@ -75,6 +88,14 @@ def test_shards_cover_buffer_once(name, world_size, bucket_numel):
     for b in layout.buckets:
         pieces = layout.bucket_shard_ranges(b.index)
         assert sum(p.size for p in pieces) == b.global_range.size
+    # Logical offsets: every parameter element's is its offset in the one-rank layout.
+    one = build_layout(shapes, 1, alignment=8, bucket_numel=bucket_numel)
+    assert [len(b.params) for b in one.buckets] == [len(b.params) for b in layout.buckets]
+    for r in range(world_size):
+        for piece in layout.shard_pieces(r):
+            for k in (piece.local_range.start, piece.local_range.end - 1):
+                in_param = piece.param_range.start + k - piece.local_range.start
+                assert layout.logical_offset(r, k) == one.params[piece.param].global_range.start + in_param
 
 
 @pytest.mark.parametrize("world_size", [1, 3, 8])
@@ -97,7 +118,7 @@ def test_segments_tile_shard_by_key(world_size):
 def test_more_ranks_than_elements():
     layout = build_layout([(1,), (2,)], world_size=8)
     owners = [r for r in range(8) if layout.shard_pieces(r)]
-    assert owners == [0, 1]  # each parameter starts on an 8-element boundary: one per shard
+    assert owners == [0, 1]  # each parameter starts on an 8-element boundary: one per piece
     assert sum(len(layout.shard_pieces(r)) for r in range(8)) == 2
 
 
@@ -125,7 +146,7 @@ def test_bad_arguments_name_the_value():
     with pytest.raises(ValueError, match="bucket_numel=0"):
         build_layout([(3,)], 2, bucket_numel=0)
     with pytest.raises(ValueError, match="rank=2"):
-        build_layout([(3,)], 2).shard_range(2)
+        build_layout([(3,)], 2).shard_runs(2)
 
 
 def test_param_runs_and_local_ranges():
@@ -135,24 +156,32 @@ def test_param_runs_and_local_ranges():
     assert runs == [Range(spans[0].start, spans[1].end), spans[3]]
     assert layout.param_runs([]) == []
     for rank in range(2):
-        shard = layout.shard_range(rank)
-        expected = {i: s.intersect(shard).relative_to(shard.start) for i, s in enumerate(spans) if s.intersect(shard).size}
+        (local, shard), = layout.shard_runs(rank)  # one bucket: one piece per rank
+        expected = {i: s.intersect(shard).relative_to(shard.start - local.start) for i, s in enumerate(spans)
+                    if s.intersect(shard).size}
         assert layout.local_ranges(rank) == expected
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 8])
 def test_bucket_pieces_and_local_ranges_follow_element_ownership(world_size):
     """Each rank's piece of each bucket, relative to the bucket and to the rank's shard, against
-    a count of the elements the rank owns in the bucket, one element at a time."""
+    a count of the elements the rank owns in the bucket (those the shard's pieces name), one
+    element at a time; every rank's piece of a bucket is the same size."""
     layout = build_layout([(5, 7), (3,), (40,), (2, 2)], world_size, alignment=4, bucket_numel=48)
     n = layout.shard_numel
+    owner = {}
+    for rank in range(world_size):
+        for piece in layout.shard_pieces(rank):
+            for e in range(piece.global_range.start, piece.global_range.end):
+                owner[e] = (rank, piece.local_range.start + e - piece.global_range.start)
     for rank in range(world_size):
         local = layout.bucket_local_ranges(rank)
         for b in layout.buckets:
-            owned = [e for e in range(b.global_range.start, b.global_range.end) if e // n == rank]
+            owned = [e for e in range(b.global_range.start, b.global_range.end) if owner.get(e, (None,))[0] == rank]
             piece = layout.bucket_pieces(b.index)[rank]
-            assert piece.size == len(owned) == local[b.index].size
-            if owned:
-                assert (piece.start, piece.end) == (owned[0] - b.global_range.start, owned[-1] + 1 - b.global_range.start)
-                assert (local[b.index].start, local[b.index].end) == (owned[0] - rank * n, owned[-1] + 1 - rank * n)
+            assert piece.size == local[b.index].size == b.global_range.size // world_size
+            assert len(owned) <= piece.size
+            for e in owned:  # each owned element sits in its piece, at its place in the shard
+                assert piece.start <= e - b.global_range.start < piece.end
+                assert owner[e][1] == local[b.index].start + e - b.global_range.start - piece.start
         assert sum(r.size for r in local) == n  # the buckets tile the shard

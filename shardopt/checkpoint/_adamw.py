@@ -64,7 +64,8 @@ def _locations(opt: ShardedOptimizer) -> dict[int, tuple[ShardedBuffer, int]]:
 def _param_pieces(b: ShardedBuffer, i: int) -> list[Range]:
     """Each rank's piece of parameter ``i`` of buffer ``b``, as ranges within the flattened parameter."""
     span = b.layout.params[i].global_range
-    return [span.intersect(b.layout.shard_range(r)).relative_to(span.start) for r in range(b.layout.world_size)]
+    pieces = b.layout.bucket_shard_ranges(b.records[i].bucket.index)
+    return [span.intersect(p).relative_to(span.start) if span.intersect(p).size else Range(0, 0) for p in pieces]
 
 
 def _keeps_master(opt: ShardedOptimizer, b: ShardedBuffer) -> bool:
@@ -134,9 +135,8 @@ def _gather(b: ShardedBuffer, i: int, shard: Tensor, comm: Comm) -> Tensor:
     span = b.layout.params[i].global_range
     pieces = _param_pieces(b, i)
     out = torch.zeros(span.size, dtype=torch.float32, device=shard.device)
-    mine = pieces[comm.shard_rank]
-    if mine.size:
-        local = Range(span.start + mine.start, span.start + mine.end).relative_to(b.shard_range.start)
+    mine, local = pieces[comm.shard_rank], b.records[i].local
+    if local is not None:
         out[mine.as_slice()] = shard[local.as_slice()]
     comm.all_gather_inplace(out, pieces).wait()
     return out
@@ -211,7 +211,7 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
         # fp32 moments to fill (the stored ones for fp32 moments), encoded at the end
         moments = {id(b): tuple(torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
                                 for _ in range(3 if b.amsgrad else 2)) for b in opt._buffers}
-        masters = {id(b): b.flat.slice(b.shard_range).float() for b in opt._buffers}  # from the weights
+        masters = {id(b): b.shard.float() for b in opt._buffers}  # from the weights
         for idx in sorted(set(header["state"]) | set(header["master"])):
             p = numbered[idx]
             if id(p) not in where:
@@ -230,10 +230,9 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
                     src = state_dict["shardopt"]["master"][idx] if name == "master" else state_dict["state"][idx][name]
                     full.copy_(src.reshape(-1))
                 comm.broadcast(full, src=0).wait()
-                span = b.layout.params[i].global_range
-                mine = span.intersect(b.shard_range)  # global range
-                if mine.size:
-                    local, in_param = mine.relative_to(b.shard_range.start), mine.relative_to(span.start)
+                local = b.records[i].local
+                if local is not None:
+                    in_param = _param_pieces(b, i)[comm.shard_rank]
                     shard[local.as_slice()] = full[in_param.as_slice()]
         for b in opt._buffers:
             b.moments.load_(*moments[id(b)])

@@ -193,6 +193,17 @@ def _timed_out(e: Exception) -> bool:
     return "imeout" in str(e) or "imed out" in str(e)
 
 
+def _equal(pieces: Sequence[Range]) -> bool:
+    """Whether ``pieces`` are equal and follow each other (what the native collectives take)."""
+    return all(p.size == pieces[0].size for p in pieces) and \
+        all(pieces[r].end == pieces[r + 1].start for r in range(len(pieces) - 1))
+
+
+# torch 2.13 renamed the native collectives (the old names warn); torch 2.9 has only the old ones
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
     """``pending``, changed to run ``fn`` once it and every follow-up it starts have landed."""
     first = pending.then
@@ -559,10 +570,13 @@ class Comm:
         in the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. With hybrid
         sharding the average spans the replicas too (see [Note: hybrid sharding]). Every rank, same
         order."""
-        if self.backend == "nccl":  # no N-fold receive buffer; unequal pieces run as one reduce per rank
+        if self.backend == "nccl":  # no N-fold receive buffer
             src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
-            work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
-                                       group=self.shard_group, async_op=True)
+            if _equal(pieces) and pieces[0].start == 0 and pieces[-1].end == src.numel():  # every bucket's
+                work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
+            else:  # unequal pieces: torch runs them as one NCCL reduce per rank
+                work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
+                                           group=self.shard_group, async_op=True)
             cross = (lambda: self._cross(out, avg=True)) if self.hybrid else None
             return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
                            then=cross, comm=self)
@@ -654,12 +668,10 @@ class Comm:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
         group. Call on every rank."""
-        sizes = {p.size for p in pieces}
-        contiguous = all(pieces[r].end == pieces[r + 1].start for r in range(len(pieces) - 1))
-        if self.backend == "nccl" and len(sizes) == 1 and contiguous:
+        if self.backend == "nccl" and _equal(pieces):
             whole = flat[pieces[0].start:pieces[-1].end]
             mine = flat[pieces[self.shard_rank].as_slice()]
-            work = dist.all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
+            work = _all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
             return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats, comm=self)
         works = [dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
                  for r, p in enumerate(pieces) if p.size > 0]

@@ -48,9 +48,96 @@ class FlatParams:
         """A 1-D view of the buffer over global range ``r``."""
         return self.data[r.as_slice()]
 
+    def shard(self, rank: int) -> ShardView:
+        """Shard rank ``rank``'s pieces of the buffer, in local coordinates (views)."""
+        return ShardView(self.data, self.layout.shard_runs(rank), self.layout.shard_numel)
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+class ShardView:
+    """One rank's shard of a flat tensor laid out by a ``FlatLayout``: its piece of each bucket,
+    addressed in local coordinates (see core._layout [Note: alignment, padding and shards]). The
+    pieces are views of the flat tensor, apart from each other in it, so the shard is not one
+    tensor: a local range inside one piece is a view (``[]``), the whole shard a copy (``read``)
+    unless it is one piece. Element counts and ranges are in elements."""
+
+    def __init__(self, flat: Tensor, runs: Sequence[tuple[Range, Range]], numel: int) -> None:
+        self.flat = flat
+        self.runs = list(runs)  # (local range, global range) per non-empty piece, in local order
+        self._numel = numel
+        self.dtype, self.device = flat.dtype, flat.device
+
+    def numel(self) -> int:
+        return self._numel
+
+    def element_size(self) -> int:
+        return self.flat.element_size()
+
+    def __getitem__(self, sl: slice) -> Tensor:
+        """The view of local elements ``sl`` (a step-less slice within one piece)."""
+        start, stop = sl.start or 0, self._numel if sl.stop is None else sl.stop
+        if start == stop:
+            return self.flat[:0]
+        for local, glob in self.runs:
+            if local.start <= start and stop <= local.end:
+                return self.flat[glob.start + start - local.start:glob.start + stop - local.start]
+        raise AssertionError(f"local elements [{start}, {stop}) are not within one piece of the shard: "
+                             f"{[local for local, _ in self.runs]}")
+
+    def pieces(self) -> list[tuple[Range, Tensor]]:
+        """(local range, view) of each non-empty piece, in local order."""
+        return [(local, self.flat[glob.as_slice()]) for local, glob in self.runs]
+
+    def read(self) -> Tensor:
+        """The whole shard as one 1-D tensor: a view when it is one piece (or none), else a copy."""
+        if len(self.runs) == 1 and self.runs[0][0].size == self._numel:
+            return self.flat[self.runs[0][1].as_slice()]
+        out = torch.zeros(self._numel, dtype=self.dtype, device=self.device)
+        for local, view in self.pieces():
+            out[local.as_slice()].copy_(view)
+        return out
+
+    def parts(self, r: Range) -> list[Tensor]:
+        """Views covering local range ``r``, one per piece it touches, in local order."""
+        out = []
+        for local, glob in self.runs:
+            mine = local.intersect(r)
+            if mine.size:
+                out.append(self.flat[glob.start + mine.start - local.start:glob.start + mine.end - local.start])
+        return out
+
+    def window(self, r: Range) -> ShardView:
+        """Local elements ``r`` of this shard as a shard of their own (local coordinates from ``r.start``)."""
+        runs = []
+        for local, glob in self.runs:
+            mine = local.intersect(r)
+            if mine.size:
+                runs.append((mine.relative_to(r.start), mine.shifted(glob.start - local.start)))
+        return ShardView(self.flat, runs, r.size)
+
+    def float(self) -> Tensor:
+        """The whole shard as fp32 (a copy unless fp32 and one piece)."""
+        return self.read().float()
+
+    def copy_(self, src: Tensor) -> ShardView:
+        """Write the whole shard from ``src`` (1-D, ``numel()`` elements, any dtype), piece by piece."""
+        for local, view in self.pieces():
+            view.copy_(src[local.as_slice()])
+        return self
+
+
+def parts(t: Tensor | ShardView, r: Range) -> list[Tensor]:
+    """Views of ``t`` (1-D, local coordinates) covering range ``r``: one for a tensor, one per
+    piece ``r`` touches for a ``ShardView``."""
+    return t.parts(r) if isinstance(t, ShardView) else [t[r.as_slice()]]
+
+
+def whole(t: Tensor | ShardView) -> Tensor:
+    """``t`` as one tensor: a ``ShardView`` read (see ``ShardView.read``), a tensor itself."""
+    return t.read() if isinstance(t, ShardView) else t
 
 
 def set_grad(param: Tensor, grad: Tensor | None) -> bool:

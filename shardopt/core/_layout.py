@@ -10,19 +10,38 @@ Four kinds of element ranges appear in ZeRO bookkeeping and must never be confus
 * ``local_range``: elements relative to the start of *this rank's shard*.
 * ``param_range``: elements within one flattened parameter.
 
+A fifth, ``logical`` offsets, names elements independently of the world size (see [Note: logical
+offsets]); it is never used to index a tensor.
+
 [Note: alignment, padding and shards]
 Parameters are laid out one after another, each starting at a multiple of ``alignment``
 elements (8 by default, so every parameter view is 16/32-byte aligned for vector units and
-tensor cores). The buffer is padded at the end to a multiple of ``world_size * alignment``
-elements, so it splits into ``world_size`` equal, contiguous shards, each a multiple of
-``alignment`` long. Shards ignore parameter boundaries: a shard may start or end inside a
-parameter, hold only part of it, hold many small parameters, or hold only padding. Padding
-elements are zero, receive zero gradients and therefore stay zero under AdamW.
+tensor cores). Buckets are consecutive runs of whole parameters (a bucket never splits a
+parameter) used to batch gradient reductions and weight gathers; they tile the buffer. Each
+bucket is padded at its end to a multiple of ``world_size * alignment`` elements and split into
+``world_size`` equal, contiguous pieces, one per rank in rank order, each a multiple of
+``alignment`` long:
 
-Buckets are consecutive runs of whole parameters (a bucket never splits a parameter) used to
-batch gradient reductions; they tile the buffer exactly, the last one absorbing the final
-padding. A bucket is cut from the shards independently, so each rank owns a possibly empty
-piece of each bucket.
+    bucket b = [piece of rank 0 | piece of rank 1 | ... | piece of rank N-1]
+
+so a bucket's reduction is one ``reduce_scatter_tensor`` and its gather one
+``all_gather_into_tensor``, the collectives NCCL runs natively (Megatron-LM pads its buckets the
+same way). A rank's *shard* is its pieces of every bucket, in bucket order: every rank's shard has
+``shard_numel`` elements, and its local coordinates (the master weights', the moments', the
+stage-2 gradient shard's) run through its pieces one bucket after another; bucket ``b``'s piece
+sits at ``[b.local_start, b.local_start + b.piece_numel)`` of every rank's shard. In the flat
+buffer a shard is therefore not one range but one range per bucket (``shard_runs``). A piece may
+start or end inside a parameter, hold only part of it, hold many small parameters, or hold only
+padding. Padding elements are zero, receive zero gradients and therefore stay zero under AdamW.
+
+[Note: logical offsets]
+Where an element sits in the flat buffer depends on the world size (the bucket padding), but
+what an element's random bits are keyed by (stochastic rounding) must not, or a run would round
+differently on another number of ranks. Each element therefore also has a *logical* offset: its
+offset in the same layout built for one rank (buckets cut at the same parameters, padded to
+``alignment`` only). Within a bucket the two differ by a constant (``Bucket.logical_start``); the
+extra padding at a bucket's end gets the logical offsets that follow, which its zeros never use
+(a zero rounds to zero whatever its bits).
 """
 from __future__ import annotations
 
@@ -57,6 +76,10 @@ class Range:
         """This range expressed relative to ``origin`` (e.g. global -> local)."""
         return Range(self.start - origin, self.end - origin)
 
+    def shifted(self, by: int) -> Range:
+        """This range moved by ``by`` elements (e.g. piece -> local)."""
+        return Range(self.start + by, self.end + by)
+
     def as_slice(self) -> slice:
         return slice(self.start, self.end)
 
@@ -76,11 +99,24 @@ class ParamSpan:
 
 @dataclass(frozen=True)
 class Bucket:
-    """A run of whole parameters reduced together."""
+    """A run of whole parameters reduced and gathered together, in equal per-rank pieces."""
 
     index: int
-    global_range: Range  # covers its parameters and any padding up to the next bucket
+    global_range: Range  # its parameters and its padding: world_size * piece_numel elements
     params: tuple[int, ...]  # indices into ``FlatLayout.params``
+    piece_numel: int = 0  # elements of each rank's piece (a multiple of the alignment)
+    local_start: int = 0  # where every rank's piece starts in that rank's shard
+    logical_start: int = 0  # the logical offset of its first element (see [Note: logical offsets])
+
+    def piece(self, rank: int) -> Range:
+        """Global range of ``rank``'s piece."""
+        start = self.global_range.start + rank * self.piece_numel
+        return Range(start, start + self.piece_numel)
+
+    @property
+    def local(self) -> Range:
+        """Every rank's piece of it, in that rank's shard (local coordinates)."""
+        return Range(self.local_start, self.local_start + self.piece_numel)
 
 
 @dataclass(frozen=True)
@@ -99,13 +135,13 @@ class FlatLayout:
 
     params: tuple[ParamSpan, ...]
     buckets: tuple[Bucket, ...]
-    numel: int  # padded total, a multiple of world_size * alignment
+    numel: int  # padded total: the buckets' sizes, each a multiple of world_size * alignment
     world_size: int
     alignment: int
 
     @property
     def shard_numel(self) -> int:
-        """Elements in every rank's shard (all shards are equal)."""
+        """Elements in every rank's shard (all shards are equal): its pieces of every bucket."""
         return self.numel // self.world_size
 
     @property
@@ -113,28 +149,58 @@ class FlatLayout:
         """Elements that belong to parameters (the buffer minus padding)."""
         return sum(p.numel for p in self.params)
 
-    def shard_range(self, rank: int) -> Range:
-        """Global range of ``rank``'s shard."""
+    def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank out of range: {rank=} {self.world_size=}")
-        return Range(rank * self.shard_numel, (rank + 1) * self.shard_numel)
+
+    def shard_runs(self, rank: int) -> list[tuple[Range, Range]]:
+        """``rank``'s shard in the flat buffer: (local range, global range) of its piece of each
+        bucket, in bucket order, empty pieces left out. The local ranges tile ``[0, shard_numel)``."""
+        self._check_rank(rank)
+        return [(b.local, b.piece(rank)) for b in self.buckets if b.piece_numel]
+
+    def bucket_at(self, local: int) -> Bucket:
+        """The bucket whose piece holds local element ``local`` of every shard."""
+        lo, hi = 0, len(self.buckets) - 1
+        while lo < hi:  # the pieces tile the shard in bucket order
+            mid = (lo + hi + 1) // 2
+            if self.buckets[mid].local_start <= local:
+                lo = mid
+            else:
+                hi = mid - 1
+        return self.buckets[lo]
+
+    def to_global(self, rank: int, local: Range) -> Range:
+        """Global range of ``rank``'s local range ``local``, which lies in one bucket's piece."""
+        b = self.bucket_at(local.start)
+        if local.end > b.local.end:
+            raise AssertionError(f"local range {local} spans the pieces of buckets {b.index} and {b.index + 1}")
+        return local.shifted(b.piece(rank).start - b.local_start)
+
+    def logical_offset(self, rank: int, local: int) -> int:
+        """The logical offset of ``rank``'s local element ``local`` (see [Note: logical offsets])."""
+        b = self.bucket_at(local)
+        return b.logical_start + rank * b.piece_numel + local - b.local_start
 
     def shard_pieces(self, rank: int) -> list[ShardPiece]:
-        """The pieces of parameters that fall into ``rank``'s shard, in buffer order."""
-        shard = self.shard_range(rank)
+        """The pieces of parameters that fall into ``rank``'s shard, in shard (and buffer) order."""
+        self._check_rank(rank)
         pieces = []
-        for i, span in enumerate(self.params):
-            overlap = span.global_range.intersect(shard)
-            if overlap.size == 0:
-                continue
-            pieces.append(
-                ShardPiece(
-                    param=i,
-                    param_range=overlap.relative_to(span.global_range.start),
-                    global_range=overlap,
-                    local_range=overlap.relative_to(shard.start),
+        for b in self.buckets:
+            piece = b.piece(rank)
+            for i in b.params:
+                span = self.params[i]
+                overlap = span.global_range.intersect(piece)
+                if overlap.size == 0:
+                    continue
+                pieces.append(
+                    ShardPiece(
+                        param=i,
+                        param_range=overlap.relative_to(span.global_range.start),
+                        global_range=overlap,
+                        local_range=overlap.relative_to(piece.start).shifted(b.local_start),
+                    )
                 )
-            )
         return pieces
 
     def local_ranges(self, rank: int) -> dict[int, Range]:
@@ -157,29 +223,28 @@ class FlatLayout:
         return runs
 
     def bucket_shard_ranges(self, bucket: int) -> list[Range]:
-        """For each rank, the global range of ``bucket`` that rank owns (possibly empty)."""
-        b = self.buckets[bucket].global_range
-        return [b.intersect(self.shard_range(r)) for r in range(self.world_size)]
+        """For each rank, the global range of its piece of ``bucket`` (all the same size)."""
+        b = self.buckets[bucket]
+        return [b.piece(r) for r in range(self.world_size)]
 
     def bucket_pieces(self, bucket: int) -> list[Range]:
-        """For each rank, its piece of ``bucket`` relative to the bucket start (empty: ``Range(0, 0)``):
-        how a bucket's reduction is cut."""
-        start = self.buckets[bucket].global_range.start
-        return [r.relative_to(start) if r.size else Range(0, 0) for r in self.bucket_shard_ranges(bucket)]
+        """For each rank, its piece of ``bucket`` relative to the bucket start: how a bucket's
+        reduction is cut (equal, in rank order)."""
+        p = self.buckets[bucket].piece_numel
+        return [Range(r * p, (r + 1) * p) for r in range(self.world_size)]
 
     def bucket_local_ranges(self, rank: int) -> list[Range]:
-        """For each bucket, ``rank``'s piece of it relative to that rank's shard start (empty:
-        ``Range(0, 0)``); the buckets tile the shard."""
-        start = self.shard_range(rank).start
-        return [r.relative_to(start) if r.size else Range(0, 0)
-                for r in (self.bucket_shard_ranges(b.index)[rank] for b in self.buckets)]
+        """For each bucket, ``rank``'s piece of it relative to that rank's shard start (the same
+        on every rank); the buckets tile the shard."""
+        self._check_rank(rank)
+        return [b.local for b in self.buckets]
 
     def segments(self, rank: int, keys: Sequence[Hashable]) -> list[tuple[Hashable, Range]]:
         """Split ``rank``'s shard into maximal local ranges whose parameters share a key.
 
         ``keys[i]`` is the key (e.g. the param-group index) of parameter ``i``; ``None`` leaves the
         parameter out. Without ``None`` keys the returned ranges tile the whole shard, padding
-        included, so one kernel call per segment covers every element once; a left-out parameter's
+        included (padding goes with the parameter before it, or at a shard's start with the one after it), so one kernel call per segment covers every element once; a left-out parameter's
         run (and the padding after it) is omitted. An all-padding shard yields one segment keyed
         ``keys[0]``.
         """
@@ -208,8 +273,8 @@ def receive_chunks(pieces: Sequence[Range]) -> list[list[Range]]:
     Each chunk is a list of per-rank ranges relative to the bucket start, tiling one contiguous
     run of it. An all-to-all reduction receives ``world_size`` copies of a rank's piece, so per
     chunk a rank receives at most about one bucket (``world_size * ceil(bucket / world_size)``
-    elements) whatever the world size: one chunk when the bucket spans every shard evenly,
-    ``world_size`` chunks when one rank owns all of it."""
+    elements) whatever the world size: one chunk when the bucket spans every shard evenly (as
+    ``build_layout``'s buckets do), ``world_size`` chunks when one rank owns all of it."""
     owned = [r for r in pieces if r.size]
     if not owned:
         return []
@@ -234,61 +299,92 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def _numel(shape: Sequence[int]) -> int:
+    size = 1
+    for s in shape:
+        size *= int(s)
+    return size
+
+
+def bucket_cuts(shapes: Sequence[Sequence[int]], *, alignment: int = DEFAULT_ALIGNMENT,
+                bucket_numel: int | None = None) -> list[list[int]]:
+    """The parameters of each bucket (indices, in order): consecutive runs whose aligned elements,
+    packed back to back, stay within ``bucket_numel`` (a larger parameter gets a bucket of its
+    own; ``None``: one bucket). The same at every world size."""
+    if bucket_numel is not None and bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1 or None, got {bucket_numel=}")
+    cuts: list[list[int]] = []
+    size = 0  # elements of the open bucket, packed
+    for i, shape in enumerate(shapes):
+        end = _round_up(size, alignment) + _numel(shape)
+        if not cuts or (bucket_numel is not None and cuts[-1] and end > bucket_numel):
+            cuts.append([])
+            end = _numel(shape)
+        cuts[-1].append(i)
+        size = end
+    return cuts
+
+
 def build_layout(
     shapes: Sequence[Sequence[int]],
     world_size: int,
     *,
     alignment: int = DEFAULT_ALIGNMENT,
     bucket_numel: int | None = None,
-    starts: Sequence[int] | None = None,
-    numel: int | None = None,
+    pieces: Sequence[tuple[Sequence[int], int]] | None = None,
 ) -> FlatLayout:
-    """Lay out parameters of the given shapes, in the given order, in one flat buffer.
+    """Lay out parameters of the given shapes, in the given order, in one flat buffer of
+    equal-pieced buckets (see [Note: alignment, padding and shards]).
 
-    ``bucket_numel`` caps a bucket's size in elements (a larger parameter gets a bucket of its
-    own); ``None`` puts everything into one bucket. ``starts`` (elements, increasing, each a
-    multiple of ``alignment``) and ``numel`` (a multiple of ``world_size * alignment``) place the
-    parameters and size the buffer explicitly, e.g. so that each parameter lies whole in one rank's
-    shard (see _muon_packing); by default parameters are packed back to back. Valid on any rank;
-    no communication.
+    ``bucket_numel`` caps a bucket's parameters (elements, alignment gaps included; a larger
+    parameter gets a bucket of its own); ``None`` puts everything into one bucket. ``pieces``
+    places the parameters explicitly instead: one entry per bucket, (the start of each of its
+    parameters relative to the bucket, each a multiple of ``alignment``, increasing; the bucket's
+    piece size, a multiple of ``alignment``), the buckets taking the parameters in order, e.g. so
+    that each parameter lies whole in one rank's piece (see _muon_packing). Valid on any rank; no
+    communication.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size=}")
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment=}")
-    if bucket_numel is not None and bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1 or None, got {bucket_numel=}")
+    numels = [_numel(s) for s in shapes]
+    if pieces is None:
+        placed: list[tuple[list[int], int]] = []
+        for members in bucket_cuts(shapes, alignment=alignment, bucket_numel=bucket_numel):
+            starts, at = [], 0
+            for i in members:
+                starts.append(_round_up(at, alignment))
+                at = starts[-1] + numels[i]
+            placed.append((starts, _round_up(at, world_size * alignment) // world_size))
+        given = False
+    else:
+        placed = [(list(s), int(p)) for s, p in pieces]
+        given = True
+    if sum(len(s) for s, _ in placed) != len(numels):
+        raise ValueError(f"pieces place {sum(len(s) for s, _ in placed)} parameters, there are {len(numels)}")
 
     spans: list[ParamSpan] = []
-    offset = 0
-    for i, shape in enumerate(shapes):
-        shape = tuple(int(s) for s in shape)
-        size = 1
-        for s in shape:
-            size *= s
-        start = _round_up(offset, alignment) if starts is None else int(starts[i])
-        if start < offset or start % alignment:
-            raise ValueError(f"parameter {i} placed at element {start}: starts must increase without overlap and be "
-                             f"multiples of the alignment ({alignment})")
-        spans.append(ParamSpan(index=i, shape=shape, global_range=Range(start, start + size)))
-        offset = start + size
-    total = max(_round_up(offset, world_size * alignment), 0)
-    if numel is not None:
-        if numel < offset or numel % (world_size * alignment):
-            raise ValueError(f"numel={numel} must cover the parameters ({offset} elements) and be a multiple of "
-                             f"world_size * alignment ({world_size * alignment})")
-        total = numel
-
     buckets: list[Bucket] = []
-    members: list[int] = []
-    bucket_start = 0
-    for i, span in enumerate(spans):
-        if members and bucket_numel is not None and span.global_range.end - bucket_start > bucket_numel:
-            buckets.append(Bucket(len(buckets), Range(bucket_start, span.global_range.start), tuple(members)))
-            bucket_start, members = span.global_range.start, []
-        members.append(i)
-    if members or total > bucket_start:
-        buckets.append(Bucket(len(buckets), Range(bucket_start, total), tuple(members)))
-    return FlatLayout(
-        params=tuple(spans), buckets=tuple(buckets), numel=total, world_size=world_size, alignment=alignment
-    )
+    start = local = logical = 0
+    for b, (starts, piece) in enumerate(placed):
+        size = world_size * piece
+        indices = tuple(range(len(spans), len(spans) + len(starts)))
+        end_of_last = 0
+        for i, at in zip(indices, starts):
+            if at < end_of_last or at % alignment or piece % alignment:
+                raise ValueError(f"parameter {i} placed at element {at} of bucket {b}: starts must increase "
+                                 f"without overlap and, with the piece size ({piece}), be multiples of the "
+                                 f"alignment ({alignment})")
+            end_of_last = at + numels[i]
+            spans.append(ParamSpan(index=i, shape=tuple(int(s) for s in shapes[i]),
+                                   global_range=Range(start + at, start + at + numels[i])))
+        if end_of_last > size:
+            raise ValueError(f"bucket {b}'s parameters need {end_of_last} elements, more than {world_size} pieces "
+                             f"of {piece}")
+        buckets.append(Bucket(index=b, global_range=Range(start, start + size), params=indices, piece_numel=piece,
+                              local_start=local, logical_start=start if given else logical))
+        start, local = start + size, local + piece
+        logical += _round_up(end_of_last, alignment)
+    return FlatLayout(params=tuple(spans), buckets=tuple(buckets), numel=start, world_size=world_size,
+                      alignment=alignment)

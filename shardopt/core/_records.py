@@ -378,17 +378,14 @@ def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], gr
                   dtensors: Sequence[Tensor | None] | None = None) -> tuple[list[ParamRecord], list[BucketRecord]]:
     """The records of one flat buffer laid out by ``layout``, seen from ``shard_rank``;
     ``dtensors``: the DTensor parameter each of ``params`` stands in for, or None. Local."""
-    shard = layout.shard_range(shard_rank)
+    locals_ = layout.local_ranges(shard_rank)
     records = []
     dtensors = dtensors if dtensors is not None else [None] * len(params)
-    for p, name, g, span, dt in zip(params, names, groups, layout.params, dtensors):
-        mine = span.global_range.intersect(shard)
-        local = mine.relative_to(shard.start) if mine.size else None
-        records.append(ParamRecord(param=p, name=name, group=g, span=span, local=local, dtensor=dt))
+    for i, (p, name, g, span, dt) in enumerate(zip(params, names, groups, layout.params, dtensors)):
+        records.append(ParamRecord(param=p, name=name, group=g, span=span, local=locals_.get(i), dtensor=dt))
     buckets = []
     for b in layout.buckets:
-        mine = b.global_range.intersect(shard)
-        local = mine.relative_to(shard.start) if mine.size else Range(0, 0)
+        local = b.local if b.piece_numel else Range(0, 0)
         bucket = BucketRecord(index=b.index, buffer=buffer, params=tuple(records[i] for i in b.params),
                               global_range=b.global_range, local=local,
                               pieces=tuple(layout.bucket_pieces(b.index)),

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from shardopt.comm._collectives import Comm, Pending
-from shardopt.core._flat import FlatParams, set_grad
+from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
@@ -52,7 +52,7 @@ class FlatGrads(_Store):
             b.view_grad(self.flat_grad[b.global_range.as_slice()])
             for r in b.params:
                 r.param.grad = b.view_of(r)
-        self._shard = flat.layout.shard_range(comm.shard_rank)
+        self._shard = ShardView(self.flat_grad, flat.layout.shard_runs(comm.shard_rank), flat.layout.shard_numel)
 
     @property
     def nbytes(self) -> int:
@@ -120,8 +120,8 @@ class FlatGrads(_Store):
     def round_sum(self) -> None:
         """Nothing to round: stage 1 sums in the gradient itself."""
 
-    def local_grad(self) -> Tensor:
-        return self.flat_grad[self._shard.as_slice()]
+    def local_grad(self) -> ShardView:
+        return self._shard
 
 
 class ShardSum(enum.Enum):

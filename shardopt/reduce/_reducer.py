@@ -33,7 +33,7 @@ from torch.autograd.graph import get_gradient_edge
 from shardopt.comm._collectives import Comm
 from shardopt.core._dtensor import move_grad
 from shardopt.core._compat import will_execute
-from shardopt.core._flat import FlatParams, set_grad
+from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
@@ -350,8 +350,9 @@ class GradReducer:
         into the gradient shard, once (see _grad_store [Note: accumulating in the shard]). Local."""
         self.store.round_sum()
 
-    def local_grad(self) -> Tensor:
-        """This rank's shard of the averaged gradient (1D, grad dtype, shard_numel elements), once
+    def local_grad(self) -> Tensor | ShardView:
+        """This rank's shard of the averaged gradient (grad dtype, shard_numel elements; stage 1: its
+        pieces of the flat gradient, see core._flat.ShardView), once
         ``_rounds`` ran a round since ``zero_grad``. A question. Local."""
         return self.store.local_grad()
 

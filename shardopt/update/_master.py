@@ -1,7 +1,7 @@
 """Master-weight strategies: how this rank keeps the high-precision weights of its shard.
 
-Each strategy wraps this rank's shard of a flat parameter buffer (``param_shard``, a 1-D view of
-the model's weights) behind one interface: ``update_`` runs AdamW on a local range and writes
+Each strategy wraps this rank's shard of a flat parameter buffer (``param_shard``: the model's
+weights, a ``core._flat.ShardView`` of its pieces, or, offloaded, a 1-D host copy) behind one interface: ``update_`` runs AdamW on a local range and writes
 the new weights into ``param_shard``; ``fp32`` returns the master as fp32; ``state_tensors`` and
 ``load_state_tensors`` checkpoint it (always as the decoded fp32 master, so a checkpoint loads
 into any mode). Extra bytes per element, sharded (16-bit parameters):
@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import abc
 import warnings
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import torch
 from torch import Tensor
 
 from shardopt.core._config import MASTER_MODES
+from shardopt.core._flat import ShardView, whole
 from shardopt.core._layout import Range
 from shardopt.kernels import Kernels, codecs, select
 from shardopt.kernels.codecs import round_to_dtype
@@ -37,14 +38,17 @@ class MasterWeights(abc.ABC):
 
     name = ""
 
-    def __init__(self, param_shard: Tensor, *, global_offset: int = 0, kernels: Kernels | None = None,
-                 seed: int = 0, empty: Callable[[int, torch.dtype], Tensor] | None = None) -> None:
-        # 1D, param dtype: this rank's shard of the weights, a view of the flat param buffer (or, offloaded,
-        # its host copy: see update._offload)
+    def __init__(self, param_shard: Tensor | ShardView, *, logical: Callable[[int], int] = lambda local: local,
+                 kernels: Kernels | None = None, seed: int = 0,
+                 empty: Callable[[int, torch.dtype], Tensor] | None = None) -> None:
+        # param dtype, shard_numel elements: this rank's shard of the weights, its pieces of the flat param
+        # buffer (or, offloaded, its host copy: see update._offload); a local range within one bucket's
+        # piece is a 1-D view
         self.param_shard = param_shard
         # how this strategy allocates its own tensors: (elements, dtype) -> 1D tensor beside param_shard
         self.empty = empty or (lambda n, dtype: torch.empty(n, dtype=dtype, device=param_shard.device))
-        self.global_offset = global_offset  # element offset of the shard in the flat buffer
+        # local element -> its logical offset, the random bits' key (see core._layout [Note: logical offsets])
+        self.logical = logical
         # The buffer's kernels (see kernels.select); made here from what this strategy knows when not
         # given, with the moments format unknown (so checked for every format).
         self.kernels = kernels if kernels is not None else select(dtype=param_shard.dtype, master=self.name,
@@ -62,9 +66,9 @@ class MasterWeights(abc.ABC):
         return self.kernels
 
     def _key(self, r: Range, step: int) -> codecs.Key:
-        """The random-bit key of local range ``r`` at ``step`` (from the seed, the step and the
-        range's global offset, see kernels.codecs.make_key)."""
-        return codecs.make_key(self.seed, step, self.global_offset + r.start, self.param_shard.device)
+        """The random-bit key of local range ``r`` (within one bucket's piece) at ``step`` (from the
+        seed, the step and the range's logical offset, see kernels.codecs.make_key)."""
+        return codecs.make_key(self.seed, step, self.logical(r.start), self.param_shard.device)
 
     def _moment_key(self, r: Range, step: int, exp_avg: Moment) -> codecs.Key | None:
         """The key, when the moments are rounded stochastically (not fp32)."""
@@ -73,7 +77,7 @@ class MasterWeights(abc.ABC):
 
     def fp32(self) -> Tensor:
         """The master weights of the whole shard as fp32 (a view when one is held, else a copy)."""
-        return self.param_shard.float()
+        return whole(self.param_shard).float()
 
     def refresh_(self, r: Range) -> None:  # noqa: B027 - a default, not abstract: most strategies keep it
         """The weights over local range ``r`` were written from outside the optimizer (e.g.
@@ -109,12 +113,12 @@ class MasterWeights(abc.ABC):
 class FP32Master(MasterWeights):
     name = "fp32"
 
-    def __init__(self, param_shard: Tensor, **kw: Any) -> None:
+    def __init__(self, param_shard: Tensor | ShardView, **kw: Any) -> None:
         super().__init__(param_shard, **kw)
         self.owns_copy = param_shard.dtype != torch.float32
         # 1D fp32; aliases param_shard for fp32 params
-        self.master: Tensor = self.empty(param_shard.numel(), torch.float32).copy_(param_shard) if self.owns_copy \
-            else param_shard
+        self.master: Tensor | ShardView = self.empty(param_shard.numel(), torch.float32).copy_(whole(param_shard)) \
+            if self.owns_copy else param_shard
 
     def update_(self, r: Range, grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, s: Scalars, step: int,
                 vmax: Tensor | None = None) -> None:
@@ -123,7 +127,7 @@ class FP32Master(MasterWeights):
                                self._moment_key(r, step, exp_avg), **_max_arg(vmax))
 
     def fp32(self) -> Tensor:
-        return self.master
+        return whole(self.master)
 
     def read_fp32(self, r: Range) -> Tensor:
         return self.master[r.as_slice()]
@@ -143,7 +147,7 @@ class FP32Master(MasterWeights):
     def load_state_tensors(self, tensors: dict[str, Tensor]) -> None:
         self.master.copy_(tensors["master"])
         if self.owns_copy:
-            self.param_shard.copy_(round_to_dtype(self.master, self.param_shard.dtype))
+            self.param_shard.copy_(round_to_dtype(cast(Tensor, self.master), self.param_shard.dtype))
 
     @property
     def master_bytes(self) -> int:
@@ -153,7 +157,7 @@ class FP32Master(MasterWeights):
 class RemainderMaster(MasterWeights):
     name = "remainder"
 
-    def __init__(self, param_shard: Tensor, **kw: Any) -> None:
+    def __init__(self, param_shard: Tensor | ShardView, **kw: Any) -> None:
         super().__init__(param_shard, **kw)
         # The 16-bit remainder of each element as two int8 planes, low and high byte (see
         # kernels.codecs [Note: remainder planes]); 1D, this rank's shard.
@@ -179,7 +183,7 @@ class RemainderMaster(MasterWeights):
                                     self._moment_key(r, step, exp_avg), **_max_arg(vmax))
 
     def fp32(self) -> Tensor:
-        return self._codec()[1](self.param_shard, codecs.join_remainder((self.rem_lo, self.rem_hi)))
+        return self._codec()[1](whole(self.param_shard), codecs.join_remainder((self.rem_lo, self.rem_hi)))
 
     def read_fp32(self, r: Range) -> Tensor:
         sl = r.as_slice()
@@ -251,7 +255,7 @@ if tuple(STRATEGIES) != MASTER_MODES:  # checked at import, also under python -O
                          f"{MASTER_MODES}")
 
 
-def make_master(name: str, param_shard: Tensor, **kw: Any) -> MasterWeights:
+def make_master(name: str, param_shard: Tensor | ShardView, **kw: Any) -> MasterWeights:
     """The strategy called ``name`` over ``param_shard`` (``fp32`` for fp32 parameters, with a warning
     when another mode was asked for)."""
     if name not in STRATEGIES:

@@ -3,7 +3,8 @@
 Muon orthogonalizes each weight matrix as a whole, so a sharded Muon cannot cut matrices at
 arbitrary shard boundaries as the AdamW layout does (``_layout.py``). Instead every matrix is
 owned by exactly one rank of the shard group, and the flat gradient buffer is ordered so that a
-reduce-scatter of ``world_size`` equal chunks delivers each matrix whole to its owner:
+reduce-scatter of ``world_size`` equal chunks delivers each matrix whole to its owner (shown here
+for one bucket; ``owned_layout`` cuts the chunks into buckets, see [Note: Muon's buckets]):
 
     buffer = [chunk of rank 0 | chunk of rank 1 | ... | chunk of rank N-1]   (N * chunk_numel)
 
@@ -131,14 +132,44 @@ def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *,
 def owned_layout(shapes: Sequence[Sequence[int]], world_size: int, *, alignment: int = DEFAULT_ALIGNMENT,
                  bucket_numel: int | None = None) -> tuple[FlatLayout, MuonPacking, list[int]]:
     """The flat buffer ShardedMuon lays its matrices out in: every matrix whole in its owner's
-    shard. Returns (layout, packing, order): ``order[k]`` is the index in ``shapes`` of the layout's
-    ``k``-th parameter (the matrices sorted by owner, then offset), and ``packing`` is indexed in
-    that buffer order. Valid on any rank; no communication."""
+    piece of one bucket (see [Note: Muon's buckets]). Returns (layout, packing, order): ``order[k]``
+    is the index in ``shapes`` of the layout's ``k``-th parameter (bucket by bucket, each bucket's
+    matrices by owner, then chunk offset), and ``packing`` is indexed in that buffer order, its
+    ``padding_numel`` the layout's. Valid on any rank; no communication.
+
+    [Note: Muon's buckets]
+    A bucket is ``world_size`` equal pieces, one per rank (see core._layout); a reduce-scatter
+    hands each rank its piece. So a bucket takes, from each rank's matrices in chunk order, the next
+    ones that fit in ``bucket_numel / world_size`` elements (at least one while any is left), and
+    its piece size is the fullest rank's. Owners stay the packing's (the balance is kept); a bucket
+    where ranks fill unequally is padded up to the fullest, which ``padding_numel`` counts."""
     packing = pack_matrices(shapes, world_size, alignment=alignment)
-    order = sorted(range(len(packing.shapes)), key=lambda i: (packing.owner[i], packing.offset[i]))
+    footprints = [_round_up(m * n, alignment) for m, n in packing.shapes]
+    queues = [list(packing.rank_matrices(r)) for r in range(world_size)]
+    cap = None if bucket_numel is None else max(1, bucket_numel // world_size)
+    order: list[int] = []
+    pieces: list[tuple[list[int], int]] = []
+    while any(queues):
+        taken: list[list[int]] = []
+        fills: list[int] = []
+        for q in queues:
+            take: list[int] = []
+            fill = 0
+            while q and (not take or cap is None or fill + footprints[q[0]] <= cap):
+                fill += footprints[q[0]]
+                take.append(q.pop(0))
+            taken.append(take)
+            fills.append(fill)
+        piece = max(fills)  # a sum of multiples of alignment
+        starts = []
+        for r, take in enumerate(taken):
+            at = r * piece
+            for i in take:
+                order.append(i)
+                starts.append(at)
+                at += footprints[i]
+        pieces.append((starts, piece))
     reordered: dict[str, Any] = {k: tuple(getattr(packing, k)[i] for i in order) for k in ("shapes", "owner", "offset")}
-    packing = dataclasses.replace(packing, **reordered)
-    layout = build_layout(packing.shapes, world_size, alignment=alignment, bucket_numel=bucket_numel,
-                          starts=[o * packing.chunk_numel + off for o, off in zip(packing.owner, packing.offset)],
-                          numel=world_size * packing.chunk_numel)
+    layout = build_layout(reordered["shapes"], world_size, alignment=alignment, pieces=pieces)
+    packing = dataclasses.replace(packing, **reordered, padding_numel=layout.numel - packing.numel)
     return layout, packing, order

@@ -36,6 +36,7 @@ from typing import Sequence, cast
 import torch
 from torch import Tensor
 
+from shardopt.core._flat import ShardView, whole
 from shardopt.core._layout import Range
 from shardopt.core._records import BucketRecord, HostCopy
 
@@ -107,7 +108,7 @@ class OnDevice:
     host_bytes = 0  # bytes of host memory held (the one host buffer)
     copy_bytes = 0  # of which the weight and gradient copies
 
-    def __init__(self, weight_shard: Tensor) -> None:
+    def __init__(self, weight_shard: Tensor | ShardView) -> None:
         self.weights = weight_shard  # what the master strategy writes: the flat buffer's shard itself
         self.device = weight_shard.device  # where the state lives and the update runs
 
@@ -115,10 +116,10 @@ class OnDevice:
         """An uninitialised 1D tensor for the state, where the state lives."""
         return torch.empty(numel, dtype=dtype, device=self.device)
 
-    def begin(self, grad: Tensor, buckets: Sequence[BucketRecord]) -> None:
+    def begin(self, grad: Tensor | ShardView, buckets: Sequence[BucketRecord]) -> None:
         """Start moving the averaged gradient shard ``grad`` to where the update runs. Local."""
 
-    def grad_of(self, b: BucketRecord, grad: Tensor) -> Tensor:
+    def grad_of(self, b: BucketRecord, grad: Tensor | ShardView) -> Tensor | ShardView:
         """The gradient shard to update bucket ``b`` from (shard coordinates), once ``b``'s part is there."""
         return grad
 
@@ -137,7 +138,7 @@ class OnHost(OnDevice):
 
     name = "cpu"
 
-    def __init__(self, weight_shard: Tensor, grad_dtype: torch.dtype | None, buckets: Sequence[BucketRecord],
+    def __init__(self, weight_shard: Tensor | ShardView, grad_dtype: torch.dtype | None, buckets: Sequence[BucketRecord],
                  state_bytes: int) -> None:
         n = weight_shard.numel()
         self.accelerated = weight_shard.device.type == "cuda"
@@ -145,7 +146,7 @@ class OnHost(OnDevice):
         self.buffer = HostBuffer(copies + state_bytes + ALIGN * MAX_TENSORS, pin=self.accelerated)
         self.device_weights = weight_shard  # the flat buffer's shard, on the parameters' device
         self.device = torch.device("cpu")
-        self.weights = self.empty(n, weight_shard.dtype).copy_(weight_shard)
+        self.weights = self.empty(n, weight_shard.dtype).copy_(whole(weight_shard))
         self.grad = self.empty(n, grad_dtype) if grad_dtype is not None else None
         self.copy_bytes = copies
         # one persistent side stream for the gradients' copies (a new stream per step grows allocator pools)
@@ -165,7 +166,7 @@ class OnHost(OnDevice):
     def empty(self, numel: int, dtype: torch.dtype) -> Tensor:
         return self.buffer.take(numel, dtype)
 
-    def begin(self, grad: Tensor, buckets: Sequence[BucketRecord]) -> None:
+    def begin(self, grad: Tensor | ShardView, buckets: Sequence[BucketRecord]) -> None:
         if self.stream is None or self.grad is None:  # host to host: each copied when its bucket is updated
             return
         self.stream.wait_stream(torch.cuda.current_stream(grad.device))  # the reductions have landed
@@ -177,7 +178,7 @@ class OnHost(OnDevice):
                 cast(Tensor, b.host.gradient).copy_(grad[b.local.as_slice()], non_blocking=True)
                 b.host.grad_copied.record()
 
-    def grad_of(self, b: BucketRecord, grad: Tensor) -> Tensor:
+    def grad_of(self, b: BucketRecord, grad: Tensor | ShardView) -> Tensor | ShardView:
         h = cast(HostCopy, b.host)  # a bucket of this placement: in host memory
         if self.accelerated:
             h.weights_copied.synchronize()  # the last step's copy of these weights to the device has read them
@@ -206,10 +207,10 @@ class OnHost(OnDevice):
 
     def push(self) -> None:
         self._settle()
-        self.device_weights.copy_(self.weights)
+        self.device_weights.copy_(cast(Tensor, self.weights))  # the host copy
 
 
-def make_placement(offload: str | None, weight_shard: Tensor, *, grad_dtype: torch.dtype | None,
+def make_placement(offload: str | None, weight_shard: Tensor | ShardView, *, grad_dtype: torch.dtype | None,
                    buckets: Sequence[BucketRecord], state_bytes: int) -> OnDevice:
     """The placement for ``offload`` (see ``core._config.OFFLOAD_TARGETS``) of one buffer's shard:
     ``grad_dtype`` the averaged gradient's dtype to keep a host copy in (None: none), ``state_bytes``

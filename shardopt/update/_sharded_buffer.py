@@ -5,8 +5,9 @@ and the Adam moments of this rank's shard. Holds no math of its own.
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, Sequence, cast
+from typing import Any, Callable, Iterable, Sequence, cast
 
 import torch
 from torch import Tensor
@@ -14,7 +15,7 @@ from torch import Tensor
 from shardopt.update._binding import ParamBinding, warn_layout_change
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
-from shardopt.core._flat import FlatParams
+from shardopt.core._flat import FlatParams, ShardView, parts
 from shardopt.core._layout import Range, build_layout
 from shardopt.core._ranges import ALL_GATHER, UPDATE, bucket_range
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
@@ -71,7 +72,7 @@ class ShardedBuffer:
         warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
         self.flat = FlatParams(params, self.layout, dtensors)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
-        self.shard_range = self.layout.shard_range(comm.shard_rank)
+        self.shard = self.flat.shard(comm.shard_rank)  # this rank's pieces of the weights, local coordinates
         # One record per parameter and per bucket (see core._records [Note: the records]). A record's
         # lag counts the steps it was left out of because no rank had a gradient for it, so that its
         # own step count (for bias correction, as torch.optim.AdamW keeps per parameter) is the
@@ -114,14 +115,13 @@ class ShardedBuffer:
             state = predict_bytes(end - start, 1, stage=2, param_dtype=self.flat.dtype,
                                   master_weights=config.master_weights, moments=config.moments, rule=rule,
                                   amsgrad=self.amsgrad)
-            place = make_placement(offload, self.flat.slice(Range(self.shard_range.start + start,
-                                                                  self.shard_range.start + end)),
+            place = make_placement(offload, self.shard.window(Range(start, end)),
                                    grad_dtype=None if rule == "muon" else self.flat.dtype,
                                    buckets=[b for b in self.buckets if start <= b.local.start < end],
                                    state_bytes=sum(state[c] for c in ("master", "exp_avg", "exp_avg_sq", "extra")))
             self.placements.append(place)
             masters.append(make_master(config.master_weights, place.weights,
-                                       global_offset=self.shard_range.start + start, seed=config.seed,
+                                       logical=functools.partial(self._logical, start), seed=config.seed,
                                        empty=place.empty, kernels=select(**kernels, device=place.device)))
             moments.append(MuonMomentum(end - start, place.device, config.moments, empty=place.empty)
                            if rule == "muon" else
@@ -140,6 +140,11 @@ class ShardedBuffer:
     @property
     def dtype(self) -> torch.dtype:
         return self.flat.dtype
+
+    def _logical(self, start: int, local: int) -> int:
+        """The logical offset of element ``start + local`` of this rank's shard (see core._layout
+        [Note: logical offsets]): the key of its random bits."""
+        return self.layout.logical_offset(self.comm.shard_rank, start + local)
 
     def update(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """AdamW on this rank's shard, then the all-gather of the new weights, bucket by bucket in
@@ -200,7 +205,7 @@ class ShardedBuffer:
                 rec.stepped()
         return gathers
 
-    def _muon_step(self, rec: ParamRecord, grad: Tensor, grad_scale: float, param_groups: Sequence[dict],
+    def _muon_step(self, rec: ParamRecord, grad: Tensor | ShardView, grad_scale: float, param_groups: Sequence[dict],
                    step: int) -> None:
         """torch.optim.Muon's step of matrix ``rec``, which this rank owns: on its fp32 master, from
         its averaged gradient in ``grad`` (this rank's shard), the mode encoding the result. A
@@ -260,13 +265,14 @@ class ShardedBuffer:
         if not g.numel():
             return zero, zero
         k = self.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
+        every = Range(0, g.numel())  # stage 1: one call per bucket's piece (see core._flat.ShardView)
         if norm_type is None:
-            return k.grad_nonfinite(g), zero
-        if math.isinf(norm_type) or self.counted_runs is None:  # a copy counted twice changes no maximum
-            s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
+            return _summed(k.grad_nonfinite(t) for t in parts(g, every)), zero
+        if math.isinf(norm_type):  # a copy counted twice changes no maximum
+            s = functools.reduce(torch.maximum, (k.grad_max(t) for t in parts(g, every)))
         else:  # without the copies that another rank of a model axis counts
-            s = sum((k.grad_norm_power(g[r.as_slice()], norm_type) for r in self.counted_runs if r.size),
-                    torch.zeros((), dtype=torch.float32, device=g.device))
+            s = _summed(k.grad_norm_power(t, norm_type) for r in (self.counted_runs or [every]) if r.size
+                        for t in parts(g, r))
         if self.grad_factor != 1.0:  # the norm of the gradient the step takes
             s = s * (self.grad_factor if math.isinf(norm_type) else self.grad_factor ** norm_type)
         return (~torch.isfinite(s)).float(), s
@@ -350,6 +356,11 @@ class ShardedBuffer:
             shard_size=self.comm.shard_size,
             stage=self.config.stage, offload=self.config.offload, host=sum(p.host_bytes for p in self.placements),
             host_copies=sum(p.copy_bytes for p in self.placements), host_state=self.host_state_bytes)
+
+
+def _summed(values: Iterable[Tensor]) -> Tensor:
+    """The sum of 0-d tensors (the first itself when it is the only one)."""
+    return functools.reduce(torch.add, values)
 
 
 def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Comm, config: ShardConfig,

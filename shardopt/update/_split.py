@@ -103,7 +103,7 @@ class SplitMaster(_Pieces[MasterWeights]):
 
     @property
     def master(self) -> Tensor:  # the fp32 copy, for inspect(): a host copy of both pieces
-        return self._cat([cast(FP32Master, p).master for p in self.parts])  # read when owns_copy: fp32 pieces
+        return self._cat([cast(Tensor, cast(FP32Master, p).master) for p in self.parts])  # read when owns_copy: fp32 pieces
 
     @property
     def owns_copy(self) -> bool:
