@@ -80,7 +80,7 @@ def _run_with(kernels, mode: str, dtype: torch.dtype, n: int, steps: int = 3) ->
     torch.manual_seed(1)
     w0 = torch.randn(n) * 0.5
     m, v = torch.zeros(n), torch.zeros(n)
-    strategy = make_master(mode, w0.to(dtype), kernels=kernels, seed=7, global_offset=1000)
+    strategy = make_master(mode, w0.to(dtype), kernels=kernels, seed=7, logical=lambda local: 1000 + local)
     strategy.load_state_tensors({"master": w0})  # every mode starts from the same fp32 weights
     for step in range(1, steps + 1):
         g = (torch.randn(n, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)
@@ -159,7 +159,7 @@ def test_fused_moments_are_the_reference_bit_for_bit(moments):
             for impl in ("reference", "fused"):
                 kernels = select(impl, dtype=dtype, master=mode, moments=moments)
                 torch.manual_seed(n)
-                strategy = make_master(mode, torch.randn(n).to(dtype), kernels=kernels, seed=7, global_offset=1000)
+                strategy = make_master(mode, torch.randn(n).to(dtype), kernels=kernels, seed=7, logical=lambda local: 1000 + local)
                 mom = make_moments(moments, n, torch.device("cpu"))
                 mom.load_(torch.randn(n) * 0.1, torch.rand(n) * 0.01)
                 for step in range(1, 4):
@@ -203,7 +203,7 @@ def test_amsgrad_and_maximize_are_torch_adamw_in_the_reference_and_the_fused_ker
         for impl in ("reference", "fused"):
             kernels = select(impl, dtype=dtype, master=mode, moments="fp32" if vdtype == torch.float32 else "bf16")
             torch.manual_seed(5)
-            strategy = make_master(mode, torch.randn(4099).to(dtype), kernels=kernels, seed=7, global_offset=64)
+            strategy = make_master(mode, torch.randn(4099).to(dtype), kernels=kernels, seed=7, logical=lambda local: 64 + local)
             m, v, vmax = (torch.zeros(4099, dtype=vdtype) for _ in range(3))
             for step in range(1, 5):
                 g = (torch.randn(4099, generator=torch.Generator().manual_seed(step)) * 4).to(dtype)

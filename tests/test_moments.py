@@ -48,7 +48,7 @@ def _run(master: str, moments: str, n: int, impl: str, steps: int = 3) -> dict:
     torch.manual_seed(1)
     w0 = torch.randn(n) * 0.5
     kernels = select(impl, dtype=torch.bfloat16, master=master, moments=moments)
-    strategy = make_master(master, w0.to(torch.bfloat16), kernels=kernels, seed=7, global_offset=1024)
+    strategy = make_master(master, w0.to(torch.bfloat16), kernels=kernels, seed=7, logical=lambda local: 1024 + local)
     strategy.load_state_tensors({"master": w0})
     mom = make_moments(moments, n, torch.device("cpu"))
     for step in range(1, steps + 1):

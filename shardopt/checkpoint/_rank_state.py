@@ -48,6 +48,7 @@ def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
         "loss_scaler": opt._scaler.state_dict(),
         "buffers": [
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
+             "bucket_pieces": [bucket.piece_numel for bucket in b.layout.buckets],
              "param_shapes": [span.shape for span in b.layout.params],
              **{k: v.clone() for k, v in b.master.state_tensors().items()},
              **moments, "lag": [r.lag for r in b.records]}
@@ -113,7 +114,16 @@ def check_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     for saved, b in zip(sd["buffers"], opt._buffers):
         shapes = [tuple(s) for s in saved["param_shapes"]]
         mine = [span.shape for span in b.layout.params]
-        if saved["dtype"] != str(b.dtype) or shapes != mine or saved["layout_numel"] != b.layout.numel:
+        pieces = [bucket.piece_numel for bucket in b.layout.buckets]
+        if "bucket_pieces" not in saved and shapes == mine and opt._comm.shard_size > 1 and len(pieces) > 1:
+            raise ValueError(f"this rank state dict was saved by a shardopt whose shards were one range of the flat "
+                             f"buffer; shards are now each rank's equal piece of every bucket, so this rank's "
+                             f"saved {b.dtype} shard does not hold what it holds now ({len(pieces)} buckets, "
+                             f"{opt._comm.shard_size} ranks). Load it with the shardopt that saved it and write a "
+                             f"checkpoint with save_checkpoint (or full_state_dict), which every version and world "
+                             f"size loads")
+        if saved["dtype"] != str(b.dtype) or shapes != mine or saved["layout_numel"] != b.layout.numel or \
+                saved.get("bucket_pieces", pieces) != pieces:
             first = next((i for i, (x, y) in enumerate(zip(shapes, mine)) if x != y), min(len(shapes), len(mine)))
             raise ValueError(f"state dict does not match this optimizer's {b.dtype} parameters: first mismatch "
                              f"at parameter #{first} of the buffer ({len(shapes)} saved, {len(mine)} here); "
