@@ -117,9 +117,9 @@ def ownership_case() -> tuple[bool, int, int]:
     opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False}], stage=2)
     view = next(b for b in opt.inspect().buffers if b.rule == "muon")
     packing, layout = view.muon_packing, view.layout
-    whole = all(layout.shard_range(owner).start <= span.global_range.start
-                and span.global_range.end <= layout.shard_range(owner).end
-                for owner, span in zip(packing.owner, layout.params))
+    piece_of = {i: b.piece(packing.owner[i]) for b in layout.buckets for i in b.params}  # the owner's piece
+    whole = all(piece_of[i].start <= span.global_range.start and span.global_range.end <= piece_of[i].end
+                for i, span in enumerate(layout.params))
     shapes_match = [tuple(p.shape) for p in view.params] == list(packing.shapes)
     return whole and shapes_match, packing.padding_numel, view.numel - view.param_numel
 
@@ -227,9 +227,14 @@ def fed_case(stage: int) -> tuple[bool, int]:
     opt = shardopt.ShardedMuon([{"params": mats}, {"params": rest, "use_muon": False, **ADAMW}], **MUON,
                                stage=stage, bucket_cap_mb=1e-4)
     buf = next(b for b in opt.inspect().buffers if b.rule == "muon")
-    start, end = buf.shard_range.start, buf.shard_range.end
+    runs = buf.shard_runs  # (local, global) of this rank's piece of each bucket
+
+    def local_of(r):  # a global range inside one of this rank's pieces, in the shard's coordinates
+        local, glob = next(run for run in runs if run[1].start <= r.start < run[1].end)
+        return r.start - glob.start + local.start, r.end - glob.start + local.start
+
     owned = [(i, span) for i, span in enumerate(buf.layout.params)
-             if start <= span.global_range.start < end and buf.params[i].requires_grad]
+             if any(g.start <= span.global_range.start < g.end for _, g in runs) and buf.params[i].requires_grad]
     copies = {i: buf.params[i].detach().clone().requires_grad_() for i, _ in owned}
     ref = torch.optim.Muon(list(copies.values()), **MUON) if copies else None
     equal = True
@@ -238,8 +243,8 @@ def fed_case(stage: int) -> tuple[bool, int]:
         opt.backward(model(batch(rank, step)))
         grad = buf.local_grad
         for i, span in owned:
-            r = span.global_range
-            copies[i].grad = grad[r.start - start:r.end - start].view(span.shape).clone()
+            start, end = local_of(span.global_range)
+            copies[i].grad = grad[start:end].view(span.shape).clone()
         opt.step()
         if ref is not None:
             ref.step()

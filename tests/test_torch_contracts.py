@@ -535,7 +535,8 @@ def torch_state_case(moments: str) -> dict:
         if r.local is None:
             assert set(mine) == {"step"}, set(mine)
             continue
-        start = view.shard_range.start + r.local.start - r.span.global_range.start  # in the flattened parameter
+        local, glob = next(run for run in view.shard_runs if run[0].start <= r.local.start < run[0].end)
+        start = glob.start + r.local.start - local.start - r.span.global_range.start  # in the flattened parameter
         for k in ("exp_avg", "exp_avg_sq"):
             want = theirs[k].reshape(-1)[start:start + r.local.size]
             worst = max(worst, (mine[k] - want).abs().max().item())

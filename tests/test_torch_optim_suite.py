@@ -696,7 +696,8 @@ def _pieces(opt: torch.optim.Optimizer, p: Parameter) -> tuple[int, int] | None:
     for b in opt.inspect().buffers:
         for r in b.records:
             if r.param is p and r.local is not None:
-                return b.shard_range.start + r.local.start - r.span.global_range.start, r.local.size
+                local, glob = next(run for run in b.shard_runs if run[0].start <= r.local.start < run[0].end)
+                return glob.start + r.local.start - local.start - r.span.global_range.start, r.local.size
     return None
 
 

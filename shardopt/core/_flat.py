@@ -92,21 +92,14 @@ class ShardView:
         return [(local, self.flat[glob.as_slice()]) for local, glob in self.runs]
 
     def read(self) -> Tensor:
-        """The whole shard as one 1-D tensor: a view when it is one piece (or none), else a copy."""
-        if len(self.runs) == 1 and self.runs[0][0].size == self._numel:
-            return self.flat[self.runs[0][1].as_slice()]
+        """The whole shard as one 1-D tensor: a view when its pieces follow each other in the flat
+        tensor (one rank, or one bucket), else a copy."""
+        adjacent = all(a[1].end == b[1].start for a, b in zip(self.runs, self.runs[1:]))
+        if self.runs and adjacent and self.runs[-1][0].end - self.runs[0][0].start == self._numel:
+            return self.flat[self.runs[0][1].start:self.runs[-1][1].end]
         out = torch.zeros(self._numel, dtype=self.dtype, device=self.device)
         for local, view in self.pieces():
             out[local.as_slice()].copy_(view)
-        return out
-
-    def parts(self, r: Range) -> list[Tensor]:
-        """Views covering local range ``r``, one per piece it touches, in local order."""
-        out = []
-        for local, glob in self.runs:
-            mine = local.intersect(r)
-            if mine.size:
-                out.append(self.flat[glob.start + mine.start - local.start:glob.start + mine.end - local.start])
         return out
 
     def window(self, r: Range) -> ShardView:
@@ -127,12 +120,6 @@ class ShardView:
         for local, view in self.pieces():
             view.copy_(src[local.as_slice()])
         return self
-
-
-def parts(t: Tensor | ShardView, r: Range) -> list[Tensor]:
-    """Views of ``t`` (1-D, local coordinates) covering range ``r``: one for a tensor, one per
-    piece ``r`` touches for a ``ShardView``."""
-    return t.parts(r) if isinstance(t, ShardView) else [t[r.as_slice()]]
 
 
 def whole(t: Tensor | ShardView) -> Tensor:
