@@ -13,7 +13,7 @@ fenced diagrams), resolved against the source of ``shardopt/`` with ``ast`` (not
 - ``path::name`` (``::name::method``): a function or class of that file; a span that starts with
   ``::`` continues the last file named so.
 - a dotted name (``a.b``, ``a.b()``) whose first part is ``shardopt`` or a folder of it
-  (``core._layout.receive_chunks``, ``shardopt.save_checkpoint``): the longest prefix is a module,
+  (``core._layout.bucket_cuts``, ``shardopt.save_checkpoint``): the longest prefix is a module,
   and the next part is bound at its top level (defined or imported); one part more after a class
   is an attribute of that class.
 - a dotted name whose first part is a class shardopt defines (``Rounds._to``,
@@ -398,7 +398,7 @@ def test_the_reference_check_flags_stale_names():
     text = textwrap.dedent("""\
         `reduce/_reducer.py` `reduce/_gone.py` `tests/test_design.py::test_design_references_resolve`
         `Rounds._to` `Rounds._gone` `ParamRecord.place` `shardopt.save_checkpoint` `shardopt.gone`
-        `core._layout.receive_chunks` `core._layout.gone_chunks` `tests/test_design.py::test_gone`
+        `core._layout.bucket_cuts` `core._layout.gone_chunks` `tests/test_design.py::test_gone`
         `GradReducer` `GoneReducer` `MAX_INFLIGHT` `GONE_CONSTANT` `_shadow_step` `_gone_step`
         `torch.gone` `p.grad` `Tensor._gone` `DeviceMesh` `None` `at::vec::gone` `optimizer.bin`
         ```

@@ -35,39 +35,34 @@ can complete on its side in the instant the other's deadline passes; the late ra
 into the call alone until its next control message (a checkpoint call's next agreement) fails on
 the closed connection.
 
-[Note: all-gather on gloo]
-gloo's native ``all_gather_into_tensor`` is 1.6-2.6x slower than one asynchronous broadcast per
-rank into that rank's slice of the output, and cannot take uneven pieces. Broadcasting each
-rank's piece in place also needs no staging: the owner's piece already sits in the output.
-NCCL takes an in-place ``all_gather_into_tensor`` when pieces are equal, else the same
-per-rank broadcasts.
-
-[Note: deterministic reduction]
-On gloo, gradients are averaged with an all-to-all that sends every rank the pieces of the bucket
-it owns, followed by a local sum in rank order and a division by the world size. Unlike gloo's
-reduce-scatter and all-reduce, whose summation order depends on the message size, the result is
-then the same bit for bit whatever the bucket size, and 16-bit gradients are summed in fp32 at no
-extra cost on the wire (an fp16 sum of N gradients would overflow N times earlier than each one). It moves the same bytes as a ring reduce-scatter and measured 2.9x faster
-than gloo's native one (16M fp32 elements, 2 ranks: 66 ms against 190 ms; all_reduce took 110 ms).
-Its price is memory: a rank receives every rank's copy of its piece, world_size x its piece of the
-bucket. A rank that owns most of a bucket would receive up to world_size buckets, so
-``reduce_scatter_parts`` cuts such a bucket into several all-to-alls (``_layout.receive_chunks``),
-each receiving at most about one bucket, issued one after another under the caller's bound on
-collectives in flight: the receive side stays a constant number of buckets at any world size, and
-the sum, element by element in rank order, is unchanged. On NCCL a bucket's reduction is one
-``dist.reduce_scatter`` of its per-rank pieces (no receive buffer, NCCL's summation order). The
-pieces are rarely equal (shards are cut from the whole buffer, buckets from whole parameters), and
-torch runs a reduce-scatter of unequal pieces as one NCCL reduce per rank, grouped, not as NCCL's
-own reduce-scatter.
+[Note: one path on every backend]
+A bucket is ``world_size`` equal pieces in rank order (see core._layout [Note: alignment, padding
+and shards]), so its reduction is one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) into this
+rank's piece and its gather one in-place ``all_gather_into_tensor``: the collectives NCCL runs
+natively (and NVLink SHARP and in-network reduction accelerate), and the same calls on gloo, so
+the path every CPU test takes is the production path. No receive buffer: the reduction writes
+into the gradient shard (or a landing buffer, see reduce._grad_store). The sum runs in the
+gradient dtype, as NCCL's does, unless ``reduce_dtype`` asks for more: the bucket is then cast
+into a copy of that dtype (``reduce_dtype`` bytes per element, held until its reduction lands,
+counted in ``live_bytes``) and reduced there, the result rounded once into the gradient. gloo's
+order of summation is its own, as NCCL's is: with two ranks the sum of two numbers is the same
+either way; with more, the averaged gradient may differ in its last bits from a sum in rank
+order. What this costs on gloo, which CPU runs use: its native reduce-scatter and all-gather are
+about 2x slower than an all-to-all with a local sum and one broadcast per rank (16 MB of fp32 on 2
+ranks on this machine: 44 ms against 22 ms, 24-32 ms against 10-12 ms); measured in
+docs/benchmarks.md. Pieces that are not equal (a checkpoint's gather of one parameter, whose
+pieces are wherever the bucket's cut fell) are gathered by one broadcast per rank that holds part
+of them, on every backend. Stage 1's all-reduce is one native ``all_reduce`` (``ReduceOp.AVG``) of
+the bucket in place, unless ``reduce_dtype`` differs (a reduce-scatter from the cast copy, then the
+all-gather of the averaged pieces) or the sharding is hybrid.
 
 [Note: hybrid sharding]
 With a 2-D ``DeviceMesh`` (replicate x shard) the state is sharded over the ``shard`` dimension
 and replicated over ``replicate``. A bucket's gradients are reduce-scattered inside the shard
 group, and each rank's averaged piece is then all-reduced across the replicate group (the ranks
-holding the same piece in the other replicas); the weights are all-gathered inside the shard
-group. On gloo the cross-replica all-reduce sums the fp32 partial sums of the shard groups, and
-the average is rounded to the gradient dtype once, after it (so 16-bit gradients are averaged in
-fp32 over all ranks, as in the flat case). The cross-replica all-reduce of a bucket is issued
+holding the same piece in the other replicas), both averages (``ReduceOp.AVG``; the shard groups
+are of equal size, so the mean of their means is the mean) in the reduction's dtype (see [Note:
+one path on every backend]); the weights are all-gathered inside the shard group. The cross-replica all-reduce of a bucket is issued
 when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
 of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
 the bucket order) still spans every rank of the mesh, so every decision is the same everywhere.
@@ -77,7 +72,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
-import functools
 import hashlib
 import pickle
 import time
@@ -89,7 +83,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardopt.core._compat import default_store, group_timeout, mesh_flattener
-from shardopt.core._layout import Range, receive_chunks
+from shardopt.core._layout import Range
 from shardopt.core._records import Gather
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
@@ -381,8 +375,7 @@ class Comm:
                              f"{self.world_size} data-parallel ranks")
         self.backend: str = str(dist.get_backend(process_group))
         self.stats = CommStats()
-        self.live_bytes = 0  # receive buffers of reductions in flight, bytes
-        self._chunks: dict[tuple[Range, ...], list[list[Range]]] = {}  # receive_chunks by the pieces cut
+        self.live_bytes = 0  # cast copies of buckets whose reductions are in flight (reduce_dtype), bytes
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
@@ -542,7 +535,7 @@ class Comm:
         collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
         all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
         s, r = self.shard_size, self.replicas
-        passes = 2 if stage == 1 and not self.hybrid and self.backend == "nccl" else 1  # all-reduce
+        passes = 2 if stage == 1 and not self.hybrid else 1  # all-reduce
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r
 
@@ -564,94 +557,51 @@ class Comm:
     def reduce_scatter_avg(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
         """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once waited.
 
-        ``pieces[r]`` is shard rank r's range relative to the start of ``bucket`` (uneven and empty
-        pieces allowed; together they tile the bucket). See [Note: deterministic reduction]. On gloo
-        the sum is accumulated in fp32 whatever the gradient dtype (16-bit gradients cannot overflow
-        in the sum, and are rounded once, after averaging); NCCL sums in ``out``'s dtype. With hybrid
-        sharding the average spans the replicas too (see [Note: hybrid sharding]). Every rank, same
-        order."""
-        if self.backend == "nccl":  # no N-fold receive buffer
-            src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
-            if _equal(pieces) and pieces[0].start == 0 and pieces[-1].end == src.numel():  # every bucket's
-                work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
-            else:  # unequal pieces: torch runs them as one NCCL reduce per rank
-                work = dist.reduce_scatter(out, [src[p.as_slice()] for p in pieces], op=dist.ReduceOp.AVG,
-                                           group=self.shard_group, async_op=True)
-            cross = (lambda: self._cross(out, avg=True)) if self.hybrid else None
-            return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
-                           then=cross, comm=self)
-        n, mine = self.shard_size, pieces[self.shard_rank].size
-        recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)
-        self.live_bytes += recv.nbytes
-        work = dist.all_to_all_single(recv, bucket, output_split_sizes=[mine] * n,
-                                      input_split_sizes=[p.size for p in pieces], group=self.shard_group,
-                                      async_op=True)
+        ``pieces[r]`` is shard rank r's range relative to the start of ``bucket``: equal, in rank
+        order, tiling it (``build_layout``'s buckets). One ``reduce_scatter_tensor`` on every
+        backend, summed in ``out``'s dtype (from a cast copy of the bucket when that is not the
+        bucket's); see [Note: one path on every backend]. With hybrid sharding the average spans
+        the replicas too (see [Note: hybrid sharding]). Every rank, same order."""
+        if not _equal(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
+            raise AssertionError(f"a bucket's reduction takes equal pieces that tile it, got {list(pieces)} of a "
+                                 f"{bucket.numel()}-element bucket")
+        # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
+        out, bucket = out.detach(), bucket.detach()
+        src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
+        copied = src.nbytes if src is not bucket else 0
+        self.live_bytes += copied
+        work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
 
-        def finish() -> Pending | None:
-            self.live_bytes -= recv.nbytes
-            if not mine and not self.hybrid:
-                return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
-            parts = recv.view(n, mine)
-            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
-            for q in range(1, n):  # rank order: the result does not depend on the bucketing
-                acc.add_(parts[q])
-            if not self.hybrid:
-                out.copy_(acc.div_(n))
-                return None
-            self.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
+        def landed() -> Pending | None:
+            self.live_bytes -= copied
+            return self._cross(out, avg=True) if self.hybrid else None
 
-            def land() -> None:
-                self.live_bytes -= acc.nbytes
-                out.copy_(acc.div_(n * self.replicas))
-
-            return self._cross(acc, avg=False, then=land)
-
-        return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out],
-                       stats=self.stats, then=finish, comm=self)
+        return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
+                       then=landed, comm=self)
 
     def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
-        """:meth:`reduce_scatter_avg` as one or more collectives, each issued when its function is
-        called (in list order, on every rank). On gloo the bucket is cut by ``receive_chunks`` so
-        that no collective receives more than about one bucket, however many ranks there are; the
-        caller bounds how many are in flight. NCCL: one ``dist.reduce_scatter`` of the pieces (see
-        [Note: deterministic reduction] for what torch makes of unequal ones)."""
-        if self.backend == "nccl":
-            return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        key = tuple(pieces)
-        if key not in self._chunks:  # the same few bucket layouts every backward pass
-            self._chunks[key] = receive_chunks(pieces)
-        chunks = self._chunks[key]
-        if len(chunks) <= 1:
-            return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
-        mine = pieces[self.shard_rank]
-        parts: list[Callable[[], Pending]] = []
-        for chunk in chunks:
-            owned = [r for r in chunk if r.size]
-            run = Range(owned[0].start, owned[-1].end)
-            rel = [r.relative_to(run.start) if r.size else Range(0, 0) for r in chunk]
-            sub = chunk[self.shard_rank]
-            dest = out[sub.start - mine.start:sub.end - mine.start] if sub.size else out[:0]
-            parts.append(functools.partial(self.reduce_scatter_avg, dest, bucket[run.as_slice()], rel))
-        return parts
+        """:meth:`reduce_scatter_avg` as the list of collectives a bucket's launch issues, in order, on
+        every rank (one)."""
+        return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
 
     def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
                          sum_dtype: torch.dtype | None = None) -> list[Callable[[], Pending]]:
         """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
-        called (in order, every rank): a reduce-scatter (summed in ``sum_dtype``, default the
-        bucket's; see :meth:`reduce_scatter_parts`), then, once the last part is waited, an
-        all-gather of the averaged pieces. NCCL without ``sum_dtype``, not hybrid: one NCCL all-reduce."""
-        if self.backend == "nccl" and sum_dtype in (None, bucket.dtype) and not self.hybrid:
+        called (in order, every rank): one native all-reduce (``ReduceOp.AVG``); with ``sum_dtype``
+        other than the bucket's, or hybrid, a reduce-scatter (summed in ``sum_dtype``) and, once it
+        is waited, an all-gather of the averaged pieces."""
+        bucket = bucket.detach()  # see reduce_scatter_avg
+        if sum_dtype in (None, bucket.dtype) and not self.hybrid:
             def whole() -> Pending:
                 work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
-                return Pending(self._count([work], reduced=bucket.nbytes), stats=self.stats, comm=self)
+                return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=self.stats,
+                               comm=self)
             return [whole]
         own = bucket[pieces[self.shard_rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
-        parts = self.reduce_scatter_parts(out, bucket, pieces)
-        issue_last = parts[-1]
 
-        def last() -> Pending:
-            reduced = issue_last()
+        def reduce_then_gather() -> Pending:
+            reduced = self.reduce_scatter_avg(out, bucket, pieces)
 
             def gather() -> Pending:
                 if out is not own:
@@ -661,18 +611,19 @@ class Comm:
             and_then(reduced, gather)
             return reduced
 
-        parts[-1] = last
-        return parts
+        return [reduce_then_gather]
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
-        group. Call on every rank."""
-        if self.backend == "nccl" and _equal(pieces):
+        group. Equal pieces (a bucket's): one in-place ``all_gather_into_tensor``; others: one
+        broadcast per rank that holds part of them (see [Note: one path on every backend]). Call on
+        every rank."""
+        if _equal(pieces):
             whole = flat[pieces[0].start:pieces[-1].end]
             mine = flat[pieces[self.shard_rank].as_slice()]
             work = _all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
-            return Pending(self._count([work], gathered=whole.nbytes), stats=self.stats, comm=self)
+            return Pending(self._count([work], gathered=whole.nbytes), keep_alive=[flat], stats=self.stats, comm=self)
         works = [dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
                  for r, p in enumerate(pieces) if p.size > 0]
         gathered = sum(p.size for p in pieces) * flat.element_size()

@@ -265,36 +265,6 @@ class FlatLayout:
         return out
 
 
-def receive_chunks(pieces: Sequence[Range]) -> list[list[Range]]:
-    """Split a reduction whose ranks own ``pieces`` (each rank's range relative to the bucket
-    start, in rank order, tiling it; an empty piece may sit anywhere) into consecutive chunks in which no rank owns more than
-    ``ceil(bucket / world_size)`` elements.
-
-    Each chunk is a list of per-rank ranges relative to the bucket start, tiling one contiguous
-    run of it. An all-to-all reduction receives ``world_size`` copies of a rank's piece, so per
-    chunk a rank receives at most about one bucket (``world_size * ceil(bucket / world_size)``
-    elements) whatever the world size: one chunk when the bucket spans every shard evenly (as
-    ``build_layout``'s buckets do), ``world_size`` chunks when one rank owns all of it."""
-    owned = [r for r in pieces if r.size]
-    if not owned:
-        return []
-    start, end = owned[0].start, owned[-1].end
-    limit = max(1, -(-(end - start) // len(pieces)))
-    chunks: list[list[Range]] = []
-    while start < end:
-        chunk, pos, open_ = [], start, True
-        for r in pieces:
-            if open_ and r.start <= pos < r.end:
-                take = min(r.end, pos + limit)
-                chunk.append(Range(pos, take))
-                pos, open_ = take, take == r.end  # a piece cut short ends the chunk
-            else:
-                chunk.append(Range(pos, pos))  # nothing of this rank's in this chunk
-        chunks.append(chunk)
-        start = pos
-    return chunks
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

@@ -6,19 +6,19 @@ padding of the flat buffer and the communication buffers, and the communication 
 step. It needs no process group; ``python -m shardopt.estimate`` prints its tables.
 
 [Note: padding]
-Each parameter starts at a multiple of 8 elements and the flat buffer is padded to a multiple of
+Each parameter starts at a multiple of 8 elements and each bucket is padded to a multiple of
 ``world_size * 8`` (``shardopt.core._layout``). With the parameter shapes the padded size is computed
 by the layout code itself, so the estimate equals the measured bytes; without them the model is
-treated as one tensor, which undercounts by less than 8 elements per parameter tensor.
+treated as one tensor cut into buckets of equal size, which undercounts by less than 8 elements
+per parameter tensor.
 
 [Note: buffers estimate]
 ``buffers`` is the high-water mark of communication buffers while gradients are reduced, bucket
 by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_rounds``). Stage 2
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
-place. On gloo each reduction also receives every rank's copy of this rank's piece of the bucket
-(``world_size`` x the piece, see ``_collectives`` [Note: deterministic reduction]), cut into
-collectives that receive at most about one bucket each (``_layout.receive_chunks``), whatever the
-world size; on NCCL the native collectives need no such buffer. With the shapes, the estimate replays the reducer: every
+place. The collectives are the native ones on every backend and need no receive buffer; with
+``reduce_dtype`` other than the gradient's, each reduction reads a cast copy of its bucket, held
+until it lands (see ``_collectives`` [Note: one path on every backend]). With the shapes, the estimate replays the reducer: every
 backward pass, the first included, launches a bucket once it is complete and every bucket that
 completed before it has been launched (the first pass follows rank 0's completions, later ones the
 order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists
@@ -39,13 +39,13 @@ the padded buffer of ``P`` bytes: all-reduce ``2 (N-1)/N P``, reduce-scatter and
 as with DDP) and then all-gathers the weights: ``3 (N-1)/N P``. Stage 2 reduce-scatters and
 all-gathers: ``2 (N-1)/N P``, the same as DDP's all-reduce. Dividing by the per-rank link
 bandwidth gives a floor on the step's communication time, ignoring latency and any overlap with
-backward. gloo's all-to-all reduction sends the same bytes as a ring reduce-scatter.
+backward.
 
 With hybrid sharding (``shard_size`` S < N, R = N / S replicas) the padded buffer is cut S ways:
 state and buffers are those of S ranks, the reduce-scatter and the all-gathers run over the S
 ranks of the shard group (``(S-1)/S P`` per pass), and each rank's averaged piece of ``P / S``
-is all-reduced across the R replicas, ``2 (R-1)/R P/S`` (in fp32 on gloo, which sums there in
-fp32; in the gradient dtype on NCCL). With the shard group inside a node, only that last term
+is all-reduced across the R replicas, ``2 (R-1)/R P/S`` (in ``reduce_dtype`` when it is set, else
+in the gradient dtype). With the shard group inside a node, only that last term
 crosses nodes: ``comm_cross``, against the whole ``comm_bytes`` of flat sharding.
 """
 from __future__ import annotations
@@ -94,7 +94,7 @@ class MemoryEstimate:
     exp_avg_sq: int
     extra: int
     buffers: int
-    backend: str  # "nccl" or "gloo": which collectives the buffers are estimated for
+    backend: str  # "nccl" or "gloo" (both take the same collectives: the same buffers)
     rank: int  # the rank whose buffers these are
     buffers_slack: int  # bytes one bucket adds to buffers: the margin for another gradient order, see [Note: buffers estimate]
     comm_reduce: int  # bytes sent per rank per step for the gradients (all-reduce or reduce-scatter)
@@ -230,6 +230,7 @@ def estimate_memory(
     rule: str = "adamw",
     offload: str | None = None,
     amsgrad: bool = False,
+    reduce_dtype: torch.dtype | None = None,
 ) -> MemoryEstimate:
     """Bytes one rank of a ``ShardedAdamW`` run holds, by category, and the bytes it sends per step.
 
@@ -237,11 +238,14 @@ def estimate_memory(
     ``param_shapes`` is given. ``param_shapes`` are the shapes of the trainable parameters in the
     order they are passed to ``ShardedAdamW``; with them padding and buckets are those the
     optimizer builds and every category is exact, ``buffers`` (see [Note: buffers estimate]) on
-    ``rank`` (default: the rank with the most) given ``grad_order`` (indices into ``param_shapes``
+    ``rank`` (every rank holds the same) given ``grad_order`` (indices into ``param_shapes``
     in the order their gradients become ready in backward, e.g. the reverse of registration order);
     without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
-    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs); ``moments`` as in
+    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs), which take the same
+    collectives and so the same buffers (it is kept in the estimate's table); ``reduce_dtype`` as in
+    ``ShardedAdamW`` (a reduction in another dtype than the gradient's reads a cast copy of its
+    bucket); ``moments`` as in
     ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``); ``shard_size`` the ranks the state is
     sharded over with hybrid sharding (a ``(world_size / shard_size, shard_size)`` device mesh;
     default ``world_size``, flat), and ``rank`` then a rank of the shard group. ``rule="muon"``
@@ -286,7 +290,9 @@ def estimate_memory(
     psize = torch.empty((), dtype=dtype).element_size()
     cap_bytes = bucket_cap_mb * 2**20
     bucket_numel = None if math.isinf(cap_bytes) else max(1, int(cap_bytes / psize))
-    gloo = backend == "gloo"
+    if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
+        raise ValueError(f"reduce_dtype must be None (the gradient dtype) or a float torch.dtype, got {reduce_dtype!r}")
+    reduce_size = 0 if reduce_dtype in (None, dtype) else torch.empty((), dtype=reduce_dtype).element_size()
 
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
@@ -306,27 +312,24 @@ def estimate_memory(
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
         if rule == "muon" and arrival is not None:  # the packing reorders the matrices by owner
             arrival = [position[i] for i in arrival]
-        ranks = [rank] if rank is not None else (range(shard) if gloo else [0])
-        (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, gloo=gloo, psize=psize,
-                                                       hybrid=replicas > 1, max_inflight=MAX_INFLIGHT), r)
-                                    for r in ranks)
+        buffers, slack = replay_buffers(layout, arrival, stage=stage, psize=psize, reduce_size=reduce_size,
+                                        hybrid=replicas > 1, max_inflight=MAX_INFLIGHT)
+        chosen = 0 if rank is None else rank
     else:
         if num_params is None:
             raise ValueError("give num_params or param_shapes")
         num_params = _as_count("num_params", num_params, 1)
         unit = shard * alignment
-        padded = -(-num_params // unit) * unit
+        cap = max(cap_bytes, (largest_param or 0) * psize)  # bytes of a bucket's parameters
+        count = 1 if math.isinf(cap) else max(1, -(-num_params * psize // int(cap)))  # buckets of equal size
+        each = -(-num_params // count)  # elements of one bucket
+        padded = count * (-(-each // unit) * unit)  # each padded to a multiple of unit
         whole = padded * psize
         bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
         window = min(whole, (MAX_INFLIGHT + 1) * bucket)
         staging = window if stage == 2 else 0
-        # gloo: each collective in flight receives at most shard_size x ceil(bucket / shard_size) elements
-        # (_layout.receive_chunks cuts a bucket that one rank owns most of)
-        per_collective = shard * -(-(bucket // psize) // shard) * psize
-        recv = min(whole, MAX_INFLIGHT * per_collective) if gloo else 0
-        if gloo and replicas > 1:  # the fp32 partial sums of the cross-replica all-reduces in flight
-            recv += min(whole, (MAX_INFLIGHT + 1) * per_collective // shard) * max(psize, 4) // psize
-        buffers, slack = staging + recv, (bucket if stage == 2 else 0) + (min(whole, per_collective) if gloo else 0)
+        copies = window * reduce_size // psize  # reduce_dtype: a cast copy of each bucket in flight
+        buffers, slack = staging + copies, (bucket if stage == 2 else 0) + bucket * reduce_size // psize
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
@@ -335,7 +338,7 @@ def estimate_memory(
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
-    cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * (max(psize, 4) if gloo else psize) // psize
+    cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * (reduce_size or psize) // psize
     shard_numel = padded // shard
     host = 0 if offload is None else (formula["master"] + formula["exp_avg"] + formula["exp_avg_sq"] + formula["extra"]
                                       + shard_numel * psize * (1 if rule == "muon" else 2))

@@ -1,5 +1,5 @@
 """The one model of communication buffers, used by ``memory_report().predicted`` and by
-``shardopt.estimate``: staging and receive buffers replayed bucket by bucket as ``reduce._reducer``
+``shardopt.estimate``: staging buffers and cast copies replayed bucket by bucket as ``reduce._reducer``
 and ``reduce._rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
 A model of its own, from a layout alone (the estimate has no optimizer): its per-bucket tables
 are the simulation's, not the optimizer's state, which lives in ``core._records``. The callers
@@ -9,32 +9,24 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from shardopt.core._layout import FlatLayout, Range, receive_chunks
+from shardopt.core._layout import FlatLayout
 
 
-def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None, *, stage: int, gloo: bool,
-                   psize: int, max_inflight: int, hybrid: bool = False) -> tuple[int, int]:
-    """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
-    gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
-    end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``hybrid``: the
-    state is also replicated, so each reduction of a non-empty piece is followed by a cross-replica
-    all-reduce, which on gloo holds the fp32 partial sum (see ``_collectives`` [Note: hybrid sharding])."""
+def replay_buffers(layout: FlatLayout, arrival: Sequence[int] | None, *, stage: int, psize: int, max_inflight: int,
+                   reduce_size: int = 0, hybrid: bool = False) -> tuple[int, int]:
+    """(peak bytes of communication buffers on a rank over one backward pass whose gradients arrive
+    in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the end), the most
+    bytes one bucket adds); every rank alike (each holds an equal piece of every bucket).
+    ``psize``: bytes per gradient element; ``reduce_size``: bytes per element of the dtype
+    gradients are reduced in when it is not theirs (``reduce_dtype``: each reduction reads a cast
+    copy of its bucket, held until it lands), 0 when it is theirs; ``hybrid``: the state is also
+    replicated, so each reduction is followed by a cross-replica all-reduce, in place (see
+    ``_collectives`` [Note: one path on every backend])."""
     numels = [b.global_range.size for b in layout.buckets]
-    receives = []  # per bucket, the elements each of its collectives receives on this rank
-    follows = []  # per bucket and collective: bytes its cross-replica follow-up holds, None: no follow-up
-    acc = max(psize, 4)  # gloo sums in fp32 (fp64 for fp64 gradients)
-    for b in layout.buckets:
-        pieces = [r.relative_to(b.global_range.start) if r.size else Range(0, 0)
-                  for r in layout.bucket_shard_ranges(b.index)]
-        if not gloo:
-            receives.append([0])  # NCCL's reduce-scatter writes into the gradient shard
-            follows.append([0 if hybrid else None])
-            continue
-        chunks = receive_chunks(pieces)
-        receives.append([layout.world_size * c[rank].size for c in chunks] or [0])
-        follows.append([acc * c[rank].size if hybrid else None for c in chunks] or [0 if hybrid else None])
+    copies = [[n * reduce_size] for n in numels]  # per bucket and collective: the bytes it holds while in flight
+    follows: list[list[int | None]] = [[0 if hybrid else None] for _ in numels]  # its follow-up's bytes; None: none
     members = [b.params for b in layout.buckets]
-    return _replay(numels, receives, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
+    return _replay(numels, copies, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
 
 
 class _Buffers:
@@ -44,7 +36,7 @@ class _Buffers:
                  follows: Sequence[Sequence[int | None]], *, stage: int, psize: int, max_inflight: int) -> None:
         self.max_inflight = max_inflight  # reductions in flight before the oldest is waited on
         self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
-        self.recv_bytes = [[m * psize for m in r] for r in receives]  # per bucket, per collective
+        self.recv_bytes = [list(r) for r in receives]  # per bucket, per collective: bytes held while in flight
         self.follows = follows
         self.staging: dict[int, int] = {}
         # (bucket, bytes held, its last collective, bytes of its follow-up or None, is a follow-up)

@@ -340,9 +340,10 @@ class ShardedBuffer:
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         arrival = [r.index for r in self.reducer.arrival()] or None
-        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival,
-                                                 stage=self.config.stage, gloo=self.comm.backend != "nccl",
+        reduce_dtype = self.reducer.reduce_dtype  # None: the gradient's own
+        predicted["buffers"], _ = replay_buffers(self.layout, arrival, stage=self.config.stage,
                                                  psize=self.flat.data.element_size(),
+                                                 reduce_size=reduce_dtype.itemsize if reduce_dtype is not None else 0,
                                                  hybrid=self.comm.hybrid, max_inflight=MAX_INFLIGHT)
         if self.reducer.accumulated:
             predicted["buffers"] += self.layout.numel * cast(torch.dtype, self.reducer.accumulate_dtype).itemsize
