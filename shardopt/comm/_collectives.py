@@ -37,32 +37,39 @@ the closed connection.
 
 [Note: one path on every backend]
 A bucket is ``world_size`` equal pieces in rank order (see core._layout [Note: alignment, padding
-and shards]), so its reduction is one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) into this
-rank's piece and its gather one in-place ``all_gather_into_tensor``: the collectives NCCL runs
-natively (and NVLink SHARP and in-network reduction accelerate), and the same calls on gloo, so
-the path every CPU test takes is the production path. No receive buffer: the reduction writes
-into the gradient shard (or a landing buffer, see reduce._grad_store). The sum runs in the
-gradient dtype, as NCCL's does, unless ``reduce_dtype`` asks for more: the bucket is then cast
-into a copy of that dtype (``reduce_dtype`` bytes per element, held until its reduction lands,
-counted in ``live_bytes``) and reduced there, the result rounded once into the gradient. gloo's
-order of summation is its own, as NCCL's is: with two ranks the sum of two numbers is the same
-either way; with more, the averaged gradient may differ in its last bits from a sum in rank
-order. What this costs on gloo, which CPU runs use: its native reduce-scatter and all-gather are
-about 2x slower than an all-to-all with a local sum and one broadcast per rank (16 MB of fp32 on 2
-ranks on this machine: 44 ms against 22 ms, 24-32 ms against 10-12 ms); measured in
-docs/benchmarks.md. Pieces that are not equal (a checkpoint's gather of one parameter, whose
-pieces are wherever the bucket's cut fell) are gathered by one broadcast per rank that holds part
-of them, on every backend. Stage 1's all-reduce is one native ``all_reduce`` (``ReduceOp.AVG``) of
-the bucket in place, unless ``reduce_dtype`` differs (a reduce-scatter from the cast copy, then the
-all-gather of the averaged pieces) or the sharding is hybrid.
+and shards]). Its reduction and gather take one of two paths (``Comm.path``), on any backend:
+
+* ``native`` (NCCL's default): one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) into this rank's
+  piece and one in-place ``all_gather_into_tensor``; stage 1 one ``all_reduce`` of the bucket in
+  place. The collectives NCCL runs natively (and NVLink SHARP and in-network reduction
+  accelerate). No receive buffer; the sum runs in the gradient dtype unless ``reduce_dtype`` asks
+  for more, from a cast copy of the bucket (held until the reduction lands, in ``live_bytes``).
+* ``rank-order`` (gloo's default): one all-to-all that sends every rank every rank's copy of its
+  piece, a sum in rank order in fp32 (fp64 for fp64 gradients) and a division; the gather one
+  broadcast per rank. The same bits whatever the bucket size and, with 16-bit gradients, an fp32
+  sum at no cost on the wire (an fp16 sum of N gradients overflows N times earlier than each
+  one). gloo's own reduce-scatter runs as a whole all-reduce (its profiler records say
+  ``gloo:all_reduce``): 2x slower here (16 MB of fp32 on 2 ranks: 44 ms against 22 ms; its
+  all-gather 24-32 ms against 10-12 ms for the broadcasts), and its summation order depends on the
+  message size, so at three ranks or more the result would change with ``bucket_cap_mb``. Its price
+  is a receive buffer of one bucket per reduction in flight.
+
+``SHARDOPT_COLLECTIVES=native`` (or ``rank-order``) chooses either on any backend; the tests run
+the native path on gloo too (``tests/test_collectives.py``), so the calls a GPU run makes are calls
+CPU tests make. With two ranks the two paths give the same bits for fp32 and bf16 gradients (one
+sum of two numbers, halved). Pieces that are not a bucket's (a checkpoint's gather of one
+parameter, cut wherever the bucket's pieces fall) are gathered by one broadcast per rank that
+holds part of them, on either path.
 
 [Note: hybrid sharding]
 With a 2-D ``DeviceMesh`` (replicate x shard) the state is sharded over the ``shard`` dimension
 and replicated over ``replicate``. A bucket's gradients are reduce-scattered inside the shard
 group, and each rank's averaged piece is then all-reduced across the replicate group (the ranks
-holding the same piece in the other replicas), both averages (``ReduceOp.AVG``; the shard groups
-are of equal size, so the mean of their means is the mean) in the reduction's dtype (see [Note:
-one path on every backend]); the weights are all-gathered inside the shard group. The cross-replica all-reduce of a bucket is issued
+holding the same piece in the other replicas); the weights are all-gathered inside the shard
+group. On the native path both are averages (``ReduceOp.AVG``; the shard groups are of equal size,
+so the mean of their means is the mean) in the reduction's dtype; on the rank-order path the
+cross-replica all-reduce sums the fp32 partial sums of the shard groups, and the average is
+rounded to the gradient dtype once, after it (see [Note: one path on every backend]). The cross-replica all-reduce of a bucket is issued
 when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
 of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
 the bucket order) still spans every rank of the mesh, so every decision is the same everywhere.
@@ -73,6 +80,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import os
 import pickle
 import time
 from dataclasses import dataclass, field
@@ -374,8 +382,10 @@ class Comm:
             raise ValueError(f"device_mesh: a shard group of {self.shard_size} ranks does not tile the "
                              f"{self.world_size} data-parallel ranks")
         self.backend: str = str(dist.get_backend(process_group))
+        self.path: NativePath = bucket_path(self.backend)(self)  # how buckets are reduced and gathered
         self.stats = CommStats()
-        self.live_bytes = 0  # cast copies of buckets whose reductions are in flight (reduce_dtype), bytes
+        # what reductions in flight hold beside the buckets, bytes: receive buffers (rank-order), cast copies (native)
+        self.live_bytes = 0
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
@@ -535,7 +545,7 @@ class Comm:
         collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
         all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
         s, r = self.shard_size, self.replicas
-        passes = 2 if stage == 1 and not self.hybrid else 1  # all-reduce
+        passes = 2 if stage == 1 and not self.hybrid and self.path.whole_all_reduce else 1  # all-reduce
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r
 
@@ -554,44 +564,29 @@ class Comm:
         return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
                        overlap=True)
 
-    def reduce_scatter_avg(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
-        """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once waited.
-
-        ``pieces[r]`` is shard rank r's range relative to the start of ``bucket``: equal, in rank
-        order, tiling it (``build_layout``'s buckets). One ``reduce_scatter_tensor`` on every
-        backend, summed in ``out``'s dtype (from a cast copy of the bucket when that is not the
-        bucket's); see [Note: one path on every backend]. With hybrid sharding the average spans
-        the replicas too (see [Note: hybrid sharding]). Every rank, same order."""
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+        """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once the last collective
+        is waited: the collectives, each issued when its function is called (in list order, on
+        every rank; one). ``pieces[r]`` is shard rank r's range relative to the start of
+        ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
+        comm's bucket path (see [Note: one path on every backend]). With hybrid sharding the
+        average spans the replicas too (see [Note: hybrid sharding])."""
         if not _equal(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
             raise AssertionError(f"a bucket's reduction takes equal pieces that tile it, got {list(pieces)} of a "
                                  f"{bucket.numel()}-element bucket")
         # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
         out, bucket = out.detach(), bucket.detach()
-        src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
-        copied = src.nbytes if src is not bucket else 0
-        self.live_bytes += copied
-        work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
-
-        def landed() -> Pending | None:
-            self.live_bytes -= copied
-            return self._cross(out, avg=True) if self.hybrid else None
-
-        return Pending(self._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=self.stats,
-                       then=landed, comm=self)
-
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
-        """:meth:`reduce_scatter_avg` as the list of collectives a bucket's launch issues, in order, on
-        every rank (one)."""
-        return [lambda: self.reduce_scatter_avg(out, bucket, pieces)]
+        return [lambda: self.path.reduce_scatter(out, bucket, pieces)]
 
     def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
                          sum_dtype: torch.dtype | None = None) -> list[Callable[[], Pending]]:
         """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
-        called (in order, every rank): one native all-reduce (``ReduceOp.AVG``); with ``sum_dtype``
-        other than the bucket's, or hybrid, a reduce-scatter (summed in ``sum_dtype``) and, once it
-        is waited, an all-gather of the averaged pieces."""
-        bucket = bucket.detach()  # see reduce_scatter_avg
-        if sum_dtype in (None, bucket.dtype) and not self.hybrid:
+        called (in order, every rank): the native path's one all-reduce (``ReduceOp.AVG``), or a
+        reduce-scatter (summed in ``sum_dtype``, default the bucket's; see
+        :meth:`reduce_scatter_parts`) followed, once it is waited, by an all-gather of the
+        averaged pieces (the rank-order path, ``sum_dtype`` other than the bucket's, hybrid)."""
+        bucket = bucket.detach()  # see reduce_scatter_parts
+        if self.path.whole_all_reduce and sum_dtype in (None, bucket.dtype) and not self.hybrid:
             def whole() -> Pending:
                 work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
                 return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=self.stats,
@@ -599,9 +594,10 @@ class Comm:
             return [whole]
         own = bucket[pieces[self.shard_rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
+        issue = self.reduce_scatter_parts(out, bucket, pieces)[0]
 
         def reduce_then_gather() -> Pending:
-            reduced = self.reduce_scatter_avg(out, bucket, pieces)
+            reduced = issue()
 
             def gather() -> Pending:
                 if out is not own:
@@ -616,10 +612,10 @@ class Comm:
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
-        group. Equal pieces (a bucket's): one in-place ``all_gather_into_tensor``; others: one
-        broadcast per rank that holds part of them (see [Note: one path on every backend]). Call on
-        every rank."""
-        if _equal(pieces):
+        group. Equal pieces (a bucket's) on the native path: one in-place ``all_gather_into_tensor``;
+        else one broadcast per rank that holds part of them (see [Note: one path on every backend]).
+        Call on every rank."""
+        if self.path.gathers_natively and _equal(pieces):
             whole = flat[pieces[0].start:pieces[-1].end]
             mine = flat[pieces[self.shard_rank].as_slice()]
             work = _all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
@@ -628,3 +624,88 @@ class Comm:
                  for r, p in enumerate(pieces) if p.size > 0]
         gathered = sum(p.size for p in pieces) * flat.element_size()
         return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats, comm=self)
+
+
+class NativePath:
+    """A bucket's reduction as one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) in ``out``'s dtype
+    (from a cast copy of the bucket when that is not the bucket's), its gather as one
+    ``all_gather_into_tensor``, stage 1's as one ``all_reduce``: what NCCL runs natively (see
+    [Note: one path on every backend])."""
+
+    name = "native"
+    whole_all_reduce = True  # stage 1: one all-reduce of the bucket in place
+    gathers_natively = True
+
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+
+    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
+        """This rank's piece of ``bucket``'s average into ``out``; see ``Comm.reduce_scatter_parts``."""
+        c = self.comm
+        src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
+        copied = src.nbytes if src is not bucket else 0
+        c.live_bytes += copied
+        work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=c.shard_group, async_op=True)
+
+        def landed() -> Pending | None:
+            c.live_bytes -= copied
+            return c._cross(out, avg=True) if c.hybrid else None
+
+        return Pending(c._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=c.stats, then=landed,
+                       comm=c)
+
+
+class RankOrderPath(NativePath):
+    """A bucket's reduction as one all-to-all that sends every rank the pieces it owns, then a sum
+    in rank order in fp32 (fp64 for fp64 gradients) and a division: the same bits whatever the
+    bucketing and the number of ranks' message sizes, 16-bit gradients summed in fp32; its gather
+    as one broadcast per rank (see [Note: one path on every backend]). gloo's default."""
+
+    name = "rank-order"
+    whole_all_reduce = False  # stage 1: this reduce-scatter, then the gather of the pieces
+    gathers_natively = False
+
+    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
+        c = self.comm
+        n, mine = c.shard_size, pieces[c.shard_rank].size
+        recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)  # every rank's copy of this piece
+        c.live_bytes += recv.nbytes
+        work = dist.all_to_all_single(recv, bucket, output_split_sizes=[mine] * n,
+                                      input_split_sizes=[p.size for p in pieces], group=c.shard_group,
+                                      async_op=True)
+
+        def finish() -> Pending | None:
+            c.live_bytes -= recv.nbytes
+            if not mine and not c.hybrid:
+                return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
+            parts = recv.view(n, mine)
+            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
+            for q in range(1, n):  # rank order: the result does not depend on the bucketing
+                acc.add_(parts[q])
+            if not c.hybrid:
+                out.copy_(acc.div_(n))
+                return None
+            c.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
+
+            def land() -> None:
+                c.live_bytes -= acc.nbytes
+                out.copy_(acc.div_(n * c.replicas))
+
+            return c._cross(acc, avg=False, then=land)
+
+        return Pending(c._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out], stats=c.stats,
+                       then=finish, comm=c)
+
+
+PATHS = {path.name: path for path in (NativePath, RankOrderPath)}
+
+
+def bucket_path(backend: str) -> type[NativePath]:
+    """The bucket path for ``backend``: ``SHARDOPT_COLLECTIVES`` (``native`` or ``rank-order``)
+    when set, else ``native`` on NCCL and ``rank-order`` on gloo (see [Note: one path on every
+    backend]). Local."""
+    chosen = os.environ.get("SHARDOPT_COLLECTIVES", "").strip()
+    if chosen and chosen not in PATHS:
+        raise ValueError(f"SHARDOPT_COLLECTIVES={chosen!r}: use one of {sorted(PATHS)}, or unset it for the "
+                         f"backend's default (native on NCCL, rank-order on gloo)")
+    return PATHS[chosen or ("native" if backend == "nccl" else "rank-order")]

@@ -16,9 +16,10 @@ per parameter tensor.
 ``buffers`` is the high-water mark of communication buffers while gradients are reduced, bucket
 by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_rounds``). Stage 2
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
-place. The collectives are the native ones on every backend and need no receive buffer; with
-``reduce_dtype`` other than the gradient's, each reduction reads a cast copy of its bucket, held
-until it lands (see ``_collectives`` [Note: one path on every backend]). With the shapes, the estimate replays the reducer: every
+place. On NCCL (the native path, see ``_collectives`` [Note: one path on every backend]) the
+collectives need no receive buffer; with ``reduce_dtype`` other than the gradient's, each
+reduction reads a cast copy of its bucket, held until it lands. On gloo (the rank-order path)
+each reduction receives every rank's copy of this rank's piece of the bucket, one bucket. With the shapes, the estimate replays the reducer: every
 backward pass, the first included, launches a bucket once it is complete and every bucket that
 completed before it has been launched (the first pass follows rank 0's completions, later ones the
 order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists
@@ -44,8 +45,8 @@ backward.
 With hybrid sharding (``shard_size`` S < N, R = N / S replicas) the padded buffer is cut S ways:
 state and buffers are those of S ranks, the reduce-scatter and the all-gathers run over the S
 ranks of the shard group (``(S-1)/S P`` per pass), and each rank's averaged piece of ``P / S``
-is all-reduced across the R replicas, ``2 (R-1)/R P/S`` (in ``reduce_dtype`` when it is set, else
-in the gradient dtype). With the shard group inside a node, only that last term
+is all-reduced across the R replicas, ``2 (R-1)/R P/S`` (in fp32 on gloo, which sums there in
+fp32; on NCCL in ``reduce_dtype`` when it is set, else in the gradient dtype). With the shard group inside a node, only that last term
 crosses nodes: ``comm_cross``, against the whole ``comm_bytes`` of flat sharding.
 """
 from __future__ import annotations
@@ -94,7 +95,7 @@ class MemoryEstimate:
     exp_avg_sq: int
     extra: int
     buffers: int
-    backend: str  # "nccl" or "gloo" (both take the same collectives: the same buffers)
+    backend: str  # "nccl" or "gloo": which collectives the buffers are estimated for (its default path)
     rank: int  # the rank whose buffers these are
     buffers_slack: int  # bytes one bucket adds to buffers: the margin for another gradient order, see [Note: buffers estimate]
     comm_reduce: int  # bytes sent per rank per step for the gradients (all-reduce or reduce-scatter)
@@ -242,10 +243,9 @@ def estimate_memory(
     in the order their gradients become ready in backward, e.g. the reverse of registration order);
     without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
-    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs), which take the same
-    collectives and so the same buffers (it is kept in the estimate's table); ``reduce_dtype`` as in
-    ``ShardedAdamW`` (a reduction in another dtype than the gradient's reads a cast copy of its
-    bucket); ``moments`` as in
+    ``ShardedAdamW``; ``backend`` is ``"nccl"`` (GPUs) or ``"gloo"`` (CPUs), each with its default
+    bucket path (``SHARDOPT_COLLECTIVES`` unset); ``reduce_dtype`` as in ``ShardedAdamW`` (on NCCL a
+    reduction in another dtype than the gradient's reads a cast copy of its bucket); ``moments`` as in
     ``ShardedAdamW`` (``"fp32"``, ``"bf16"``, ``"8bit"``); ``shard_size`` the ranks the state is
     sharded over with hybrid sharding (a ``(world_size / shard_size, shard_size)`` device mesh;
     default ``world_size``, flat), and ``rank`` then a rank of the shard group. ``rule="muon"``
@@ -293,6 +293,7 @@ def estimate_memory(
     if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
         raise ValueError(f"reduce_dtype must be None (the gradient dtype) or a float torch.dtype, got {reduce_dtype!r}")
     reduce_size = 0 if reduce_dtype in (None, dtype) else torch.empty((), dtype=reduce_dtype).element_size()
+    gloo = backend == "gloo"  # its default bucket path: rank-order (see comm._collectives [Note: one path on every backend])
 
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).
@@ -312,8 +313,8 @@ def estimate_memory(
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
         if rule == "muon" and arrival is not None:  # the packing reorders the matrices by owner
             arrival = [position[i] for i in arrival]
-        buffers, slack = replay_buffers(layout, arrival, stage=stage, psize=psize, reduce_size=reduce_size,
-                                        hybrid=replicas > 1, max_inflight=MAX_INFLIGHT)
+        buffers, slack = replay_buffers(layout, arrival, stage=stage, psize=psize, rank_order=gloo,
+                                        reduce_size=reduce_size, hybrid=replicas > 1, max_inflight=MAX_INFLIGHT)
         chosen = 0 if rank is None else rank
     else:
         if num_params is None:
@@ -328,8 +329,14 @@ def estimate_memory(
         bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
         window = min(whole, (MAX_INFLIGHT + 1) * bucket)
         staging = window if stage == 2 else 0
-        copies = window * reduce_size // psize  # reduce_dtype: a cast copy of each bucket in flight
-        buffers, slack = staging + copies, (bucket if stage == 2 else 0) + bucket * reduce_size // psize
+        if gloo:  # rank-order: each reduction in flight receives one bucket (and, hybrid, holds an fp32 partial sum)
+            held = min(whole, MAX_INFLIGHT * bucket)
+            if replicas > 1:
+                held += min(whole, (MAX_INFLIGHT + 1) * bucket // shard) * max(psize, 4) // psize
+            per_bucket = min(whole, bucket)
+        else:  # native: reduce_dtype's cast copy of each bucket in flight
+            held, per_bucket = window * reduce_size // psize, bucket * reduce_size // psize
+        buffers, slack = staging + held, (bucket if stage == 2 else 0) + per_bucket
         chosen = 0 if rank is None else rank
 
     mode = master_weights if psize == 2 else "fp32"
@@ -338,7 +345,8 @@ def estimate_memory(
     formula["buffers"] = buffers
     nbytes = padded * psize
     buckets = len(layout.buckets) if param_shapes is not None else -(-(padded * psize) // bucket)
-    cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * (reduce_size or psize) // psize
+    cross_size = max(psize, 4) if gloo else (reduce_size or psize)  # rank-order: the fp32 partial sums
+    cross = 0 if replicas == 1 else 2 * (replicas - 1) * (nbytes // shard) // replicas * cross_size // psize
     shard_numel = padded // shard
     host = 0 if offload is None else (formula["master"] + formula["exp_avg"] + formula["exp_avg_sq"] + formula["extra"]
                                       + shard_numel * psize * (1 if rule == "muon" else 2))

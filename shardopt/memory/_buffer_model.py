@@ -13,20 +13,26 @@ from shardopt.core._layout import FlatLayout
 
 
 def replay_buffers(layout: FlatLayout, arrival: Sequence[int] | None, *, stage: int, psize: int, max_inflight: int,
-                   reduce_size: int = 0, hybrid: bool = False) -> tuple[int, int]:
+                   rank_order: bool, reduce_size: int = 0, hybrid: bool = False) -> tuple[int, int]:
     """(peak bytes of communication buffers on a rank over one backward pass whose gradients arrive
     in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the end), the most
     bytes one bucket adds); every rank alike (each holds an equal piece of every bucket).
-    ``psize``: bytes per gradient element; ``reduce_size``: bytes per element of the dtype
-    gradients are reduced in when it is not theirs (``reduce_dtype``: each reduction reads a cast
-    copy of its bucket, held until it lands), 0 when it is theirs; ``hybrid``: the state is also
-    replicated, so each reduction is followed by a cross-replica all-reduce, in place (see
-    ``_collectives`` [Note: one path on every backend])."""
+    ``psize``: bytes per gradient element; ``rank_order``: the comm's bucket path (see
+    ``_collectives`` [Note: one path on every backend]): a reduction receives every rank's copy
+    of this rank's piece, one bucket, and with ``hybrid`` holds its fp32 partial sum until the
+    cross-replica all-reduce lands; else (native) ``reduce_size``, the bytes per element of
+    ``reduce_dtype`` when it is not the gradient's (0 when it is), each reduction reading a cast
+    copy of its bucket until it lands, the cross-replica all-reduce in place."""
     numels = [b.global_range.size for b in layout.buckets]
-    copies = [[n * reduce_size] for n in numels]  # per bucket and collective: the bytes it holds while in flight
-    follows: list[list[int | None]] = [[0 if hybrid else None] for _ in numels]  # its follow-up's bytes; None: none
+    acc = max(psize, 4)  # the rank-order sum runs in fp32 (fp64 for fp64 gradients)
+    if rank_order:
+        held = [[n * psize] for n in numels]  # per bucket and collective: the bytes it holds while in flight
+        follows: list[list[int | None]] = [[acc * b.piece_numel if hybrid else None] for b in layout.buckets]
+    else:
+        held = [[n * reduce_size] for n in numels]
+        follows = [[0 if hybrid else None] for _ in numels]  # its follow-up's bytes; None: no follow-up
     members = [b.params for b in layout.buckets]
-    return _replay(numels, copies, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
+    return _replay(numels, held, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
 
 
 class _Buffers:

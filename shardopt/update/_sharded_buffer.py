@@ -343,6 +343,7 @@ class ShardedBuffer:
         reduce_dtype = self.reducer.reduce_dtype  # None: the gradient's own
         predicted["buffers"], _ = replay_buffers(self.layout, arrival, stage=self.config.stage,
                                                  psize=self.flat.data.element_size(),
+                                                 rank_order=self.comm.path.name == "rank-order",
                                                  reduce_size=reduce_dtype.itemsize if reduce_dtype is not None else 0,
                                                  hybrid=self.comm.hybrid, max_inflight=MAX_INFLIGHT)
         if self.reducer.accumulated:
