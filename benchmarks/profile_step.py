@@ -12,7 +12,9 @@ forward, where the overlapped gathers are waited for. Rank 0 writes the Chrome/P
 ``nccl:...`` / ``gloo:...`` records) the step made, and the number of buckets. At one rank no
 data moves, but the step still makes every collective call it makes at more ranks (there is no
 one-rank shortcut), so the trace shows the calls a multi-GPU run makes. Exits non-zero when a
-range of shardopt's is missing from the trace.
+range of shardopt's is missing from the trace, or when the native bucket path (NCCL's, or
+``SHARDOPT_COLLECTIVES=native``) made other than one ``reduce_scatter_tensor`` and one
+``all_gather_into_tensor`` per bucket.
 """
 from __future__ import annotations
 
@@ -82,10 +84,17 @@ def main() -> None:
     from shardopt.core._ranges import NAMES
 
     missing = [n for n in NAMES if n not in counts]
+    native = opt._comm.path.name == "native"
     opt.close()
     dist.destroy_process_group()
     if missing:
         sys.exit(f"profile_step: missing from the trace: {', '.join(missing)}")
+    # The native path (NCCL's): one reduce-scatter and one all-gather per bucket, nothing else per bucket
+    calls = {n: counts.get(n, 0) for n in ("c10d::_reduce_scatter_base_", "c10d::_allgather_base_")}
+    other = {n: counts[n] for n in ("c10d::alltoall_base_", "c10d::broadcast_", "c10d::reduce_scatter_") if n in counts}
+    if native and (set(calls.values()) != {buckets} or other):
+        sys.exit(f"profile_step: the native path made {calls} and {other} for {buckets} buckets; expected one "
+                 "reduce-scatter and one all-gather per bucket and nothing else")
 
 
 if __name__ == "__main__":

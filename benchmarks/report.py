@@ -50,6 +50,9 @@ SOURCES = (
      "into the update and the wait for weight gathers."),
     ("records_ab.md", "The records' verbs and the module hooks, before and after",
      "The training step and the overlapped step with the earlier checkout in the same rounds."),
+    ("equal_pieces.md", "Buckets of equal pieces, before and after",
+     "The training step with the layout before equal pieces in the same rounds, the native bucket path "
+     "on gloo, and how GPT-2 small's buckets split over 8, 64 and 1024 ranks."),
     ("per_param.md", "Host cost per parameter tensor",
      "`backward() + step() + zero_grad()` on many 16-element tensors against DDP and torch's ZeRO."),
     ("step_muon.md", "Muon training step",

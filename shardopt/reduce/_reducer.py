@@ -56,9 +56,9 @@ class GradReducer:
         self.flat, self.comm = flat, comm
         self.records, self.buckets = list(records), list(buckets)
         self.dtensor_records = [r for r in self.records if r.dtensor is not None]  # see core._dtensor
-        # Reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for more precision:
-        # the wire still carries the gradient dtype; the local sum runs in reduce_dtype and is rounded
-        # once, after averaging (see comm._collectives [Note: deterministic reduction]).
+        # On the native path reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for
+        # more precision, from a cast copy of the bucket; the rank-order path always sums in fp32 (see
+        # comm._collectives [Note: one path on every backend]). The result is rounded once, after averaging.
         self.reduce_dtype = reduce_dtype if reduce_dtype not in (None, flat.dtype) else None
         # [Note: accumulation dtype] autograd accumulates .grad in the parameter's dtype; summing
         # many bf16 micro-batch gradients in bf16 loses their low bits. Under no_sync each new
