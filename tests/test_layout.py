@@ -185,3 +185,36 @@ def test_bucket_pieces_and_local_ranges_follow_element_ownership(world_size):
                 assert piece.start <= e - b.global_range.start < piece.end
                 assert owner[e][1] == local[b.index].start + e - b.global_range.start - piece.start
         assert sum(r.size for r in local) == n  # the buckets tile the shard
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_a_shard_view_reads_and_writes_the_rank_pieces_of_the_flat_buffer(world_size):
+    """``ShardView``: local ranges map to the rank's pieces (checked element by element against
+    ``shard_pieces``), a range across two pieces is refused, and the whole shard reads and writes
+    through its pieces; one rank's shard is the flat buffer itself."""
+    from shardopt.core._flat import ShardView
+
+    layout = build_layout(SHAPES["odd"], world_size, bucket_numel=50)
+    flat = torch.arange(layout.numel, dtype=torch.float32)
+    for rank in range(world_size):
+        view = ShardView(flat, layout.shard_runs(rank), layout.shard_numel)
+        for piece in layout.shard_pieces(rank):
+            got = view[piece.local_range.as_slice()]
+            assert torch.equal(got, flat[piece.global_range.as_slice()])
+            assert got.data_ptr() == flat[piece.global_range.start:].data_ptr()  # a view
+        whole = view.read()
+        for local, glob in layout.shard_runs(rank):
+            assert torch.equal(whole[local.as_slice()], flat[glob.as_slice()])
+        runs = layout.shard_runs(rank)
+        if len(runs) > 1:
+            with pytest.raises(AssertionError, match="not within one piece"):
+                view[runs[0][0].end - 1:runs[1][0].start + 1]
+        assert (whole.data_ptr() == flat.data_ptr()) == (world_size == 1)  # one rank: no copy
+        window = view.window(Range(runs[-1][0].start, layout.shard_numel))
+        assert torch.equal(window.read(), flat[runs[-1][1].as_slice()])
+    target = flat.clone()
+    view = ShardView(target, layout.shard_runs(world_size - 1), layout.shard_numel)
+    view.copy_(-torch.ones(layout.shard_numel))
+    changed = (target != flat).nonzero().flatten().tolist()
+    assert changed == [e for _, glob in layout.shard_runs(world_size - 1) for e in range(glob.start, glob.end)
+                       if flat[e] != -1]

@@ -7,11 +7,15 @@ on a copy of the model whose gradients are averaged with ``dist.all_reduce`` (wh
 
 - parity: stage 1 and 2, fp32 weights, every step within fp32 rounding of the reference;
 - hybrid: ``device_mesh=(replicas, shards)`` over 4 GPUs, the same reference;
-- offload: ``offload="cpu"`` against the same optimizer without offload, bit for bit.
+- offload: ``offload="cpu"`` against the same optimizer without offload, bit for bit;
+- collectives: one profiled stage-2 step makes one ``reduce_scatter_tensor`` and one
+  ``all_gather_into_tensor`` per bucket and no other bucket collective (comm._collectives [Note:
+  one path on every backend]).
 
 Skipped where fewer GPUs than a case needs are visible, as torch's own ``skip_if_lt_x_gpu``. So that
 the cases stay runnable where no GPU is (CI), the same ranks also run every case on gloo and the
-CPU (``test_the_cases_run_on_gloo``): the same code, only the backend and the device differ.
+CPU (``test_the_cases_run_on_gloo``) on NCCL's bucket path (``SHARDOPT_COLLECTIVES=native``): the
+same code, only the backend and the device differ.
 """
 from __future__ import annotations
 
@@ -35,7 +39,8 @@ def skip_if_lt_x_gpu(n: int) -> pytest.MarkDecorator:
 def _launch(case: str, nproc: int, backend: str = "nccl") -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, case,
            backend]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE))
+    env = dict(os.environ, SHARDOPT_COLLECTIVES="native")  # NCCL's default; gloo takes it too here
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE), env=env)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     return run.stdout
 
@@ -58,10 +63,17 @@ def test_nccl_offload_is_bit_for_bit_the_same_training():
     assert out.count("offload ok") == 2, out[-2000:]
 
 
+@skip_if_lt_x_gpu(2)
+def test_nccl_makes_one_reduce_scatter_and_one_all_gather_per_bucket():
+    out = _launch("collectives", 2)
+    assert out.count("collectives ok") == 2, out[-2000:]
+
+
 def test_the_cases_run_on_gloo():
     """The cases above on gloo and the CPU, 4 ranks: the ranks' code stays runnable without GPUs."""
     out = _launch("all", 4, "gloo")
     assert out.count("parity ok") == 2 * 4 and out.count("hybrid ok") == 4 and out.count("offload ok") == 4, out[-2000:]
+    assert out.count("collectives ok") == 4, out[-2000:]
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -122,9 +134,23 @@ def _worker(case: str, backend: str) -> None:
         train(b, opt_b, range(5))
         assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
         print(f"rank {rank}: offload ok", flush=True)
+    if case in ("collectives", "all"):
+        from collections import Counter
+
+        from torch.profiler import ProfilerActivity, profile
+
+        model, opt = build(stage=2)
+        train(model, opt, range(2))
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            train(model, opt, range(2, 3))
+        counts = Counter(e.name for e in prof.events() if e.name.startswith("c10d::"))
+        buckets = len(opt.inspect().buffers[0].buckets)
+        assert counts["c10d::_reduce_scatter_base_"] == counts["c10d::_allgather_base_"] == buckets > 1, counts
+        assert not {"c10d::alltoall_base_", "c10d::broadcast_", "c10d::reduce_scatter_"} & set(counts), counts
+        print(f"rank {rank}: collectives ok ({buckets} buckets)", flush=True)
     dist.destroy_process_group()
 
 
-if __name__ == "__main__" and sys.argv[1:2] in (["parity"], ["hybrid"], ["offload"], ["all"]):
+if __name__ == "__main__" and sys.argv[1:2] in (["parity"], ["hybrid"], ["offload"], ["collectives"], ["all"]):
     sys.path.insert(0, HERE)
     _worker(sys.argv[1], sys.argv[2])

@@ -5,6 +5,7 @@ so writing the flat buffer (e.g. the all-gather after an update) changes the mod
 """
 from __future__ import annotations
 
+import bisect
 from typing import Sequence
 
 import torch
@@ -67,6 +68,7 @@ class ShardView:
     def __init__(self, flat: Tensor, runs: Sequence[tuple[Range, Range]], numel: int) -> None:
         self.flat = flat
         self.runs = list(runs)  # (local range, global range) per non-empty piece, in local order
+        self._starts = [local.start for local, _ in self.runs]  # for a bisection: a step asks once per kernel call
         self._numel = numel
         self.dtype, self.device = flat.dtype, flat.device
 
@@ -81,8 +83,10 @@ class ShardView:
         start, stop = sl.start or 0, self._numel if sl.stop is None else sl.stop
         if start == stop:
             return self.flat[:0]
-        for local, glob in self.runs:
-            if local.start <= start and stop <= local.end:
+        k = bisect.bisect_right(self._starts, start) - 1
+        if k >= 0:
+            local, glob = self.runs[k]
+            if stop <= local.end:
                 return self.flat[glob.start + start - local.start:glob.start + stop - local.start]
         raise AssertionError(f"local elements [{start}, {stop}) are not within one piece of the shard: "
                              f"{[local for local, _ in self.runs]}")
