@@ -5,8 +5,8 @@ is reduced by exactly one ``reduce_scatter_tensor`` and gathered by exactly one
 ``all_gather_into_tensor`` of equal pieces (``c10d::_reduce_scatter_base_`` and
 ``c10d::_allgather_base_``, the records torch's own process group leaves, whatever shardopt calls
 them through); stage 1 all-reduces each bucket in place. No all-to-all, no broadcast, no
-reduce-scatter of a list of pieces. On the rank-order path (gloo's default) a bucket is one
-all-to-all of equal pieces and one broadcast per rank. The two paths train to the same bits at two
+reduce-scatter of a list of pieces. On the rank-order path (gloo's default) a bucket is two
+all-to-alls of the other ranks' pieces and one broadcast per rank. The two paths train to the same bits at two
 ranks. Catches a bucket cut into several collectives, unequal pieces, and a path that does not
 run the calls it names (comm._collectives [Note: one path on every backend]).
 """
@@ -57,7 +57,7 @@ def _step(stage: int) -> dict:
     opt.close()
     ops = [(e.name, [s for s in e.input_shapes if s]) for e in prof.events() if e.name.startswith("c10d::")]
     gloo = [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("gloo:")]  # with the tensors' shapes
-    return {"counts": Counter(name for name, _ in ops), "ops": ops, "gloo": gloo, "world": world,
+    return {"counts": Counter(name for name, _ in ops), "ops": ops, "gloo": gloo, "world": world, "rank": dist.get_rank(),
             "buckets": [b.global_range.size for b in layout.buckets],
             "equal": all(len({p.size for p in layout.bucket_pieces(b.index)}) == 1 for b in layout.buckets)}
 
@@ -88,16 +88,18 @@ def test_a_stage1_step_all_reduces_each_bucket_in_place_and_gathers_it_once(pool
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_the_rank_order_path_makes_one_all_to_all_per_bucket_and_gathers_by_broadcasts(pools, world_size):
+def test_the_rank_order_path_makes_two_all_to_alls_per_bucket_and_gathers_by_broadcasts(pools, world_size):
     for stage in (1, 2):
         for r in pools(world_size).run(step_case, stage, "rank-order"):
             buckets, counts = r["buckets"], r["counts"]
-            assert counts["c10d::alltoall_base_"] == len(buckets), (stage, counts)
+            assert counts["c10d::alltoall_base_"] == 2 * len(buckets), (stage, counts)  # to the ranks below, above
             gathers = 2 if stage == 1 else 1  # stage 1 also gathers the averaged gradient's pieces
             assert counts["c10d::broadcast_"] == gathers * world_size * len(buckets), (stage, counts)
             assert not {"c10d::_reduce_scatter_base_", "c10d::_allgather_base_", "c10d::reduce_scatter_"} & set(counts)
-            sent = sorted(sh[1][0] for name, sh in r["ops"] if name == "c10d::alltoall_base_")
-            assert sent == sorted(buckets), (sent, buckets)  # the whole bucket, in equal pieces
+            rank, world = r["rank"], r["world"]
+            sent = sorted(sh[1][0] for name, sh in r["ops"] if name == "c10d::alltoall_base_" and len(sh) > 1 and sh[1][0])
+            below, above = [n // world * rank for n in buckets], [n // world * (world - 1 - rank) for n in buckets]
+            assert sent == sorted(x for x in below + above if x), (sent, buckets)  # the other ranks' pieces
 
 
 def train_case(path: str, dtype: str, steps: int = 4) -> list[torch.Tensor]:

@@ -44,15 +44,17 @@ and shards]). Its reduction and gather take one of two paths (``Comm.path``), on
   place. The collectives NCCL runs natively (and NVLink SHARP and in-network reduction
   accelerate). No receive buffer; the sum runs in the gradient dtype unless ``reduce_dtype`` asks
   for more, from a cast copy of the bucket (held until the reduction lands, in ``live_bytes``).
-* ``rank-order`` (gloo's default): one all-to-all that sends every rank every rank's copy of its
-  piece, a sum in rank order in fp32 (fp64 for fp64 gradients) and a division; the gather one
-  broadcast per rank. The same bits whatever the bucket size and, with 16-bit gradients, an fp32
+* ``rank-order`` (gloo's default): two all-to-alls (to the ranks below, then to the ranks
+  above) that send every rank the other ranks' copies of its piece (its own stays in the
+  bucket: gloo's all-to-all takes no split that skips its own rank), a sum in rank order in fp32
+  (fp64 for fp64 gradients) and a division; the gather one broadcast per rank. The same bits whatever the bucket size and, with 16-bit gradients, an fp32
   sum at no cost on the wire (an fp16 sum of N gradients overflows N times earlier than each
   one). gloo's own reduce-scatter runs as a whole all-reduce (its profiler records say
   ``gloo:all_reduce``): 2x slower here (16 MB of fp32 on 2 ranks: 44 ms against 22 ms; its
   all-gather 24-32 ms against 10-12 ms for the broadcasts), and its summation order depends on the
   message size, so at three ranks or more the result would change with ``bucket_cap_mb``. Its price
-  is a receive buffer of one bucket per reduction in flight.
+  is receive buffers of ``(world_size - 1) / world_size`` of a bucket per reduction in flight, and
+  two collectives per bucket.
 
 ``SHARDOPT_COLLECTIVES=native`` (or ``rank-order``) chooses either on any backend; the tests run
 the native path on gloo too (``tests/test_collectives.py``), so the calls a GPU run makes are calls
@@ -567,7 +569,7 @@ class Comm:
     def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
         """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once the last collective
         is waited: the collectives, each issued when its function is called (in list order, on
-        every rank; one). ``pieces[r]`` is shard rank r's range relative to the start of
+        every rank). ``pieces[r]`` is shard rank r's range relative to the start of
         ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
         comm's bucket path (see [Note: one path on every backend]). With hybrid sharding the
         average spans the replicas too (see [Note: hybrid sharding])."""
@@ -576,7 +578,7 @@ class Comm:
                                  f"{bucket.numel()}-element bucket")
         # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
         out, bucket = out.detach(), bucket.detach()
-        return [lambda: self.path.reduce_scatter(out, bucket, pieces)]
+        return self.path.reduce_scatter_parts(out, bucket, pieces)
 
     def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
                          sum_dtype: torch.dtype | None = None) -> list[Callable[[], Pending]]:
@@ -594,10 +596,11 @@ class Comm:
             return [whole]
         own = bucket[pieces[self.shard_rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
-        issue = self.reduce_scatter_parts(out, bucket, pieces)[0]
+        parts = self.reduce_scatter_parts(out, bucket, pieces)
+        issue_last = parts[-1]
 
         def reduce_then_gather() -> Pending:
-            reduced = issue()
+            reduced = issue_last()
 
             def gather() -> Pending:
                 if out is not own:
@@ -607,7 +610,7 @@ class Comm:
             and_then(reduced, gather)
             return reduced
 
-        return [reduce_then_gather]
+        return parts[:-1] + [reduce_then_gather]
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
@@ -639,8 +642,13 @@ class NativePath:
     def __init__(self, comm: Comm) -> None:
         self.comm = comm
 
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+        """This rank's piece of ``bucket``'s average into ``out``, as the collectives to issue in
+        order; see ``Comm.reduce_scatter_parts``."""
+        return [lambda: self.reduce_scatter(out, bucket, pieces)]
+
     def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
-        """This rank's piece of ``bucket``'s average into ``out``; see ``Comm.reduce_scatter_parts``."""
+        """The one ``reduce_scatter_tensor`` of ``bucket`` into ``out``."""
         c = self.comm
         src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
         copied = src.nbytes if src is not bucket else 0
@@ -656,29 +664,51 @@ class NativePath:
 
 
 class RankOrderPath(NativePath):
-    """A bucket's reduction as one all-to-all that sends every rank the pieces it owns, then a sum
-    in rank order in fp32 (fp64 for fp64 gradients) and a division: the same bits whatever the
-    bucketing and the number of ranks' message sizes, 16-bit gradients summed in fp32; its gather
-    as one broadcast per rank (see [Note: one path on every backend]). gloo's default."""
+    """A bucket's reduction as two all-to-alls that send every rank the other ranks' copies of its
+    piece, then a sum in rank order in fp32 (fp64 for fp64 gradients) and a division: the same bits
+    whatever the bucketing, 16-bit gradients summed in fp32; its gather as one broadcast per rank
+    (see [Note: one path on every backend]). gloo's default."""
 
     name = "rank-order"
     whole_all_reduce = False  # stage 1: this reduce-scatter, then the gather of the pieces
     gathers_natively = False
 
-    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+        """Two all-to-alls: the first sends each rank below this one its piece and receives this
+        rank's piece from the ranks above, the second the other way; a rank's own piece stays in
+        the bucket, so it receives ``world_size - 1`` pieces, not ``world_size`` (gloo's all-to-all
+        takes no piece that skips its own rank: its input is one run). Once the second lands, the
+        pieces are summed in rank order and averaged."""
         c = self.comm
-        n, mine = c.shard_size, pieces[c.shard_rank].size
-        recv = torch.empty(n * mine, dtype=bucket.dtype, device=bucket.device)  # every rank's copy of this piece
-        c.live_bytes += recv.nbytes
-        work = dist.all_to_all_single(recv, bucket, output_split_sizes=[mine] * n,
-                                      input_split_sizes=[p.size for p in pieces], group=c.shard_group,
-                                      async_op=True)
+        n, me, mine = c.shard_size, c.shard_rank, pieces[c.shard_rank]
+        size = mine.size
+        above = torch.empty((n - 1 - me) * size, dtype=bucket.dtype, device=bucket.device)  # from ranks above
+        below = torch.empty(me * size, dtype=bucket.dtype, device=bucket.device)  # from ranks below
+
+        def down() -> Pending:  # to the ranks below, from the ranks above
+            c.live_bytes += above.nbytes
+            work = dist.all_to_all_single(above, bucket[:mine.start],
+                                          output_split_sizes=[size if q > me else 0 for q in range(n)],
+                                          input_split_sizes=[size if q < me else 0 for q in range(n)],
+                                          group=c.shard_group, async_op=True)
+            return Pending(c._count([work]), keep_alive=[bucket, above],
+                           stats=c.stats, comm=c)
+
+        def up() -> Pending:  # to the ranks above, from the ranks below
+            c.live_bytes += below.nbytes
+            work = dist.all_to_all_single(below, bucket[mine.end:],
+                                          output_split_sizes=[size if q < me else 0 for q in range(n)],
+                                          input_split_sizes=[size if q > me else 0 for q in range(n)],
+                                          group=c.shard_group, async_op=True)
+            return Pending(c._count([work], reduced=bucket.nbytes),  # the bucket's reduction, counted once
+                           keep_alive=[bucket, below, out], stats=c.stats, then=finish, comm=c)
 
         def finish() -> Pending | None:
-            c.live_bytes -= recv.nbytes
-            if not mine and not c.hybrid:
+            c.live_bytes -= above.nbytes + below.nbytes
+            if not size and not c.hybrid:
                 return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
-            parts = recv.view(n, mine)
+            parts = [below[q * size:(q + 1) * size] if q < me else bucket[mine.as_slice()] if q == me
+                     else above[(q - me - 1) * size:(q - me) * size] for q in range(n)]
             acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
             for q in range(1, n):  # rank order: the result does not depend on the bucketing
                 acc.add_(parts[q])
@@ -693,8 +723,7 @@ class RankOrderPath(NativePath):
 
             return c._cross(acc, avg=False, then=land)
 
-        return Pending(c._count([work], reduced=bucket.nbytes), keep_alive=[bucket, recv, out], stats=c.stats,
-                       then=finish, comm=c)
+        return [down, up]
 
 
 PATHS = {path.name: path for path in (NativePath, RankOrderPath)}

@@ -19,7 +19,8 @@ copies each bucket's gradients into a staging buffer for its reduce-scatter; sta
 place. On NCCL (the native path, see ``_collectives`` [Note: one path on every backend]) the
 collectives need no receive buffer; with ``reduce_dtype`` other than the gradient's, each
 reduction reads a cast copy of its bucket, held until it lands. On gloo (the rank-order path)
-each reduction receives every rank's copy of this rank's piece of the bucket, one bucket. With the shapes, the estimate replays the reducer: every
+each reduction receives the other ranks' copies of this rank's piece of the bucket,
+``(world_size - 1) / world_size`` of a bucket, in two all-to-alls. With the shapes, the estimate replays the reducer: every
 backward pass, the first included, launches a bucket once it is complete and every bucket that
 completed before it has been launched (the first pass follows rank 0's completions, later ones the
 order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists
@@ -239,7 +240,7 @@ def estimate_memory(
     ``param_shapes`` is given. ``param_shapes`` are the shapes of the trainable parameters in the
     order they are passed to ``ShardedAdamW``; with them padding and buckets are those the
     optimizer builds and every category is exact, ``buffers`` (see [Note: buffers estimate]) on
-    ``rank`` (every rank holds the same) given ``grad_order`` (indices into ``param_shapes``
+    ``rank`` (default: the rank with the most) given ``grad_order`` (indices into ``param_shapes``
     in the order their gradients become ready in backward, e.g. the reverse of registration order);
     without it within ``buffers_slack``. ``largest_param``
     (elements) sizes the buckets when shapes are not given. ``bucket_cap_mb`` is in MiB, as in
@@ -313,9 +314,10 @@ def estimate_memory(
         arrival = None if grad_order is None else [last - i for i in grad_order]  # to buffer positions
         if rule == "muon" and arrival is not None:  # the packing reorders the matrices by owner
             arrival = [position[i] for i in arrival]
-        buffers, slack = replay_buffers(layout, arrival, stage=stage, psize=psize, rank_order=gloo,
-                                        reduce_size=reduce_size, hybrid=replicas > 1, max_inflight=MAX_INFLIGHT)
-        chosen = 0 if rank is None else rank
+        ranks = [rank] if rank is not None else (range(shard) if gloo else [0])  # gloo: ranks receive unalike
+        (buffers, slack), chosen = max((replay_buffers(layout, r, arrival, stage=stage, psize=psize, rank_order=gloo,
+                                                       reduce_size=reduce_size, hybrid=replicas > 1,
+                                                       max_inflight=MAX_INFLIGHT), r) for r in ranks)
     else:
         if num_params is None:
             raise ValueError("give num_params or param_shapes")
@@ -329,11 +331,11 @@ def estimate_memory(
         bucket = int(min(whole, max(cap_bytes, (largest_param or 0) * psize)))
         window = min(whole, (MAX_INFLIGHT + 1) * bucket)
         staging = window if stage == 2 else 0
-        if gloo:  # rank-order: each reduction in flight receives one bucket (and, hybrid, holds an fp32 partial sum)
-            held = min(whole, MAX_INFLIGHT * bucket)
-            if replicas > 1:
+        if gloo:  # rank-order: each reduction in flight receives (shard - 1) / shard of a bucket
+            held = min(whole, MAX_INFLIGHT * bucket) * (shard - 1) // shard
+            if replicas > 1:  # and holds an fp32 partial sum of its piece
                 held += min(whole, (MAX_INFLIGHT + 1) * bucket // shard) * max(psize, 4) // psize
-            per_bucket = min(whole, bucket)
+            per_bucket = min(whole, bucket) * (shard - 1) // shard
         else:  # native: reduce_dtype's cast copy of each bucket in flight
             held, per_bucket = window * reduce_size // psize, bucket * reduce_size // psize
         buffers, slack = staging + held, (bucket if stage == 2 else 0) + per_bucket

@@ -12,25 +12,29 @@ from typing import Sequence
 from shardopt.core._layout import FlatLayout
 
 
-def replay_buffers(layout: FlatLayout, arrival: Sequence[int] | None, *, stage: int, psize: int, max_inflight: int,
-                   rank_order: bool, reduce_size: int = 0, hybrid: bool = False) -> tuple[int, int]:
-    """(peak bytes of communication buffers on a rank over one backward pass whose gradients arrive
-    in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the end), the most
-    bytes one bucket adds); every rank alike (each holds an equal piece of every bucket).
-    ``psize``: bytes per gradient element; ``rank_order``: the comm's bucket path (see
-    ``_collectives`` [Note: one path on every backend]): a reduction receives every rank's copy
-    of this rank's piece, one bucket, and with ``hybrid`` holds its fp32 partial sum until the
-    cross-replica all-reduce lands; else (native) ``reduce_size``, the bytes per element of
-    ``reduce_dtype`` when it is not the gradient's (0 when it is), each reduction reading a cast
-    copy of its bucket until it lands, the cross-replica all-reduce in place."""
+def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None, *, stage: int, psize: int,
+                   max_inflight: int, rank_order: bool, reduce_size: int = 0,
+                   hybrid: bool = False) -> tuple[int, int]:
+    """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
+    gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
+    end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``rank_order``:
+    the comm's bucket path (see ``_collectives`` [Note: one path on every backend]): a reduction is
+    two all-to-alls that receive the copies of this rank's piece from the ranks above it, then
+    from those below, held until the second lands, and with ``hybrid`` its fp32 partial sum until
+    the cross-replica all-reduce lands; else (native) one collective that reads a cast copy of the
+    bucket when ``reduce_size`` (bytes per element of ``reduce_dtype`` where it is not the
+    gradient's) is not 0, the cross-replica all-reduce in place."""
     numels = [b.global_range.size for b in layout.buckets]
-    acc = max(psize, 4)  # the rank-order sum runs in fp32 (fp64 for fp64 gradients)
+    held: list[list[int]]  # per bucket and collective: the bytes its launch adds, held until the bucket's last lands
+    follows: list[list[int | None]]  # per bucket and collective: bytes its follow-up holds; None: no follow-up
     if rank_order:
-        held = [[n * psize] for n in numels]  # per bucket and collective: the bytes it holds while in flight
-        follows: list[list[int | None]] = [[acc * b.piece_numel if hybrid else None] for b in layout.buckets]
+        acc = max(psize, 4)  # the sum runs in fp32 (fp64 for fp64 gradients)
+        above, below = layout.world_size - 1 - rank, rank
+        held = [[above * b.piece_numel * psize, below * b.piece_numel * psize] for b in layout.buckets]
+        follows = [[None, acc * b.piece_numel if hybrid else None] for b in layout.buckets]
     else:
         held = [[n * reduce_size] for n in numels]
-        follows = [[0 if hybrid else None] for _ in numels]  # its follow-up's bytes; None: no follow-up
+        follows = [[0 if hybrid else None] for _ in numels]
     members = [b.params for b in layout.buckets]
     return _replay(numels, held, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
 
@@ -42,7 +46,8 @@ class _Buffers:
                  follows: Sequence[Sequence[int | None]], *, stage: int, psize: int, max_inflight: int) -> None:
         self.max_inflight = max_inflight  # reductions in flight before the oldest is waited on
         self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
-        self.recv_bytes = [list(r) for r in receives]  # per bucket, per collective: bytes held while in flight
+        self.recv_bytes = [list(r) for r in receives]  # per bucket, per collective: bytes its launch adds
+        self.held: dict[int, int] = {}  # per bucket in flight: the bytes its collectives hold until its last lands
         self.follows = follows
         self.staging: dict[int, int] = {}
         # (bucket, bytes held, its last collective, bytes of its follow-up or None, is a follow-up)
@@ -63,6 +68,7 @@ class _Buffers:
         self.fill(b)
         for j, nbytes in enumerate(self.recv_bytes[b]):
             self.live += nbytes
+            self.held[b] = self.held.get(b, 0) + nbytes
             self.inflight.append((b, nbytes, j == len(self.recv_bytes[b]) - 1, self.follows[b][j], False))
             self._note()
             while len(self.inflight) - self.follow_ups > self.max_inflight:
@@ -71,8 +77,10 @@ class _Buffers:
     def complete(self) -> None:
         b, nbytes, last, follow, is_follow = self.inflight.pop(0)
         self.follow_ups -= is_follow
-        self.live -= nbytes
-        if last:
+        if is_follow:
+            self.live -= nbytes
+        elif last:
+            self.live -= self.held.pop(b, 0)
             self.staging.pop(b, None)
         if follow is not None:  # the cross-replica all-reduce, to the back of the queue (see _rounds)
             self.live += follow
@@ -100,6 +108,6 @@ def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], follows: S
             buf.launch(b)
     while buf.inflight:
         buf.complete()
-    slack = max((s + max(r) + max((f or 0 for f in fs), default=0)
+    slack = max((s + sum(r) + max((f or 0 for f in fs), default=0)
                  for s, r, fs in zip(buf.staging_bytes, buf.recv_bytes, follows)), default=0)
     return buf.peak, slack

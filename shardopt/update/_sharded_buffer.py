@@ -341,7 +341,7 @@ class ShardedBuffer:
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
         arrival = [r.index for r in self.reducer.arrival()] or None
         reduce_dtype = self.reducer.reduce_dtype  # None: the gradient's own
-        predicted["buffers"], _ = replay_buffers(self.layout, arrival, stage=self.config.stage,
+        predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival, stage=self.config.stage,
                                                  psize=self.flat.data.element_size(),
                                                  rank_order=self.comm.path.name == "rank-order",
                                                  reduce_size=reduce_dtype.itemsize if reduce_dtype is not None else 0,
