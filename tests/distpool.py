@@ -75,6 +75,20 @@ def _worker(rank: int, world_size: int, store_path: str, inq: Any, outq: Any) ->
     dist.destroy_process_group()
 
 
+_FIRST_RANKS: dict[int, Any] = {}  # by size: a group of the pool's first ranks (see in_first_ranks)
+
+
+def in_first_ranks(world: int, fn: Callable[..., Any], *args: Any) -> Any:
+    """On every rank of a pool: ``fn(group, *args)`` on its first ``world`` ranks, in a process
+    group of theirs made once (``new_group`` is collective: every rank calls this, in the same
+    order); None on the others. So one pool serves several world sizes."""
+    import torch.distributed as dist
+
+    if world not in _FIRST_RANKS:
+        _FIRST_RANKS[world] = dist.new_group(list(range(world)))
+    return fn(_FIRST_RANKS[world], *args) if dist.get_rank() < world else None
+
+
 class DistPool:
     """``world_size`` spawned processes joined in one gloo process group."""
 

@@ -16,24 +16,13 @@ import torch
 import torch.distributed as dist
 
 import shardopt
+from distpool import in_first_ranks
 from models import make_model, param_groups
 from shardopt.checkpoint import full_state_dict, load_checkpoint
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "before_equal_pieces")
 BUCKET_MB = 1 / 1024  # as make.py
-POOL = 4
-_GROUPS: dict[int, object] = {}
-
-
-def _group(world: int):
-    if world not in _GROUPS:
-        _GROUPS[world] = dist.new_group(list(range(world)))
-    return _GROUPS[world] if dist.get_rank() < world else None
-
-
-def _in_group(world: int, fn, *args):
-    group = _group(world)
-    return None if group is None else fn(group, *args)
+POOL = 4  # one pool; smaller worlds are its first ranks (distpool.in_first_ranks)
 
 
 def _build(group):
@@ -79,7 +68,7 @@ def _same(a, b, where: str = "") -> None:
 def test_a_checkpoint_of_the_earlier_layout_loads_bit_for_bit(pools, world):
     reference = torch.load(os.path.join(DATA, "reference.pt"), weights_only=False)
     assert reference["buckets"] > 1  # the layouts differ: several buckets over two ranks
-    results = pools(POOL).run(_in_group, world, load_case)[:world]
+    results = pools(POOL).run(in_first_ranks, world, load_case)[:world]
     for r in results:
         assert r["buckets"] == reference["buckets"]
         _same(reference["weights"], r["weights"], "weights")
@@ -87,6 +76,6 @@ def test_a_checkpoint_of_the_earlier_layout_loads_bit_for_bit(pools, world):
 
 
 def test_a_rank_state_dict_of_the_earlier_layout_is_refused_on_every_rank(pools):
-    messages = pools(POOL).run(_in_group, 2, rank_state_case)[:2]
+    messages = pools(POOL).run(in_first_ranks, 2, rank_state_case)[:2]
     for m in messages:
         assert "shards were one range of the flat buffer" in m and "save_checkpoint" in m, m
