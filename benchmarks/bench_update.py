@@ -2,6 +2,7 @@
 
     python benchmarks/bench_update.py                      # 16M-element bf16 parameter, every master mode
     python benchmarks/bench_update.py --numel 3.2e7 --dtype fp16 --device cuda
+    python benchmarks/bench_update.py --offload --dtype fp32 --rounds 15   # offload="cpu" against offload by hand
 
 One rank (a process group of one), one parameter of ``--numel`` elements. Each step, a backward
 pass (untimed) gives both rows of a pair the same gradient, as a training loop does (shardopt
@@ -18,7 +19,10 @@ ratio is the median of the per-round ratios.
   weight itself.
 
 Each shardopt mode is compared with that same hand-written fp32-master step (the one a user has
-instead of shardopt, whatever shardopt's mode keeps). Writes benchmarks/results/update[_cuda].md.
+instead of shardopt, whatever shardopt's mode keeps). With ``--offload``: ``offload="cpu"``
+against an offload by hand, the master kept apart from the weights whatever their dtype (the
+gradient copied into a persistent host fp32 buffer, ``AdamW(fused=True)`` on the host master, the
+result copied back). Writes benchmarks/results/update[_offload][_cuda].md.
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7, help="timed A/B rounds (after 2 warm-up rounds)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--offload", action="store_true", help='offload="cpu" against an offload by hand')
     ap.add_argument("--out", default="")
     args = ap.parse_args()
 
@@ -74,7 +79,7 @@ def main() -> None:
 
     def by_hand():
         w = torch.nn.Parameter(init.clone())
-        if dtype == torch.float32:
+        if dtype == torch.float32 and not args.offload:
             opt = torch.optim.AdamW([w], fused=True, **hp)
 
             def step() -> None:
@@ -83,7 +88,8 @@ def main() -> None:
             def zero() -> None:
                 opt.zero_grad()
             return w, step, zero
-        master = torch.nn.Parameter(init.float())
+        host = torch.device("cpu") if args.offload else device
+        master = torch.nn.Parameter(init.to(host, torch.float32, copy=True))
         master.grad = torch.zeros_like(master)  # persistent fp32 gradient buffer
         opt = torch.optim.AdamW([master], fused=True, **hp)
 
@@ -98,7 +104,8 @@ def main() -> None:
 
     def sharded(mode: str):
         w = torch.nn.Parameter(init.clone())
-        opt = shardopt.ShardedAdamW([w], stage=2, master_weights=mode, loss_scale=None, **hp)
+        opt = shardopt.ShardedAdamW([w], stage=2, master_weights=mode, loss_scale=None,
+                                    offload="cpu" if args.offload else None, **hp)
         return w, opt.step, opt.zero_grad
 
     rows = []
@@ -125,15 +132,18 @@ def main() -> None:
     head = (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s) | "
             f"torch {torch.__version__} | device {device} | one {args.dtype} parameter of {n:,} elements | "
             f"median of {args.rounds} interleaved rounds | {datetime.date.today().isoformat()}")
-    lines = [f"# The update in context\n\nCommand: `python benchmarks/bench_update.py --numel {args.numel:g} --dtype "
-             f"{args.dtype} --device {args.device} --threads {args.threads}`\n\n{head}\n",
+    title = "Offload in context" if args.offload else "The update in context"
+    lines = [f"# {title}\n\nCommand: `python benchmarks/bench_update.py --numel {args.numel:g} --dtype "
+             f"{args.dtype} --device {args.device} --threads {args.threads} --rounds {args.rounds}"
+             f"{' --offload' if args.offload else ''}`\n\n{head}\n",
              "| shardopt master_weights | by hand ms (persistent fp32 grad, fused AdamW, copy back) | "
              "shardopt opt.step() ms (min-max) | shardopt / by hand |", "|---|---:|---:|---:|"]
     for mode, hand, ours, ratio, lo, hi in rows:
         lines.append(f"| {mode} | {hand * 1e3:.1f} | {ours * 1e3:.1f} ({lo * 1e3:.1f}-{hi * 1e3:.1f}) | {ratio:.2f}x |")
     text = "\n".join(lines) + "\n"
     print("\n" + text)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results", f"update{'_cuda' if device.type == 'cuda' else ''}.md")
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   f"update{'_offload' if args.offload else ''}{'_cuda' if device.type == 'cuda' else ''}.md")
     with open(out, "w") as f:
         f.write(text)
     print(f"written to {out}")

@@ -29,6 +29,9 @@ SOURCES = (
     ("update.md", "The update in context",
      "`opt.step()` against the step a careful user writes by hand (persistent fp32 gradient, `copy_` "
      "casts, `torch.optim.AdamW(fused=True)` on an fp32 master), one rank, one 16-bit parameter."),
+    ("update_offload.md", "Offload in context",
+     "`opt.step()` with `offload=\"cpu\"` against an offload written by hand, one rank, one 16M-element "
+     "parameter, fp32 and bf16 weights, and where the fp32 step's time goes."),
     ("kernels.md", "Update kernels on CPU",
      "The update of one shard per master-weight and moments mode against torch's fused and foreach "
      "AdamW, with the memory bandwidth probed between rows."),
