@@ -35,7 +35,7 @@ can complete on its side in the instant the other's deadline passes; the late ra
 into the call alone until its next control message (a checkpoint call's next agreement) fails on
 the closed connection.
 
-[Note: one path on every backend]
+[Note: the bucket paths]
 A bucket is ``world_size`` equal pieces in rank order (see core._layout [Note: alignment, padding
 and shards]). Its reduction and gather take one of two paths (``Comm.path``), on any backend:
 
@@ -71,7 +71,7 @@ holding the same piece in the other replicas); the weights are all-gathered insi
 group. On the native path both are averages (``ReduceOp.AVG``; the shard groups are of equal size,
 so the mean of their means is the mean) in the reduction's dtype; on the rank-order path the
 cross-replica all-reduce sums the fp32 partial sums of the shard groups, and the average is
-rounded to the gradient dtype once, after it (see [Note: one path on every backend]). The cross-replica all-reduce of a bucket is issued
+rounded to the gradient dtype once, after it (see [Note: the bucket paths]). The cross-replica all-reduce of a bucket is issued
 when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
 of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
 the bucket order) still spans every rank of the mesh, so every decision is the same everywhere.
@@ -571,7 +571,7 @@ class Comm:
         is waited: the collectives, each issued when its function is called (in list order, on
         every rank). ``pieces[r]`` is shard rank r's range relative to the start of
         ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
-        comm's bucket path (see [Note: one path on every backend]). With hybrid sharding the
+        comm's bucket path (see [Note: the bucket paths]). With hybrid sharding the
         average spans the replicas too (see [Note: hybrid sharding])."""
         if not _equal(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
             raise AssertionError(f"a bucket's reduction takes equal pieces that tile it, got {list(pieces)} of a "
@@ -616,7 +616,7 @@ class Comm:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
         group. Equal pieces (a bucket's) on the native path: one in-place ``all_gather_into_tensor``;
-        else one broadcast per rank that holds part of them (see [Note: one path on every backend]).
+        else one broadcast per rank that holds part of them (see [Note: the bucket paths]).
         Call on every rank."""
         if self.path.gathers_natively and _equal(pieces):
             whole = flat[pieces[0].start:pieces[-1].end]
@@ -633,7 +633,7 @@ class NativePath:
     """A bucket's reduction as one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) in ``out``'s dtype
     (from a cast copy of the bucket when that is not the bucket's), its gather as one
     ``all_gather_into_tensor``, stage 1's as one ``all_reduce``: what NCCL runs natively (see
-    [Note: one path on every backend])."""
+    [Note: the bucket paths])."""
 
     name = "native"
     whole_all_reduce = True  # stage 1: one all-reduce of the bucket in place
@@ -667,7 +667,7 @@ class RankOrderPath(NativePath):
     """A bucket's reduction as two all-to-alls that send every rank the other ranks' copies of its
     piece, then a sum in rank order in fp32 (fp64 for fp64 gradients) and a division: the same bits
     whatever the bucketing, 16-bit gradients summed in fp32; its gather as one broadcast per rank
-    (see [Note: one path on every backend]). gloo's default."""
+    (see [Note: the bucket paths]). gloo's default."""
 
     name = "rank-order"
     whole_all_reduce = False  # stage 1: this reduce-scatter, then the gather of the pieces
@@ -731,7 +731,7 @@ PATHS = {path.name: path for path in (NativePath, RankOrderPath)}
 
 def bucket_path(backend: str) -> type[NativePath]:
     """The bucket path for ``backend``: ``SHARDOPT_COLLECTIVES`` (``native`` or ``rank-order``)
-    when set, else ``native`` on NCCL and ``rank-order`` on gloo (see [Note: one path on every
+    when set, else ``native`` on NCCL and ``rank-order`` on gloo (see [Note: the bucket
     backend]). Local."""
     chosen = os.environ.get("SHARDOPT_COLLECTIVES", "").strip()
     if chosen and chosen not in PATHS:
