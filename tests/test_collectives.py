@@ -8,7 +8,7 @@ them through); stage 1 all-reduces each bucket in place. No all-to-all, no broad
 reduce-scatter of a list of pieces. On the rank-order path (gloo's default) a bucket is two
 all-to-alls of the other ranks' pieces and one broadcast per rank. The two paths train to the same bits at two
 ranks. Catches a bucket cut into several collectives, unequal pieces, and a path that does not
-run the calls it names (comm._collectives [Note: the bucket paths]).
+run the calls it names (comm._bucket_paths [Note: the bucket paths]).
 """
 from __future__ import annotations
 

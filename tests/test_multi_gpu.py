@@ -9,7 +9,7 @@ on a copy of the model whose gradients are averaged with ``dist.all_reduce`` (wh
 - hybrid: ``device_mesh=(replicas, shards)`` over 4 GPUs, the same reference;
 - offload: ``offload="cpu"`` against the same optimizer without offload, bit for bit;
 - collectives: one profiled stage-2 step makes one ``reduce_scatter_tensor`` and one
-  ``all_gather_into_tensor`` per bucket and no other bucket collective (comm._collectives [Note:
+  ``all_gather_into_tensor`` per bucket and no other bucket collective (comm._bucket_paths [Note:
   the bucket paths]).
 
 Skipped where fewer GPUs than a case needs are visible, as torch's own ``skip_if_lt_x_gpu``. So that

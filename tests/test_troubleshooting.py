@@ -48,9 +48,9 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/checkpoint/_files.py", "agree", "error"):
         "re-raises this rank's own exception, whose message is collected where its caller raised it "
         "(checkpoint.py, _checkpoint_files.py, _checkpoint_adamw.py, _rank_state.py)",
-    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "raise"):
+    ("shardopt/comm/_pending.py", "Pending.wait_landed", "raise"):
         "re-raises torch's own error from Work.wait() when it is not a timeout",
-    ("shardopt/comm/_collectives.py", "Pending.wait_landed", "TimeoutError"):
+    ("shardopt/comm/_pending.py", "Pending.wait_landed", "TimeoutError"):
         "Comm.timed_out's text, collected where Comm.control_failed raises it",
     ("shardopt/comm/_collectives.py", "Comm._control", "RuntimeError"):
         "the text given to Comm.give_up: Comm.control_failed's or _step_agreement.enter's error, collected there",

@@ -1,4 +1,4 @@
-"""The only module that calls ``torch.distributed``.
+"""With ``_bucket_paths.py``, the only modules that call ``torch.distributed``.
 
 Every collective here is issued asynchronously and returns a :class:`Pending` that the caller
 waits on explicitly; a handle is waited exactly once. Backend differences stay here:
@@ -35,33 +35,8 @@ can complete on its side in the instant the other's deadline passes; the late ra
 into the call alone until its next control message (a checkpoint call's next agreement) fails on
 the closed connection.
 
-[Note: the bucket paths]
-A bucket is ``world_size`` equal pieces in rank order (see core._layout [Note: alignment, padding
-and shards]). Its reduction and gather take one of two paths (``Comm.path``), on any backend:
-
-* ``native`` (NCCL's default): one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) into this rank's
-  piece and one in-place ``all_gather_into_tensor``; stage 1 one ``all_reduce`` of the bucket in
-  place. The collectives NCCL runs natively (and NVLink SHARP and in-network reduction
-  accelerate). No receive buffer; the sum runs in the gradient dtype unless ``reduce_dtype`` asks
-  for more, from a cast copy of the bucket (held until the reduction lands, in ``live_bytes``).
-* ``rank-order`` (gloo's default): two all-to-alls (to the ranks below, then to the ranks
-  above) that send every rank the other ranks' copies of its piece (its own stays in the
-  bucket: gloo's all-to-all takes no split that skips its own rank), a sum in rank order in fp32
-  (fp64 for fp64 gradients) and a division; the gather one broadcast per rank. The same bits whatever the bucket size and, with 16-bit gradients, an fp32
-  sum at no cost on the wire (an fp16 sum of N gradients overflows N times earlier than each
-  one). gloo's own reduce-scatter runs as a whole all-reduce (its profiler records say
-  ``gloo:all_reduce``): 2x slower here (16 MB of fp32 on 2 ranks: 44 ms against 22 ms; its
-  all-gather 24-32 ms against 10-12 ms for the broadcasts), and its summation order depends on the
-  message size, so at three ranks or more the result would change with ``bucket_cap_mb``. Its price
-  is receive buffers of ``(world_size - 1) / world_size`` of a bucket per reduction in flight, and
-  two collectives per bucket.
-
-``SHARDOPT_COLLECTIVES=native`` (or ``rank-order``) chooses either on any backend; the tests run
-the native path on gloo too (``tests/test_collectives.py``), so the calls a GPU run makes are calls
-CPU tests make. With two ranks the two paths give the same bits for fp32 and bf16 gradients (one
-sum of two numbers, halved). Pieces that are not a bucket's (a checkpoint's gather of one
-parameter, cut wherever the bucket's pieces fall) are gathered by one broadcast per rank that
-holds part of them, on either path.
+How a bucket is reduced and gathered is the comm's bucket path (``Comm.path``), a strategy of
+``comm/_bucket_paths.py`` (see its [Note: the bucket paths]).
 
 [Note: hybrid sharding]
 With a 2-D ``DeviceMesh`` (replicate x shard) the state is sharded over the ``shard`` dimension
@@ -71,7 +46,7 @@ holding the same piece in the other replicas); the weights are all-gathered insi
 group. On the native path both are averages (``ReduceOp.AVG``; the shard groups are of equal size,
 so the mean of their means is the mean) in the reduction's dtype; on the rank-order path the
 cross-replica all-reduce sums the fp32 partial sums of the shard groups, and the average is
-rounded to the gradient dtype once, after it (see [Note: the bucket paths]). The cross-replica all-reduce of a bucket is issued
+rounded to the gradient dtype once, after it (see comm._bucket_paths [Note: the bucket paths]). The cross-replica all-reduce of a bucket is issued
 when its reduce-scatter lands and waited on later (``Pending.overlap``), so it overlaps the rest
 of backward. Every small collective (gradient statistics, usage checks, the rounds' tags and
 the bucket order) still spans every rank of the mesh, so every decision is the same everywhere.
@@ -82,95 +57,25 @@ import atexit
 import contextlib
 import datetime
 import hashlib
-import os
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, NoReturn, Sequence, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardopt.comm._bucket_paths import NativePath, bucket_path, equal_pieces
+from shardopt.comm._pending import CommStats as CommStats  # the handles, importable from here too
+from shardopt.comm._pending import Pending as Pending
+from shardopt.comm._pending import says_timed_out
 from shardopt.core._compat import default_store, group_timeout, mesh_flattener
 from shardopt.core._layout import Range
-from shardopt.core._records import Gather
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
 
 
-@dataclass
-class CommStats:
-    """Communication on this rank since the last reset."""
-
-    reduce_bytes: int = 0  # gradient bytes fed into reductions (all-reduce or reduce-scatter input)
-    gather_bytes: int = 0  # parameter bytes assembled by all-gathers (output size)
-    cross_bytes: int = 0  # hybrid sharding: bytes fed into the cross-replica all-reduces of gradient pieces
-    collectives: int = 0  # collective calls issued (a gloo all-gather counts one per sending rank)
-    wait_seconds: float = 0.0  # time spent blocked in wait() on those collectives
-
-    def reset(self) -> None:
-        """Zero the counters in place (handles in flight keep adding their wait time here)."""
-        self.reduce_bytes = self.gather_bytes = self.cross_bytes = self.collectives = 0
-        self.wait_seconds = 0.0
-
-
-@dataclass
-class Pending(Gather):
-    """Handles of collectives in flight, plus tensors that must stay alive until they finish."""
-
-    works: list = field(default_factory=list)
-    keep_alive: list = field(default_factory=list)
-    stats: CommStats | None = None
-    then: Callable[[], Pending | None] | None = None  # local work once the data has arrived; may start more
-    done: bool = False
-    comm: Comm | None = None  # for its deadline and the name of the call waiting (see Comm.timeout)
-    overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
-    deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
-    control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
-
-    def arrived(self) -> bool:
-        """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> None:
-        """Block until these collectives and every follow-up they started have finished."""
-        follow = self.wait_landed()
-        while follow is not None:
-            follow = follow.wait_landed()
-
-    def wait_landed(self) -> Pending | None:
-        """Block until these collectives finished and run ``then``; return the follow-up it started
-        when that one may be waited on later (``overlap``), else wait for it too and return None."""
-        if self.done:
-            raise AssertionError("a collective handle was waited twice")
-        start = time.perf_counter()
-        timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
-        # A control message's own gloo timeout is ``deadline``: gloo decides, this wait is a backstop.
-        wait = None if timeout is None else timeout + (_GRACE if self.control else 0.0)
-        limit = {} if wait is None else {"timeout": datetime.timedelta(seconds=wait)}
-        for w in self.works:
-            try:
-                w.wait(**limit)
-            except RuntimeError as e:
-                if self.control:  # a control message has its comm and its deadline
-                    cast(Comm, self.comm).control_failed(e, cast(float, timeout))  # raises
-                if timeout is None or not _timed_out(e):
-                    raise
-                raise TimeoutError(cast(Comm, self.comm).timed_out(timeout)) from None  # a timeout: the comm's
-        if self.stats is not None:
-            self.stats.wait_seconds += time.perf_counter() - start
-        self.done = True
-        self.works.clear()
-        follow_up = self.then() if self.then is not None else None
-        self.keep_alive.clear()
-        if follow_up is not None and not follow_up.overlap:
-            follow_up.wait()
-            return None
-        return follow_up
-
-
-_GRACE = 2.0  # seconds a control message is waited for beyond its own gloo timeout, which ends it first
 _NOTICE_WAIT = 1.0  # seconds a rank looks for the line of a rank that gave up (written just after it closed)
 
 
@@ -190,34 +95,6 @@ class ControlGone(RuntimeError):
     def __init__(self, message: str, why: str = "") -> None:
         super().__init__(message)
         self.why = why
-
-
-def _timed_out(e: Exception) -> bool:
-    """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
-    return "imeout" in str(e) or "imed out" in str(e)
-
-
-def _equal(pieces: Sequence[Range]) -> bool:
-    """Whether ``pieces`` are equal and follow each other (what the native collectives take)."""
-    return all(p.size == pieces[0].size for p in pieces) and \
-        all(pieces[r].end == pieces[r + 1].start for r in range(len(pieces) - 1))
-
-
-# torch 2.13 renamed the native collectives (the old names warn); torch 2.9 has only the old ones
-_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_into_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
-    """``pending``, changed to run ``fn`` once it and every follow-up it starts have landed."""
-    first = pending.then
-
-    def then() -> Pending | None:
-        follow = first() if first is not None else None
-        return and_then(follow, fn) if follow is not None else fn()
-
-    pending.then = then
-    return pending
 
 
 def group_ranks(group: ProcessGroup) -> list[int]:
@@ -344,7 +221,7 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
             prefix = dist.PrefixStore(name, store)
             made = dist.ProcessGroupGloo(prefix, ranks.index(dist.get_rank()), len(ranks), wait)
     except RuntimeError as e:
-        if not _timed_out(e):
+        if not says_timed_out(e):
             raise
         raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
                            f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
@@ -450,7 +327,7 @@ class Comm:
         when it waited ``waited`` seconds in vain (the other ranks are told through the store),
         ``ControlGone`` when the other ranks' connections were closed. Callers that know the call
         (``_step_agreement.enter``) restate either. Local."""
-        if _timed_out(error):
+        if says_timed_out(error):
             limit = "the ShardedAdamW timeout" if self.timeout is not None else "the process group's timeout"
             text = self.timed_out(waited, limit)
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
@@ -571,9 +448,9 @@ class Comm:
         is waited: the collectives, each issued when its function is called (in list order, on
         every rank). ``pieces[r]`` is shard rank r's range relative to the start of
         ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
-        comm's bucket path (see [Note: the bucket paths]). With hybrid sharding the
+        comm's bucket path (see comm._bucket_paths [Note: the bucket paths]). With hybrid sharding the
         average spans the replicas too (see [Note: hybrid sharding])."""
-        if not _equal(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
+        if not equal_pieces(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
             raise AssertionError(f"a bucket's reduction takes equal pieces that tile it, got {list(pieces)} of a "
                                  f"{bucket.numel()}-element bucket")
         # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
@@ -587,154 +464,12 @@ class Comm:
         reduce-scatter (summed in ``sum_dtype``, default the bucket's; see
         :meth:`reduce_scatter_parts`) followed, once it is waited, by an all-gather of the
         averaged pieces (the rank-order path, ``sum_dtype`` other than the bucket's, hybrid)."""
-        bucket = bucket.detach()  # see reduce_scatter_parts
-        if self.path.whole_all_reduce and sum_dtype in (None, bucket.dtype) and not self.hybrid:
-            def whole() -> Pending:
-                work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=self.shard_group, async_op=True)
-                return Pending(self._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=self.stats,
-                               comm=self)
-            return [whole]
-        own = bucket[pieces[self.shard_rank].as_slice()]
-        out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
-        parts = self.reduce_scatter_parts(out, bucket, pieces)
-        issue_last = parts[-1]
-
-        def reduce_then_gather() -> Pending:
-            reduced = issue_last()
-
-            def gather() -> Pending:
-                if out is not own:
-                    own.copy_(out)
-                return self.all_gather_inplace(bucket, pieces)
-
-            and_then(reduced, gather)
-            return reduced
-
-        return parts[:-1] + [reduce_then_gather]
+        return self.path.all_reduce_parts(bucket.detach(), pieces, sum_dtype)  # detached: see reduce_scatter_parts
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard
         group. Equal pieces (a bucket's) on the native path: one in-place ``all_gather_into_tensor``;
-        else one broadcast per rank that holds part of them (see [Note: the bucket paths]).
+        else one broadcast per rank that holds part of them (see comm._bucket_paths [Note: the bucket paths]).
         Call on every rank."""
-        if self.path.gathers_natively and _equal(pieces):
-            whole = flat[pieces[0].start:pieces[-1].end]
-            mine = flat[pieces[self.shard_rank].as_slice()]
-            work = _all_gather_into_tensor(whole, mine, group=self.shard_group, async_op=True)
-            return Pending(self._count([work], gathered=whole.nbytes), keep_alive=[flat], stats=self.stats, comm=self)
-        works = [dist.broadcast(flat[p.as_slice()], src=self._shard_global[r], group=self.shard_group, async_op=True)
-                 for r, p in enumerate(pieces) if p.size > 0]
-        gathered = sum(p.size for p in pieces) * flat.element_size()
-        return Pending(self._count(works, gathered=gathered), keep_alive=[flat], stats=self.stats, comm=self)
-
-
-class NativePath:
-    """A bucket's reduction as one ``reduce_scatter_tensor`` (``ReduceOp.AVG``) in ``out``'s dtype
-    (from a cast copy of the bucket when that is not the bucket's), its gather as one
-    ``all_gather_into_tensor``, stage 1's as one ``all_reduce``: what NCCL runs natively (see
-    [Note: the bucket paths])."""
-
-    name = "native"
-    whole_all_reduce = True  # stage 1: one all-reduce of the bucket in place
-    gathers_natively = True
-
-    def __init__(self, comm: Comm) -> None:
-        self.comm = comm
-
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
-        """This rank's piece of ``bucket``'s average into ``out``, as the collectives to issue in
-        order; see ``Comm.reduce_scatter_parts``."""
-        return [lambda: self.reduce_scatter(out, bucket, pieces)]
-
-    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
-        """The one ``reduce_scatter_tensor`` of ``bucket`` into ``out``."""
-        c = self.comm
-        src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
-        copied = src.nbytes if src is not bucket else 0
-        c.live_bytes += copied
-        work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=c.shard_group, async_op=True)
-
-        def landed() -> Pending | None:
-            c.live_bytes -= copied
-            return c._cross(out, avg=True) if c.hybrid else None
-
-        return Pending(c._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=c.stats, then=landed,
-                       comm=c)
-
-
-class RankOrderPath(NativePath):
-    """A bucket's reduction as two all-to-alls that send every rank the other ranks' copies of its
-    piece, then a sum in rank order in fp32 (fp64 for fp64 gradients) and a division: the same bits
-    whatever the bucketing, 16-bit gradients summed in fp32; its gather as one broadcast per rank
-    (see [Note: the bucket paths]). gloo's default."""
-
-    name = "rank-order"
-    whole_all_reduce = False  # stage 1: this reduce-scatter, then the gather of the pieces
-    gathers_natively = False
-
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
-        """Two all-to-alls: the first sends each rank below this one its piece and receives this
-        rank's piece from the ranks above, the second the other way; a rank's own piece stays in
-        the bucket, so it receives ``world_size - 1`` pieces, not ``world_size`` (gloo's all-to-all
-        takes no piece that skips its own rank: its input is one run). Once the second lands, the
-        pieces are summed in rank order and averaged."""
-        c = self.comm
-        n, me, mine = c.shard_size, c.shard_rank, pieces[c.shard_rank]
-        size = mine.size
-        above = torch.empty((n - 1 - me) * size, dtype=bucket.dtype, device=bucket.device)  # from ranks above
-        below = torch.empty(me * size, dtype=bucket.dtype, device=bucket.device)  # from ranks below
-
-        def down() -> Pending:  # to the ranks below, from the ranks above
-            c.live_bytes += above.nbytes
-            work = dist.all_to_all_single(above, bucket[:mine.start],
-                                          output_split_sizes=[size if q > me else 0 for q in range(n)],
-                                          input_split_sizes=[size if q < me else 0 for q in range(n)],
-                                          group=c.shard_group, async_op=True)
-            return Pending(c._count([work]), keep_alive=[bucket, above],
-                           stats=c.stats, comm=c)
-
-        def up() -> Pending:  # to the ranks above, from the ranks below
-            c.live_bytes += below.nbytes
-            work = dist.all_to_all_single(below, bucket[mine.end:],
-                                          output_split_sizes=[size if q < me else 0 for q in range(n)],
-                                          input_split_sizes=[size if q > me else 0 for q in range(n)],
-                                          group=c.shard_group, async_op=True)
-            return Pending(c._count([work], reduced=bucket.nbytes),  # the bucket's reduction, counted once
-                           keep_alive=[bucket, below, out], stats=c.stats, then=finish, comm=c)
-
-        def finish() -> Pending | None:
-            c.live_bytes -= above.nbytes + below.nbytes
-            if not size and not c.hybrid:
-                return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
-            parts = [below[q * size:(q + 1) * size] if q < me else bucket[mine.as_slice()] if q == me
-                     else above[(q - me - 1) * size:(q - me) * size] for q in range(n)]
-            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
-            for q in range(1, n):  # rank order: the result does not depend on the bucketing
-                acc.add_(parts[q])
-            if not c.hybrid:
-                out.copy_(acc.div_(n))
-                return None
-            c.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
-
-            def land() -> None:
-                c.live_bytes -= acc.nbytes
-                out.copy_(acc.div_(n * c.replicas))
-
-            return c._cross(acc, avg=False, then=land)
-
-        return [down, up]
-
-
-PATHS = {path.name: path for path in (NativePath, RankOrderPath)}
-
-
-def bucket_path(backend: str) -> type[NativePath]:
-    """The bucket path for ``backend``: ``SHARDOPT_COLLECTIVES`` (``native`` or ``rank-order``)
-    when set, else ``native`` on NCCL and ``rank-order`` on gloo (see [Note: the bucket
-    backend]). Local."""
-    chosen = os.environ.get("SHARDOPT_COLLECTIVES", "").strip()
-    if chosen and chosen not in PATHS:
-        raise ValueError(f"SHARDOPT_COLLECTIVES={chosen!r}: use one of {sorted(PATHS)}, or unset it for the "
-                         f"backend's default (native on NCCL, rank-order on gloo)")
-    return PATHS[chosen or ("native" if backend == "nccl" else "rank-order")]
+        return self.path.gather(flat, pieces)

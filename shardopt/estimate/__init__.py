@@ -16,7 +16,7 @@ per parameter tensor.
 ``buffers`` is the high-water mark of communication buffers while gradients are reduced, bucket
 by bucket, with at most ``MAX_INFLIGHT`` reductions waiting on the network (``_rounds``). Stage 2
 copies each bucket's gradients into a staging buffer for its reduce-scatter; stage 1 reduces in
-place. On NCCL (the native path, see ``_collectives`` [Note: the bucket paths]) the
+place. On NCCL (the native path, see ``_bucket_paths`` [Note: the bucket paths]) the
 collectives need no receive buffer; with ``reduce_dtype`` other than the gradient's, each
 reduction reads a cast copy of its bucket, held until it lands. On gloo (the rank-order path)
 each reduction receives the other ranks' copies of this rank's piece of the bucket,
@@ -294,7 +294,7 @@ def estimate_memory(
     if reduce_dtype is not None and (not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point):
         raise ValueError(f"reduce_dtype must be None (the gradient dtype) or a float torch.dtype, got {reduce_dtype!r}")
     reduce_size = 0 if reduce_dtype in (None, dtype) else torch.empty((), dtype=reduce_dtype).element_size()
-    gloo = backend == "gloo"  # its default bucket path: rank-order (see comm._collectives [Note: the bucket paths])
+    gloo = backend == "gloo"  # its default bucket path: rank-order (see comm._bucket_paths [Note: the bucket paths])
 
     if param_shapes is not None:
         # ShardedAdamW lays parameters out in reverse order (see ShardedAdamW._build_buffers).

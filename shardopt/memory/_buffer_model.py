@@ -18,7 +18,7 @@ def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None,
     """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
     gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
     end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``rank_order``:
-    the comm's bucket path (see ``_collectives`` [Note: the bucket paths]): a reduction is
+    the comm's bucket path (see ``_bucket_paths`` [Note: the bucket paths]): a reduction is
     two all-to-alls that receive the copies of this rank's piece from the ranks above it, then
     from those below, held until the second lands, and with ``hybrid`` its fp32 partial sum until
     the cross-replica all-reduce lands; else (native) one collective that reads a cast copy of the

@@ -58,7 +58,7 @@ class GradReducer:
         self.dtensor_records = [r for r in self.records if r.dtensor is not None]  # see core._dtensor
         # On the native path reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for
         # more precision, from a cast copy of the bucket; the rank-order path always sums in fp32 (see
-        # comm._collectives [Note: the bucket paths]). The result is rounded once, after averaging.
+        # comm._bucket_paths [Note: the bucket paths]). The result is rounded once, after averaging.
         self.reduce_dtype = reduce_dtype if reduce_dtype not in (None, flat.dtype) else None
         # [Note: accumulation dtype] autograd accumulates .grad in the parameter's dtype; summing
         # many bf16 micro-batch gradients in bf16 loses their low bits. Under no_sync each new

@@ -1,0 +1,115 @@
+"""Handles of collectives in flight (``Pending``) and the counters they add to.
+
+A collective is issued asynchronously and its handle waited on explicitly, exactly once; what
+runs once its data has arrived (``then``) may start more (a follow-up). Shared by the comm and its
+bucket paths (``_collectives``, ``_bucket_paths``).
+"""
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+from typing import Callable, NoReturn, Protocol, cast
+
+from shardopt.core._records import Gather
+
+
+class Waiter(Protocol):
+    """What a handle asks of the comm that issued it (``_collectives.Comm``)."""
+
+    timeout: float | None  # seconds before a waiting rank raises TimeoutError; None: the group's own
+
+    def timed_out(self, waited: float, limit: str = ...) -> str: ...
+
+    def control_failed(self, error: Exception, waited: float) -> NoReturn: ...
+
+
+@dataclass
+class CommStats:
+    """Communication on this rank since the last reset."""
+
+    reduce_bytes: int = 0  # gradient bytes fed into reductions (all-reduce or reduce-scatter input)
+    gather_bytes: int = 0  # parameter bytes assembled by all-gathers (output size)
+    cross_bytes: int = 0  # hybrid sharding: bytes fed into the cross-replica all-reduces of gradient pieces
+    collectives: int = 0  # collective calls issued (a gloo all-gather counts one per sending rank)
+    wait_seconds: float = 0.0  # time spent blocked in wait() on those collectives
+
+    def reset(self) -> None:
+        """Zero the counters in place (handles in flight keep adding their wait time here)."""
+        self.reduce_bytes = self.gather_bytes = self.cross_bytes = self.collectives = 0
+        self.wait_seconds = 0.0
+
+
+@dataclass
+class Pending(Gather):
+    """Handles of collectives in flight, plus tensors that must stay alive until they finish."""
+
+    works: list = field(default_factory=list)
+    keep_alive: list = field(default_factory=list)
+    stats: CommStats | None = None
+    then: Callable[[], Pending | None] | None = None  # local work once the data has arrived; may start more
+    done: bool = False
+    comm: Waiter | None = None  # for its deadline and the name of the call waiting (see Comm.timeout)
+    overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
+    deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
+    control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
+
+    def arrived(self) -> bool:
+        """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        """Block until these collectives and every follow-up they started have finished."""
+        follow = self.wait_landed()
+        while follow is not None:
+            follow = follow.wait_landed()
+
+    def wait_landed(self) -> Pending | None:
+        """Block until these collectives finished and run ``then``; return the follow-up it started
+        when that one may be waited on later (``overlap``), else wait for it too and return None."""
+        if self.done:
+            raise AssertionError("a collective handle was waited twice")
+        start = time.perf_counter()
+        timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
+        # A control message's own gloo timeout is ``deadline``: gloo decides, this wait is a backstop.
+        wait = None if timeout is None else timeout + (_GRACE if self.control else 0.0)
+        limit = {} if wait is None else {"timeout": datetime.timedelta(seconds=wait)}
+        for w in self.works:
+            try:
+                w.wait(**limit)
+            except RuntimeError as e:
+                if self.control:  # a control message has its comm and its deadline
+                    cast(Waiter, self.comm).control_failed(e, cast(float, timeout))  # raises
+                if timeout is None or not says_timed_out(e):
+                    raise
+                raise TimeoutError(cast(Waiter, self.comm).timed_out(timeout)) from None  # a timeout: the comm's
+        if self.stats is not None:
+            self.stats.wait_seconds += time.perf_counter() - start
+        self.done = True
+        self.works.clear()
+        follow_up = self.then() if self.then is not None else None
+        self.keep_alive.clear()
+        if follow_up is not None and not follow_up.overlap:
+            follow_up.wait()
+            return None
+        return follow_up
+
+
+_GRACE = 2.0  # seconds a control message is waited for beyond its own gloo timeout, which ends it first
+
+def says_timed_out(e: Exception) -> bool:
+    """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
+    return "imeout" in str(e) or "imed out" in str(e)
+
+
+
+def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
+    """``pending``, changed to run ``fn`` once it and every follow-up it starts have landed."""
+    first = pending.then
+
+    def then() -> Pending | None:
+        follow = first() if first is not None else None
+        return and_then(follow, fn) if follow is not None else fn()
+
+    pending.then = then
+    return pending
