@@ -45,6 +45,7 @@ extra padding at a bucket's end gets the logical offsets that follow, which its 
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Hashable, Sequence
 
@@ -161,14 +162,7 @@ class FlatLayout:
 
     def bucket_at(self, local: int) -> Bucket:
         """The bucket whose piece holds local element ``local`` of every shard."""
-        lo, hi = 0, len(self.buckets) - 1
-        while lo < hi:  # the pieces tile the shard in bucket order
-            mid = (lo + hi + 1) // 2
-            if self.buckets[mid].local_start <= local:
-                lo = mid
-            else:
-                hi = mid - 1
-        return self.buckets[lo]
+        return self.buckets[max(0, bisect.bisect_right(self.buckets, local, key=lambda b: b.local_start) - 1)]
 
     def to_global(self, rank: int, local: Range) -> Range:
         """Global range of ``rank``'s local range ``local``, which lies in one bucket's piece."""
