@@ -168,3 +168,81 @@ def test_each_bucket_is_gathered_as_soon_as_its_part_of_the_shard_is_updated():
     for p, q in zip(model.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q)
     opt.close()
+
+
+def _train_mixed(stage: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[object]]:
+    """Steps that meet the usual hook and its exceptions: fresh gradients, two backward passes per
+    step, no_sync micro-batches, a parameter unused in some passes, gradients zeroed through the
+    model between backward and step. Returns the weights and each step's memory report."""
+    torch.manual_seed(0)
+    model = nn.ModuleList([nn.Linear(5, 5), nn.Linear(5, 5), nn.Linear(5, 5), nn.LayerNorm(5)]).to(dtype)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.05, stage=stage, bucket_cap_mb=2e-4)
+
+    def loss(i: int, skip: bool = False) -> torch.Tensor:
+        x = torch.randn(3, 5, generator=torch.Generator().manual_seed(i)).to(dtype)
+        for k, layer in enumerate(model):
+            if not (skip and k == 1):
+                x = torch.tanh(layer(x))
+        return x.float().square().sum()
+
+    reports = []
+    for step in range(6):
+        opt.zero_grad()
+        if step % 3 == 1:
+            with opt.no_sync():
+                loss(10 * step).backward()
+        loss(10 * step + 1, skip=step % 2 == 0).backward()
+        if step % 2:
+            loss(10 * step + 2).backward()  # a second round before the step
+        if step == 4:
+            model[2].zero_grad()  # dropped after its round: the step sees no gradient for it
+        opt.step()
+        reports.append(opt.memory_report())
+    opt.close()
+    return [p.detach().clone() for p in model.parameters()], reports
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_usual_hook_takes_what_the_full_path_takes(monkeypatch, stage, dtype):
+    from shardopt.reduce._reducer import GradReducer
+
+    usual = GradReducer.arrive_fresh
+    taken = []
+
+    def counted(self: GradReducer, r: object) -> bool:
+        taken.append(usual(self, r))
+        return taken[-1]
+
+    monkeypatch.setattr(GradReducer, "arrive_fresh", counted)
+    fast_weights, fast_reports = _train_mixed(stage, dtype)
+    assert sum(taken) >= 10, taken  # (stage 2: not a bucket's first gradient, which allocates its staging)
+    monkeypatch.setattr(GradReducer, "arrive_fresh", lambda self, r: False)  # every hook takes the full path
+    full_weights, full_reports = _train_mixed(stage, dtype)
+    for a, b in zip(fast_weights, full_weights):
+        assert torch.equal(a, b)
+    assert fast_reports == full_reports  # the same bytes held, peaks included
+
+
+def _peaks_of_a_late_large_gradient() -> tuple[int, int]:
+    """One bucket whose first gradient is small (it allocates the staging) and whose second is
+    large: the peak holds the staging and the large one. (held_peak, grads_peak) after a step."""
+    torch.manual_seed(0)
+    small, large = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4000))
+    opt = shardopt.ShardedAdamW([large, small], lr=0.1, stage=2)
+    for _ in range(2):  # the second round takes the usual path, and only its peak is kept
+        opt.reset_peak_memory()
+        opt.zero_grad()
+        ((large * 2).sum() + (small * 3).sum()).backward()  # small's gradient comes first: used last
+        opt.step()
+    report = opt.memory_report()
+    opt.close()
+    return report.held_peak, report.grads_peak
+
+
+def test_a_gradient_taken_at_once_counts_in_the_peak(monkeypatch):
+    from shardopt.reduce._reducer import GradReducer
+
+    usual = _peaks_of_a_late_large_gradient()
+    monkeypatch.setattr(GradReducer, "arrive_fresh", lambda self, r: False)
+    assert usual == _peaks_of_a_late_large_gradient()

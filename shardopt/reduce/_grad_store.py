@@ -83,6 +83,15 @@ class FlatGrads(_Store):
             set_grad(r.param, view)
         return used
 
+    def take_fresh(self, r: ParamRecord) -> int | None:
+        """The usual case of a hook (``GradReducer.arrive_fresh``): ``p.grad`` is parameter ``r``'s
+        own view, to which autograd added in place; nothing to move, 0 bytes produced. None when
+        ``p.grad`` is anything else. Local."""
+        g = r.param.grad
+        if g is None or g is not r.grad_view or not r.grad_ptr or g.data_ptr() != r.grad_ptr:
+            return None
+        return 0
+
     def changed_views(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         """Before a step: the parameters whose ``p.grad`` was set to None or replaced by another
         tensor than their view (and no placeholder of the optimizer's is out). A question."""
@@ -191,6 +200,21 @@ class ShardGrads(_Store):
             if r.param.grad is grad:
                 r.param.grad = None
         return used
+
+    def take_fresh(self, r: ParamRecord) -> int | None:
+        """The usual case of a hook (``GradReducer.arrive_fresh``): ``p.grad`` is a dense tensor
+        autograd just made and its bucket's staging exists: copy it in, ``p.grad`` goes. Returns its
+        bytes; None, changing nothing, in any other case (the slow path decides). Local."""
+        g = r.param.grad
+        staging = r.bucket.staging
+        if staging is None or type(g) is not Tensor or g.layout is not torch.strided:
+            return None
+        try:
+            staging[r.at].copy_(g if g.dim() == 1 else g.reshape(-1))  # (a reshape costs about as much as the copy)
+        except RuntimeError:
+            return None  # converted after construction: the slow path drops it and step() reports it
+        r.param.grad = None
+        return g.nbytes
 
     def changed_views(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         return []

@@ -5,6 +5,17 @@ Kept apart from the reduction itself: the reducer reports what happened (a ``.gr
 taken, a buffer allocated or in flight). Each event updates a few integers (the ``.grad`` bytes kept
 under ``no_sync`` are a running total) and one sum over the buffers held at that moment (a few
 staging buffers at most); the marks are read when ``memory_report()`` asks. Local to this rank.
+
+[Note: a gradient taken at once]
+In the usual case a hook's gradient is taken as soon as it is produced, into a buffer that exists
+already (``GradReducer.arrive_fresh``): for that instant the bytes held are what was held before
+plus that gradient, and nothing else changes. Such a hook only notes the gradient's size
+(``spike``); the totals are summed at the next event that changes what is held (a buffer
+allocated or freed, a collective issued or landed: ``buffers_changed``, or a slow hook's
+``produced``), which first folds the largest such gradient into the high-water mark, as the sum
+*before* the event plus that gradient. Exact as long as every change of the held bytes inside a
+backward pass is followed by such an event before the next hook, which the scheduler
+(``_rounds``) does after each landing and each launch.
 """
 from __future__ import annotations
 
@@ -24,7 +35,8 @@ class HeldBytes:
         self._pending = 0  # the .grad autograd just produced, until taken, bytes
         self.grad_peak = 0  # high-water mark of grad_bytes + loose + pending, bytes
         self.buffer_peak = 0  # high-water mark of buffer_bytes(True), bytes
-        self.on_change: Callable[[], None] = lambda: None  # told when the bytes held may have grown
+        self.spiked = 0  # the largest .grad taken at once since the last event, bytes (see [Note: a gradient taken at once])
+        self.on_change: Callable[[], None] = lambda: None  # told when the bytes held may have changed
 
     def produced(self, r: ParamRecord, nbytes: int, keep: bool) -> None:
         """Autograd produced a ``.grad`` of ``nbytes`` (0: it is the storage itself) for parameter
@@ -34,6 +46,15 @@ class HeldBytes:
         self._pending = 0 if r.kept_bytes else nbytes
         self.grad_peak = max(self.grad_peak, self.grad_bytes + self._loose_total + self._pending)
         self.on_change()
+
+    def spike(self, nbytes: int) -> None:
+        """A ``.grad`` of ``nbytes`` was produced and taken at once, with nothing else held
+        changing (see [Note: a gradient taken at once])."""
+        held = self.grad_bytes + self._loose_total + nbytes
+        if held > self.grad_peak:
+            self.grad_peak = held
+        if nbytes > self.spiked:
+            self.spiked = nbytes
 
     def unkeep(self, r: ParamRecord) -> None:
         """Parameter ``r``'s kept ``.grad`` is being taken."""
@@ -50,20 +71,21 @@ class HeldBytes:
                 r.keep_bytes(0)
             self._loose_total = 0
 
-    def buffers_grew(self) -> None:
-        """A buffer was allocated or a collective issued."""
+    def buffers_changed(self) -> None:
+        """A buffer was allocated or freed, or a collective issued or landed."""
         self.buffer_peak = max(self.buffer_peak, self._buffer_bytes(True))
         self.on_change()
 
-    def now(self, comm: bool = True) -> int:
+    def now(self, comm: bool = True, pending: bool = True) -> int:
         """Bytes held now; without ``comm``, leaving out the Comm's receive buffers (shared by the
-        reducers of one optimizer)."""
-        return self.grad_bytes + self._loose_total + self._pending + self._buffer_bytes(comm)
+        reducers of one optimizer); without ``pending``, the ``.grad`` produced last."""
+        return self.grad_bytes + self._loose_total + (self._pending if pending else 0) + self._buffer_bytes(comm)
 
     def reset(self) -> None:
         """Restart the high-water marks from what is held now."""
         self.buffer_peak = self._buffer_bytes(True)
         self.grad_peak = self.grad_bytes + self._loose_total
+        self.spiked = 0
 
 
 class HeldTotal:
@@ -73,13 +95,36 @@ class HeldTotal:
         self.parts, self._comm = list(parts), comm_live_bytes
         for p in self.parts:
             p.on_change = self.note
-        self.peak = 0  # bytes
+        self._peak = 0  # bytes, without the gradients taken at once since the last event
+        self._before = 0  # bytes held at the last event, without any .grad just produced
 
-    def now(self) -> int:
-        return sum(p.now(comm=False) for p in self.parts) + self._comm()
+    def now(self, pending: bool = True) -> int:
+        """Bytes held now; without ``pending``, the ``.grad`` each reducer produced last."""
+        return sum(p.now(comm=False, pending=pending) for p in self.parts) + self._comm()
+
+    def _fold(self) -> None:
+        """Fold the gradients taken at once since the last event into the mark (see [Note: a
+        gradient taken at once])."""
+        spiked = max(p.spiked for p in self.parts)
+        if spiked:
+            self._peak = max(self._peak, self._before + spiked)
+            for p in self.parts:
+                p.spiked = 0
 
     def note(self) -> None:
-        self.peak = max(self.peak, self.now())
+        """What is held may have changed: fold, then take the mark from the sums."""
+        self._fold()
+        self._peak = max(self._peak, self.now())
+        self._before = self.now(pending=False)
+
+    @property
+    def peak(self) -> int:
+        """The most bytes held at one moment since the last ``reset``."""
+        self._fold()
+        return self._peak
 
     def reset(self) -> None:
-        self.peak = self.now()
+        for p in self.parts:
+            p.spiked = 0
+        self._peak = self.now()
+        self._before = self.now(pending=False)

@@ -23,7 +23,9 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 """
 from __future__ import annotations
 
+import operator
 import time
+from itertools import compress, repeat
 from typing import Sequence, cast
 
 import torch
@@ -32,7 +34,7 @@ from torch.autograd.graph import get_gradient_edge
 
 from shardopt.comm._collectives import Comm
 from shardopt.core._dtensor import move_grad
-from shardopt.core._compat import will_execute
+from shardopt.core._compat import will_execute_each
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
@@ -40,6 +42,10 @@ from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
 
 __all__ = ["GradReducer", "ParamState"]
+
+_ACCUMULATOR = operator.attrgetter("accumulator")
+_SLOT, _PLACEHOLDER, _PARAM = operator.attrgetter("slot"), operator.attrgetter("placeholder"), operator.attrgetter("param")
+_GRAD, _ZEROED = operator.attrgetter("grad"), operator.attrgetter("zeroed")
 
 
 class GradReducer:
@@ -80,7 +86,7 @@ class GradReducer:
         self.flat_grad = getattr(self.store, "flat_grad", None)
         self.grad_shard = getattr(self.store, "grad_shard", None)
         self.held = HeldBytes(self.store.nbytes, self._buffer_bytes)  # see _held_bytes
-        self.store.on_alloc = self.held.buffers_grew
+        self.store.on_alloc = self.held.buffers_changed
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self._arrivals = 0  # gradients that arrived in the first round so far
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
@@ -92,8 +98,8 @@ class GradReducer:
         opened the round, reached whatever the engine says (a backward from the parameter itself,
         ``p.backward(g)``, makes its accumulator the graph's root, which the engine does not list
         among the nodes it will run). A question. Local."""
-        return [r for r in self.records
-                if r.reach is Reach.DIRECT and r is not reached and not will_execute(r.accumulator)]
+        skipped = compress(self.records, map(operator.not_, will_execute_each(map(_ACCUMULATOR, self.records))))
+        return [r for r in skipped if r.reach is Reach.DIRECT and r is not reached]
 
     def mark_absent(self, r: ParamRecord) -> None:
         """WAITING -> ABSENT: the round opened, the pass will not reach ``r``. Local."""
@@ -151,9 +157,15 @@ class GradReducer:
 
     def _untouched(self) -> bool:
         """Nothing zeroed or replaced since the placeholders were placed (the usual case). A question."""
-        return all(r.slot is GradSlot.OWN for r in self.records) or all(
-            r.slot is not GradSlot.OWN and r.param.grad is r.placeholder and not cast(GradPlaceholder, r.placeholder).zeroed
-            for r in self.records)
+        # Each pass runs in C (map, attrgetter, operator.is_): this runs at every backward pass and step.
+        own = list(map(operator.is_, map(_SLOT, self.records), repeat(GradSlot.OWN)))
+        if all(own):
+            return True
+        if any(own):
+            return False
+        placeholders = list(map(_PLACEHOLDER, self.records))
+        return all(map(operator.is_, map(_GRAD, map(_PARAM, self.records)), placeholders)) and \
+            not any(map(_ZEROED, placeholders))
 
     def apply_zeroing(self, *, at_step: bool = False) -> bool:
         """Restart from zero the gradient of every parameter whose placeholder was removed
@@ -184,6 +196,23 @@ class GradReducer:
             for r in cleared:
                 self.flat.param_view(self.accum, r.index).zero_()
         self.store.clear(cleared, at_step)
+        return True
+
+    def arrive_fresh(self, r: ParamRecord) -> bool:
+        """The usual case of :meth:`arrive`, from a hook of a backward pass that reduces, not nested,
+        after the first round: parameter ``r`` is waiting for its first gradient of the round, which
+        autograd just produced (stage 2: a new tensor, taken into a staging buffer that exists
+        already; stage 1: added in place to its view), nothing is accumulated or kept under
+        ``no_sync``, and it is no DTensor's. Then the same as ``arrive``, in a few steps: True.
+        Otherwise False, and nothing changed: call ``arrive``. Local."""
+        if r.state is not ParamState.WAITING or r.kept_bytes or r.dtensor is not None or self.accum is not None:
+            return False
+        nbytes = self.store.take_fresh(r)
+        if nbytes is None:
+            return False
+        r.got_gradient()
+        r.to(ParamState.TAKEN)  # WAITING -> TAKEN: its gradient is in its bucket
+        self.held.spike(nbytes)  # see _held_bytes [Note: a gradient taken at once]
         return True
 
     def arrive(self, r: ParamRecord, *, sync: bool, nested: bool, first: bool) -> bool:
@@ -256,7 +285,7 @@ class GradReducer:
         if self.accum is None:
             self.accum = torch.zeros(self.flat.layout.numel, dtype=self.accumulate_dtype, device=self.flat.device)
             self.accumulated = True
-            self.held.buffers_grew()
+            self.held.buffers_changed()
         self.flat.param_view(self.accum, r.index).add_(grad)
         if self.store.is_storage(r, grad):
             grad.zero_()  # the view was the accumulation target; its content now sits in accum
@@ -318,16 +347,20 @@ class GradReducer:
         self.accum = None
         for b in self.buckets:
             b.to(BucketState.WAITING)  # LANDED -> WAITING: the next round, none ready
-        for r in self.records:
-            r.to(ParamState.WAITING)  # any -> WAITING: the next round
-        if not self.store.keeps_views:
-            start = time.perf_counter()
+        waiting = ParamState.WAITING
+        if self.store.keeps_views:
             for r in self.records:
-                ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
+                r.to(waiting)  # any -> WAITING: the next round
+            return
+        start = time.perf_counter()
+        for r in self.records:  # one pass: this runs over every parameter at every backward pass
+            r.to(waiting)
+            ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
+            if ph.zeroed:
                 ph.zeroed = False
-                if set_grad(r.param, ph):
-                    r.place(GradSlot.PLACEHOLDER)
-            self.check_seconds += time.perf_counter() - start
+            if set_grad(r.param, ph):
+                r.place(GradSlot.PLACEHOLDER)
+        self.check_seconds += time.perf_counter() - start
 
     def arrival(self) -> list[ParamRecord]:
         """The parameters whose gradients arrived in the first round, in that order. A question."""

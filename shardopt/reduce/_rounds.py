@@ -49,6 +49,18 @@ The order spans every flat buffer (one per dtype): with two buffers and rank-dep
 (an expert or a branch used on one rank only), per-buffer orders would interleave differently
 on each rank and pair one buffer's reduction with the other's.
 
+[Note: the usual hook]
+Most hooks of a backward pass find the same situation: the round this pass opened is open, the
+pass reduces (not under ``no_sync``) and is not nested in another, it is not the first round (whose
+hooks note the order gradients arrive in), and the parameter waits for its first gradient of the
+round, which autograd just produced (``GradReducer.arrive_fresh``). ``on_hook`` notes the pass's
+graph task as ``steady_task`` when that holds for the round (any change of the round's state
+clears it); a hook in that task asks the reducer to take the gradient the short way, which checks
+what is the parameter's own, and counts it. Anything else (the pass's first hook, a nested or
+no_sync pass, a second gradient, a placeholder, a DTensor, a bucket whose staging is not allocated
+yet) takes the full path, ``on_hook`` and ``arrive``. The short way does what the full path does in
+that case, with the host work per parameter cut about in half (``benchmarks/bench_per_param.py``).
+
 [Note: a round that did not end]
 A backward pass that raises (and is caught) never runs the engine's callback: its round stops
 after some of its buckets were issued, while the other ranks issued all of them and wait for the
@@ -164,6 +176,7 @@ class Rounds:
         self._task: int | None = None  # autograd graph task of the backward pass seen last
         self._round_task: int | None = None  # the graph task that opened the round (or began the no_sync pass)
         self.nested = False  # the hook running now is in a backward pass nested in that one
+        self.steady_task: int | None = None  # the open round's graph task, while its hooks may take the usual path
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
         self._reset()
 
@@ -193,6 +206,9 @@ class Rounds:
                 return
             reducer = rounds.reducers[k]
             rec = reducer.records[index]
+            if rounds.steady_task == graph_task_id() and reducer.arrive_fresh(rec):
+                rounds._count(rec.bucket)  # see [Note: the usual hook]
+                return
             if rec.dtensor is not None:  # see core._dtensor [Note: DTensor parameters]
                 move_grad(rec.dtensor, rec.param)
             sync = rounds.on_hook(rec)
@@ -233,6 +249,8 @@ class Rounds:
                     self._open(reached=rec)
             self.nested = task != self._round_task
             self.nesting_seen |= self.nested
+            steady = self.state is RoundState.OPEN and self.sync_backward and not self.nested and self.total_rounds > 0
+            self.steady_task = task if steady else None
         return self.sync_backward
 
     def settle(self) -> None:
@@ -250,6 +268,7 @@ class Rounds:
         if state is not RoundState.BROKEN and state not in _NEXT[self.state]:
             raise AssertionError(f"a round cannot go from {self.state} to {state}")
         self.state = state
+        self.steady_task = None  # the next hook looks at the round again
 
     def fail(self, why: str) -> None:
         """The ranks can no longer train together (a check of the tags or a collective failed):
@@ -343,7 +362,8 @@ class Rounds:
     def _count(self, b: BucketRecord) -> None:
         """One more parameter of bucket ``b`` is in; launch what is ready, in order."""
         b.one_ready()
-        self._launch_ready()
+        if b.complete:  # else the first bucket of the order not launched is as incomplete as before
+            self._launch_ready()
 
     def _launch_ready(self) -> None:
         order = cast(list[BucketRecord], self.order)  # agreed before any bucket is counted
@@ -360,7 +380,7 @@ class Rounds:
             parts = self.reducers[b.buffer].launch(b)
             for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
                 self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
-                self.reducers[b.buffer].held.buffers_grew()
+                self.reducers[b.buffer].held.buffers_changed()
                 # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
                 while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
                     self._complete_oldest()
@@ -393,6 +413,8 @@ class Rounds:
                 self._follow_ups += 1
             elif b is not None:
                 self.reducers[b.buffer].reduced(b)
+            for r in self.reducers:  # staging and receive buffers went (see _held_bytes [Note: a gradient taken at once])
+                r.held.buffers_changed()
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
