@@ -8,7 +8,7 @@ there, and by the kernels' self-check); docs/design.md ("Torch internals") lists
 from __future__ import annotations
 
 import datetime
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import operator
 
@@ -24,6 +24,13 @@ def will_execute(node: object) -> bool:
     flush instead of being reduced as soon as the rest arrived. Same results, less overlap."""
     fn = getattr(torch._C, "_will_engine_execute_node", None)
     return True if fn is None else bool(fn(node))
+
+
+def will_execute_each(nodes: Iterable[object]) -> list[bool]:
+    """:func:`will_execute` of each of ``nodes``, the internal looked up once (a backward pass's
+    first hook asks it of every parameter)."""
+    fn = getattr(torch._C, "_will_engine_execute_node", None)
+    return [True for _ in nodes] if fn is None else list(map(fn, nodes))
 
 
 def graph_task_id() -> int:

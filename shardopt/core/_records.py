@@ -257,8 +257,9 @@ class ParamRecord:
         """The one place ``slot`` changes: what the optimizer just put in ``p.grad``. The placeholder
         knows whether it stands for an fp32 sum, for the message it raises when its values are read."""
         self.slot = slot
-        if self.placeholder is not None:
-            self.placeholder.accumulating = slot is GradSlot.ACCUMULATING
+        ph = self.placeholder
+        if ph is not None and ph.accumulating is not (slot is GradSlot.ACCUMULATING):  # a tensor's attribute: set only when it changes
+            ph.accumulating = slot is GradSlot.ACCUMULATING
 
     def holds(self) -> Holds:
         """What ``p.grad`` holds now. A question: changes nothing."""

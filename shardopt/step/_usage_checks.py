@@ -10,9 +10,11 @@ scale the gradients carry). See docs/design.md, "Ordinary torch usage is followe
 from __future__ import annotations
 
 import logging
+import operator
 import time
 import warnings
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
@@ -74,6 +76,18 @@ class Findings:
     joined: bool = False  # this rank shadows the others inside a Join: it has no gradient and takes no side
 
 
+@dataclass
+class Followed:
+    """What ``UsageChecks.follow`` found on this rank, for ``local``."""
+
+    regraded: bool = False  # averaged gradients were zeroed or replaced since their round
+    # per buffer: (records written from outside, those re-bound included; problems), see ParamBinding.follow
+    bindings: list[tuple[list[ParamRecord], list[str]]] = field(default_factory=list)
+
+
+_REPLACED = operator.attrgetter("replaced")
+
+
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
     flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer, a floor up):
@@ -88,27 +102,29 @@ class UsageChecks:
         self._warned_unscaled = False
         self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
 
-    def follow(self) -> bool:
+    def follow(self) -> Followed:
         """Before the step's findings: follow what changed on this rank behind the optimizer's back
         (stage 1's ``p.grad`` set to None or replaced, gradients zeroed by hand, parameters given
-        new storage of their own kind). True if averaged gradients were zeroed or replaced. Local."""
+        new storage of their own kind), and say what was found. Local."""
         start = time.perf_counter()
-        regraded = False
+        followed = Followed()
         for b in self.buffers:
-            regraded |= b.reducer.follow_views()
-            regraded |= b.reducer.apply_zeroing(at_step=True)
-            b.binding.follow()
+            followed.regraded |= b.reducer.follow_views()
+            followed.regraded |= b.reducer.apply_zeroing(at_step=True)
+            followed.bindings.append(b.binding.follow())
         self.seconds += time.perf_counter() - start
-        return regraded
+        return followed
 
-    def local(self, regraded: bool = False) -> Findings:
-        """What this rank found since the last step (after ``follow``): writes, problems, gradients.
-        A question: ``forget`` clears what it reported once the step acted on it. Local; no communication."""
+    def local(self, followed: Followed) -> Findings:
+        """What this rank found since the last step (after ``follow``, whose findings are
+        ``followed``): writes, problems, gradients. A question: ``forget`` clears what it reported
+        once the step acted on it. Local; no communication."""
         start = time.perf_counter()
-        found = Findings(written=[], problems=list(self.late_problems), regraded=self.zeroed_after_round or regraded)
-        for b in self.buffers:
+        found = Findings(written=[], problems=list(self.late_problems),
+                         regraded=self.zeroed_after_round or followed.regraded)
+        for b, (written, problems) in zip(self.buffers, followed.bindings):
             found.problems += b.reducer.problems
-            replaced = [r for r in b.records if r.replaced]
+            replaced = list(compress(b.records, map(_REPLACED, b.records)))
             found.regraded |= bool(replaced)
             for r in replaced:
                 found.problems.append(
@@ -116,7 +132,6 @@ class UsageChecks:
                     "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
                     "assigned after backward cannot be averaged any more: assign it before backward (it is then "
                     "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
-            written, _, problems = b.binding.changes()
             found.written.append(written)
             found.problems += problems
             found.scaled += b.reducer.scaled_backwards
@@ -137,7 +152,7 @@ class UsageChecks:
         self.late_problems, self.zeroed_after_round = [], False
         for b in self.buffers:
             b.reducer.problems = []
-            for r in b.records:
+            for r in compress(b.records, map(_REPLACED, b.records)):
                 r.mark_replaced(False)
 
     def joined(self) -> Findings:
