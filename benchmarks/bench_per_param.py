@@ -20,6 +20,10 @@ What each row does:
 Each time is the median over ``--steps`` iterations after ``--warmup``, rank 0, milliseconds; the
 ratio is to ``ddp`` in the same round. ``--baseline DIR`` (a checkout of an earlier shardopt) adds
 configurations named ``NAME@base``, which run NAME with that checkout's shardopt, in the same rounds.
+With two sizes or more, a last table splits each configuration's time (medians over the rounds)
+into a cost per tensor (the slope between the smallest and the largest size, microseconds: the
+hooks and the bookkeeping per parameter) and a cost per step (what is left at the smallest size,
+milliseconds: the collectives and the work that does not grow with the tensors).
 """
 from __future__ import annotations
 
@@ -102,6 +106,27 @@ def run_config(config: str, tensors: int, args: argparse.Namespace) -> float | s
     return "no result printed"
 
 
+def per_tensor(configs: list[str], sizes: list[int], times: dict[tuple[str, int], list[float]]) -> list[str]:
+    """Each configuration's cost split in two, from the medians over the rounds at the smallest and
+    the largest size: per tensor (the slope between them, microseconds) and per step (what is left at
+    the smallest size, milliseconds: collectives and work that does not grow with the tensors)."""
+    lo, hi = min(sizes), max(sizes)
+    out = [f"| per tensor ({lo} to {hi} tensors) | us per tensor | / ddp | per step ms (at {lo}) | - ddp ms |",
+           "|---|---:|---:|---:|---:|"]
+    fits = {}
+    for c in configs:
+        if (c, lo) in times and (c, hi) in times:
+            a, b = statistics.median(times[c, lo]), statistics.median(times[c, hi])
+            slope = (b - a) / (hi - lo)  # ms per tensor
+            fits[c] = (slope * 1e3, a - slope * lo)
+    for c, (us, fixed) in fits.items():
+        base = fits.get("ddp")
+        ratio = f"{us / base[0]:.2f}x" if base and c != "ddp" else "-"
+        extra = f"{fixed - base[1]:+.2f}" if base and c != "ddp" else "-"
+        out.append(f"| {c} | {us:.1f} | {ratio} | {fixed:.2f} | {extra} |")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -120,21 +145,28 @@ def main() -> None:
         worker(args)
         return
     configs = args.configs.split(",")
+    sizes = [int(t) for t in args.tensors.split(",")]
+    times: dict[tuple[str, int], list[float]] = {}
     lines = ["| tensors | round | " + " | ".join(f"{c} ms" for c in configs) + " | " +
              " | ".join(f"{c} / ddp" for c in configs if c != "ddp") + " |",
              "|---:|---:|" + "---:|" * (2 * len(configs) - 1)]
-    for n in [int(t) for t in args.tensors.split(",")]:
+    for n in sizes:
         for rnd in range(args.rounds):
             order = configs if rnd % 2 == 0 else configs[::-1]
             got = {}
             for c in order:
                 got[c] = run_config(c, n, args)
                 print(f"tensors {n} round {rnd + 1} {c}: {got[c]}", file=sys.stderr, flush=True)
+            for c in configs:
+                if isinstance(got[c], float):
+                    times.setdefault((c, n), []).append(got[c])
             cells = [f"{got[c]:.2f}" if isinstance(got[c], float) else str(got[c]) for c in configs]
             base = got.get("ddp")
             ratios = [f"{got[c] / base:.2f}x" if isinstance(got[c], float) and isinstance(base, float) else "-"
                       for c in configs if c != "ddp"]
             lines.append(f"| {n} | {rnd + 1} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
+    if len(sizes) > 1:
+        lines += ["", *per_tensor(configs, sizes, times)]
     table = "\n".join(lines)
     print(table)
     if args.out:
