@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 # The gradient's own path: hook -> take -> stage -> reduce-scatter -> land -> update -> gather -> wait.
 PATH = {"reduce/_rounds.py", "reduce/_reducer.py", "reduce/_grad_store.py", "reduce/_grad_placeholder.py",
-        "comm/_collectives.py", "optimizer.py", "update/_sharded_buffer.py", "update/_master.py",
+        "comm/_collectives.py", "comm/_bucket_paths.py", "optimizer.py", "update/_sharded_buffer.py", "update/_master.py",
         "update/_moments.py", "kernels/fused.py", "comm/_gathers.py", "comm/_gather_wait.py", "core/_records.py"}
 
 
