@@ -261,6 +261,12 @@ class ParamRecord:
         if ph is not None and ph.accumulating is not (slot is GradSlot.ACCUMULATING):  # a tensor's attribute: set only when it changes
             ph.accumulating = slot is GradSlot.ACCUMULATING
 
+    def zeroed(self) -> None:
+        """Its gradient was set to None (``zero_grad(set_to_none=True)``): nothing of the
+        optimizer's is in ``p.grad``, and it has no gradient since."""
+        self.place(GradSlot.OWN)
+        self.used = False
+
     def holds(self) -> Holds:
         """What ``p.grad`` holds now. A question: changes nothing."""
         g = self.param.grad

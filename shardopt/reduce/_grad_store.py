@@ -13,6 +13,7 @@ It issues collectives through :mod:`shardopt.comm._collectives` and knows nothin
 from __future__ import annotations
 
 import enum
+import operator
 from typing import Callable, Sequence, cast
 
 import torch
@@ -23,6 +24,8 @@ from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
+_PARAM, _GRAD = operator.attrgetter("param"), operator.attrgetter("grad")
+_GRAD_VIEW, _GRAD_PTR = operator.attrgetter("grad_view"), operator.attrgetter("grad_ptr")
 
 
 class _Store:
@@ -95,6 +98,11 @@ class FlatGrads(_Store):
     def changed_views(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         """Before a step: the parameters whose ``p.grad`` was set to None or replaced by another
         tensor than their view (and no placeholder of the optimizer's is out). A question."""
+        # The usual step first, in C passes: every p.grad is its own view, where it was made.
+        grads = list(map(_GRAD, map(_PARAM, records)))
+        if all(map(operator.is_, grads, map(_GRAD_VIEW, records))) and \
+                list(map(Tensor.data_ptr, grads)) == list(map(_GRAD_PTR, records)):
+            return []
         return [r for r in records if r.slot is GradSlot.OWN and not self.is_storage(r, r.param.grad)]
 
     def add_late(self, r: ParamRecord, grad: Tensor) -> None:
@@ -123,7 +131,8 @@ class FlatGrads(_Store):
         self.flat_grad.zero_()
         for b in self.buckets:
             for r in b.params:
-                if not set_grad(r.param, b.view_of(r)):
+                view = b.view_of(r)
+                if r.param.grad is not view and not set_grad(r.param, view):
                     r.param.grad = None
 
     def round_sum(self) -> None:

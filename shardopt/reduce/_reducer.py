@@ -46,6 +46,7 @@ __all__ = ["GradReducer", "ParamState"]
 _ACCUMULATOR = operator.attrgetter("accumulator")
 _SLOT, _PLACEHOLDER, _PARAM = operator.attrgetter("slot"), operator.attrgetter("placeholder"), operator.attrgetter("param")
 _GRAD, _ZEROED = operator.attrgetter("grad"), operator.attrgetter("zeroed")
+_REPLACED = operator.attrgetter("replaced")
 
 
 class GradReducer:
@@ -404,28 +405,29 @@ class GradReducer:
             if r.dtensor is not None:
                 r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
         self.held.forget(self.records)
-        for r in self.records:
-            r.place(GradSlot.OWN)
+        for r in compress(self.records, map(_REPLACED, self.records)):
             r.mark_replaced(False)
-        if not set_to_none:
-            for r in self.records:  # a real .grad (16-bit accumulation aside) is zeroed in place
-                if r.param.grad is not None and not is_placeholder(r.param.grad):
-                    r.param.grad.zero_()
-        if not self.store.keeps_views:
+        if set_to_none:  # (one pass each: this runs over every parameter at every step)
             for r in self.records:
-                p = r.param
-                if set_to_none or not r.used or not is_placeholder(p.grad):
-                    if set_to_none or is_placeholder(p.grad):
-                        p.grad = None
-                    continue
-                ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
-                ph.zeroed, ph.pending = False, None
-                r.place(GradSlot.PLACEHOLDER)  # a zero gradient that is still there
+                r.zeroed()
+            if not self.store.keeps_views:
+                for p in map(_PARAM, self.records):
+                    p.grad = None
+        else:
+            for r in self.records:
+                r.place(GradSlot.OWN)
+                if r.param.grad is not None and not is_placeholder(r.param.grad):
+                    r.param.grad.zero_()  # a real .grad (16-bit accumulation aside) is zeroed in place
+            if not self.store.keeps_views:
+                for r in self.records:
+                    p = r.param
+                    if not r.used or not is_placeholder(p.grad):
+                        continue
+                    ph = cast(GradPlaceholder, r.placeholder)  # every record has one (see __init__)
+                    ph.zeroed, ph.pending = False, None
+                    r.place(GradSlot.PLACEHOLDER)  # a zero gradient that is still there
         self.store.zero()
         self.accum = None
-        if set_to_none:
-            for r in self.records:
-                r.got_gradient(False)
         self.stepped()
 
     def stepped(self) -> None:

@@ -21,10 +21,13 @@ master weights are the authority on its value. Ordinary PyTorch code can break e
 """
 from __future__ import annotations
 
+import operator
 import warnings
+from itertools import repeat
 from typing import Sequence
 
 import torch
+from torch import Tensor
 
 from shardopt.core._compat import version
 from shardopt.core._flat import FlatParams
@@ -41,6 +44,10 @@ def warn_layout_change(names: Sequence[str], when: str) -> None:
             "and the training are unchanged, but kernels that prefer that format (channels_last convolutions on GPUs) "
             "convert the weight on every call; convert the activations, not the weights, to channels_last",
             UserWarning, stacklevel=5)
+
+
+_PARAM, _REBOUND, _VERSION = operator.attrgetter("param"), operator.attrgetter("rebound"), operator.attrgetter("version")
+_DTYPE, _PTR = operator.attrgetter("dtype"), operator.attrgetter("ptr")
 
 
 class ParamBinding:
@@ -62,12 +69,12 @@ class ParamBinding:
         return [r for r in records if version(r.param) != r.version]
 
     def _unchanged(self) -> bool:
-        dtype = self.flat.dtype
-        for r in self.records:  # a plain loop: this runs over every parameter at every step
-            p = r.param
-            if r.rebound or version(p) != r.version or p.data_ptr() != r.ptr or p.dtype is not dtype:
-                return False
-        return True
+        # C passes (map, attrgetter): this runs over every parameter at every step
+        records, params = self.records, list(map(_PARAM, self.records))
+        return not any(map(_REBOUND, records)) and \
+            list(map(version, params)) == list(map(_VERSION, records)) and \
+            all(map(operator.is_, map(_DTYPE, params), repeat(self.flat.dtype))) and \
+            list(map(Tensor.data_ptr, params)) == list(map(_PTR, records))
 
     def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]:
         """(parameters whose values changed from outside since ``record``, parameters given new
