@@ -60,7 +60,7 @@ what is the parameter's own, and counts it. Anything else (the pass's first hook
 no_sync pass, a second gradient, a placeholder, a DTensor, a bucket whose staging is not allocated
 yet) takes the full path, ``on_hook`` and ``arrive``. The short way does what the full path does in
 that case: with it a backward pass costs per parameter what DDP's C++ hooks cost
-(``benchmarks/results/per_param.md``: 20-22 us per tensor for both stages and DDP, from 23-26).
+(``benchmarks/results/per_param.md``: 0.90-1.00x DDP's cost per tensor, from 1.06-1.23x).
 
 [Note: a round that did not end]
 A backward pass that raises (and is caught) never runs the engine's callback: its round stops
