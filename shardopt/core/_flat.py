@@ -126,6 +126,12 @@ class ShardView:
         return self
 
 
+def views(t: Tensor | ShardView) -> list[Tensor]:
+    """``t`` without a copy: a ``ShardView``'s pieces (views), a tensor itself; for what reads
+    every element in no particular order (a maximum, an inf/NaN test)."""
+    return [view for _, view in t.pieces()] if isinstance(t, ShardView) else [t]
+
+
 def whole(t: Tensor | ShardView) -> Tensor:
     """``t`` as one tensor: a ``ShardView`` read (see ``ShardView.read``), a tensor itself."""
     return t.read() if isinstance(t, ShardView) else t

@@ -15,7 +15,7 @@ from torch import Tensor
 from shardopt.update._binding import ParamBinding, warn_layout_change
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
-from shardopt.core._flat import FlatParams, ShardView, whole
+from shardopt.core._flat import FlatParams, ShardView, views, whole
 from shardopt.core._layout import Range, build_layout
 from shardopt.core._ranges import ALL_GATHER, UPDATE, bucket_range
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
@@ -260,19 +260,23 @@ class ShardedBuffer:
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
         """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
         gradient shard, 0-d fp32 (no sync); ``norm_type`` None: the count only. Local."""
-        # Stage 1 with several ranks and buckets: the shard's pieces copied into one tensor, so the
-        # norm is summed as over stage 2's shard, in one call (a sum per piece differs in its last bits)
-        g = whole(self.reducer.local_grad())
+        grad = self.reducer.local_grad()
         zero = torch.zeros((), dtype=torch.float32, device=self.flat.device)
-        if not g.numel():
+        if not grad.numel():
             return zero, zero
         k = self.kernels  # compiled reductions: one pass, about 20x eager's on CPU for 16-bit gradients
-        if norm_type is None:
-            return k.grad_nonfinite(g), zero
-        if math.isinf(norm_type) or self.counted_runs is None:  # a copy counted twice changes no maximum
-            s = k.grad_max(g) if math.isinf(norm_type) else k.grad_norm_power(g, norm_type)
-        else:  # without the copies that another rank of a model axis counts
-            s = sum((k.grad_norm_power(g[r.as_slice()], norm_type) for r in self.counted_runs if r.size),
+        if norm_type is None or math.isinf(norm_type):  # a maximum: piece by piece (stage 1), in any order
+            stat = k.grad_nonfinite if norm_type is None else k.grad_max  # a copy counted twice changes no maximum
+            s = functools.reduce(torch.maximum, (stat(v) for v in views(grad) if v.numel()))
+            if norm_type is None:
+                return s, zero
+        else:
+            # Stage 1 with several ranks and buckets: the shard's pieces copied into one tensor, so the
+            # norm is summed as over stage 2's shard, in one call (a sum per piece differs in its last bits)
+            g = whole(grad)
+            # counted_runs: without the copies that another rank of a model axis counts
+            runs = self.counted_runs if self.counted_runs is not None else [Range(0, g.numel())]
+            s = sum((k.grad_norm_power(g[r.as_slice()], norm_type) for r in runs if r.size),
                     torch.zeros((), dtype=torch.float32, device=g.device))
         if self.grad_factor != 1.0:  # the norm of the gradient the step takes
             s = s * (self.grad_factor if math.isinf(norm_type) else self.grad_factor ** norm_type)
