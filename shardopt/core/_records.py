@@ -41,7 +41,9 @@ gradient instead)::
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
+from itertools import compress
 from typing import TYPE_CHECKING, Any, Sequence, cast
 
 import torch
@@ -378,6 +380,23 @@ class BucketRecord:
         if view is None or not p.grad_ptr or view.data_ptr() == p.grad_ptr:
             return view
         return cast(Tensor, self.grad_view)[p.at].view(p.span.shape)
+
+
+# -- questions over many records at once, each a pass that runs in C (map, attrgetter, compress):
+#    the walks over every parameter at each backward pass and step are made of these
+def column(items: Sequence[Any], name: str) -> list[Any]:
+    """Field ``name`` of each of ``items`` (records, or the tensors they hold), in order."""
+    return list(map(operator.attrgetter(name), items))
+
+
+def flagged(records: Sequence[ParamRecord], name: str) -> list[ParamRecord]:
+    """Those of ``records`` whose field ``name`` is true, in order."""
+    return list(compress(records, map(operator.attrgetter(name), records)))
+
+
+def grads(records: Sequence[ParamRecord]) -> list[Tensor | None]:
+    """Each record's ``p.grad``, in order."""
+    return column(column(records, "param"), "grad")
 
 
 def build_records(params: Sequence[torch.nn.Parameter], names: Sequence[str], groups: Sequence[int],

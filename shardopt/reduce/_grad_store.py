@@ -21,11 +21,15 @@ from torch import Tensor
 
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._flat import FlatParams, ShardView, set_grad
-from shardopt.core._records import BucketRecord, GradSlot, ParamRecord
+from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
-_PARAM, _GRAD = operator.attrgetter("param"), operator.attrgetter("grad")
-_GRAD_VIEW, _GRAD_PTR = operator.attrgetter("grad_view"), operator.attrgetter("grad_ptr")
+
+
+def _flat(grad: Tensor) -> Tensor:
+    """``grad`` as a 1-D tensor, as it lies in a bucket (a 1-D one itself: a reshape costs about as
+    much as copying a small gradient)."""
+    return grad if grad.dim() == 1 else grad.reshape(-1)
 
 
 class _Store:
@@ -99,9 +103,9 @@ class FlatGrads(_Store):
         """Before a step: the parameters whose ``p.grad`` was set to None or replaced by another
         tensor than their view (and no placeholder of the optimizer's is out). A question."""
         # The usual step first, in C passes: every p.grad is its own view, where it was made.
-        grads = list(map(_GRAD, map(_PARAM, records)))
-        if all(map(operator.is_, grads, map(_GRAD_VIEW, records))) and \
-                list(map(Tensor.data_ptr, grads)) == list(map(_GRAD_PTR, records)):
+        now = grads(records)
+        if all(map(operator.is_, now, column(records, "grad_view"))) and \
+                list(map(Tensor.data_ptr, cast(list[Tensor], now))) == column(records, "grad_ptr"):
             return []
         return [r for r in records if r.slot is GradSlot.OWN and not self.is_storage(r, r.param.grad)]
 
@@ -202,7 +206,7 @@ class ShardGrads(_Store):
         used = None
         if grad is not None:
             try:
-                self._staged(r).copy_(grad.reshape(-1))
+                self._staged(r).copy_(_flat(grad))
                 used = True
             except RuntimeError:
                 pass  # converted after construction: reported at step() on every rank (see FlatGrads.put)
@@ -219,7 +223,7 @@ class ShardGrads(_Store):
         if staging is None or type(g) is not Tensor or g.layout is not torch.strided:
             return None
         try:
-            staging[r.at].copy_(g if g.dim() == 1 else g.reshape(-1))  # (a reshape costs about as much as the copy)
+            staging[r.at].copy_(_flat(g))
         except RuntimeError:
             return None  # converted after construction: the slow path drops it and step() reports it
         r.param.grad = None
@@ -230,7 +234,7 @@ class ShardGrads(_Store):
 
     def add_late(self, r: ParamRecord, grad: Tensor) -> None:
         """A second gradient in one round, before its bucket was reduced: added to the staged one."""
-        self._staged(r).add_(grad.reshape(-1))
+        self._staged(r).add_(_flat(grad))
         r.param.grad = None
 
     def _staged(self, r: ParamRecord) -> Tensor:

@@ -36,17 +36,13 @@ from shardopt.comm._collectives import Comm
 from shardopt.core._dtensor import move_grad
 from shardopt.core._compat import will_execute_each
 from shardopt.core._flat import FlatParams, ShardView, set_grad
-from shardopt.core._records import BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach
+from shardopt.core._records import (BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach, column,
+                                    flagged, grads)
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
 
 __all__ = ["GradReducer", "ParamState"]
-
-_ACCUMULATOR = operator.attrgetter("accumulator")
-_SLOT, _PLACEHOLDER, _PARAM = operator.attrgetter("slot"), operator.attrgetter("placeholder"), operator.attrgetter("param")
-_GRAD, _ZEROED = operator.attrgetter("grad"), operator.attrgetter("zeroed")
-_REPLACED = operator.attrgetter("replaced")
 
 
 class GradReducer:
@@ -99,7 +95,7 @@ class GradReducer:
         opened the round, reached whatever the engine says (a backward from the parameter itself,
         ``p.backward(g)``, makes its accumulator the graph's root, which the engine does not list
         among the nodes it will run). A question. Local."""
-        skipped = compress(self.records, map(operator.not_, will_execute_each(map(_ACCUMULATOR, self.records))))
+        skipped = compress(self.records, map(operator.not_, will_execute_each(column(self.records, "accumulator"))))
         return [r for r in skipped if r.reach is Reach.DIRECT and r is not reached]
 
     def mark_absent(self, r: ParamRecord) -> None:
@@ -159,14 +155,13 @@ class GradReducer:
     def _untouched(self) -> bool:
         """Nothing zeroed or replaced since the placeholders were placed (the usual case). A question."""
         # Each pass runs in C (map, attrgetter, operator.is_): this runs at every backward pass and step.
-        own = list(map(operator.is_, map(_SLOT, self.records), repeat(GradSlot.OWN)))
+        own = list(map(operator.is_, column(self.records, "slot"), repeat(GradSlot.OWN)))
         if all(own):
             return True
         if any(own):
             return False
-        placeholders = list(map(_PLACEHOLDER, self.records))
-        return all(map(operator.is_, map(_GRAD, map(_PARAM, self.records)), placeholders)) and \
-            not any(map(_ZEROED, placeholders))
+        placeholders = column(self.records, "placeholder")
+        return all(map(operator.is_, grads(self.records), placeholders)) and not any(column(placeholders, "zeroed"))
 
     def apply_zeroing(self, *, at_step: bool = False) -> bool:
         """Restart from zero the gradient of every parameter whose placeholder was removed
@@ -405,13 +400,13 @@ class GradReducer:
             if r.dtensor is not None:
                 r.dtensor.grad = None  # its gradient lives in the stand-in's (see core._dtensor)
         self.held.forget(self.records)
-        for r in compress(self.records, map(_REPLACED, self.records)):
+        for r in flagged(self.records, "replaced"):
             r.mark_replaced(False)
         if set_to_none:  # (one pass each: this runs over every parameter at every step)
             for r in self.records:
                 r.zeroed()
             if not self.store.keeps_views:
-                for p in map(_PARAM, self.records):
+                for p in column(self.records, "param"):
                     p.grad = None
         else:
             for r in self.records:

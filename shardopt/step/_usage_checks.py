@@ -10,11 +10,9 @@ scale the gradients carry). See docs/design.md, "Ordinary torch usage is followe
 from __future__ import annotations
 
 import logging
-import operator
 import time
 import warnings
 from dataclasses import dataclass, field
-from itertools import compress
 from typing import TYPE_CHECKING, Protocol, Sequence
 
 import torch
@@ -22,6 +20,7 @@ import torch
 from shardopt.comm._collectives import Comm
 from shardopt.core._compat import compiled_inner
 from shardopt.core._ownership import owned_hook
+from shardopt.core._records import flagged
 
 if TYPE_CHECKING:
     import weakref
@@ -85,9 +84,6 @@ class Followed:
     bindings: list[tuple[list[ParamRecord], list[str]]] = field(default_factory=list)
 
 
-_REPLACED = operator.attrgetter("replaced")
-
-
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
     flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer, a floor up):
@@ -124,7 +120,7 @@ class UsageChecks:
                          regraded=self.zeroed_after_round or followed.regraded)
         for b, (written, problems) in zip(self.buffers, followed.bindings):
             found.problems += b.reducer.problems
-            replaced = list(compress(b.records, map(_REPLACED, b.records)))
+            replaced = flagged(b.records, "replaced")
             found.regraded |= bool(replaced)
             for r in replaced:
                 found.problems.append(
@@ -152,7 +148,7 @@ class UsageChecks:
         self.late_problems, self.zeroed_after_round = [], False
         for b in self.buffers:
             b.reducer.problems = []
-            for r in compress(b.records, map(_REPLACED, b.records)):
+            for r in flagged(b.records, "replaced"):
                 r.mark_replaced(False)
 
     def joined(self) -> Findings:

@@ -31,7 +31,7 @@ from torch import Tensor
 
 from shardopt.core._compat import version
 from shardopt.core._flat import FlatParams
-from shardopt.core._records import ParamRecord
+from shardopt.core._records import ParamRecord, column
 
 
 def warn_layout_change(names: Sequence[str], when: str) -> None:
@@ -44,10 +44,6 @@ def warn_layout_change(names: Sequence[str], when: str) -> None:
             "and the training are unchanged, but kernels that prefer that format (channels_last convolutions on GPUs) "
             "convert the weight on every call; convert the activations, not the weights, to channels_last",
             UserWarning, stacklevel=5)
-
-
-_PARAM, _REBOUND, _VERSION = operator.attrgetter("param"), operator.attrgetter("rebound"), operator.attrgetter("version")
-_DTYPE, _PTR = operator.attrgetter("dtype"), operator.attrgetter("ptr")
 
 
 class ParamBinding:
@@ -69,12 +65,11 @@ class ParamBinding:
         return [r for r in records if version(r.param) != r.version]
 
     def _unchanged(self) -> bool:
-        # C passes (map, attrgetter): this runs over every parameter at every step
-        records, params = self.records, list(map(_PARAM, self.records))
-        return not any(map(_REBOUND, records)) and \
-            list(map(version, params)) == list(map(_VERSION, records)) and \
-            all(map(operator.is_, map(_DTYPE, params), repeat(self.flat.dtype))) and \
-            list(map(Tensor.data_ptr, params)) == list(map(_PTR, records))
+        # C passes (see core._records.column): this runs over every parameter at every step
+        records, params = self.records, column(self.records, "param")
+        return not any(column(records, "rebound")) and list(map(version, params)) == column(records, "version") and \
+            all(map(operator.is_, column(params, "dtype"), repeat(self.flat.dtype))) and \
+            list(map(Tensor.data_ptr, params)) == column(records, "ptr")
 
     def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]:
         """(parameters whose values changed from outside since ``record``, parameters given new
