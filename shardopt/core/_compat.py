@@ -17,20 +17,14 @@ import torch
 TESTED = "2.9 to 2.13"  # the torch releases CI tests these internals on (the floor and the pin)
 
 
-def will_execute(node: object) -> bool:
-    """Whether the running backward pass will reach autograd ``node`` (a parameter's gradient
-    accumulator): ``torch._C._will_engine_execute_node``. Where it is missing every parameter
-    counts as reached: a bucket with a parameter the pass skips then waits for the end-of-backward
-    flush instead of being reduced as soon as the rest arrived. Same results, less overlap."""
-    fn = getattr(torch._C, "_will_engine_execute_node", None)
-    return True if fn is None else bool(fn(node))
-
-
 def will_execute_each(nodes: Iterable[object]) -> list[bool]:
-    """:func:`will_execute` of each of ``nodes``, the internal looked up once (a backward pass's
-    first hook asks it of every parameter)."""
+    """Whether the running backward pass will reach each of autograd ``nodes`` (parameters'
+    gradient accumulators), in one pass: ``torch._C._will_engine_execute_node``. Where it is
+    missing every parameter counts as reached: a bucket with a parameter the pass skips then waits
+    for the end-of-backward flush instead of being reduced as soon as the rest arrived. Same
+    results, less overlap."""
     fn = getattr(torch._C, "_will_engine_execute_node", None)
-    return [True for _ in nodes] if fn is None else list(map(fn, nodes))
+    return [True for _ in nodes] if fn is None else list(map(bool, map(fn, nodes)))
 
 
 def graph_task_id() -> int:
