@@ -12,9 +12,10 @@ and shards]). Its reduction and gather take one of two paths (``Comm.path``), on
 * ``rank-order`` (gloo's default): two all-to-alls (to the ranks below, then to the ranks
   above) that send every rank the other ranks' copies of its piece (its own stays in the
   bucket: gloo's all-to-all takes no split that skips its own rank), a sum in rank order in fp32
-  (fp64 for fp64 gradients) and a division; the gather one broadcast per rank. The same bits whatever the bucket size and, with 16-bit gradients, an fp32
-  sum at no cost on the wire (an fp16 sum of N gradients overflows N times earlier than each
-  one). gloo's own reduce-scatter runs as a whole all-reduce (its profiler records say
+  (fp64 for fp64 gradients; those two are summed in the reduction's output itself) and a
+  division; the gather one broadcast per rank. The same bits whatever the bucket size and, with
+  16-bit gradients, an fp32 sum at no cost on the wire (an fp16 sum of N gradients overflows N
+  times earlier than each one). gloo's own reduce-scatter runs as a whole all-reduce (its profiler records say
   ``gloo:all_reduce``): 2x slower here (16 MB of fp32 on 2 ranks: 44 ms against 22 ms; its
   all-gather 24-32 ms against 10-12 ms for the broadcasts), and its summation order depends on the
   message size, so at three ranks or more the result would change with ``bucket_cap_mb``. Its price
@@ -207,11 +208,24 @@ class RankOrderPath(NativePath):
                 return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
             parts = [below[q * size:(q + 1) * size] if q < me else bucket[mine.as_slice()] if q == me
                      else above[(q - me - 1) * size:(q - me) * size] for q in range(n)]
-            acc = parts[0].to(torch.float64 if out.dtype == torch.float64 else torch.float32, copy=True)
-            for q in range(1, n):  # rank order: the result does not depend on the bucketing
+            wide = torch.float64 if out.dtype == torch.float64 else torch.float32
+            # fp32 (fp64) gradients are summed in ``out`` itself, the same additions in the same order,
+            # unless ``out`` is this rank's own piece (stage 1) and that is still to be added
+            if not c.hybrid and bucket.dtype == out.dtype == wide and \
+                    (me < 2 or out.data_ptr() != parts[me].data_ptr()):
+                acc, first = out, 2
+                if n > 1:
+                    torch.add(parts[0], parts[1], out=acc)
+                else:
+                    acc.copy_(parts[0])
+            else:  # 16-bit gradients: widened first
+                acc, first = parts[0].to(wide, copy=True), 1
+            for q in range(first, n):  # rank order: the result does not depend on the bucketing
                 acc.add_(parts[q])
             if not c.hybrid:
-                out.copy_(acc.div_(n))
+                acc.div_(n)
+                if acc is not out:
+                    out.copy_(acc)
                 return None
             c.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
 
@@ -230,7 +244,7 @@ PATHS = {path.name: path for path in (NativePath, RankOrderPath)}
 def bucket_path(backend: str) -> type[NativePath]:
     """The bucket path for ``backend``: ``SHARDOPT_COLLECTIVES`` (``native`` or ``rank-order``)
     when set, else ``native`` on NCCL and ``rank-order`` on gloo (see [Note: the bucket
-    backend]). Local."""
+    paths]). Local."""
     chosen = os.environ.get("SHARDOPT_COLLECTIVES", "").strip()
     if chosen and chosen not in PATHS:
         raise ValueError(f"SHARDOPT_COLLECTIVES={chosen!r}: use one of {sorted(PATHS)}, or unset it for the "

@@ -97,10 +97,10 @@ class Pending(Gather):
 
 _GRACE = 2.0  # seconds a control message is waited for beyond its own gloo timeout, which ends it first
 
+
 def says_timed_out(e: Exception) -> bool:
     """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
     return "imeout" in str(e) or "imed out" in str(e)
-
 
 
 def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
