@@ -47,6 +47,11 @@ class HeldBytes:
         self.grad_peak = max(self.grad_peak, self.grad_bytes + self._loose_total + self._pending)
         self.on_change()
 
+    @property
+    def pending(self) -> int:
+        """The ``.grad`` autograd produced last and the reducer did not take yet, bytes."""
+        return self._pending
+
     def spike(self, nbytes: int) -> None:
         """A ``.grad`` of ``nbytes`` was produced and taken at once, with nothing else held
         changing (see [Note: a gradient taken at once])."""
@@ -114,8 +119,8 @@ class HeldTotal:
     def note(self) -> None:
         """What is held may have changed: fold, then take the mark from the sums."""
         self._fold()
-        self._peak = max(self._peak, self.now())
         self._before = self.now(pending=False)
+        self._peak = max(self._peak, self._before + sum(p.pending for p in self.parts))
 
     @property
     def peak(self) -> int:
@@ -126,5 +131,5 @@ class HeldTotal:
     def reset(self) -> None:
         for p in self.parts:
             p.spiked = 0
-        self._peak = self.now()
         self._before = self.now(pending=False)
+        self._peak = self._before + sum(p.pending for p in self.parts)

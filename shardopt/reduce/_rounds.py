@@ -414,8 +414,8 @@ class Rounds:
                 self._follow_ups += 1
             elif b is not None:
                 self.reducers[b.buffer].reduced(b)
-            for r in self.reducers:  # staging and receive buffers went (see _held_bytes [Note: a gradient taken at once])
-                r.held.buffers_changed()
+            if b is not None:  # its staging or receive buffers went (see _held_bytes [Note: a gradient taken at once])
+                self.reducers[b.buffer].held.buffers_changed()
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
