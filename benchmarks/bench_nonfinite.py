@@ -6,7 +6,7 @@
 Every step reads the averaged gradient shard once before the update, to skip the step on every
 rank when some gradient holds an inf or a NaN (``kernels.grad_nonfinite``); ``offload="cpu"``
 then reads it again to copy it into host memory. Measured here, side by side, median of
-``--repeat`` calls after three warm-up ones, milliseconds:
+``--repeat`` calls after two warm-up ones, milliseconds:
 
 * ``copy``: ``dst.copy_(g)``, the offload's gradient copy alone (what a hand-written offload does);
 * ``bits``: ``kernels.fused.grad_nonfinite``, shardopt's test: the largest fp32 magnitude bit
@@ -18,12 +18,11 @@ then reads it again to copy it into host memory. Measured here, side by side, me
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from typing import Callable
 
 import torch
 
+from bench_kernels import timed  # the median of timed calls after two warm-up ones, seconds
 from shardopt.kernels import _cpu_codegen, fused, reference
 
 
@@ -45,22 +44,11 @@ def _compiled(fn: Callable) -> Callable:
     return run
 
 
-def _ms(fn: Callable[[], object], repeat: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
-
-
 def _measure(g: torch.Tensor, dst: torch.Tensor, repeat: int, isfinite: Callable,
-             copy_bits: Callable) -> tuple[float, float, float, float]:
+             copy_bits: Callable) -> tuple[float, ...]:
     """(copy, bits, isfinite, copy+bits) ms for gradient ``g`` and copy target ``dst``."""
-    return (_ms(lambda: dst.copy_(g), repeat), _ms(lambda: fused.grad_nonfinite(g), repeat),
-            _ms(lambda: isfinite(g), repeat), _ms(lambda: copy_bits(dst, g), repeat))
+    return tuple(timed(fn, repeat) * 1e3 for fn in (
+        lambda: dst.copy_(g), lambda: fused.grad_nonfinite(g), lambda: isfinite(g), lambda: copy_bits(dst, g)))
 
 
 def main() -> None:
