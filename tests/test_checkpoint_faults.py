@@ -241,6 +241,132 @@ def test_an_interrupted_commit_is_recovered_once_when_every_rank_lists_at_once(t
     assert sorted(os.listdir(root)) == ["latest", "latest.old-aaaa"]
 
 
+# -- a rank killed in a save of a model split over tensor-parallel ranks ---------------------------
+# 2 x 2 (dp x tp), Megatron-style shards with model_parallel_group=. One rank dies (os._exit) at
+# one point of the second save to the same path; the others used to raise gloo's bare
+# "Connection closed by peer" from inside DCP, or a ControlGone that named "a backward or forward
+# pass" (the ranks of the other parts were not marked as being in save_checkpoint). Each survivor
+# must name save_checkpoint() and say that a rank died (or that it waited for one that may have);
+# the next run (4 fresh ranks) finds the first save intact and loads it, equal to what was saved.
+TP_WORLD = 4
+TP_KILLS = {"entry": 3, "plan": 3, "write": 1, "checksums": 3, "commit": 0}  # where the victim dies -> victim
+
+
+def _tp_parts(timeout: float | None = None):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from parallel_models import MegatronTP, Whole
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    opt = shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": True}],
+                                lr=1e-2, device_mesh=mesh["dp"], model_parallel_group=tp, timeout=timeout)
+    return mesh, model, opt
+
+
+def _tp_train(mesh, model, opt, steps) -> None:
+    from parallel_models import batch as tp_batch
+
+    for step in steps:
+        opt.zero_grad()
+        opt.backward(model(*tp_batch(mesh["dp"].get_local_rank(), step)))
+        opt.step()
+
+
+def _tp_state(model, opt) -> dict:
+    """This rank's weights, and at data-parallel rank 0 its part's optimizer state (torch's format)."""
+    fsd = opt.full_state_dict()
+    return {"model": {k: v.clone() for k, v in model.state_dict().items()},
+            "optim": {i: {k: v.clone() for k, v in s.items()} for i, s in fsd.get("state", {}).items()}}
+
+
+def tp_killed_save_case(rank: int, root: str, at: str, victim: int) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    import shardopt.checkpoint as ck
+
+    mesh, model, opt = _tp_parts(timeout=10)
+    path = os.path.join(root, "ckpt")
+    _tp_train(mesh, model, opt, range(2))
+    shardopt.save_checkpoint(path, model, opt)
+    torch.save(_tp_state(model, opt), os.path.join(root, f"saved{rank}.pt"))
+    _tp_train(mesh, model, opt, range(2, 3))
+
+    def die(*args, **kwargs):
+        os._exit(17)
+
+    if rank == victim:
+        if at == "entry":  # before the call: the others wait for it to enter
+            die()
+        elif at == "plan":  # in DCP's planning: the others wait in DCP's gather of the plans
+            dcp.FileSystemWriter.prepare_local_plan = die
+        elif at == "write":  # its shard written: the others wait in DCP's gather of what was written
+            write_data = dcp.FileSystemWriter.write_data
+
+            def write_then_die(self, plan, planner):
+                write_data(self, plan, planner).wait()
+                die()
+
+            dcp.FileSystemWriter.write_data = write_then_die
+        elif at == "checksums":  # every shard written: the others wait in the agreement on the checksums
+            ck.data_checksums = die
+        else:  # rank 0, about to commit: the others wait in the last agreement
+            ck.commit = die
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(path, model, opt)
+        error = "no error"
+    except (RuntimeError, TimeoutError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.perf_counter() - start}
+
+
+def tp_load_case(rank: int, root: str, names: list[str]) -> dict:
+    """The next run: in each killed run's directory, find the latest checkpoint and load it."""
+    out = {}
+    for name in names:
+        where = os.path.join(root, name)
+        mesh, model, opt = _tp_parts()
+        found = shardopt.latest_checkpoint(where)
+        shardopt.load_checkpoint(found, model, opt)
+        saved, got = torch.load(os.path.join(where, f"saved{rank}.pt"), weights_only=True), _tp_state(model, opt)
+        same = got["model"].keys() == saved["model"].keys() and all(
+            torch.equal(v, saved["model"][k]) for k, v in got["model"].items())
+        same = same and got["optim"].keys() == saved["optim"].keys() and all(
+            torch.equal(v, saved["optim"][i][k]) for i, s in got["optim"].items() for k, v in s.items() if k != "step")
+        out[name] = {"found": found, "same": same, "optim_entries": len(got["optim"])}
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoint_loads(tmp_path):
+    for name, victim in TP_KILLS.items():
+        root = str(tmp_path / name)
+        os.makedirs(root)
+        codes = _spawn(tp_killed_save_case, root, name, victim, world=TP_WORLD, timeout=120)
+        assert codes[victim] == 17 and all(c == 0 for r, c in enumerate(codes) if r != victim), (name, codes)
+        for rank in sorted(set(range(TP_WORLD)) - {victim}):
+            with open(os.path.join(root, f"rank{rank}.json")) as f:
+                got = json.load(f)
+            msg = got.get("error", str(got))
+            assert "save_checkpoint()" in msg and "died" in msg, (name, rank, msg)
+            assert "a backward or forward pass" not in msg and "Connection" not in msg.split("(gloo")[0], \
+                (name, rank, msg)
+            assert got["seconds"] < 30, (name, rank, got)
+        for f in glob.glob(os.path.join(root, "rank*.json")) + glob.glob(os.path.join(root, "store-*")):
+            os.remove(f)
+    root = str(tmp_path)
+    codes = _spawn(tp_load_case, root, list(TP_KILLS), world=TP_WORLD, timeout=120)
+    got = _results(root, TP_WORLD)
+    assert codes == [0] * TP_WORLD and all("traceback" not in r for r in got), (codes, got)
+    for name in TP_KILLS:
+        for rank in range(TP_WORLD):
+            r = got[rank][name]
+            assert r["found"] == os.path.join(root, name, "ckpt") and r["same"], (name, rank, r)
+            assert r["optim_entries"] == (6 if rank in (0, 1) else 0), (name, rank, r)  # the part's, at dp rank 0
+
+
 # -- checkpoint calls on rank 0 only ------------------------------------------------------------
 def rank0_only_case(rank: int, root: str, call: str, then: str) -> dict:
     model = make_model(seed=5)

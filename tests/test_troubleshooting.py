@@ -85,8 +85,14 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "_reducer.py), with 'on rank …:' in front on the others",
     ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
         "problems[0] from ParamBinding.changes, collected in _binding.py",
-    ("shardopt/checkpoint/__init__.py", "_save", "raise"):
-        "re-raises write_blocks's RuntimeError, collected in _checkpoint_dcp.py (_reraise)",
+    ("shardopt/checkpoint/__init__.py", "_write", "raise"):
+        "re-raises write_blocks's RuntimeError, collected in _dcp.py (_reraise)",
+    ("shardopt/checkpoint/_dcp.py", "write_blocks", "CollectiveFailed"):
+        "torch's own error from a collective of DCP's, restated by Comm.collective_failed (collected there)",
+    ("shardopt/checkpoint/_dcp.py", "read_blocks", "CollectiveFailed"):
+        "torch's own error from a collective of DCP's, restated by Comm.collective_failed (collected there)",
+    ("shardopt/checkpoint/_dcp.py", "read_blocks", "raise"):
+        "re-raises torch's own error from DCP in the converter, which runs without ranks (no collectives)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",
     ("shardopt/kernels/fused.py", "with_fallback.run", "raise"):

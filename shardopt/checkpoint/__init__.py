@@ -197,7 +197,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     rank.
     ``path`` must be on a filesystem that every rank sees. The checkpoint appears at ``path`` only
     once complete (an existing one there is replaced); a save that fails or is killed leaves
-    ``path`` as it was. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
+    ``path`` as it was; where a rank dies in it, the others raise RuntimeError naming the call
+    and saying so. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = checkpoint_path(path)
     with opt._comm.during("save_checkpoint()"):
@@ -301,6 +302,12 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
     comm: Comm = _job(opt)  # every rank of the model (see [Note: one checkpoint for every part of the model])
     if comm is not opt._comm:  # the other parts' ranks are in this call too
         enter(comm, "save_checkpoint", deadline=timeout)
+    with comm.during("save_checkpoint()"):  # what a failure of the other ranks names
+        _write(path, model, opt, comm, extra)
+
+
+def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm, extra: Any) -> None:
+    """``_save`` once every rank of ``comm`` (``_job``) is in the call. Every rank."""
     error: Exception | None  # this rank's, which agree() raises on every rank
     try:
         entries, aliases = _entries(model, opt)
@@ -337,13 +344,15 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
     except OSError as e:
         error = e
     agree(comm, error)
-    try:
-        from shardopt.checkpoint._dcp import write_blocks  # DCP, imported when a checkpoint is written
+    from shardopt.checkpoint._dcp import CollectiveFailed, write_blocks  # DCP, imported when a checkpoint is written
 
+    try:
         write_blocks(tmp, _blocks_to_save(entries, opt._comm), comm.group)
-    except RuntimeError:
+    except RuntimeError as e:
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CollectiveFailed):  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
+            comm.collective_failed(e.cause, "DCP's exchange of the checkpoint's plans and metadata")
         raise
     crcs, error = {}, None
     try:
@@ -480,6 +489,12 @@ def _load(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, comm:
     job = _job(opt) if opt is not None else comm  # see [Note: one checkpoint for every part of the model]
     if job is not comm:  # the other parts' ranks are in this call too
         enter(job, "load_checkpoint", deadline=timeout)
+    with job.during("load_checkpoint()"):  # what a failure of the other ranks names
+        return _read(path, model, opt, job)
+
+
+def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: Comm) -> Any:
+    """``_load`` once every rank of ``job`` (``_job``, or the weights-only load's group) is in the call. Every rank."""
     try:
         path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
@@ -525,9 +540,12 @@ def _load(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, comm:
                     blocks += e.blocks(key + e.key, shape, r, moment[local])
                 if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
                     without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
-        from shardopt.checkpoint._dcp import read_blocks  # DCP, imported when a checkpoint is read
+        from shardopt.checkpoint._dcp import CollectiveFailed, read_blocks  # DCP, imported when a checkpoint is read
 
-        read_blocks(path, blocks, job.group)
+        try:
+            read_blocks(path, blocks, job.group)
+        except CollectiveFailed as failed:  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
+            job.collective_failed(failed.cause, "DCP's exchange of the checkpoint's read plans")
         for vmax, v in without_max:
             vmax.copy_(v)
         for b in opt._buffers if opt is not None else []:

@@ -163,6 +163,18 @@ class _BlockLoadPlanner(dcp.DefaultLoadPlanner):
         pass  # resolve_tensor returned a view of the destination: nothing left to do
 
 
+class CollectiveFailed(RuntimeError):
+    """One of DCP's own collectives (the exchange of plans and metadata between the ranks) failed
+    on this rank: ``cause`` is torch's error (a peer's connection closed, or the wait timed out),
+    which the caller, knowing its call and its ranks, restates (``Comm.collective_failed``). DCP
+    gathers what a rank raises in its own steps into a ``CheckpointException``; what is left is
+    the collectives themselves."""
+
+    def __init__(self, cause: RuntimeError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
 def _reraise(what: str, path: str, e: BaseException) -> None:
     failures = getattr(e, "failures", None) or {}  # rank -> (exception, traceback frames)
     errors = {r: x[0] if isinstance(x, tuple) else x for r, x in failures.items()}
@@ -178,6 +190,8 @@ def write_blocks(path: str, blocks: list[Block], group: object) -> None:
         dcp.save({}, storage_writer=writer, planner=_BlockSavePlanner(blocks), process_group=group)
     except dcp.CheckpointException as e:  # a BaseException: raised on every rank when any rank failed
         _reraise("writing checkpoint", path, e)
+    except RuntimeError as e:  # torch's own, from a collective of DCP's: see CollectiveFailed
+        raise CollectiveFailed(e) from e
 
 
 def read_blocks(path: str, blocks: list[Block], group: object = None, *, no_dist: bool = False) -> None:
@@ -190,6 +204,10 @@ def read_blocks(path: str, blocks: list[Block], group: object = None, *, no_dist
                      process_group=group, no_dist=no_dist)
     except dcp.CheckpointException as e:
         _reraise("reading checkpoint", path, e)
+    except RuntimeError as e:  # torch's own, from a collective of DCP's: see CollectiveFailed
+        if no_dist:
+            raise
+        raise CollectiveFailed(e) from e
 
 
 def read_metadata(path: str) -> Metadata:

@@ -77,6 +77,9 @@ ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default gro
 
 
 _NOTICE_WAIT = 1.0  # seconds a rank looks for the line of a rank that gave up (written just after it closed)
+# why a connection closed when no rank left a line saying it gave up: the rank at its other end ended
+_PEER_DIED = ("another rank died (its process ended: killed, or it raised an error of its own; its output says why) "
+              "and its connections closed")
 
 
 class ControlTimeout(TimeoutError):
@@ -90,11 +93,18 @@ class ControlTimeout(TimeoutError):
 
 class ControlGone(RuntimeError):
     """A control message that found the other ranks' connections closed; ``why``: the line a rank
-    that gave up left, or what else may have happened (see [Note: shardopt's own control group])."""
+    that gave up left (``noticed``), or else that a peer's process ended (see [Note: shardopt's own
+    control group])."""
 
-    def __init__(self, message: str, why: str = "") -> None:
+    def __init__(self, message: str, why: str = "", noticed: bool = False) -> None:
         super().__init__(message)
         self.why = why
+        self.noticed = noticed
+
+
+def _first_line(error: BaseException) -> str:
+    """The first line of torch's ``error`` (gloo's are long), or its class's name."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def group_ranks(group: ProcessGroup) -> list[int]:
@@ -333,15 +343,33 @@ class Comm:
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
                          notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")
             raise ControlTimeout(text, waited) from None
-        torch_says = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        why = cast(ControlGroup, self.control).notice(_NOTICE_WAIT) or (
-            "another rank closed shardopt's control group: it gave up waiting for this rank in a call that every "
-            "rank must make, or it ended (its own output says why)")
+        notice = cast(ControlGroup, self.control).notice(_NOTICE_WAIT)
+        # No line in the store: no rank gave up on this one, so the rank whose connection closed ended
+        why = notice or _PEER_DIED
         text = (f"rank {self.rank} of {self.world_size}: {self.where} cannot reach the other ranks: {why}. This rank "
                 f"can no longer agree with them: restart every rank and resume from the last complete checkpoint "
-                f"(gloo: {torch_says})")
+                f"(gloo: {_first_line(error)})")
         self.give_up(text)
-        raise ControlGone(text, why) from None
+        raise ControlGone(text, why, noticed=bool(notice)) from None
+
+    def collective_failed(self, error: Exception, what: str) -> NoReturn:
+        """A collective of torch's own over this comm's group (``what``: whose, e.g. DCP's exchange
+        of a checkpoint's plans) failed with torch's ``error``: stop using the control group on this
+        rank (the ranks can no longer agree) and raise naming the call in progress: TimeoutError when
+        the wait ran out of time, else RuntimeError saying that another rank died (its connection
+        closed), with the backend's words. Local."""
+        if says_timed_out(error):
+            text = (f"rank {self.rank} of {self.world_size}: {self.where} waited for the other ranks in {what} until "
+                    "the process group's timeout: another rank is stuck in other work or died. This rank can no "
+                    "longer agree with them: restart every rank and resume from the last complete checkpoint "
+                    f"({self.backend}: {_first_line(error)})")
+            self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
+            raise TimeoutError(text) from None
+        text = (f"rank {self.rank} of {self.world_size}: {self.where} lost the other ranks in {what}: {_PEER_DIED}. "
+                "This rank can no longer agree with them: restart every rank and resume from the last complete "
+                f"checkpoint ({self.backend}: {_first_line(error)})")
+        self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
+        raise RuntimeError(text) from None
 
     def _control_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's ``t`` (a CPU tensor of the same shape everywhere): each rank's row of a

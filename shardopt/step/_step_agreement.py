@@ -68,9 +68,9 @@ def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | 
             comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
                          "(the last complete checkpoint is intact)")
             raise TimeoutError(why) from None
-        except ControlGone as e:
+        except ControlGone as e:  # a rank gave up waiting for this one (it left a line saying so), or died
             why = (f"rank {comm.rank} of {comm.world_size}: {call}() could not meet the other ranks: {e.why}. "
-                   f"{advice}")
+                   + (advice if e.noticed else "Restart every rank and resume from the last complete checkpoint"))
             comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
                          "(the last complete checkpoint is intact)")
             raise RuntimeError(why) from None
