@@ -8,6 +8,9 @@ on one part that lets the other parts step, and ranks of one model in different 
 """
 from __future__ import annotations
 
+import json
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -551,6 +554,111 @@ def test_dtensor_tp_beside_a_hybrid_data_parallel_mesh(pools):
         for a, b in zip(got["norms"], got["ref_norms"]):
             assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
         assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
+# -- the parts of a checkpoint are named by the ranks that hold them, not by the axes' names ------
+def spelled_case(path: str, saved_as: str, loaded_as: str, legacy: bool) -> dict:
+    """Megatron-style TP resumed, model_parallel_group= given as the DeviceMesh ("mesh") or as its
+    ProcessGroup ("group") at the save and at the load. ``legacy``: saved with the keys of before
+    (the axes' names: "tp0/"), as checkpoints written then hold them."""
+    from shardopt.comm._model_parts import ModelParts
+
+    mesh = _tp_setup(2)[0]
+
+    def build(spelled: str):
+        tp = mesh["tp"] if spelled == "mesh" else mesh["tp"].get_group()
+        model = MegatronTP(Whole(0), mesh["tp"].get_group(), mesh["tp"].get_local_rank(), 2)
+        return model, shardopt.ShardedAdamW(
+            [{"params": model.sharded()}, {"params": model.replicated(), "replicated": True}], lr=1e-2,
+            weight_decay=0.1, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], model_parallel_group=tp)
+
+    key_part = ModelParts.key_part
+    built = iter([saved_as, saved_as, loaded_as])  # the uninterrupted run, the saved one, the resumed one
+
+    def build_next():
+        spelled = next(built)
+        ModelParts.key_part = ModelParts.named_part if legacy and spelled is saved_as else key_part
+        return build(spelled)
+
+    try:
+        worst, step = _resume_worst(build_next, lambda m, o, steps: _tp_train(m, o, mesh, steps), path)
+    finally:
+        ModelParts.key_part = key_part
+    with open(os.path.join(path, "shardopt.json")) as f:
+        return {"worst": worst, "step": step, "parts": sorted(json.load(f)["parts"])}
+
+
+@pytest.mark.parametrize("saved_as,loaded_as,legacy", [("mesh", "group", False), ("group", "mesh", False),
+                                                       ("mesh", "mesh", True), ("mesh", "group", True)])
+def test_a_checkpoint_loads_whichever_way_its_model_axis_is_given(pools, tmp_path, saved_as, loaded_as, legacy):
+    """Saved with model_parallel_group=mesh["tp"] and loaded with mesh["tp"].get_group(), or the
+    reverse, the load used to be refused ("load it with the same ... layout", which it was). A
+    checkpoint written with the keys of before loads either way too."""
+    for r, got in enumerate(pools(4).run(spelled_case, str(tmp_path / "ckpt"), saved_as, loaded_as, legacy)):
+        assert got["worst"] == 0.0 and got["step"] == STEPS, (r, got)
+        assert got["parts"] == (["tp0/", "tp1/"] if legacy else ["mp0/", "mp1/"]), (r, got)
+
+
+def _grid_setup(names, seed: int | None = None):
+    """Every rank a part of its own: a (pp 2 x tp 2) grid of model axes, data-parallel size 1.
+    ``names``: the model axes, a DeviceMesh of those dimension names over the ranks (global rank
+    = 2 * first + second), or "world" for one ProcessGroup over all four."""
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "a", "b"))
+    if names == "world":
+        axes = dist.group.WORLD
+    else:
+        axes = init_device_mesh("cpu", (2, 2), mesh_dim_names=names) if names is not None else \
+            init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(dist.get_rank() if seed is None else seed)
+    model = torch.nn.Linear(4, 3)
+    return model, shardopt.ShardedAdamW(model.parameters(), lr=1e-2, device_mesh=mesh["dp"], model_parallel_group=axes)
+
+
+def grid_layouts_case(path: str) -> dict:
+    model, opt = _grid_setup(("pp", "tp"))
+    opt.backward(model(torch.randn(2, 4)).square().mean())
+    opt.step()
+    shardopt.save_checkpoint(path, model, opt)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    out = {}
+    for names in ("world", None, ("tp", "pp"), ("pp", "tp")):
+        fresh, opt2 = _grid_setup(names, seed=99)
+        try:
+            shardopt.load_checkpoint(path, fresh, opt2)
+            out[str(names)] = all(torch.equal(v, saved[k]) for k, v in fresh.state_dict().items())
+        except ValueError as e:
+            out[str(names)] = str(e)
+    return out
+
+
+def test_a_grid_of_model_axes_loads_by_its_ranks_and_refuses_its_axes_swapped(pools, tmp_path):
+    """Saved with a (pp, tp) mesh: loaded with one group over the four ranks or with the mesh
+    unnamed, each rank gets its own part back; with the names swapped over the same ranks (pp
+    where tp was), every rank refuses."""
+    for r, got in enumerate(pools(4).run(grid_layouts_case, str(tmp_path / "ckpt"))):
+        assert got["world"] is True and got["None"] is True and got["('pp', 'tp')"] is True, (r, got)
+        swapped = got["('tp', 'pp')"]
+        assert swapped is not True and "the same tensor- and pipeline-parallel layout" in swapped, (r, swapped)
+
+
+def other_layout_case(path: str) -> str:
+    mesh, model, opt = _tp_setup(2)
+    _tp_train(model, opt, mesh, range(1))
+    shardopt.save_checkpoint(path, model, opt)
+    wide = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"))  # tp 4: four parts
+    fresh = MegatronTP(Whole(0), wide["tp"].get_group(), wide["tp"].get_local_rank(), 4)
+    opt2 = shardopt.ShardedAdamW(fresh.parameters(), lr=1e-2, device_mesh=wide["dp"], model_parallel_group=wide["tp"])
+    try:
+        shardopt.load_checkpoint(path, fresh, opt2)
+    except ValueError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_a_checkpoint_of_another_number_of_parts_is_refused_on_every_rank(pools, tmp_path):
+    for r, msg in enumerate(pools(4).run(other_layout_case, str(tmp_path / "ckpt"))):
+        assert "split into the parts mp0 (tp 2: tp " in msg and "of 4" in msg, (r, msg)
+        assert "the same tensor- and pipeline-parallel layout" in msg, (r, msg)
 
 
 # Last in the module: it breaks shardopt's control groups on purpose (a timeout), and a pool whose

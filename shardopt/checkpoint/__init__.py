@@ -35,8 +35,8 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, settle
-from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block, blocks_of,
-                                         placed, whole)
+from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block,
+                                         blocks_of, placed, whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, claim, commit, data_checksums, latest_checkpoint, list_checkpoints,
                                         read_manifest, recover, temp_path, verify_data, write_json)
@@ -77,8 +77,25 @@ class _Entry:
 
 
 def _part(opt: ShardedOptimizer | None) -> str:
-    """The prefix of this rank's keys (``ModelParts.key_part``; "" for a weights-only load). Local."""
+    """The prefix of this rank's keys in a checkpoint it saves (``ModelParts.key_part``; "" for a
+    weights-only load). Local."""
     return opt._parts.key_part() if opt is not None else ""
+
+
+def _saved_part(manifest: dict, opt: ShardedOptimizer | None) -> str:
+    """The prefix of this rank's keys in the checkpoint of ``manifest``: ``_part``; in a checkpoint
+    written before parts were named by their ranks, the prefix it gave this rank's part: by the
+    axes' names as this optimizer names them (``ModelParts.named_part``, ``"pp1.tp0/"``), or on
+    one axis of any name, the part at this rank's place (``"tp1/"`` at place 1). Local."""
+    part, parts = _part(opt), manifest.get("parts") or {}
+    if opt is None or not part or part in parts:
+        return part
+    if opt._parts.named_part() in parts:
+        return opt._parts.named_part()
+    one_axis = {m.group(1) if (m := re.fullmatch(r"([^./\d]+)\d+/", p)) else None for p in parts}
+    if len(one_axis) == 1 and None not in one_axis and len(opt._parts.layout()) == 1:
+        return f"{one_axis.pop()}{opt._parts.place}/"
+    return part
 
 
 def replicated_writer(opt: ShardedOptimizer | None) -> bool:
@@ -86,18 +103,19 @@ def replicated_writer(opt: ShardedOptimizer | None) -> bool:
     return opt is None or opt._parts.writes_copies()
 
 
-def _state_items(model: torch.nn.Module, opt: ShardedOptimizer | None) -> list[tuple[str, Any]]:
-    """The model's state-dict entries, keyed with this rank's part prefix. Local."""
-    part, own = _part(opt), (opt._parts.key_prefix if opt is not None else {})
+def _state_items(model: torch.nn.Module, opt: ShardedOptimizer | None, part: str) -> list[tuple[str, Any]]:
+    """The model's state-dict entries, keyed with this rank's ``part`` prefix. Local."""
+    own = opt._parts.key_prefix if opt is not None else {}
     return [(part + own.get(id(t), "") + key, t) for key, t in model.state_dict(keep_vars=True).items()]
 
 
-def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None) -> tuple[list[_Entry], dict[str, str]]:
-    """The model's state-dict entries (each tensor once) and the aliases of tied ones. Local."""
+def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None, part: str) -> tuple[list[_Entry], dict[str, str]]:
+    """The model's state-dict entries (each tensor once, keyed under this rank's ``part``) and the
+    aliases of tied ones. Local."""
     where = {id(r.leaf): (b, r.index) for b in (opt._buffers if opt is not None else []) for r in b.records}
     entries, aliases = [], {}
     first: dict[int, str] = {}  # id(tensor) -> its first key
-    for key, t in _state_items(model, opt):
+    for key, t in _state_items(model, opt, part):
         if not isinstance(t, Tensor):
             raise TypeError(f"model state-dict entry {key!r} is a {type(t).__name__}, not a tensor; checkpoints "
                             "hold tensors only (pass other state through extra=)")
@@ -118,10 +136,10 @@ def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None) -> tuple[list
     return entries, aliases
 
 
-def _group_keys(opt: ShardedOptimizer, model: torch.nn.Module) -> list[list[str]]:
-    """For each param group, the state-dict key of each of its parameters."""
+def _group_keys(opt: ShardedOptimizer, model: torch.nn.Module, part: str) -> list[list[str]]:
+    """For each param group, the state-dict key of each of its parameters (under ``part``)."""
     key_of: dict[int, str] = {}
-    for key, t in _state_items(model, opt):
+    for key, t in _state_items(model, opt, part):
         key_of.setdefault(id(t), key)
     out = []
     for gi, g in enumerate(opt.param_groups):
@@ -150,7 +168,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str]) -> dict:
+def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entry], aliases: dict[str, str],
+              part: str) -> dict:
     tensors = {}
     for e in entries:
         info: dict[str, Any] = {"shape": list(e.shape), "dtype": _dtype_name(e.tensor.dtype),
@@ -168,7 +187,7 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
                 info["step"] = opt._step - b.records[i].lag
         tensors[e.key] = info
     groups = []
-    for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model))):
+    for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model, part))):
         hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k not in ("params", "process_group")}
         groups.append({**hp, "params": keys})
     cfg = opt.config
@@ -181,6 +200,7 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
         "param_groups": groups,
         "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in opt._buffers],
         "tensors": tensors, "aliases": aliases,
+        **({"axes": opt._parts.layout()} if part else {}),  # moved beside its part by _merged
     }
 
 
@@ -216,9 +236,11 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
 # checkpoint loads at any tensor-parallel size, or into the same model without tensor parallelism,
 # and the other way round. Plain tensors of ``model_parallel_group``'s parts share names that
 # shardopt cannot place in a whole (every Megatron-style shard of "fc1.weight" is "fc1.weight"; a
-# pipeline stage may name its layers as the others do): each part's keys carry its position on
-# those axes ("tp1/fc1.weight"), its manifest (parameter table, param groups) is kept under that
-# prefix, and a part is loaded by the ranks at the same position, so those axes must be the same
+# pipeline stage may name its layers as the others do): each part's keys carry its place among
+# the ranks that hold one copy of the model ("mp1/fc1.weight", whatever the axes are named: see
+# comm._model_parts [Note: a part is named by its ranks]), its manifest (parameter table, param
+# groups, its axes) is kept under that prefix, and a part is loaded by the ranks at the same
+# place, so those axes must be the same
 # at load. Within a part everything reshards as before (another data-parallel size, stage, bucket
 # size). Separately, every save
 # claims its path in the default store for the ranks that write it: another group of ranks that
@@ -244,9 +266,10 @@ def _job(opt: ShardedOptimizer) -> Comm:
 
 def _merged(parts: list[tuple[str, dict]]) -> dict:
     """One manifest from every rank's (part, manifest): the first's, with every rank's tensors and
-    aliases (each part's, each expert group's), and each part's param groups and buffers under
-    ``"parts"`` when there are model axes."""
+    aliases (each part's, each expert group's), and each part's param groups, buffers and axes
+    (name, position, size of each) under ``"parts"`` when there are model axes."""
     first = dict(parts[0][1])
+    first.pop("axes", None)
     first["tensors"], first["aliases"] = {}, {}
     if parts[0][0]:
         first["parts"] = {}
@@ -254,46 +277,68 @@ def _merged(parts: list[tuple[str, dict]]) -> dict:
         first["tensors"].update(m["tensors"])
         first["aliases"].update(m["aliases"])
         if part:
-            first["parts"][part] = {"param_groups": m["param_groups"], "buffers": m["buffers"]}
+            first["parts"][part] = {"param_groups": m["param_groups"], "buffers": m["buffers"], "axes": m["axes"]}
     return first
-
-
-_GROUP_PREFIX = re.compile(r"pg\d+-\d+/")  # a key's prefix for a param group with its own process_group
 
 
 def _unprefixed(key: str) -> str:
     """``key`` without the prefix of its param group's own process group (see optimizer [Note:
     param groups with their own data-parallel group]), as another such group names it."""
-    return _GROUP_PREFIX.sub("", key, count=1)
+    return GROUP_PREFIX.sub("", key, count=1)
 
 
 def _group_of(key: str) -> str:
     """The process-group prefix of ``key`` (after its part's), or ""."""
-    m = _GROUP_PREFIX.search(key)
+    m = GROUP_PREFIX.search(key)
     return m.group(0) if m is not None else ""
 
 
-def _own_part(manifest: dict, opt: ShardedOptimizer | None, path: str) -> dict:
-    """``manifest`` as this rank's part sees it: its tensors, aliases, param groups and buffers.
-    Raises ValueError when the checkpoint was saved with other model axes. Local."""
-    part = _part(opt)
+def _own_part(manifest: dict, opt: ShardedOptimizer | None, path: str, part: str) -> dict:
+    """``manifest`` as this rank's ``part`` (``_saved_part``) sees it: its tensors, aliases, param
+    groups and buffers. Raises ValueError when the checkpoint was saved with another layout of
+    model axes (see comm._model_parts [Note: a part is named by its ranks]). Local."""
     parts = manifest.get("parts")
     mine_groups = set(opt._parts.key_prefix.values()) if opt is not None else set()
-    if any(_GROUP_PREFIX.search(k) for k in manifest["tensors"]):  # other expert groups' keys are theirs
+    if any(GROUP_PREFIX.search(k) for k in manifest["tensors"]):  # other expert groups' keys are theirs
         manifest = {**manifest,
                     "tensors": {k: v for k, v in manifest["tensors"].items() if _group_of(k) in mine_groups | {""}},
                     "aliases": {k: v for k, v in manifest["aliases"].items() if _group_of(k) in mine_groups | {""}}}
     if not part and not parts:
         return manifest
-    if not part or not parts or part not in parts:
-        saved = ", ".join(p.rstrip("/") for p in sorted(parts or {})) or "none"
+    places = opt._parts.places if opt is not None else 1
+    saved_axes = (parts or {}).get(part, {}).get("axes")  # None in a checkpoint of before parts were named by ranks
+    if not part or not parts or part not in parts or len(parts) != places or (
+            saved_axes is not None and opt is not None and not _same_axes(saved_axes, opt._parts.layout())):
+        def axes(layout: list | None) -> str:
+            return " x ".join(f"{n} {size}" for n, _, size in layout) if layout else "axes unrecorded"
+
+        saved = ", ".join(f"{p.rstrip('/')} ({axes(v.get('axes'))}{_positions(v.get('axes'))})"
+                          for p, v in sorted((parts or {}).items())) or "none"
+        here = (f"{part.rstrip('/')} of {places} ({axes(opt._parts.layout())}{_positions(opt._parts.layout())})"
+                if part and opt is not None else "(the whole model: no model_parallel_group)")
         raise ValueError(f"checkpoint {path} was saved by a model split into the parts {saved}; this rank holds "
-                         f"part {part.rstrip('/') or '(the whole model: no model_parallel_group)'}: load it with "
-                         "the same tensor- and pipeline-parallel layout (model_parallel_group and the meshes of "
-                         "DTensor parameters) as it was saved with")
+                         f"part {here}: load it with the same tensor- and pipeline-parallel layout (the ranks and "
+                         "sizes of model_parallel_group's axes, whatever they are named, and the meshes of DTensor "
+                         "parameters) as it was saved with")
     mine = {k: v for k, v in manifest["tensors"].items() if k.startswith(part)}
     aliases = {k: v for k, v in manifest["aliases"].items() if k.startswith(part)}
-    return {**manifest, "tensors": mine, "aliases": aliases, **parts[part]}
+    own = {k: v for k, v in parts[part].items() if k != "axes"}
+    return {**manifest, "tensors": mine, "aliases": aliases, **own}
+
+
+def _positions(layout: list | None) -> str:
+    """``": tp 1, pp 0"``: the positions of a part's ``layout`` (``ModelParts.layout``), or ""."""
+    return ": " + ", ".join(f"{n} {pos}" for n, pos, _ in layout) if layout else ""
+
+
+def _same_axes(saved: list, mine: list) -> bool:
+    """Whether a part saved on the axes ``saved`` is this rank's on ``mine`` (both ``ModelParts.layout``,
+    the part's key already equal): as many axes of the same sizes, and where the axes are named
+    alike, the same position on each name. See comm._model_parts [Note: a part is named by its ranks]."""
+    if len(saved) == len(mine) and [size for *_, size in saved] != [size for *_, size in mine]:
+        return False
+    saved_at, mine_at = ({n: pos for n, pos, _ in layout} for layout in (saved, mine))
+    return saved_at.keys() != mine_at.keys() or saved_at == mine_at
 
 
 def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, timeout: float | None) -> None:
@@ -309,9 +354,10 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
 def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm, extra: Any) -> None:
     """``_save`` once every rank of ``comm`` (``_job``) is in the call. Every rank."""
     error: Exception | None  # this rank's, which agree() raises on every rank
+    part = _part(opt)
     try:
-        entries, aliases = _entries(model, opt)
-        manifest, error = _manifest(opt, model, entries, aliases), None
+        entries, aliases = _entries(model, opt, part)
+        manifest, error = _manifest(opt, model, entries, aliases, part), None
         check_replaceable(path)
         if comm.rank == 0 and extra is not None:
             _check_loadable(extra)
@@ -320,7 +366,7 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
         error = e
     # the ranks' manifests differ only when they hold different parts: gathered then, merged on every rank
     agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path),
-                                 (_part(opt), manifest) if opt._parts else None))
+                                 (part, manifest) if opt._parts else None))
     if opt._parts:
         manifest = _merged([part for _, _, part in agreed])
     paths = [where for _, where, _ in agreed]
@@ -429,7 +475,7 @@ def _moment_keys(rule: str, amsgrad: bool = False) -> tuple[str, ...]:
 
 
 def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str], opt: ShardedOptimizer | None,
-                   model: torch.nn.Module, path: str) -> None:
+                   model: torch.nn.Module, path: str, part: str) -> None:
     """Raise ValueError naming the first parameter where the checkpoint and the model differ."""
     saved = manifest["tensors"]
     mine = {e.key for e in entries}
@@ -451,7 +497,7 @@ def _check_matches(manifest: dict, entries: list[_Entry], aliases: dict[str, str
     groups = manifest["param_groups"]
     if len(groups) != len(opt.param_groups):
         raise ValueError(f"checkpoint {path} has {len(groups)} param groups, this optimizer {len(opt.param_groups)}")
-    for gi, (g, keys) in enumerate(zip(groups, _group_keys(opt, model))):
+    for gi, (g, keys) in enumerate(zip(groups, _group_keys(opt, model, part))):
         keys = [_unprefixed(k) for k in keys]
         saved_keys = [_unprefixed(k) for k in g["params"]]
         for a, b in zip(saved_keys + [None] * len(keys), keys + [None] * len(saved_keys)):
@@ -498,10 +544,12 @@ def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: 
     try:
         path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
-        manifest = _own_part(read_manifest(path, marker), opt, path)
+        full = read_manifest(path, marker)
+        part = _saved_part(full, opt)
+        manifest = _own_part(full, opt, path, part)
         verify_data(path, marker, job.rank, job.world_size)  # each rank its share of the tensor files
-        entries, aliases = _entries(model, opt)
-        _check_matches(manifest, entries, aliases, opt, model, path)
+        entries, aliases = _entries(model, opt, part)
+        _check_matches(manifest, entries, aliases, opt, model, path, part)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
         error = None
     except (FileNotFoundError, ValueError, TypeError) as err:

@@ -8,6 +8,7 @@ blocks, when a checkpoint is saved or loaded.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -21,6 +22,9 @@ EXP_AVG = "optim.exp_avg."  # fp32
 EXP_AVG_SQ = "optim.exp_avg_sq."  # fp32
 MAX_EXP_AVG_SQ = "optim.max_exp_avg_sq."  # fp32, amsgrad's running maximum of exp_avg_sq (torch's state key)
 MOMENTUM = "optim.momentum_buffer."  # fp32, Muon's one moment (torch.optim.Muon's state key)
+# the prefix of a parameter's key in a param group with its own process group: pg<group index>-<place>/
+# (see comm._model_parts [Note: param groups with their own data-parallel group]), after its part's
+GROUP_PREFIX = re.compile(r"pg(\d+)-(\d+)/")
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (offsets, sizes) within a tensor of some shape
 

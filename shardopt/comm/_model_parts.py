@@ -20,16 +20,31 @@ rank's shards over the optimizer's group, so each expert counts once. Its checkp
 the group's place among the groups of that param group (``"pg1-0/experts.0.weight"``, see
 checkpoint), so experts that share a name on different ranks stay apart; such a checkpoint loads
 at the same expert layout.
+
+[Note: a part is named by its ranks]
+A checkpoint keys each part of a model split over ``model_parallel_group=`` by this rank's place
+among the ranks that hold one copy of the model: the grid its keyed axes span through it, as
+global ranks, sorted (``"mp0/"``, ``"mp1/"``, ...). The key depends on the ranks alone, never on
+how the axes are named or in which order they are passed: ``mesh["tp"]`` and
+``mesh["tp"].get_group()`` give one key, as do a ``(pp, tp)`` mesh and one group over its ranks.
+For one axis the place is the rank in its group (a ProcessGroup's parts keep the keys they always
+had); for a row-major ``(pp, tp)`` mesh it is ``pp * tp_size + tp``; the data-parallel positions
+of one part share it, since the grid repeats along the data-parallel group. The ranks alone cannot
+tell which axis is which, though: beside each part a checkpoint records its axes (name, position,
+size; the axis whose ranks lie farthest apart first), and a load refuses a checkpoint of another
+number of parts, of as many axes of other sizes, or whose axes of the same names put this rank
+elsewhere (``pp`` and ``tp`` swapped over the same ranks).
 """
 from __future__ import annotations
 
+import itertools
 from typing import Any, Sequence
 
 from torch import Tensor
 from torch.nn import Parameter
 
-from shardopt.comm._collectives import Comm, group_ranks, is_process_group, world_size
-from shardopt.comm._model_axes import ModelAxes, axis_groups
+from shardopt.comm._collectives import Comm, global_rank, group_ranks, is_process_group, world_size
+from shardopt.comm._model_axes import ModelAxes, ModelAxis, axis_groups
 from shardopt.core._dtensor import axis_name, check_placements, is_dtensor, mesh_of, replicated, stand_in
 
 
@@ -50,6 +65,9 @@ class ModelParts:
         self.axes.set_timeout(timeout)
         self.user_axes = frozenset(self.axes.name_of(g) for _, g in given)  # model_parallel_group's
         self.dtensor_axes = frozenset(self.axes.name_of(mesh_of(p).get_group()) for p in dtensors)
+        # this rank's place among the ranks that hold one copy of the model on the axes a checkpoint
+        # keys by, and how many they are (see [Note: a part is named by its ranks])
+        self.place, self.places = self._place()
         # Every rank of the job (the default group), for checkpoints: made here, where every rank is,
         # when the data-parallel group and the axes cover the default group (see checkpoint._job)
         self.job: Comm | None = None
@@ -143,15 +161,55 @@ class ModelParts:
             over = set(self.dtensor_axes)
         return frozenset(over | (self.user_axes if group.get("replicated") else set()))
 
+    def _keyed_axes(self) -> list[ModelAxis]:
+        """The axes of ``model_parallel_group`` that no DTensor mesh names (those whose parts a
+        checkpoint cannot place in a whole tensor), the one whose ranks lie farthest apart first:
+        an order that the ranks alone give, whatever the axes are called or the order they are
+        passed in (see [Note: a part is named by its ranks]). Local."""
+        keyed = [a for a in self.axes.axes if a.name in self.user_axes and a.name not in self.dtensor_axes]
+        return sorted(keyed, key=lambda a: -_stride(group_ranks(a.comm.data_group)))
+
+    def _place(self) -> tuple[int, int]:
+        """(this rank's place among the global ranks, sorted, that hold one copy of the model on the
+        keyed axes; how many they are). Every rank of the job: one small gather per keyed axis when
+        there are two or more (one axis's ranks are its group's)."""
+        keyed = self._keyed_axes()
+        if not keyed:
+            return 0, 1
+        if len(keyed) == 1:
+            held = set(group_ranks(keyed[0].comm.data_group))
+        else:  # the grid they span: each axis's ranks, then every rank of the next axis through them
+            held = {global_rank()}
+            for a in keyed:
+                held = set().union(*a.comm.all_gather_objects(sorted(held)))
+        return sorted(held).index(global_rank()), len(held)
+
     def key_part(self) -> str:
-        """This rank's checkpoint key prefix: its position on each axis of ``model_parallel_group``
-        that no DTensor mesh names (the parts a checkpoint cannot place in a whole tensor), e.g.
-        ``"pp1.tp0/"``; "" without such axes (see checkpoint [Note: one checkpoint for every part of
-        the model])."""
-        own = [a for a in self.axes.axes if a.name in self.user_axes and a.name not in self.dtensor_axes]
-        return ".".join(f"{a.name}{a.rank}" for a in own) + "/" if own else ""
+        """This rank's checkpoint key prefix on the axes of ``model_parallel_group`` that no DTensor
+        mesh names, from its place among the ranks that hold one copy of the model, e.g.
+        ``"mp1/"``; "" without such axes (see [Note: a part is named by its ranks])."""
+        return f"mp{self.place}/" if self._keyed_axes() else ""
+
+    def named_part(self) -> str:
+        """The key prefix checkpoints were written with before parts were named by their ranks:
+        this rank's position on each keyed axis by the axis's name (``"pp1.tp0/"``; a
+        ProcessGroup's axis is ``"mp"``, so there both are ``"mp1/"``); "" without keyed axes. A
+        load finds older checkpoints' parts by it."""
+        keyed = self._keyed_axes()
+        return ".".join(f"{a.name}{a.rank}" for a in keyed) + "/" if keyed else ""
+
+    def layout(self) -> list[list]:
+        """``[name, position, size]`` of each keyed axis, in ``_keyed_axes`` order: what a
+        checkpoint records beside this rank's part, and checks at load. Local."""
+        return [[a.name, a.rank, a.size] for a in self._keyed_axes()]
 
     def writes_copies(self) -> bool:
         """Whether this rank writes the tensors every rank of the DTensor meshes holds a copy of
         (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each."""
         return self.axes.counts(self.dtensor_axes)
+
+
+def _stride(ranks: Sequence[int]) -> int:
+    """How far apart the ranks of an axis lie: the smallest gap between two of them (0 for one rank)."""
+    ordered = sorted(ranks)
+    return min((b - a for a, b in itertools.pairwise(ordered)), default=0)
