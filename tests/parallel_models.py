@@ -94,11 +94,18 @@ class MegatronTP(nn.Module):
     def replicated(self) -> list[nn.Parameter]:
         return [self.norm.weight, self.norm.bias, self.b2]
 
+    def whole_pieces(self) -> dict[str, tuple[str, tuple]]:
+        """For each of this part's parameter names: the name of the ``Whole`` parameter it is a
+        piece of, and the index of that piece."""
+        every = (slice(None),)
+        return {"w1": ("fc1.weight", (self.rows,)), "b1": ("fc1.bias", (self.rows,)),
+                "w2": ("fc2.weight", (slice(None), self.rows)), "b2": ("fc2.bias", every),
+                "norm.weight": ("norm.weight", every), "norm.bias": ("norm.bias", every)}
+
     def pieces_of(self, whole: Whole) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(this rank's parameter, the same piece of ``whole``) pairs."""
-        return [(self.w1, whole.fc1.weight[self.rows]), (self.b1, whole.fc1.bias[self.rows]),
-                (self.w2, whole.fc2.weight[:, self.rows]), (self.b2, whole.fc2.bias),
-                (self.norm.weight, whole.norm.weight), (self.norm.bias, whole.norm.bias)]
+        theirs = dict(whole.named_parameters())
+        return [(p, theirs[self.whole_pieces()[n][0]][self.whole_pieces()[n][1]]) for n, p in self.named_parameters()]
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x = x.to(self.w1.dtype)
@@ -150,6 +157,14 @@ def reference(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2,
               seed: int = 0) -> tuple[Whole, list[float]]:
     """``Whole`` trained by torch.optim.AdamW on the global batch of ``dp_size`` ranks, clipped
     by torch.nn.utils.clip_grad_norm_; (the model, the norm at each step)."""
+    whole, _, norms = reference_with_optimizer(steps, dp_size, clip=clip, lr=lr, weight_decay=weight_decay, seed=seed)
+    return whole, norms
+
+
+def reference_with_optimizer(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2,
+                             weight_decay: float = 0.1, seed: int = 0
+                             ) -> tuple[Whole, torch.optim.AdamW, list[float]]:
+    """``reference``, with the torch.optim.AdamW that trained it (its moments)."""
     whole = Whole(seed)
     opt = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=weight_decay)
     norms = []
@@ -159,7 +174,7 @@ def reference(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2,
         if clip is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), clip)))
         opt.step()
-    return whole, norms
+    return whole, opt, norms
 
 
 class Experts(nn.Module):
@@ -184,8 +199,18 @@ def expert_reference(steps: int, ranks: int, experts: int, *, clip: float, lr: f
                      weight_decay: float = 0.1) -> tuple[Experts, list[float]]:
     """Every expert in one process, the loss the mean over ``ranks`` ranks of each rank's loss on
     its batch through its expert (rank r holds expert r * experts // ranks); torch.optim.AdamW."""
+    model, _, norms = expert_reference_with_optimizer(steps, ranks, experts, clip=clip, lr=lr,
+                                                      weight_decay=weight_decay)
+    return model, norms
+
+
+def expert_reference_with_optimizer(steps: int, ranks: int, experts: int, *, clip: float, lr: float = 1e-2,
+                                    weight_decay: float = 0.1) -> tuple[Experts, torch.optim.AdamW, list[float]]:
+    """``expert_reference``, with the torch.optim.AdamW that trained it (its moments), over the
+    dense parameters and then every expert's, in one param group each."""
     model = Experts(experts)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW([{"params": model.dense.parameters()}, {"params": model.experts.parameters()}],
+                            lr=lr, weight_decay=weight_decay)
     norms = []
     for step in range(steps):
         opt.zero_grad()
@@ -193,4 +218,4 @@ def expert_reference(steps: int, ranks: int, experts: int, *, clip: float, lr: f
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
-    return model, norms
+    return model, opt, norms

@@ -452,6 +452,47 @@ def test_converter_writes_plain_state_dicts(pools, tmp_path):
             assert w.dtype == weights[key].dtype == torch.float32 and torch.equal(weights[key], w), (rank, key)
 
 
+def _assert_converted(out: str, ref: dict) -> None:
+    plain = torch.load(out, weights_only=True)
+    assert plain["model"].keys() == ref["weights"].keys()
+    for key, w in ref["weights"].items():
+        assert torch.equal(plain["model"][key], w), key
+    for i, s in ref["fsd"]["state"].items():
+        for k, v in s.items():
+            assert torch.equal(plain["optim"]["state"][i][k], v), (i, k)
+
+
+def test_converter_finds_a_checkpoint_as_load_checkpoint_does(pools, tmp_path, monkeypatch, capsys):
+    """The converter took its path as written: ``~`` stayed a directory named ``~``, a commit that a
+    kill interrupted between its renames was not finished (``no checkpoint at ...``), the CLI
+    re-read a path it had not resolved, and a directory of checkpoints was called an interrupted
+    save. Each is compared with the live optimizer's weights and full_state_dict()."""
+    from shardopt.convert import main
+
+    root = str(tmp_path / "ckpt")
+    ref = _run(pools, 2, save_steps_case, root, [1, 2])[0]
+    step = os.path.join(root, "step_00002")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    for given, found in (("~/ckpt/step_00002/", step), ("./ckpt//step_00002", "ckpt/step_00002"),
+                         ("ckpt/step_00002/.", "ckpt/step_00002")):
+        assert convert_checkpoint(given, "~/plain.pt") == found, given
+        _assert_converted(str(tmp_path / "plain.pt"), ref)
+        os.remove(tmp_path / "plain.pt")
+    os.rename(step, step + ".tmp-0123abcd")  # killed between the renames of its commit: complete, not renamed yet
+    assert convert_checkpoint(step, str(tmp_path / "plain.pt")) == step and os.path.isdir(step)
+    _assert_converted(str(tmp_path / "plain.pt"), ref)
+    main(["~/ckpt/step_00002/", "~/cli.pt"])
+    assert f"wrote {tmp_path / 'cli.pt'} from {step}:" in capsys.readouterr().out
+    _assert_converted(str(tmp_path / "cli.pt"), ref)
+    with pytest.raises(FileNotFoundError, match=f"ckpt is not a checkpoint but a directory of 2 .*the latest, {step}"):
+        convert_checkpoint("~/ckpt/", str(tmp_path / "never.pt"))
+    with pytest.raises(SystemExit):
+        main(["ckpt", "never.pt"])
+    assert f"the latest, {os.path.join('ckpt', 'step_00002')}" in capsys.readouterr().err
+    assert not os.path.exists(tmp_path / "never.pt")
+
+
 def model_only_case(group, path: str) -> dict:
     model = make_model(seed=8)  # fp32: every parameter from the checkpoint's fp32 master
     load_checkpoint(path, model, process_group=group)

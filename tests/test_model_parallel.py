@@ -18,8 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
 from models import gpt_steps, small_gpt
-from parallel_models import (Experts, MegatronTP, Stage, Whole, batch, expert_reference, global_batch, pipeline_step,
-                             reference)
+from parallel_models import (Experts, MegatronTP, Stage, Whole, batch, expert_reference,
+                             expert_reference_with_optimizer, global_batch, pipeline_step, reference,
+                             reference_with_optimizer)
 
 STEPS = 5
 CLIP = 0.1
@@ -554,6 +555,155 @@ def test_dtensor_tp_beside_a_hybrid_data_parallel_mesh(pools):
         for a, b in zip(got["norms"], got["ref_norms"]):
             assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
         assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
+# -- the converter on checkpoints of models split over ranks --------------------------------------
+# Each part's converted state, loaded into torch.optim.AdamW over that part's model built in this
+# process, against torch.optim.AdamW on the whole model trained on the global batch (weights and
+# moments, within the rounding of sums taken in another order), and bit for bit against the live
+# optimizer's full_state_dict(). The checkpoint used to keep every part's weights but rank 0's
+# part's optimizer state only (and of an expert param group, the first expert group's).
+def _close(got: torch.Tensor, want: torch.Tensor, what) -> None:
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7, msg=lambda m: f"{what}: {m}")
+
+
+def _equal_states(got: dict, want: dict, what) -> None:
+    """Two torch optimizer state dicts, bit for bit."""
+    assert got["param_groups"] == want["param_groups"], what
+    assert got["state"].keys() == want["state"].keys(), (what, got["state"].keys(), want["state"].keys())
+    for i, s in want["state"].items():
+        for k, v in s.items():
+            assert torch.equal(got["state"][i][k], v), (what, i, k)
+
+
+def _check_adamw_state(adamw: torch.optim.AdamW, ref: torch.optim.AdamW, pairs, what) -> None:
+    """``pairs``: (parameter of ``adamw``, parameter of ``ref``, index of its piece there)."""
+    for p, q, index in pairs:
+        mine, theirs = adamw.state[p], ref.state[q]
+        assert float(mine["step"]) == float(theirs["step"]) == STEPS, (what, mine["step"])
+        _close(p.detach(), q.detach()[index], (what, "weight"))
+        for k in ("exp_avg", "exp_avg_sq"):
+            _close(mine[k], theirs[k][index], (what, k))
+
+
+def megatron_convert_case(path: str) -> dict:
+    mesh, model, opt = _tp_setup(2)
+    _tp_train(model, opt, mesh, range(STEPS))
+    shardopt.save_checkpoint(path, model, opt)
+    return {"part": f"mp{mesh['tp'].get_local_rank()}", "fsd": opt.full_state_dict()}  # {} off dp rank 0
+
+
+def test_a_megatron_tp_checkpoint_converts_every_parts_state(pools, tmp_path):
+    from shardopt.convert import convert_checkpoint, split_by_part
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "plain.pt")
+    live = pools(4).run(megatron_convert_case, path)
+    convert_checkpoint(path, out)  # this process has no process group
+    sd = torch.load(out, weights_only=True)
+    assert sorted(sd["optim"]) == ["mp0", "mp1"] and sd["parts"] == {"mp0": {"tp": 0}, "mp1": {"tp": 1}}, sd["parts"]
+    assert len(sd["model"]) == 12 and sum(len(o["state"]) for o in sd["optim"].values()) == 12
+    whole, ref, _ = reference_with_optimizer(STEPS, 2, clip=CLIP)
+    theirs = dict(whole.named_parameters())
+    for tp, (name, part) in enumerate(sorted(split_by_part(sd).items())):
+        model = MegatronTP(Whole(1), None, tp, 2)  # other weights: everything comes from the file
+        adamw = torch.optim.AdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": True}],
+                                  lr=1e-2, weight_decay=0.1)
+        model.load_state_dict(part["model"])
+        adamw.load_state_dict(part["optim"])
+        pieces = model.whole_pieces()
+        _check_adamw_state(adamw, ref, [(p, theirs[pieces[n][0]], pieces[n][1]) for n, p in model.named_parameters()],
+                           name)
+        _equal_states(part["optim"], next(r["fsd"] for r in live if r["part"] == name and r["fsd"]), name)
+
+
+def pipeline_convert_case(path: str) -> dict:
+    """Two stages; model_parallel_group a DeviceMesh this time (the key is the same either way)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+    part = Stage(Whole(0), pp)
+    opt = shardopt.ShardedAdamW(part.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                process_group=mesh["dp"].get_group(), model_parallel_group=mesh["pp"])
+    for step in range(STEPS):
+        opt.zero_grad()
+        pipeline_step(part, *batch(dp, step), peer)
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+    shardopt.save_checkpoint(path, part, opt)
+    return {"part": f"mp{pp}", "fsd": opt.full_state_dict()}
+
+
+def test_a_pipeline_checkpoint_converts_every_stages_state(pools, tmp_path):
+    from shardopt.convert import convert_checkpoint, split_by_part
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "plain.pt")
+    live = pools(4).run(pipeline_convert_case, path)
+    convert_checkpoint(path, out)
+    sd = torch.load(out, weights_only=True)
+    assert sd["parts"] == {"mp0": {"pp": 0}, "mp1": {"pp": 1}}, sd["parts"]
+    whole, ref, _ = reference_with_optimizer(STEPS, 2, clip=CLIP)
+    theirs = dict(whole.named_parameters())
+    for pp, (name, part) in enumerate(sorted(split_by_part(sd).items())):
+        stage = Stage(Whole(1), pp)
+        adamw = torch.optim.AdamW(stage.parameters(), lr=1e-2, weight_decay=0.1)
+        stage.load_state_dict(part["model"])
+        adamw.load_state_dict(part["optim"])
+        _check_adamw_state(adamw, ref, [(p, theirs[n], ()) for n, p in stage.named_parameters()], name)
+        _equal_states(part["optim"], next(r["fsd"] for r in live if r["part"] == name and r["fsd"]), name)
+
+
+def dtensor_convert_case(path: str) -> None:
+    mesh, model, opt, _ = _dtensor_setup(2)
+    _tp_train(model, opt, mesh, range(STEPS))
+    shardopt.save_checkpoint(path, model, opt)
+
+
+def test_a_dtensor_tp_checkpoint_converts_to_the_whole_models_state(pools, tmp_path):
+    from shardopt.convert import convert_checkpoint
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "plain.pt")
+    pools(4).run(dtensor_convert_case, path)
+    convert_checkpoint(path, out)
+    sd = torch.load(out, weights_only=True)
+    assert "parts" not in sd  # DTensor parameters are stored whole: one model
+    whole, ref, _ = reference_with_optimizer(STEPS, 2, clip=CLIP)
+    model = Whole(1)
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model.load_state_dict(sd["model"])
+    adamw.load_state_dict(sd["optim"])
+    theirs = dict(whole.named_parameters())
+    _check_adamw_state(adamw, ref, [(p, theirs[n], ()) for n, p in model.named_parameters()], "dtensor")
+
+
+def expert_convert_case(path: str) -> None:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
+    model = Experts(2, expert=mesh["ep"].get_local_rank())
+    opt = shardopt.ShardedAdamW([{"params": model.dense.parameters()},
+                                 {"params": model.experts.parameters(), "process_group": mesh["edp"].get_group()}],
+                                lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4)
+    _clipped_steps(model, opt, dist.get_rank(), range(STEPS))
+    shardopt.save_checkpoint(path, model, opt)
+
+
+def test_an_expert_checkpoint_converts_every_experts_state(pools, tmp_path):
+    """Expert e on ranks {2e, 2e + 1}, each named experts.0 where it is held: the converted state
+    loads into torch.optim.AdamW over the whole model with both experts, in the order of their groups."""
+    from shardopt.convert import convert_checkpoint
+
+    path, out = str(tmp_path / "ckpt"), str(tmp_path / "plain.pt")
+    pools(4).run(expert_convert_case, path)
+    convert_checkpoint(path, out)
+    sd = torch.load(out, weights_only=True)
+    whole, ref, _ = expert_reference_with_optimizer(STEPS, 4, 2, clip=CLIP)
+    model = Experts(2)
+    torch.nn.init.zeros_(model.dense.weight)  # everything comes from the file
+    adamw = torch.optim.AdamW([{"params": model.dense.parameters()}, {"params": model.experts.parameters()}],
+                              lr=1e-2, weight_decay=0.1)
+    model.load_state_dict({k.replace("pg1-1/experts.0.", "experts.1.").replace("pg1-0/", ""): v
+                           for k, v in sd["model"].items()})
+    adamw.load_state_dict(sd["optim"])
+    theirs = list(whole.parameters())
+    _check_adamw_state(adamw, ref, [(p, q, ()) for p, q in zip(model.parameters(), theirs)], "experts")
 
 
 # -- the parts of a checkpoint are named by the ranks that hold them, not by the axes' names ------

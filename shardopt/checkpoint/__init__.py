@@ -38,8 +38,8 @@ from shardopt.checkpoint._adamw import full_state_dict, load_full_state_dict, se
 from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MASTER, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block,
                                          blocks_of, placed, whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
-                                        checkpoint_path, claim, commit, data_checksums, latest_checkpoint, list_checkpoints,
-                                        read_manifest, recover, temp_path, verify_data, write_json)
+                                        checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
+                                        list_checkpoints, read_manifest, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.core._dtensor import is_dtensor, local_box, replicated
 from shardopt.core._layout import Range, ShardPiece
@@ -518,7 +518,8 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
     (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
     others to call it too, then raises TimeoutError naming the call. ``path`` is written as
-    ``save_checkpoint`` writes it."""
+    ``save_checkpoint`` writes it, after finishing a commit to it that a kill interrupted; a
+    directory of checkpoints raises FileNotFoundError naming its latest."""
     path = checkpoint_path(path)
     comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
     with comm.during("load_checkpoint()"):
@@ -542,7 +543,7 @@ def _load(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, comm:
 def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: Comm) -> Any:
     """``_load`` once every rank of ``job`` (``_job``, or the weights-only load's group) is in the call. Every rank."""
     try:
-        path = recover(path) or path  # see _checkpoint_files [Note: a kill between the renames of a commit]
+        path = find_checkpoint(path)  # see _files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
         full = read_manifest(path, marker)
         part = _saved_part(full, opt)

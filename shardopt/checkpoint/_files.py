@@ -129,6 +129,23 @@ def checkpoint_path(path: str | os.PathLike) -> str:
     return str(written)
 
 
+def find_checkpoint(path: str | os.PathLike) -> str:
+    """Where the checkpoint that ``path`` names is: ``path`` written as ``checkpoint_path`` writes
+    it, after finishing a commit to it that a kill interrupted (``recover``). Raises
+    FileNotFoundError, naming the latest, when ``path`` is a directory that holds checkpoints
+    rather than one (``ckpt`` for ``ckpt/step_000200``). What ``load_checkpoint`` and the
+    converter read; checking the result is ``check_complete``'s. Local."""
+    path = checkpoint_path(path)
+    found = recover(path) or path
+    if os.path.isdir(found) and not os.path.exists(os.path.join(found, MARKER)):
+        latest = latest_checkpoint(found)
+        if latest is not None:
+            raise FileNotFoundError(f"{path} is not a checkpoint but a directory of {len(list_checkpoints(found))} "
+                                    f"(no {MARKER} of its own): pass one of them, e.g. the latest, {latest} "
+                                    f"(shardopt.latest_checkpoint({path!r}))")
+    return found
+
+
 def temp_path(path: str, token: str) -> str:
     """Where a save to ``path`` writes before it commits."""
     return f"{path}.tmp-{token}"
