@@ -136,7 +136,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         offload_fraction: float = 1.0,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
-        require_torch_internals()  # see _compat
+        require_torch_internals(bool(overlap_param_gather))  # see _compat
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout,
