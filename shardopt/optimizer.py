@@ -136,7 +136,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         offload_fraction: float = 1.0,
     ) -> None:
         check_hyperparameters(lr, betas, eps, weight_decay)
-        require_torch_internals()  # see _compat
+        require_torch_internals(bool(overlap_param_gather))  # see _compat
         self.config = ShardConfig(stage=stage, master_weights=master_weights, moments=moments, bucket_cap_mb=bucket_cap_mb,
                                   accumulate_dtype=accumulate_dtype, seed=seed, reduce_dtype=reduce_dtype,
                                   overlap_param_gather=overlap_param_gather, timeout=timeout,
@@ -158,6 +158,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # see _ownership [Note: one optimizer per parameter]
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks()
+        landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
         parts = self._parts
         self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                       lambda gi: self._rule_of(self.param_groups[gi]),
@@ -190,7 +191,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
         # Weight all-gathers still in flight, in their buckets' records: see comm._gathers, comm._gather_wait.
-        self._gathers = WeightGathers(self._on_landed(), self._record_of)
+        self._gathers = WeightGathers(self._on_landed(), self._record_of, [b.flat.data for b in self._buffers])
         self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         ref = weakref.ref(self)
@@ -350,11 +351,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         grad_scale = coef / self._checks.grad_scale
         # See ShardedBuffer.update: each bucket's all-gather runs while the next bucket is updated.
         start = time.perf_counter()
-        for b in self._buffers:
-            for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
-                self._gathers.started(bucket, pending)
-                if self.config.overlap_param_gather:  # see _gather_wait [Note: compiled models]
-                    in_flight()
+        try:
+            for b in self._buffers:
+                for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
+                    self._gathers.started(bucket, pending)
+        finally:
+            if self.config.overlap_param_gather:  # the read guard, see _gather_wait [Note: reads of a weight in flight]
+                in_flight()
         waited = time.perf_counter()
         if not self.config.overlap_param_gather:
             self.finish_param_gather()
@@ -444,23 +447,30 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         names = [r.name for b in self._buffers for r in b.records]
         return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
 
-    def _on_landed(self) -> Callable[[BucketRecord], None]:
+    def _on_landed(self) -> Callable[[BucketRecord, bool], None]:
         """What a waited gather tells (overlap_param_gather only): whether any gather is still in
-        flight, and that writes to its parameters while it was in flight are to be checked. Holds no
-        reference to this optimizer, so that dropping it waits for its gathers at once (see __del__)."""
+        flight, and, when it arrived (its wait did not raise), that writes to its parameters while it
+        was in flight are to be checked. Holds no reference to this optimizer, so that dropping it
+        waits for its gathers at once (see __del__)."""
         if not self.config.overlap_param_gather:
-            return lambda bucket: None
+            return lambda bucket, arrived: None
         buffers, checks = self._buffers, self._checks
 
-        def on_landed(bucket: BucketRecord) -> None:
+        def on_landed(bucket: BucketRecord, arrived: bool) -> None:
             landed()
-            checks.note_gathered(buffers[bucket.buffer], bucket.params)
+            if arrived:
+                checks.note_gathered(buffers[bucket.buffer], bucket.params)
         return on_landed
 
+    @torch.compiler.disable  # waits on collectives and changes the torch function mode stack (a graph break)
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
-        issued by step() on every rank); only needed with ``overlap_param_gather=True``."""
+        issued by step() on every rank), from any thread. With ``overlap_param_gather=True`` a read
+        or write of a weight in the thread that called step() waits by itself (see comm._gather_wait);
+        this waits for all of them at once, as another thread must before it reads the weights."""
         self._gathers.finish()
+        if self.config.overlap_param_gather:
+            landed()  # the read guard leaves, also when its last gather landed inside its own call
 
     def pending_param_buckets(self) -> list[tuple[int, int]]:
         """(buffer, bucket) pairs whose all-gather has not been waited on yet."""

@@ -184,3 +184,48 @@ def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
     bad.write_text(bad.read_text() + "\n\ndef _bad(p, m):\n    p.__class__ = object\n"
                    "    getattr(m, '_forward_pre_hooks').clear()\n    m._post_accumulate_grad_hooks.pop(0)\n")
     assert len(reaches_into_torch(str(tmp_path))) == 3
+
+
+def test_without_the_mode_stack_functions_overlap_is_refused_and_the_rest_trains(monkeypatch):
+    monkeypatch.delattr(torch._C, "_push_on_torch_function_stack")
+    with pytest.raises(RuntimeError, match=r"overlap_param_gather=True needs torch\._C\._push_on_torch_function_stack, "
+                                           r"which torch .* leave overlap_param_gather off"):
+        shardopt.ShardedAdamW(_net().parameters(), lr=0.05, overlap_param_gather=True)
+    model = _net()
+    _trains_like_adamw(model, shardopt.ShardedAdamW(model.parameters(), lr=0.05), 2)
+
+
+class _Mode(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _stack() -> list:
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def test_a_mode_inserted_at_the_bottom_lets_every_other_mode_leave_as_its_own():
+    """What the read guard of comm._gather_wait needs from the mode-stack functions: it goes beneath
+    the modes entered before it (a ``with torch.device`` block, a user's mode), which then leave
+    with their own ``__exit__`` (it pops the top one); above ``torch.set_default_device``'s, which
+    must be at the bottom when it leaves; and it comes out from wherever it is."""
+    guard, user = _Mode(), _Mode()
+    with torch.device("cpu"), user:
+        device = _stack()[0]
+        _compat.insert_function_mode(guard)
+        assert _stack() == [guard, device, user]
+    assert _stack() == [guard]
+    with _Mode() as later:  # entered after it: above it, and it can leave from beneath
+        assert _compat.remove_function_mode(guard) and _stack() == [later]
+    assert not _compat.remove_function_mode(guard) and _stack() == []
+    try:
+        torch.set_default_device("cpu")
+        default = _stack()[0]
+        _compat.insert_function_mode(guard)
+        assert _stack() == [default, guard]
+        torch.set_default_device("meta")  # leaves and enters at the bottom: no error, the guard kept above
+        assert len(_stack()) == 2 and _stack()[1] is guard and torch.empty(1).device.type == "meta"
+    finally:
+        torch.set_default_device(None)
+    assert _stack() == [guard]
+    assert _compat.remove_function_mode(guard) and _stack() == []

@@ -7,6 +7,11 @@ do not add up to the bytes actually moved.
 """
 from __future__ import annotations
 
+import copy
+import gc
+import io
+import threading
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -164,3 +169,250 @@ def test_a_handle_is_waited_once():
     assert p.keep_alive == []  # buffers are released only once the collective has completed
     with pytest.raises(AssertionError, match="waited twice"):
         p.wait()
+
+
+# -- weights read right after an overlapped step ------------------------------------------------------
+# [Note: reads right after an overlapped step] (tests) Each case trains with overlap_param_gather=True
+# and reads the weights in some way right after step(), while the gathers are still in flight, then
+# compares what it read, bit for bit, with the same run without overlap. The model is large enough
+# (about 0.6M weights in buckets of 0.25 MB) that on gloo the last buckets are still landing when
+# step() returns, so a read that does not wait sees half-gathered weights.
+class ReadModel(torch.nn.Module):
+    """An LM-shaped model whose output ``head`` is its last module. ``tied``: the input embedding is
+    ``head.weight`` read functionally at the start of the forward, before ``head`` runs."""
+
+    def __init__(self, tied: bool, vocab: int = 2048, dim: int = 192) -> None:
+        super().__init__()
+        self.tied = tied
+        self.emb = torch.nn.Embedding(vocab, dim) if not tied else None
+        self.body = torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.GELU(), torch.nn.Linear(dim, dim))
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = torch.nn.functional.embedding(idx, self.head.weight) if self.tied else self.emb(idx)
+        x = x + self.body(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), idx.roll(1, dims=-1).view(-1))
+
+
+def _lerp(avg: list[torch.Tensor], now: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        torch._foreach_lerp_(avg, now, 0.1)
+
+
+def read_case(overlap: bool, read: str, steps: int = 3) -> dict:
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=read in ("tied", "compile", "compile_in_place"))
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    forward = torch.compile(model, backend="aot_eager") if read == "compile" else model
+    if read == "compile_in_place":  # its hooks run traced
+        model.compile(backend="aot_eager")
+    ema = [p.detach().clone() for p in model.parameters()]
+    views = [p.detach() for p in model.parameters()]  # aliases of the weights taken before any step
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    lerp = torch.compile(_lerp, backend="aot_eager")
+    got: list = []
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = forward(batch(rank, step, vocab=2048, n=8, t=16))
+        losses.append(loss.item())
+        opt.backward(loss)
+        opt.step()
+        # right after step(), the gathers still in flight:
+        if read == "ema":  # by hand, in place
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+        elif read == "averaged":
+            averaged.update_parameters(model)
+        elif read == "snapshot":
+            got.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        elif read == "eval":  # a weight read functionally, outside its module
+            with torch.inference_mode():
+                got.append(torch.nn.functional.linear(torch.ones(4, 192), model.head.weight))
+            with torch.no_grad():
+                got.append(model.body[2].weight @ torch.ones(192))
+        elif read in ("compile", "compile_in_place"):  # a compiled function reading the weights
+            lerp(ema, list(model.parameters()))
+        elif read == "data":
+            got.append([p.data.clone() for p in model.parameters()])
+        elif read == "tolist":
+            got.append(torch.tensor(model.head.weight.tolist()))
+        elif read == "numpy":  # through an alias taken before step()
+            got.append([torch.from_numpy(v.numpy().copy()) for v in views])
+        elif read == "deepcopy":
+            got.append([p.detach() for p in copy.deepcopy(model).parameters()])
+        elif read == "save":
+            buf = io.BytesIO()
+            torch.save(list(model.parameters()), buf)
+            got.append([p.detach() for p in torch.load(io.BytesIO(buf.getvalue()))])
+        elif read == "write":  # in place, through the parameters: kept, and trained from at the next step
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.mul_(0.5)
+        elif read == "thread":  # state_dict() in another thread while this one reads the weights
+            snap: dict = {}
+            other = threading.Thread(target=lambda: snap.update({k: v.clone() for k, v in model.state_dict().items()}))
+            other.start()
+            with torch.no_grad():
+                for e, p in zip(ema, model.parameters()):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+            other.join()
+            got.append(snap)
+    opt.finish_param_gather()
+    if read == "averaged":
+        got = [p.detach().clone() for p in averaged.parameters()]
+    elif read in ("ema", "compile", "compile_in_place", "thread"):
+        got = [ema, got]
+    return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "read": got}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("read", ["ema", "averaged", "snapshot", "eval", "tied", "compile", "compile_in_place",
+                                  "data", "tolist", "numpy", "deepcopy", "save", "write", "thread"])
+def test_weights_read_right_after_an_overlapped_step_are_the_stepped_ones(pools, read):
+    pool = pools(2)
+    plain = pool.run(read_case, False, read)
+    over = pool.run(read_case, True, read)
+    for rank, (a, b) in enumerate(zip(plain, over)):
+        assert a["losses"] == b["losses"], (read, rank, a["losses"], b["losses"])
+        assert _same(a["params"], b["params"]), (read, rank)
+        assert _same(a["read"], b["read"]), (read, rank)
+
+
+def _guards() -> list[str]:
+    """The classes of this thread's torch function modes, bottom first."""
+    return [type(torch._C._get_function_stack_at(i)).__name__ for i in range(torch._C._len_torch_function_stack())]
+
+
+class Counting(torch.overrides.TorchFunctionMode):
+    """A user's own mode: counts the calls it sees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def modes_case(overlap: bool) -> dict:
+    """Modes the user pushed beside the read guard: a ``torch.device`` block and a mode of their own
+    both entered before ``step()`` and left while its gathers are in flight, ``FlopCounterMode``
+    around the forward; what the stack holds after step(), after the forward and at the end."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=True)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    stacks: dict = {"after_step": [], "after_forward": [], "in_blocks": []}
+    flops, losses, ema = [], [], [p.detach().clone() for p in model.parameters()]
+    user = Counting()
+    for step in range(3):
+        opt.zero_grad()
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss = model(batch(rank, step, vocab=2048, n=8, t=16))
+        flops.append(counter.get_total_flops())
+        stacks["after_forward"].append(_guards())
+        losses.append(loss.item())
+        opt.backward(loss)
+        with torch.device("cpu"), user:  # both left with the gathers in flight
+            opt.step()
+            stacks["in_blocks"].append(_guards())
+        stacks["after_step"].append(_guards())
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.lerp_(p, 0.1)
+    opt.finish_param_gather()
+    stacks["end"] = _guards()
+    return {"losses": losses, "flops": flops, "ema": ema, "stacks": stacks, "user_calls": user.calls,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_the_read_guard_beside_the_users_modes_and_gone_once_the_gathers_landed(pools):
+    pool = pools(2)
+    plain = pool.run(modes_case, False)
+    over = pool.run(modes_case, True)
+    for a, b in zip(plain, over):
+        assert a["losses"] == b["losses"] and a["flops"] == b["flops"]
+        assert _same(a["ema"], b["ema"]) and _same(a["params"], b["params"])
+        assert b["user_calls"] > 0  # the user's mode, above the guard, saw the step's calls
+        s = b["stacks"]
+        # beneath the user's modes, so each leaves as its own (a mode's exit pops the top one)
+        assert s["in_blocks"] == [["InFlightReads", "DeviceContext", "Counting"]] * 3, s
+        assert s["after_step"] == [["InFlightReads"]] * 3, s  # the weights are still landing
+        assert s["after_forward"] == [[]] * 3, s  # every gather waited: gone, so the rest pays nothing
+        assert s["end"] == [], s
+        assert all(st == [] for st in a["stacks"]["after_step"]), a["stacks"]
+
+
+class Broken(RuntimeError):
+    pass
+
+
+def step_raises_case(where: str) -> dict:
+    """step() raising before it started any gather, or after starting some (the update of a later
+    flat buffer raising): the guard is there exactly while gathers are in flight."""
+    rank = dist.get_rank()
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64).to(torch.bfloat16))
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, overlap_param_gather=True, bucket_cap_mb=ONE_ELEMENT_MB)
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    opt.backward(model[1](model[0](x).to(torch.bfloat16)).float().square().mean())
+    if where == "before":
+        opt._agreement.exchange = lambda *a, **k: (_ for _ in ()).throw(Broken("agreement"))
+    else:
+        buffers = opt._buffers
+        buffers[-1].update = lambda *a, **k: (_ for _ in ()).throw(Broken("update"))
+    try:
+        opt.step()
+    except Broken:
+        pass
+    out = {"after": _guards(), "pending": len(opt.pending_param_buckets())}
+    opt.finish_param_gather()
+    out["end"] = _guards()
+    return out
+
+
+def test_a_step_that_raises_leaves_no_guard_behind(pools):
+    pool = pools(2)
+    for r in pool.run(step_raises_case, "before"):
+        assert r == {"after": [], "pending": 0, "end": []}, r
+    for r in pool.run(step_raises_case, "after_some_gathers"):
+        assert r["pending"] > 0 and r["after"] == ["InFlightReads"] and r["end"] == [], r
+
+
+def dropped_case() -> tuple[list[str], list[str]]:
+    """An optimizer dropped right after an overlapped step (a local of a function that returned):
+    collecting it waits for its gathers, and the next module call takes its guard away."""
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=True)
+    opt.backward(model(batch(rank, 0, vocab=2048, n=8, t=16)))
+    opt.step()
+    after_step = _guards()
+    del opt
+    gc.collect()
+    with torch.no_grad():
+        model(batch(rank, 1, vocab=2048, n=8, t=16))
+    return after_step, _guards()
+
+
+def test_the_guard_of_a_dropped_optimizer_goes_at_the_next_module_call(pools):
+    for after_step, after in pools(2).run(dropped_case):
+        assert after_step == ["InFlightReads"] and after == [], (after_step, after)

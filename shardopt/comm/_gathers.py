@@ -2,12 +2,17 @@
 
 step() starts one all-gather per bucket as soon as that bucket's part of the shard is updated (see
 ``ShardedBuffer.update``). Without ``overlap_param_gather`` it waits for all of them before it
-returns; with it, the next forward waits bucket by bucket (see ``_gather_wait``). Either way each
-gather is waited for exactly once, here.
+returns; with it, the next forward, or the first torch call that reads or writes a weight still in
+flight, waits bucket by bucket (see ``_gather_wait``). Either way each gather is waited for exactly
+once, here, under a lock: a thread that asks for a bucket another thread is waiting for returns
+once it has landed.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator, cast
+import threading
+from typing import Callable, Iterator, Sequence, cast
+
+from torch import Tensor
 
 from shardopt.comm._collectives import Pending
 from shardopt.core._records import BucketRecord, ParamRecord
@@ -17,46 +22,83 @@ from shardopt.core._ranges import GATHER_WAIT, bucket_range
 class WeightGathers:
     """The gathers in flight of one optimizer: each bucket record holds its own (``gather``); this
     keeps the order they were started in. Local: the collectives were issued by step() on every
-    rank; waiting is each rank's own."""
+    rank; waiting is each rank's own, from any thread."""
 
-    def __init__(self, on_landed: Callable[[BucketRecord], None], record_of: dict[int, ParamRecord]) -> None:
-        self._on_landed = on_landed  # told each waited gather's bucket
-        self._started: list[BucketRecord] = []  # buckets whose gather is in flight, in the order started
+    def __init__(self, on_landed: Callable[[BucketRecord, bool], None], record_of: dict[int, ParamRecord],
+                 flats: Sequence[Tensor]) -> None:
+        self._on_landed = on_landed  # told each waited gather's bucket, and whether it arrived (False: the wait raised)
+        # Buckets whose gather is in flight, in the order started: replaced, never changed in place, so
+        # a thread may go through it while another waits (a bucket leaves it once its gather landed).
+        self._started: tuple[BucketRecord, ...] = ()
         self.record_of = record_of  # id(param) -> its record, for every trained parameter (the optimizer's one index)
+        # Each flat buffer's bytes (first, one past the last) and element size, by buffer index: the
+        # memory the gathers write, for touching(). A flat buffer is allocated once and never moves.
+        self._memory = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f.element_size()) for f in flats]
+        self._lock = threading.RLock()  # held while a gather is waited for (RLock: a landing may look again)
 
     def started(self, bucket: BucketRecord, pending: Pending) -> None:
         """The gather of ``bucket`` was issued (a bucket still in flight keeps its place, with the new handle)."""
-        if bucket.gathering(pending) is None:
-            self._started.append(bucket)
+        with self._lock:
+            if bucket.gathering(pending) is None:
+                self._started += (bucket,)
 
     def wait(self, bucket: BucketRecord) -> bool:
-        """Wait for the gather of ``bucket`` if it is in flight; True if it was."""
-        pending = bucket.gathering(None)
-        if pending is None:
-            return False
-        self._started.remove(bucket)
-        with bucket_range(GATHER_WAIT, bucket):  # see core._ranges [Note: profiler ranges]
-            pending.wait()
-            self._on_landed(bucket)
-        return True
+        """Wait for the gather of ``bucket`` if it is in flight; True if it was. The bucket counts as
+        in flight until its gather has landed: another thread asking for it meanwhile waits here."""
+        with self._lock:
+            pending = bucket.gather
+            if pending is None:
+                return False
+            arrived = False
+            try:
+                with bucket_range(GATHER_WAIT, bucket):  # see core._ranges [Note: profiler ranges]
+                    pending.wait()
+                arrived = True
+            finally:  # waited once, also when the wait raised
+                bucket.gathering(None)
+                self._started = tuple(b for b in self._started if b is not bucket)
+                self._on_landed(bucket, arrived)
+            return True
 
     def finish(self) -> None:
         """Wait for every gather in flight, in the order they were started."""
-        for bucket in list(self._started):
+        for bucket in self._started:
             self.wait(bucket)
 
     def wait_quietly(self) -> None:
         """Wait for every gather without telling anyone (an optimizer being collected)."""
-        for bucket in self._started:
-            cast(Pending, bucket.gathering(None)).wait()  # a started bucket holds its gather
-        self._started.clear()
+        with self._lock:
+            for bucket in self._started:
+                cast(Pending, bucket.gathering(None)).wait()  # a started bucket holds its gather
+            self._started = ()
+
+    def touching(self, t: Tensor) -> list[BucketRecord]:
+        """The buckets in flight whose memory ``t`` may read or write: the bucket of a trained
+        parameter, or those a view of a flat buffer overlaps (``p.data``, ``p.detach()``, a slice,
+        ``flat[a:b]``); every bucket in flight for a tensor without a data pointer (a wrapper
+        subclass: it may hold one). A question. Local."""
+        r = self.record_of.get(id(t))
+        if r is not None:
+            return [r.bucket] if r.bucket.gather is not None else []
+        try:
+            first = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage of its own to look at
+            return list(self._started)
+        started = self._started
+        found: list[BucketRecord] = []
+        for i, (lo, hi, size) in enumerate(self._memory):
+            if lo <= first < hi and t.numel():  # a view of flat buffer i (no view starts before its storage)
+                end = first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+                found += [b for b in started if b.buffer == i
+                          and first < lo + b.global_range.end * size and lo + b.global_range.start * size < end]
+        return found
 
     def handles(self) -> list[Pending]:
         """The handles in flight (for tests that check they were waited for)."""
         return [cast(Pending, b.gather) for b in self._started]  # each started bucket holds its Pending
 
     def __iter__(self) -> Iterator[BucketRecord]:
-        return iter(list(self._started))
+        return iter(self._started)
 
     def __bool__(self) -> bool:
         return bool(self._started)

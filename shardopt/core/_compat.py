@@ -59,6 +59,58 @@ def _wrapper_sets_orig_mod() -> bool:
     return "_orig_mod" in OptimizedModule.__init__.__code__.co_names
 
 
+# This thread's stack of torch function modes, as torch.utils._device.DeviceContext reaches it to keep
+# itself at the bottom: its length, one mode by position, a pop and a push. See function_modes_missing().
+_MODE_STACK = ("_len_torch_function_stack", "_get_function_stack_at", "_pop_torch_function_stack",
+               "_push_on_torch_function_stack")
+
+
+def function_modes_missing() -> list[str]:
+    """The torch internals of :func:`insert_function_mode`/:func:`remove_function_mode` that this
+    torch lacks (empty on the tested versions); no fallback: ``overlap_param_gather=True`` is
+    refused where one is missing (comm._gather_wait)."""
+    return [f"torch._C.{name}" for name in _MODE_STACK if not hasattr(torch._C, name)]
+
+
+def insert_function_mode(mode: Any) -> None:
+    """Put ``mode`` at the bottom of this thread's torch function mode stack, so that every mode
+    there leaves with its own ``__exit__`` (a mode's ``__exit__``, and ``with torch.device(...)``'s,
+    pops the top one). Above the mode of ``torch.set_default_device`` alone, which must be at the
+    bottom when it leaves: torch keeps it in ``torch._GLOBAL_DEVICE_CONTEXT.device_context``;
+    where that is missing, a ``DeviceContext`` at the bottom counts as it."""
+    kept = [torch._C._pop_torch_function_stack() for _ in range(torch._C._len_torch_function_stack())][::-1]
+    if kept and _is_default_device_mode(kept[0]):
+        kept.insert(1, mode)
+    else:
+        kept.insert(0, mode)
+    for m in kept:
+        torch._C._push_on_torch_function_stack(m)
+
+
+def _is_default_device_mode(m: Any) -> bool:
+    from torch.utils._device import DeviceContext
+
+    if not isinstance(m, DeviceContext):
+        return False
+    tls = getattr(torch, "_GLOBAL_DEVICE_CONTEXT", None)
+    return tls is None or getattr(tls, "device_context", None) is m
+
+
+def remove_function_mode(mode: Any) -> bool:
+    """Take ``mode`` out of this thread's torch function mode stack wherever it is, the others kept
+    in their order; False if it is not there (also while its own ``__torch_function__`` runs, when
+    torch holds it off the stack)."""
+    n = torch._C._len_torch_function_stack()
+    if not any(torch._C._get_function_stack_at(i) is mode for i in range(n)):
+        return False
+    above = []
+    while (top := torch._C._pop_torch_function_stack()) is not mode:
+        above.append(top)
+    for m in reversed(above):
+        torch._C._push_on_torch_function_stack(m)
+    return True
+
+
 def mesh_flattener(mesh: Any) -> Callable[[], Any] | None:
     """``DeviceMesh._flatten`` of ``mesh`` (a sub-mesh of a larger one, flattened to one dimension
     whose group holds all its ranks), or None where torch lacks it: ``_collectives`` then builds
@@ -66,9 +118,16 @@ def mesh_flattener(mesh: Any) -> Callable[[], Any] | None:
     return getattr(mesh, "_flatten", None)
 
 
-def require() -> None:
+def require(overlap_param_gather: bool = False) -> None:
     """At construction, on every rank: the internals without a fallback exist in this torch, else
-    a clear error naming the torch versions shardopt is tested with. Local."""
+    a clear error naming the torch versions shardopt is tested with; with ``overlap_param_gather``
+    also the mode-stack functions its read guard needs (:func:`function_modes_missing`). Local."""
+    missing_modes = function_modes_missing() if overlap_param_gather else []
+    if missing_modes:
+        raise RuntimeError(f"overlap_param_gather=True needs {', '.join(missing_modes)}, which torch "
+                           f"{torch.__version__} does not have: every read of a weight right after step() waits for its "
+                           "gather through a torch function mode placed beneath the others on that stack (see "
+                           f"comm._gather_wait); leave overlap_param_gather off, or install torch {TESTED}")
     missing = [name for name, ok in (
         ("torch._C._current_graph_task_id", hasattr(torch._C, "_current_graph_task_id")),
         ("torch.autograd.Variable._execution_engine.queue_callback",

@@ -164,8 +164,8 @@ class UsageChecks:
             self.late_problems.append(
                 f"parameter {r.name} was written (through the parameter, a view or .data) while "
                 "ShardedAdamW(overlap_param_gather=True) was still gathering the weights of the last step into the "
-                "model, which overwrote the write: call opt.finish_param_gather() before writing weights into the model "
-                "outside a forward (model.load_state_dict() waits by itself)")
+                "model, which overwrote the write. A write in the thread that called step() waits for the gathers by "
+                "itself; from another thread, call opt.finish_param_gather() before writing weights into the model")
 
     def take_outside_writes(self) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint
