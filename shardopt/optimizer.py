@@ -175,7 +175,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._record_of = {id(k): r for b in self._buffers for r in b.records for k in (r.param, r.leaf)}
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
-        self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
+        self._held = HeldTotal([b.reducer.held for b in self._buffers])
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on

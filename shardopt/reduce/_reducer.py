@@ -313,9 +313,9 @@ class GradReducer:
         self._put(r, take_pending(p.grad))  # autograd added to a placeholder: the new part; the rest is in the shard
         self.held.taken()  # the .grad is gone (it was counted while the staging buffer was allocated)
 
-    def _buffer_bytes(self, comm: bool) -> int:
-        """The store's buffers, the no_sync fp32 sum and (``comm``) the Comm's receive buffers held now, bytes."""
-        held = self.store.buffer_bytes() + (self.comm.live_bytes if comm else 0)
+    def _buffer_bytes(self) -> int:
+        """The store's buffers (its reductions' receive buffers included) and the no_sync fp32 sum held now, bytes."""
+        held = self.store.buffer_bytes()
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
     def launch(self, b: BucketRecord) -> Launch:
