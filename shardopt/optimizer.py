@@ -28,6 +28,7 @@ from shardopt.view import OptimizerView
 from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
+from shardopt.reduce._reducer import Backward
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
 from shardopt.step._skips import SkipWatch
@@ -246,18 +247,28 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     # -- training loop -------------------------------------------------------------------
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
-    def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
+    def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
+        """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
+
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss, as a pipeline stage
+        runs backward from the gradient the next stage sent back. Not multiplied: ``g`` came from
+        the next stage's ``opt.backward(loss)`` and carries its loss scale already, as
+        ``loss.backward(g)`` without the optimizer does (see step._usage_checks [Note: the loss
+        scale a gradient carries]). Other keywords go to ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
+        how = Backward.SCALED if gradient is None else Backward.CARRIED
         for b in self._buffers:
-            b.reducer.backward_scaled = True
+            b.reducer.backward = how
         try:
             with self._comm.during("opt.backward()"):
-                (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+                if gradient is not None:
+                    loss.backward(gradient, **kwargs)
+                else:
+                    (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
             for b in self._buffers:
-                b.reducer.backward_scaled = False
+                b.reducer.backward = Backward.PLAIN
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -8,6 +8,8 @@ on one part that lets the other parts step, and ranks of one model in different 
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -88,6 +90,44 @@ def test_pipeline_stages_clip_with_the_models_norm(pools):
         for a, b in zip(got["norms"], got["ref_norms"]):
             assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
         assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
+def fp16_pipeline_case(how: str) -> dict:
+    """fp16 pipeline stages with the dynamic loss scale (2**16): stage 1 runs opt.backward(loss),
+    stage 0 backward from the gradient it sent back, ``how`` (see parallel_models.pipeline_step)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    part = Stage(Whole(0, torch.float16), pp).half()
+    opt = shardopt.ShardedAdamW(part.parameters(), lr=1e-2, weight_decay=0.1, stage=2, bucket_cap_mb=1e-4,
+                                process_group=mesh["dp"].get_group(), model_parallel_group=mesh["pp"].get_group())
+    peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+    norms, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            opt.zero_grad()
+            pipeline_step(part, *batch(dp, step), peer, opt, how)
+            norms.append(float(opt.clip_grad_norm_(CLIP)))
+            opt.step()
+            scales.append(opt.loss_scale)
+    ref, ref_norms = reference(STEPS, 2, clip=CLIP, init_dtype=torch.float16)
+    worst = max((p.detach().float() - q.detach()).abs().max().item() for p, q in part.pieces_of(ref))
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "scales": scales,
+            "skipped": opt.skipped_steps, "warned": [str(w.message) for w in caught if "loss scale" in str(w.message)]}
+
+
+@pytest.mark.parametrize("how", ["tensor", "opt", "plain"])
+def test_fp16_pipeline_stages_take_the_loss_scale_of_the_last_stage(pools, how):
+    """A stage's backward from the gradient the next stage's opt.backward(loss) sent back carries
+    that loss scale (act.backward(g) and opt.backward(act, gradient=g) alike): every stage clips
+    with the model's norm, nothing is skipped, nothing warned. With no opt.backward(loss) on any
+    stage the gradients are unscaled: the same numbers, and every rank warns."""
+    for r, got in enumerate(pools(4).run(fp16_pipeline_case, how)):
+        for a, b in zip(got["norms"], got["ref_norms"]):  # fp16 gradients against fp32 ones
+            assert abs(a - b) <= 1e-3 * b, (r, how, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-3, (r, how, got["worst"])  # fp16 weights: their rounding
+        assert got["scales"] == [2.0**16] * STEPS and got["skipped"] == 0, (r, how, got)
+        assert (len(got["warned"]) == 1) == (how == "plain"), (r, how, got["warned"])
 
 
 def overflow_case() -> dict:

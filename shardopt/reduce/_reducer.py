@@ -23,6 +23,7 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 """
 from __future__ import annotations
 
+import enum
 import operator
 import time
 from itertools import compress, repeat
@@ -42,7 +43,16 @@ from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, p
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
 
-__all__ = ["GradReducer", "ParamState"]
+__all__ = ["Backward", "GradReducer", "ParamState"]
+
+
+class Backward(enum.Enum):
+    """How the backward pass that runs now was started: which loss scale its gradients carry is
+    decided from these at the step (see step._usage_checks [Note: the loss scale a gradient carries])."""
+
+    PLAIN = "plain"  # outside opt.backward: loss.backward(), t.backward(g) (a pipeline stage's received gradient)
+    SCALED = "scaled"  # opt.backward(loss): the loss multiplied by the loss scale
+    CARRIED = "carried"  # opt.backward(t, gradient=g): not multiplied; g carries the scale of where it came from
 
 
 class GradReducer:
@@ -69,9 +79,9 @@ class GradReducer:
         # rounded to the gradient dtype once, when the last micro-batch is reduced.
         self.accumulate_dtype = accumulate_dtype if accumulate_dtype not in (None, flat.dtype) else None
         self.accum = None
-        # Backward passes since the last step that ran inside opt.backward (scaled) or not.
-        self.scaled_backwards = self.unscaled_backwards = 0
-        self.backward_scaled = False  # set by the optimizer while opt.backward runs
+        # Backward passes since the last step, by how they were started (see Backward).
+        self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
+        self.backward = Backward.PLAIN  # set by the optimizer while opt.backward runs
         self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, apply_zeroing) since the step, seconds
         for r in self.records:
             # p.grad holds it: stage 2 after a round, either stage while a 16-bit gradient is summed
@@ -121,16 +131,19 @@ class GradReducer:
         its start (a tensor in place of a placeholder is that parameter's whole gradient). With no
         backward pass since the last step, the gradients carry no loss scale: counted as an
         unscaled backward pass. Local."""
-        if self.scaled_backwards == 0 and self.unscaled_backwards == 0:
+        if self.scaled_backwards == 0 and self.carried_backwards == 0 and self.unscaled_backwards == 0:
             self.unscaled_backwards += 1
         start = time.perf_counter()
         self.apply_zeroing()
         self.check_seconds += time.perf_counter() - start
 
     def begin_backward(self) -> None:
-        """A backward pass starts: note how it was scaled and follow what was zeroed since the last. Local."""
-        if self.backward_scaled:
+        """A backward pass starts: note how it was started (``backward``) and follow what was zeroed
+        since the last. Local."""
+        if self.backward is Backward.SCALED:
             self.scaled_backwards += 1
+        elif self.backward is Backward.CARRIED:
+            self.carried_backwards += 1
         else:
             self.unscaled_backwards += 1
         start = time.perf_counter()
@@ -428,7 +441,7 @@ class GradReducer:
     def stepped(self) -> None:
         """Forget how the backward passes since the last step were scaled and the time spent looking
         for zeroed gradients (read ``check_seconds`` first). Local."""
-        self.scaled_backwards = self.unscaled_backwards = 0
+        self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
         self.check_seconds = 0.0
 
     @property
