@@ -449,11 +449,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             self._joined = False
 
     def _nonfinite_params(self) -> list[str]:
-        """Names of the parameters whose averaged gradient has an inf/NaN on some rank. Every rank."""
-        flags = torch.cat([b.nonfinite_params() for b in self._buffers])
-        self._comm.all_reduce_max(flags).wait()
-        names = [r.name for b in self._buffers for r in b.records]
-        return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
+        """Names of the parameters whose averaged gradient has an inf/NaN on some rank of the whole
+        model (every tensor-parallel rank, pipeline stage and expert group), each marked with the part
+        that holds it where the ranks hold different parts (``ModelParts.where``). Every rank of the job."""
+        where = self._parts.where
+        mine = [where(r.param) + r.name for b in self._buffers
+                for r, bad in zip(b.records, b.nonfinite_params().tolist()) if bad > 0]
+        return self._parts.gather_names(mine)
 
     def _on_landed(self) -> Callable[[BucketRecord], None]:
         """What a waited gather tells (overlap_param_gather only): whether any gather is still in

@@ -151,7 +151,31 @@ class ModelParts:
         own = [a for a in self.axes.axes if a.name in self.user_axes and a.name not in self.dtensor_axes]
         return ".".join(f"{a.name}{a.rank}" for a in own) + "/" if own else ""
 
+    def where(self, p: Tensor) -> str:
+        """How a message gathered from every part of the model (``gather_names``) marks ``p`` (a plain
+        parameter or a DTensor's stand-in): this rank's position on each model axis, and an expert
+        group's checkpoint key prefix, e.g. ``"pp0/"``, ``"tp1/pg1-0/"``; "" where every rank
+        holds the same parameters. Local."""
+        at = ".".join(f"{a.name}{a.rank}" for a in self.axes.axes)
+        original = self.dtensor_of.get(id(p), p)
+        return (at + "/" if at else "") + self.key_prefix.get(id(original), "")
+
+    def gather_names(self, names: list[str]) -> list[str]:
+        """Every rank's ``names`` (marked by ``where``), over the optimizer's data-parallel group and
+        then over each model axis in turn, so over every rank of the job (they form a grid, see
+        _model_axes): each name once, where it first occurs in rank order, the same list on every
+        rank. Every rank of the job (a few small collectives per group)."""
+        out = _first_occurrences(self.comm.all_gather_objects(names))
+        for a in self.axes.axes:
+            out = _first_occurrences(a.comm.all_gather_objects(out))
+        return out
+
     def writes_copies(self) -> bool:
         """Whether this rank writes the tensors every rank of the DTensor meshes holds a copy of
         (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each."""
         return self.axes.counts(self.dtensor_axes)
+
+
+def _first_occurrences(lists: Sequence[Sequence[str]]) -> list[str]:
+    """The names of ``lists`` in order, each once."""
+    return list(dict.fromkeys(n for names in lists for n in names))
