@@ -61,7 +61,12 @@ class FlatGrads(_Store):
         for b in self.buckets:
             b.view_grad(self.flat_grad[b.global_range.as_slice()])
             for r in b.params:
-                r.param.grad = b.view_of(r)
+                # A gradient already there (a backward pass before the optimizer was built) stays
+                # p.grad: the first step takes it as one assigned by hand, averaged over the ranks
+                # (see _rounds [Note: gradients assigned by hand]), and a backward pass before it
+                # adds to it, as in torch. Replacing it by the zeroed view would drop it.
+                if r.param.grad is None:
+                    r.param.grad = b.view_of(r)
         self._shard = ShardView(self.flat_grad, flat.layout.shard_runs(comm.shard_rank), flat.layout.shard_numel)
 
     @property
