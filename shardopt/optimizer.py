@@ -205,6 +205,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                                     lambda: ref()._step)  # type: ignore[union-attr]
         self._built = True
 
+    def _release(self, why: str) -> None:
+        """See ``Lifetime.close``; also hand ``p.grad`` back as torch would hold it (see
+        ``GradReducer.release``). Local."""
+        if self.__dict__.get("_closed") is None:
+            for b in self.__dict__.get("_buffers", ()):
+                b.reducer.release()
+        super()._release(why)
+
     # -- construction --------------------------------------------------------------------
     def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
                   flags: dict[str, Any]) -> dict[str, Any]:

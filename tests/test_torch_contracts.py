@@ -520,6 +520,36 @@ def test_a_gradient_there_when_the_optimizer_is_built_is_stepped_in_both_stages(
                     assert out["worst"] == 0.0 and out["moved"] > 1e-3, (stage, dtype_name, then, out)
 
 
+def superseded_after_zeroing_case(first: int, second: int) -> dict:
+    """An optimizer trains a step and zeroes the gradients; a new one is built over the same
+    parameters and steps with no backward pass. In torch the gradients are None then: nothing moves."""
+    model, ref = make_model(seed=14), make_model(seed=14)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=first)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(batch(dist.get_rank(), 0)).backward()
+        if m is ref:
+            ddp_average(ref)
+        o.step()
+        o.zero_grad()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=second)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    opt.step()
+    ref_opt.step()
+    return {"worst": param_diff(model, ref)}
+
+
+def test_a_new_optimizer_after_zero_grad_finds_no_gradient(pools):
+    """A superseded optimizer leaves p.grad as torch would: None after zero_grad (stage 1's zeroed
+    views stand for None), so the new one does not step on zeros (weight decay would move them)."""
+    pool = pools(2)
+    for first in (1, 2):
+        for second in (1, 2):
+            for out in pool.run(superseded_after_zeroing_case, first, second):
+                assert out["worst"] <= 2e-6, (first, second, out)
+
+
 # -- 11: backward from a parameter itself -------------------------------------------------------------
 def leaf_backward_case(stage: int) -> float:
     model, ref = make_model(seed=12), make_model(seed=12)

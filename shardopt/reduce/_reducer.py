@@ -438,6 +438,18 @@ class GradReducer:
         self.accum = None
         self.stepped()
 
+    def release(self) -> None:
+        """This optimizer no longer trains the parameters (closed, or superseded by a new one): leave
+        ``p.grad`` as torch would hold it. Stage 1: a parameter without a gradient since its last
+        zeroing holds None instead of its zeroed view (which stood for None), so that a new optimizer
+        over it does not take zeros for a gradient; one with a gradient keeps its view, which a new
+        optimizer takes as a gradient that was there when it was built. Local."""
+        if not self.store.keeps_views:
+            return
+        for r in self.records:
+            if not r.used and r.holds() is Holds.VIEW:
+                r.param.grad = None
+
     def stepped(self) -> None:
         """Forget how the backward passes since the last step were scaled and the time spent looking
         for zeroed gradients (read ``check_seconds`` first). Local."""
