@@ -20,7 +20,6 @@ from shardopt.step._agreement import (CALLS, adopt_hyperparameters, call_header,
 from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
 from shardopt.comm._model_axes import ModelAxes
 from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
-
 from shardopt.step._usage_checks import Scaling
 
 if TYPE_CHECKING:

@@ -279,10 +279,11 @@ class UsageChecks:
     def flags(found: Findings) -> list[float]:
         """``StepMessage.checks``, 8 numbers: problems, backward passes through ``opt.backward(loss)``,
         outside it and through ``opt.backward(t, gradient=g)`` (see [Note: the loss scale a gradient
-        carries]), parameters without a gradient on this rank, parameters written from outside, and whether averaged gradients
-        were zeroed or replaced here, as (yes, no): summed or maxed, both are positive exactly when
-        some ranks did and some did not (see [Note: gradients changed on some ranks only]). The
-        bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
+        carries]), parameters without a gradient on this rank, parameters written from outside, and
+        whether averaged gradients were zeroed or replaced here, as (yes, no): summed or maxed, both
+        are positive exactly when some ranks did and some did not (see [Note: gradients changed on
+        some ranks only]). The bitmaps behind the parameter counts are exchanged only when some rank
+        has one (``apply``)."""
         not_used = sum(len(u) - sum(u) for u in found.used)
         return [len(found.problems), found.scaled, found.unscaled, found.carried, not_used,
                 sum(map(len, found.written)), float(found.regraded), float(not found.regraded and not found.joined)]
