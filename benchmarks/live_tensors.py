@@ -9,7 +9,7 @@ from typing import Iterable
 import torch
 
 
-def _count(objects: Iterable[object], graph: bool, seen: set[int]) -> int:
+def _count(objects: Iterable[object], graph: bool, seen: set[int], by_dtype: dict | None = None) -> int:
     total = 0
     for o in objects:
         try:
@@ -30,6 +30,8 @@ def _count(objects: Iterable[object], graph: bool, seen: set[int]) -> int:
             if nbytes and ptr not in seen:
                 seen.add(ptr)
                 total += nbytes
+                if by_dtype is not None:
+                    by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + nbytes
     return total
 
 
@@ -72,10 +74,19 @@ class LiveTensors:
 
     def bytes(self) -> int:
         """Bytes of every distinct storage reachable from Python now (see :func:`live_bytes`)."""
+        return self._walk(None)
+
+    def bytes_by_dtype(self) -> dict[torch.dtype, int]:
+        """The same count split by the dtype of the tensor each storage was first seen through."""
+        by: dict[torch.dtype, int] = {}
+        self._walk(by)
+        return by
+
+    def _walk(self, by_dtype: dict | None) -> int:
         seen: set[int] = set()
         old = (r() for r in self._old)
         alive = [t for t in old if t is not None]
-        return _count(alive, self.graph, seen) + _count(gc.get_objects(), self.graph, seen)
+        return _count(alive, self.graph, seen, by_dtype) + _count(gc.get_objects(), self.graph, seen, by_dtype)
 
 
 def storage_bytes(tensors: Iterable[object]) -> int:

@@ -28,6 +28,7 @@ from shardopt.view import OptimizerView
 from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
+from shardopt.reduce._reducer import Backward
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
 from shardopt.step._skips import SkipWatch
@@ -176,7 +177,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._record_of = {id(k): r for b in self._buffers for r in b.records for k in (r.param, r.leaf)}
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
-        self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
+        self._held = HeldTotal([b.reducer.held for b in self._buffers])
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
@@ -204,6 +205,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
                                     lambda: ref()._step)  # type: ignore[union-attr]
         self._built = True
+
+    def _release(self, why: str) -> None:
+        """See ``Lifetime.close``; also hand ``p.grad`` back as torch would hold it (see
+        ``GradReducer.release``). Local."""
+        if self.__dict__.get("_closed") is None:
+            for b in self.__dict__.get("_buffers", ()):
+                b.reducer.release()
+        super()._release(why)
 
     # -- construction --------------------------------------------------------------------
     def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
@@ -247,18 +256,28 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     # -- training loop -------------------------------------------------------------------
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
-    def backward(self, loss: Tensor, **kwargs: Any) -> None:
-        """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank."""
+    def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
+        """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
+
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss, as a pipeline stage
+        runs backward from the gradient the next stage sent back. Not multiplied: ``g`` came from
+        the next stage's ``opt.backward(loss)`` and carries its loss scale already, as
+        ``loss.backward(g)`` without the optimizer does (see step._usage_checks [Note: the loss
+        scale a gradient carries]). Other keywords go to ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
+        how = Backward.SCALED if gradient is None else Backward.CARRIED
         for b in self._buffers:
-            b.reducer.backward_scaled = True
+            b.reducer.backward = how
         try:
             with self._comm.during("opt.backward()"):
-                (loss * scale if scale != 1.0 else loss).backward(**kwargs)
+                if gradient is not None:
+                    loss.backward(gradient, **kwargs)
+                else:
+                    (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
             for b in self._buffers:
-                b.reducer.backward_scaled = False
+                b.reducer.backward = Backward.PLAIN
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -441,11 +460,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             self._joined = False
 
     def _nonfinite_params(self) -> list[str]:
-        """Names of the parameters whose averaged gradient has an inf/NaN on some rank. Every rank."""
-        flags = torch.cat([b.nonfinite_params() for b in self._buffers])
-        self._comm.all_reduce_max(flags).wait()
-        names = [r.name for b in self._buffers for r in b.records]
-        return [n for n, bad in zip(names, flags.tolist()) if bad > 0]
+        """Names of the parameters whose averaged gradient has an inf/NaN on some rank of the whole
+        model (every tensor-parallel rank, pipeline stage and expert group), each marked with the part
+        that holds it where the ranks hold different parts (``ModelParts.where``). Every rank of the job."""
+        where = self._parts.where
+        mine = [where(r.param) + r.name for b in self._buffers
+                for r, bad in zip(b.records, b.nonfinite_params().tolist()) if bad > 0]
+        return self._parts.gather_names(mine)
 
     def _on_landed(self) -> Callable[[BucketRecord, bool], None]:
         """What a waited gather tells (overlap_param_gather only): whether any gather is still in

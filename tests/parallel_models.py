@@ -134,38 +134,51 @@ class Stage(nn.Module):
         return [(p, theirs[n]) for n, p in mine.items()]
 
 
-def pipeline_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, peer: int) -> torch.Tensor | None:
+def pipeline_step(stage: Stage, x: torch.Tensor, y: torch.Tensor, peer: int, opt=None,
+                  how: str = "tensor") -> torch.Tensor | None:
     """One forward and backward of a 2-stage pipeline: stage 0 sends its activation to ``peer``
-    (global rank) and runs backward from the gradient it gets back. Returns the loss on stage 1."""
+    (global rank) and runs backward from the gradient it gets back. Returns the loss on stage 1.
+    Without ``opt`` both stages call ``Tensor.backward``. With it (a ShardedAdamW), stage 1 runs
+    ``opt.backward(loss)`` and stage 0 ``act.backward(g)`` (``how="tensor"``) or
+    ``opt.backward(act, gradient=g)`` (``"opt"``); ``"plain"``: both stages ``Tensor.backward``."""
+    dtype = next(stage.parameters()).dtype
     if stage.stage == 0:
-        act = torch.tanh(stage.fc1(stage.norm(x)))
+        act = torch.tanh(stage.fc1(stage.norm(x.to(dtype))))
         dist.send(act.detach().contiguous(), peer)
         g = torch.empty_like(act)
         dist.recv(g, peer)
-        act.backward(g)
+        if opt is not None and how == "opt":
+            opt.backward(act, gradient=g)
+        else:
+            act.backward(g)
         return None
-    act = torch.empty(x.shape[0], H)
+    act = torch.empty(x.shape[0], H, dtype=dtype)
     dist.recv(act, peer)
     act.requires_grad_(True)
-    loss = ((stage.fc2(act) - y) ** 2).mean()
-    loss.backward()
+    loss = ((stage.fc2(act).float() - y) ** 2).mean()
+    if opt is not None and how != "plain":
+        opt.backward(loss)
+    else:
+        loss.backward()
     dist.send(act.grad.contiguous(), peer)
     return loss.detach()
 
 
 def reference(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2, weight_decay: float = 0.1,
-              seed: int = 0) -> tuple[Whole, list[float]]:
-    """``Whole`` trained by torch.optim.AdamW on the global batch of ``dp_size`` ranks, clipped
-    by torch.nn.utils.clip_grad_norm_; (the model, the norm at each step)."""
-    whole, _, norms = reference_with_optimizer(steps, dp_size, clip=clip, lr=lr, weight_decay=weight_decay, seed=seed)
+              seed: int = 0, init_dtype: torch.dtype = torch.float32) -> tuple[Whole, list[float]]:
+    """``Whole`` trained in fp32 by torch.optim.AdamW on the global batch of ``dp_size`` ranks,
+    clipped by torch.nn.utils.clip_grad_norm_; (the model, the norm at each step). ``init_dtype``:
+    the initial weights rounded to it, as a model built in that dtype starts."""
+    whole, _, norms = reference_with_optimizer(steps, dp_size, clip=clip, lr=lr, weight_decay=weight_decay, seed=seed,
+                                               init_dtype=init_dtype)
     return whole, norms
 
 
 def reference_with_optimizer(steps: int, dp_size: int, *, clip: float | None, lr: float = 1e-2,
-                             weight_decay: float = 0.1, seed: int = 0
+                             weight_decay: float = 0.1, seed: int = 0, init_dtype: torch.dtype = torch.float32
                              ) -> tuple[Whole, torch.optim.AdamW, list[float]]:
     """``reference``, with the torch.optim.AdamW that trained it (its moments)."""
-    whole = Whole(seed)
+    whole = Whole(seed, init_dtype).float()
     opt = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=weight_decay)
     norms = []
     for step in range(steps):

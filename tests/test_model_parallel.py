@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -94,6 +95,44 @@ def test_pipeline_stages_clip_with_the_models_norm(pools):
         assert got["worst"] <= 1e-6, (r, got["worst"])
 
 
+def fp16_pipeline_case(how: str) -> dict:
+    """fp16 pipeline stages with the dynamic loss scale (2**16): stage 1 runs opt.backward(loss),
+    stage 0 backward from the gradient it sent back, ``how`` (see parallel_models.pipeline_step)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    part = Stage(Whole(0, torch.float16), pp).half()
+    opt = shardopt.ShardedAdamW(part.parameters(), lr=1e-2, weight_decay=0.1, stage=2, bucket_cap_mb=1e-4,
+                                process_group=mesh["dp"].get_group(), model_parallel_group=mesh["pp"].get_group())
+    peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+    norms, scales = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(STEPS):
+            opt.zero_grad()
+            pipeline_step(part, *batch(dp, step), peer, opt, how)
+            norms.append(float(opt.clip_grad_norm_(CLIP)))
+            opt.step()
+            scales.append(opt.loss_scale)
+    ref, ref_norms = reference(STEPS, 2, clip=CLIP, init_dtype=torch.float16)
+    worst = max((p.detach().float() - q.detach()).abs().max().item() for p, q in part.pieces_of(ref))
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "scales": scales,
+            "skipped": opt.skipped_steps, "warned": [str(w.message) for w in caught if "loss scale" in str(w.message)]}
+
+
+@pytest.mark.parametrize("how", ["tensor", "opt", "plain"])
+def test_fp16_pipeline_stages_take_the_loss_scale_of_the_last_stage(pools, how):
+    """A stage's backward from the gradient the next stage's opt.backward(loss) sent back carries
+    that loss scale (act.backward(g) and opt.backward(act, gradient=g) alike): every stage clips
+    with the model's norm, nothing is skipped, nothing warned. With no opt.backward(loss) on any
+    stage the gradients are unscaled: the same numbers, and every rank warns."""
+    for r, got in enumerate(pools(4).run(fp16_pipeline_case, how)):
+        for a, b in zip(got["norms"], got["ref_norms"]):  # fp16 gradients against fp32 ones
+            assert abs(a - b) <= 1e-3 * b, (r, how, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-3, (r, how, got["worst"])  # fp16 weights: their rounding
+        assert got["scales"] == [2.0**16] * STEPS and got["skipped"] == 0, (r, how, got)
+        assert (len(got["warned"]) == 1) == (how == "plain"), (r, how, got["warned"])
+
+
 def overflow_case() -> dict:
     """fp16 with a dynamic loss scale; at step 1 one tensor-parallel rank of one data-parallel
     group alone gets an inf in a gradient of its own shard."""
@@ -118,6 +157,69 @@ def test_an_overflow_on_one_tensor_parallel_rank_skips_the_step_on_every_rank(po
     res = pools(4).run(overflow_case)
     assert all(r["skipped"] == [False, True, False] for r in res), res
     assert len({tuple(r["scales"]) for r in res}) == 1, res
+
+
+def nan_on_one_part_case(layout: str) -> dict:
+    """fp32 (no loss scale to lower), max_consecutive_skips=2: a NaN in the gradient of one parameter
+    on one rank (tensor-parallel rank 1's shard of w2, pipeline stage 0's fc1.weight, expert 0's
+    weight) at every step; what each rank warns at the first skip and raises at the second."""
+    if layout == "tp":
+        mesh, model, opt = _tp_setup(2, max_consecutive_skips=2)
+        dp, bad, on = mesh["dp"].get_local_rank(), model.w2, dist.get_rank() == 1  # dp 0, tp 1
+        expected = "tp1/#2 (param group 0, shape (8, 6))"  # w2's piece on tensor-parallel rank 1
+
+        def step(i: int) -> None:
+            opt.backward(model(*batch(dp, i)))
+    elif layout == "ep":  # dense parameters on every rank, expert e on ranks {2e, 2e + 1} (see expert_case)
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "edp"))
+        model = Experts(2, expert=mesh["ep"].get_local_rank())
+        opt = shardopt.ShardedAdamW([{"params": model.dense.parameters()},
+                                     {"params": model.experts.parameters(), "process_group": mesh["edp"].get_group()}],
+                                    lr=1e-2, stage=2, bucket_cap_mb=1e-4, max_consecutive_skips=2)
+        bad, on = model.experts[0].weight, dist.get_rank() == 0  # expert 0, held by ranks 0 and 1
+        expected = "pg1-0/#2 (param group 1, shape (8, 8))"  # the other expert's weight has the same name
+
+        def step(i: int) -> None:
+            opt.backward(model(*batch(dist.get_rank(), i)))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+        pp, dp = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        part = Stage(Whole(0), pp)
+        opt = shardopt.ShardedAdamW(part.parameters(), lr=1e-2, stage=2, bucket_cap_mb=1e-4, max_consecutive_skips=2,
+                                    process_group=mesh["dp"].get_group(), model_parallel_group=mesh["pp"].get_group())
+        peer = dist.get_global_rank(mesh["pp"].get_group(), 1 - pp)
+        bad, on = (part.fc1.weight if pp == 0 else None), dist.get_rank() == 0  # pp 0, dp 0
+        expected = "mp0/#2 (param group 0, shape (12, 8))"  # fc1.weight of stage 0 (model axis "mp")
+
+        def step(i: int) -> None:
+            pipeline_step(part, *batch(dp, i), peer, opt)
+    if on:  # one rank of that part only
+        bad.register_hook(lambda g: g * float("nan"))
+    out: dict = {"expected": expected, "warned": [], "error": None}
+    for i in range(3):
+        opt.zero_grad()
+        step(i)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                opt.step()
+            except RuntimeError as e:
+                out["error"] = (i, str(e))
+                break
+        out["warned"] += [(i, str(w.message)) for w in caught if "skipped" in str(w.message)]
+    return out
+
+
+@pytest.mark.parametrize("layout", ["tp", "pp", "ep"])
+def test_every_part_names_the_parameters_whose_gradients_are_not_finite(pools, layout):
+    """Every rank of the model, those of the other tensor-parallel rank, pipeline stage or expert
+    group too, names the parameter (and the part that holds it) in its warning and in the error
+    that follows, and no other."""
+    for r, out in enumerate(pools(4).run(nan_on_one_part_case, layout)):
+        assert [i for i, _ in out["warned"]] == [0] and out["error"] is not None and out["error"][0] == 1, (r, out)
+        for message in (out["warned"][0][1], out["error"][1]):
+            assert out["expected"] in message and "squares overflow" not in message, (r, message)
+            assert message.count("#") == 1, (r, message)  # that parameter only
 
 
 def different_calls_case() -> str:

@@ -22,7 +22,7 @@ def test_a_message_reads_back_what_was_packed():
     got = StepMessage.reduced(packed * 2)  # as if two ranks sent the same
     assert (got.nonfinite, got.norm) == (2.0, 5.0)
     assert got.call == [2 * x for x in call_header("step", True)]
-    assert got.checks == [2 * x for x in checks] and checks == [1, 2, 0, 1, 1, 1.0, 0.0]
+    assert got.checks == [2 * x for x in checks] and checks == [1, 2, 0, 0, 1, 1, 1.0, 0.0]
     assert got.hyper == [2 * x for x in hyper_code(hyperparameters(groups), maxed=False)]
 
 

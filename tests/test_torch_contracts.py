@@ -484,6 +484,72 @@ def test_gradients_assigned_by_hand_on_one_rank_only_raise_on_every_rank(pools):
         assert "assigned gradients by hand" in err[1], err
 
 
+def grad_at_construction_case(stage: int, dtype_name: str, then: str) -> dict:
+    """A backward pass before the optimizer is built; then ``step()`` at once, or after another
+    backward pass (which adds to that gradient). The reference: a twin of the model (its gradients
+    are the model's, bit for bit), averaged over ranks as DDP does (16-bit: summed in fp32, as
+    shardopt sums), and torch.optim.AdamW over fp32 copies of the weights (the master weights)."""
+    dtype, rank = getattr(torch, dtype_name), dist.get_rank()
+    model, twin = make_model(seed=13, dtype=dtype), make_model(seed=13, dtype=dtype)
+    ref = make_model(seed=13, dtype=dtype).float()
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    start = copy.deepcopy(model)
+    model(batch(rank, 0)).backward()  # no optimizer yet
+    twin(batch(rank, 0)).backward()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    if then == "backward":
+        opt.backward(model(batch(rank, 1)))
+        twin(batch(rank, 1)).backward()
+    opt.step()
+    ddp_average(twin, fp32=dtype != torch.float32)
+    for q, t in zip(ref.parameters(), twin.parameters()):
+        q.grad = None if t.grad is None else t.grad.float()
+    ref_opt.step()
+    return {"worst": param_diff(model, ref.to(dtype)), "moved": param_diff(model, start)}
+
+
+def test_a_gradient_there_when_the_optimizer_is_built_is_stepped_in_both_stages(pools):
+    """As in torch (and as a gradient assigned by hand): the gradient a backward pass left before
+    the optimizer existed is the first step's, averaged over the ranks; a backward pass before that
+    step adds to it."""
+    pool = pools(2)
+    for stage in (1, 2):
+        for dtype_name in ("float32", "bfloat16"):
+            for then in ("step", "backward"):
+                for out in pool.run(grad_at_construction_case, stage, dtype_name, then):
+                    assert out["worst"] == 0.0 and out["moved"] > 1e-3, (stage, dtype_name, then, out)
+
+
+def superseded_after_zeroing_case(first: int, second: int) -> dict:
+    """An optimizer trains a step and zeroes the gradients; a new one is built over the same
+    parameters and steps with no backward pass. In torch the gradients are None then: nothing moves."""
+    model, ref = make_model(seed=14), make_model(seed=14)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=first)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        o.zero_grad()
+        m(batch(dist.get_rank(), 0)).backward()
+        if m is ref:
+            ddp_average(ref)
+        o.step()
+        o.zero_grad()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=second)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    opt.step()
+    ref_opt.step()
+    return {"worst": param_diff(model, ref)}
+
+
+def test_a_new_optimizer_after_zero_grad_finds_no_gradient(pools):
+    """A superseded optimizer leaves p.grad as torch would: None after zero_grad (stage 1's zeroed
+    views stand for None), so the new one does not step on zeros (weight decay would move them)."""
+    pool = pools(2)
+    for first in (1, 2):
+        for second in (1, 2):
+            for out in pool.run(superseded_after_zeroing_case, first, second):
+                assert out["worst"] <= 2e-6, (first, second, out)
+
+
 # -- 11: backward from a parameter itself -------------------------------------------------------------
 def leaf_backward_case(stage: int) -> float:
     model, ref = make_model(seed=12), make_model(seed=12)

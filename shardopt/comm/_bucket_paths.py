@@ -8,7 +8,7 @@ and shards]). Its reduction and gather take one of two paths (``Comm.path``), on
   piece and one in-place ``all_gather_into_tensor``; stage 1 one ``all_reduce`` of the bucket in
   place. The collectives NCCL runs natively (and NVLink SHARP and in-network reduction
   accelerate). No receive buffer; the sum runs in the gradient dtype unless ``reduce_dtype`` asks
-  for more, from a cast copy of the bucket (held until the reduction lands, in ``live_bytes``).
+  for more, from a cast copy of the bucket (held until the reduction lands, in the caller's ``InFlight``).
 * ``rank-order`` (gloo's default): two all-to-alls (to the ranks below, then to the ranks
   above) that send every rank the other ranks' copies of its piece (its own stays in the
   bucket: gloo's all-to-all takes no split that skips its own rank), a sum in rank order in fp32
@@ -42,6 +42,16 @@ from shardopt.comm._pending import CommStats, Pending, Waiter, and_then
 from shardopt.core._layout import Range
 
 
+class InFlight:
+    """The bytes one caller's reductions in flight hold beside its buckets: receive buffers
+    (rank-order), cast copies (native), a hybrid mesh's partial sums. Each gradient store keeps its
+    own, so that its memory accounting counts its own collectives only, never those of another flat
+    buffer sharing the same Comm."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0  # bytes held now
+
+
 class PathComm(Waiter, Protocol):
     """What a bucket path asks of its comm (``_collectives.Comm``), beside what its handles do."""
 
@@ -51,7 +61,6 @@ class PathComm(Waiter, Protocol):
     _shard_global: list[int]
     hybrid: bool
     replicas: int
-    live_bytes: int  # bytes reductions in flight hold beside the buckets (see Comm.live_bytes)
     stats: CommStats
 
     def _count(self, works: list, *, reduced: int = 0, gathered: int = 0, crossed: int = 0) -> list: ...
@@ -82,26 +91,26 @@ class NativePath:
     def __init__(self, comm: PathComm) -> None:
         self.comm = comm
 
-    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
-                         sum_dtype: torch.dtype | None) -> list[Callable[[], Pending]]:
+    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
+                         held: InFlight) -> list[Callable[[], Pending]]:
         """``bucket`` averaged in place: one all-reduce (``ReduceOp.AVG``), unless ``sum_dtype`` is
         not the bucket's or the sharding is hybrid; see ``Comm.all_reduce_parts``."""
         c = self.comm
         if sum_dtype not in (None, bucket.dtype) or c.hybrid:
-            return self._reduce_then_gather(bucket, pieces, sum_dtype)
+            return self._reduce_then_gather(bucket, pieces, sum_dtype, held)
 
         def whole() -> Pending:
             work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=c.shard_group, async_op=True)
             return Pending(c._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=c.stats, comm=c)
         return [whole]
 
-    def _reduce_then_gather(self, bucket: Tensor, pieces: Sequence[Range],
-                            sum_dtype: torch.dtype | None) -> list[Callable[[], Pending]]:
+    def _reduce_then_gather(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
+                            held: InFlight) -> list[Callable[[], Pending]]:
         """``bucket`` averaged in place as its reduce-scatter (summed in ``sum_dtype``) followed,
         once the last part is waited, by the gather of the averaged pieces."""
         own = bucket[pieces[self.comm.shard_rank].as_slice()]
         out = own if sum_dtype in (None, bucket.dtype) else torch.empty_like(own, dtype=sum_dtype)
-        parts = self.reduce_scatter_parts(out, bucket, pieces)
+        parts = self.reduce_scatter_parts(out, bucket, pieces, held)
         issue_last = parts[-1]
 
         def reduce_then_gather() -> Pending:
@@ -135,21 +144,22 @@ class NativePath:
         gathered = sum(p.size for p in pieces) * flat.element_size()
         return Pending(c._count(works, gathered=gathered), keep_alive=[flat], stats=c.stats, comm=c)
 
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
+                             held: InFlight) -> list[Callable[[], Pending]]:
         """This rank's piece of ``bucket``'s average into ``out``, as the collectives to issue in
         order; see ``Comm.reduce_scatter_parts``."""
-        return [lambda: self.reduce_scatter(out, bucket, pieces)]
+        return [lambda: self.reduce_scatter(out, bucket, pieces, held)]
 
-    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> Pending:
+    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range], held: InFlight) -> Pending:
         """The one ``reduce_scatter_tensor`` of ``bucket`` into ``out``."""
         c = self.comm
         src = bucket if out.dtype == bucket.dtype else bucket.to(out.dtype)
         copied = src.nbytes if src is not bucket else 0
-        c.live_bytes += copied
+        held.nbytes += copied
         work = _reduce_scatter_tensor(out, src, op=dist.ReduceOp.AVG, group=c.shard_group, async_op=True)
 
         def landed() -> Pending | None:
-            c.live_bytes -= copied
+            held.nbytes -= copied
             return c._cross(out, avg=True) if c.hybrid else None
 
         return Pending(c._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=c.stats, then=landed,
@@ -165,14 +175,15 @@ class RankOrderPath(NativePath):
     name = "rank-order"
     whole_all_reduce = False  # stage 1: this reduce-scatter, then the gather of the pieces
 
-    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
-                         sum_dtype: torch.dtype | None) -> list[Callable[[], Pending]]:
-        return self._reduce_then_gather(bucket, pieces, sum_dtype)
+    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
+                         held: InFlight) -> list[Callable[[], Pending]]:
+        return self._reduce_then_gather(bucket, pieces, sum_dtype, held)
 
     def gather(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         return self._broadcasts(flat, pieces)
 
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
+                             held: InFlight) -> list[Callable[[], Pending]]:
         """Two all-to-alls: the first sends each rank below this one its piece and receives this
         rank's piece from the ranks above, the second the other way; a rank's own piece stays in
         the bucket, so it receives ``world_size - 1`` pieces, not ``world_size`` (gloo's all-to-all
@@ -185,7 +196,7 @@ class RankOrderPath(NativePath):
         below = torch.empty(me * size, dtype=bucket.dtype, device=bucket.device)  # from ranks below
 
         def down() -> Pending:  # to the ranks below, from the ranks above
-            c.live_bytes += above.nbytes
+            held.nbytes += above.nbytes
             work = dist.all_to_all_single(above, bucket[:mine.start],
                                           output_split_sizes=[size if q > me else 0 for q in range(n)],
                                           input_split_sizes=[size if q < me else 0 for q in range(n)],
@@ -194,7 +205,7 @@ class RankOrderPath(NativePath):
                            stats=c.stats, comm=c)
 
         def up() -> Pending:  # to the ranks above, from the ranks below
-            c.live_bytes += below.nbytes
+            held.nbytes += below.nbytes
             work = dist.all_to_all_single(below, bucket[mine.end:],
                                           output_split_sizes=[size if q < me else 0 for q in range(n)],
                                           input_split_sizes=[size if q > me else 0 for q in range(n)],
@@ -203,7 +214,7 @@ class RankOrderPath(NativePath):
                            keep_alive=[bucket, below, out], stats=c.stats, then=finish, comm=c)
 
         def finish() -> Pending | None:
-            c.live_bytes -= above.nbytes + below.nbytes
+            held.nbytes -= above.nbytes + below.nbytes
             if not size and not c.hybrid:
                 return None  # hybrid: an empty piece still gets its (empty) follow-up, see _cross
             parts = [below[q * size:(q + 1) * size] if q < me else bucket[mine.as_slice()] if q == me
@@ -227,10 +238,10 @@ class RankOrderPath(NativePath):
                 if acc is not out:
                     out.copy_(acc)
                 return None
-            c.live_bytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
+            held.nbytes += acc.nbytes  # the fp32 partial sum, until the other replicas' are added
 
             def land() -> None:
-                c.live_bytes -= acc.nbytes
+                held.nbytes -= acc.nbytes
                 out.copy_(acc.div_(n * c.replicas))
 
             return c._cross(acc, avg=False, then=land)

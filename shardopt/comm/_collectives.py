@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardopt.comm._bucket_paths import NativePath, bucket_path, equal_pieces
+from shardopt.comm._bucket_paths import InFlight, NativePath, bucket_path, equal_pieces
 from shardopt.comm._pending import CommStats as CommStats  # the handles, importable from here too
 from shardopt.comm._pending import Pending as Pending
 from shardopt.comm._pending import says_timed_out
@@ -273,8 +273,6 @@ class Comm:
         self.backend: str = str(dist.get_backend(process_group))
         self.path: NativePath = bucket_path(self.backend)(self)  # how buckets are reduced and gathered
         self.stats = CommStats()
-        # what reductions in flight hold beside the buckets, bytes: receive buffers (rank-order), cast copies (native)
-        self.live_bytes = 0
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
         self.where = "a backward or forward pass"  # the optimizer call in progress, for that message
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
@@ -471,10 +469,12 @@ class Comm:
         return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
                        overlap=True)
 
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range]) -> list[Callable[[], Pending]]:
+    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
+                             held: InFlight) -> list[Callable[[], Pending]]:
         """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once the last collective
         is waited: the collectives, each issued when its function is called (in list order, on
-        every rank). ``pieces[r]`` is shard rank r's range relative to the start of
+        every rank). ``held`` counts what they hold beside the bucket until they land (receive
+        buffers, cast copies), bytes: the caller's own. ``pieces[r]`` is shard rank r's range relative to the start of
         ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
         comm's bucket path (see comm._bucket_paths [Note: the bucket paths]). With hybrid sharding the
         average spans the replicas too (see [Note: hybrid sharding])."""
@@ -483,16 +483,17 @@ class Comm:
                                  f"{bucket.numel()}-element bucket")
         # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
         out, bucket = out.detach(), bucket.detach()
-        return self.path.reduce_scatter_parts(out, bucket, pieces)
+        return self.path.reduce_scatter_parts(out, bucket, pieces, held)
 
-    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range],
-                         sum_dtype: torch.dtype | None = None) -> list[Callable[[], Pending]]:
+    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
+                         held: InFlight) -> list[Callable[[], Pending]]:
         """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
         called (in order, every rank): the native path's one all-reduce (``ReduceOp.AVG``), or a
         reduce-scatter (summed in ``sum_dtype``, default the bucket's; see
         :meth:`reduce_scatter_parts`) followed, once it is waited, by an all-gather of the
-        averaged pieces (the rank-order path, ``sum_dtype`` other than the bucket's, hybrid)."""
-        return self.path.all_reduce_parts(bucket.detach(), pieces, sum_dtype)  # detached: see reduce_scatter_parts
+        averaged pieces (the rank-order path, ``sum_dtype`` other than the bucket's, hybrid). ``held``:
+        as for :meth:`reduce_scatter_parts`."""
+        return self.path.all_reduce_parts(bucket.detach(), pieces, sum_dtype, held)  # detached: see reduce_scatter_parts
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of

@@ -18,8 +18,11 @@ checked at construction), so the sum over the data-parallel group and then over 
 sum over every rank of the job, each rank counted once. A parameter replicated across an axis (a
 Replicate placement, a plain parameter beside DTensors, ``"replicated": True``) counts in the
 norm on that axis's rank 0 only, so it is counted once; the inf/NaN count counts every copy (more
-copies of an inf are still an inf). Every rank then reads the same totals: one skip, one clip
-coefficient, one loss scale for the whole model. The follow-up also counts the ranks in each call:
+copies of an inf are still an inf). It also sums the backward passes by how they were started,
+so that every stage takes the loss scale the last stage's ``opt.backward(loss)`` applied (see
+step._usage_checks [Note: the loss scale a gradient carries]). Every rank then reads the same
+totals: one skip, one clip coefficient, one loss scale for the whole model. The follow-up also
+counts the ranks in each call:
 ranks of one model in different calls (one in ``clip_grad_norm_``, the other in ``step``) raise
 on every rank; one that is in no call of the optimizer at all (still in its backward pass) leaves
 the others waiting, up to the optimizer's ``timeout`` (or the group's).

@@ -203,6 +203,25 @@ class ModelParts:
         checkpoint records beside this rank's part, and checks at load. Local."""
         return [[a.name, a.rank, a.size] for a in self._keyed_axes()]
 
+    def where(self, p: Tensor) -> str:
+        """How a message gathered from every part of the model (``gather_names``) marks ``p`` (a plain
+        parameter or a DTensor's stand-in): this rank's position on each model axis, and an expert
+        group's checkpoint key prefix, e.g. ``"pp0/"``, ``"tp1/pg1-0/"``; "" where every rank
+        holds the same parameters. Local."""
+        at = ".".join(f"{a.name}{a.rank}" for a in self.axes.axes)
+        original = self.dtensor_of.get(id(p), p)
+        return (at + "/" if at else "") + self.key_prefix.get(id(original), "")
+
+    def gather_names(self, names: list[str]) -> list[str]:
+        """Every rank's ``names`` (marked by ``where``), over the optimizer's data-parallel group and
+        then over each model axis in turn, so over every rank of the job (they form a grid, see
+        _model_axes): each name once, where it first occurs in rank order, the same list on every
+        rank. Every rank of the job (a few small collectives per group)."""
+        out = _first_occurrences(self.comm.all_gather_objects(names))
+        for a in self.axes.axes:
+            out = _first_occurrences(a.comm.all_gather_objects(out))
+        return out
+
     def writes_copies(self) -> bool:
         """Whether this rank writes the tensors every rank of the DTensor meshes holds a copy of
         (Replicate placements, plain parameters and buffers beside DTensors): rank 0 of each."""
@@ -213,3 +232,8 @@ def _stride(ranks: Sequence[int]) -> int:
     """How far apart the ranks of an axis lie: the smallest gap between two of them (0 for one rank)."""
     ordered = sorted(ranks)
     return min((b - a for a, b in itertools.pairwise(ordered)), default=0)
+
+
+def _first_occurrences(lists: Sequence[Sequence[str]]) -> list[str]:
+    """The names of ``lists`` in order, each once."""
+    return list(dict.fromkeys(n for names in lists for n in names))

@@ -19,7 +19,7 @@ from typing import Callable, Sequence, cast
 import torch
 from torch import Tensor
 
-from shardopt.comm._collectives import Comm, Pending
+from shardopt.comm._collectives import Comm, InFlight, Pending
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
 
@@ -44,6 +44,9 @@ class _Store:
         self.flat, self.comm, self.reduce_dtype = flat, comm, reduce_dtype
         self.buckets = list(buckets)
         self.on_alloc: Callable[[], None] = lambda: None  # told when a buffer was allocated
+        # What this store's reductions in flight hold beside its buckets (receive buffers, cast copies),
+        # bytes: its own, not the other flat buffers' that share the Comm (see comm._bucket_paths.InFlight)
+        self.in_flight = InFlight()
 
 
 class FlatGrads(_Store):
@@ -58,7 +61,12 @@ class FlatGrads(_Store):
         for b in self.buckets:
             b.view_grad(self.flat_grad[b.global_range.as_slice()])
             for r in b.params:
-                r.param.grad = b.view_of(r)
+                # A gradient already there (a backward pass before the optimizer was built) stays
+                # p.grad: the first step takes it as one assigned by hand, averaged over the ranks
+                # (see _rounds [Note: gradients assigned by hand]), and a backward pass before it
+                # adds to it, as in torch. Replacing it by the zeroed view would drop it.
+                if r.param.grad is None:
+                    r.param.grad = b.view_of(r)
         self._shard = ShardView(self.flat_grad, flat.layout.shard_runs(comm.shard_rank), flat.layout.shard_numel)
 
     @property
@@ -113,7 +121,8 @@ class FlatGrads(_Store):
         """A second gradient in one round: autograd already added it to the view, in place."""
 
     def launch(self, b: BucketRecord) -> Launch:
-        return self.comm.all_reduce_parts(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype)  # stage 1: a view
+        return self.comm.all_reduce_parts(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype,  # stage 1: a view
+                                          self.in_flight)
 
     def landed(self, b: BucketRecord) -> None:
         pass
@@ -122,7 +131,8 @@ class FlatGrads(_Store):
         """Reduced in place, in the flat gradient: nothing to write."""
 
     def buffer_bytes(self) -> int:
-        return 0
+        """What this store's reductions in flight hold beside the flat gradient now, bytes."""
+        return self.in_flight.nbytes
 
     def clear(self, cleared: Sequence[ParamRecord], at_step: bool) -> None:
         """Gradients zeroed by hand: nothing to do here, a placeholder is out only while a 16-bit
@@ -268,7 +278,7 @@ class ShardGrads(_Store):
                 self.on_alloc()
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
         b.land_in(None if out is dest else out)
-        return self.comm.reduce_scatter_parts(out, staging, b.pieces)
+        return self.comm.reduce_scatter_parts(out, staging, b.pieces, self.in_flight)
 
     def reduced(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction is complete (a cross-replica follow-up too): write what landed
@@ -293,8 +303,10 @@ class ShardGrads(_Store):
             b.stage(None)
 
     def buffer_bytes(self) -> int:
-        """Staging and the fp32 sum of several rounds held now, bytes."""
-        return self._staging_bytes + (self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0)
+        """Staging, what this store's reductions in flight hold beside it and the fp32 sum of several
+        rounds, held now, bytes."""
+        summed = self.accum_shard.numel() * self.accum_shard.element_size() if self.accum_shard is not None else 0
+        return self._staging_bytes + self.in_flight.nbytes + summed
 
     def clear(self, cleared: Sequence[ParamRecord], at_step: bool) -> None:
         """Restart from zero the gradients of parameters ``cleared`` (zeroed by hand)."""

@@ -28,13 +28,14 @@ class HeldBytes:
     """One reducer's bytes: its gradient storage, the ``.grad`` tensors autograd holds until they
     are taken (one just produced, and those kept across ``no_sync`` passes) and its buffers."""
 
-    def __init__(self, grad_bytes: int, buffer_bytes: Callable[[bool], int]) -> None:
+    def __init__(self, grad_bytes: int, buffer_bytes: Callable[[], int]) -> None:
         self.grad_bytes = grad_bytes  # the flat gradient (stage 1) or the gradient shard (stage 2), bytes
-        self._buffer_bytes = buffer_bytes  # staging, fp32 sums and (True) the Comm's receive buffers now, bytes
+        # staging, fp32 sums and what this reducer's own reductions in flight hold now (receive buffers), bytes
+        self._buffer_bytes = buffer_bytes
         self._loose_total = 0  # .grad kept across no_sync backward passes (ParamRecord.kept_bytes), bytes
         self._pending = 0  # the .grad autograd just produced, until taken, bytes
         self.grad_peak = 0  # high-water mark of grad_bytes + loose + pending, bytes
-        self.buffer_peak = 0  # high-water mark of buffer_bytes(True), bytes
+        self.buffer_peak = 0  # high-water mark of buffer_bytes(), bytes
         self.spiked = 0  # the largest .grad taken at once since the last event, bytes (see [Note: a gradient taken at once])
         self.on_change: Callable[[], None] = lambda: None  # told when the bytes held may have changed
 
@@ -78,26 +79,27 @@ class HeldBytes:
 
     def buffers_changed(self) -> None:
         """A buffer was allocated or freed, or a collective issued or landed."""
-        self.buffer_peak = max(self.buffer_peak, self._buffer_bytes(True))
+        self.buffer_peak = max(self.buffer_peak, self._buffer_bytes())
         self.on_change()
 
-    def now(self, comm: bool = True, pending: bool = True) -> int:
-        """Bytes held now; without ``comm``, leaving out the Comm's receive buffers (shared by the
-        reducers of one optimizer); without ``pending``, the ``.grad`` produced last."""
-        return self.grad_bytes + self._loose_total + (self._pending if pending else 0) + self._buffer_bytes(comm)
+    def now(self, pending: bool = True) -> int:
+        """Bytes held now; without ``pending``, leaving out the ``.grad`` produced last."""
+        return self.grad_bytes + self._loose_total + (self._pending if pending else 0) + self._buffer_bytes()
 
     def reset(self) -> None:
         """Restart the high-water marks from what is held now."""
-        self.buffer_peak = self._buffer_bytes(True)
+        self.buffer_peak = self._buffer_bytes()
         self.grad_peak = self.grad_bytes + self._loose_total
         self.spiked = 0
 
 
 class HeldTotal:
-    """The most bytes held at one moment over the reducers of one optimizer, whose Comm is shared."""
+    """The most bytes held at one moment over the reducers of one optimizer. Each part counts its
+    own buffers only (the receive buffers of its own reductions, see comm._bucket_paths.InFlight),
+    so the sum over the parts counts each buffer once, also where they share a Comm."""
 
-    def __init__(self, parts: Sequence[HeldBytes], comm_live_bytes: Callable[[], int]) -> None:
-        self.parts, self._comm = list(parts), comm_live_bytes
+    def __init__(self, parts: Sequence[HeldBytes]) -> None:
+        self.parts = list(parts)
         for p in self.parts:
             p.on_change = self.note
         self._peak = 0  # bytes, without the gradients taken at once since the last event
@@ -105,7 +107,7 @@ class HeldTotal:
 
     def now(self, pending: bool = True) -> int:
         """Bytes held now; without ``pending``, the ``.grad`` each reducer produced last."""
-        return sum(p.now(comm=False, pending=pending) for p in self.parts) + self._comm()
+        return sum(p.now(pending=pending) for p in self.parts)
 
     def _fold(self) -> None:
         """Fold the gradients taken at once since the last event into the mark (see [Note: a

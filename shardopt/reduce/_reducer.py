@@ -23,6 +23,7 @@ parameter's gradient (stage 2: its part of the shard) restarts from zero. Every 
 """
 from __future__ import annotations
 
+import enum
 import operator
 import time
 from itertools import compress, repeat
@@ -42,7 +43,16 @@ from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, p
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
 
-__all__ = ["GradReducer", "ParamState"]
+__all__ = ["Backward", "GradReducer", "ParamState"]
+
+
+class Backward(enum.Enum):
+    """How the backward pass that runs now was started: which loss scale its gradients carry is
+    decided from these at the step (see step._usage_checks [Note: the loss scale a gradient carries])."""
+
+    PLAIN = "plain"  # outside opt.backward: loss.backward(), t.backward(g) (a pipeline stage's received gradient)
+    SCALED = "scaled"  # opt.backward(loss): the loss multiplied by the loss scale
+    CARRIED = "carried"  # opt.backward(t, gradient=g): not multiplied; g carries the scale of where it came from
 
 
 class GradReducer:
@@ -69,9 +79,9 @@ class GradReducer:
         # rounded to the gradient dtype once, when the last micro-batch is reduced.
         self.accumulate_dtype = accumulate_dtype if accumulate_dtype not in (None, flat.dtype) else None
         self.accum = None
-        # Backward passes since the last step that ran inside opt.backward (scaled) or not.
-        self.scaled_backwards = self.unscaled_backwards = 0
-        self.backward_scaled = False  # set by the optimizer while opt.backward runs
+        # Backward passes since the last step, by how they were started (see Backward).
+        self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
+        self.backward = Backward.PLAIN  # set by the optimizer while opt.backward runs
         self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, apply_zeroing) since the step, seconds
         for r in self.records:
             # p.grad holds it: stage 2 after a round, either stage while a 16-bit gradient is summed
@@ -121,16 +131,19 @@ class GradReducer:
         its start (a tensor in place of a placeholder is that parameter's whole gradient). With no
         backward pass since the last step, the gradients carry no loss scale: counted as an
         unscaled backward pass. Local."""
-        if self.scaled_backwards == 0 and self.unscaled_backwards == 0:
+        if self.scaled_backwards == 0 and self.carried_backwards == 0 and self.unscaled_backwards == 0:
             self.unscaled_backwards += 1
         start = time.perf_counter()
         self.apply_zeroing()
         self.check_seconds += time.perf_counter() - start
 
     def begin_backward(self) -> None:
-        """A backward pass starts: note how it was scaled and follow what was zeroed since the last. Local."""
-        if self.backward_scaled:
+        """A backward pass starts: note how it was started (``backward``) and follow what was zeroed
+        since the last. Local."""
+        if self.backward is Backward.SCALED:
             self.scaled_backwards += 1
+        elif self.backward is Backward.CARRIED:
+            self.carried_backwards += 1
         else:
             self.unscaled_backwards += 1
         start = time.perf_counter()
@@ -313,9 +326,9 @@ class GradReducer:
         self._put(r, take_pending(p.grad))  # autograd added to a placeholder: the new part; the rest is in the shard
         self.held.taken()  # the .grad is gone (it was counted while the staging buffer was allocated)
 
-    def _buffer_bytes(self, comm: bool) -> int:
-        """The store's buffers, the no_sync fp32 sum and (``comm``) the Comm's receive buffers held now, bytes."""
-        held = self.store.buffer_bytes() + (self.comm.live_bytes if comm else 0)
+    def _buffer_bytes(self) -> int:
+        """The store's buffers (its reductions' receive buffers included) and the no_sync fp32 sum held now, bytes."""
+        held = self.store.buffer_bytes()
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
     def launch(self, b: BucketRecord) -> Launch:
@@ -425,10 +438,22 @@ class GradReducer:
         self.accum = None
         self.stepped()
 
+    def release(self) -> None:
+        """This optimizer no longer trains the parameters (closed, or superseded by a new one): leave
+        ``p.grad`` as torch would hold it. Stage 1: a parameter without a gradient since its last
+        zeroing holds None instead of its zeroed view (which stood for None), so that a new optimizer
+        over it does not take zeros for a gradient; one with a gradient keeps its view, which a new
+        optimizer takes as a gradient that was there when it was built. Local."""
+        if not self.store.keeps_views:
+            return
+        for r in self.records:
+            if not r.used and r.holds() is Holds.VIEW:
+                r.param.grad = None
+
     def stepped(self) -> None:
         """Forget how the backward passes since the last step were scaled and the time spent looking
         for zeroed gradients (read ``check_seconds`` first). Local."""
-        self.scaled_backwards = self.unscaled_backwards = 0
+        self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
         self.check_seconds = 0.0
 
     @property

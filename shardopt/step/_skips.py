@@ -7,9 +7,13 @@ through. Without it (bf16 or fp32 parameters, a static scale) the same gradients
 born inside the graph (the derivative of ``sqrt(0)``, ``log(0)``, ``0/0``) skips every step while
 the loss still looks finite, and the weights never move. So at the first skip of a run of such
 skips every rank warns, naming the parameters whose gradients were not finite, and after
-``max_consecutive_skips`` skips in a row every rank raises with the same names. The names cost one
-all-reduce of one flag per parameter, issued only on those skipped steps; every rank issues it,
-since whether a step is skipped is decided from reduced values.
+``max_consecutive_skips`` skips in a row every rank raises with the same names. The names are
+those of the whole model: each rank names the parameters whose part of its gradient shard is not
+finite, and the names are gathered over the data-parallel group and then over each model axis
+(comm._model_parts ``ModelParts.gather_names``), so a rank of another tensor-parallel shard,
+pipeline stage or expert group names them too, each marked with the part that holds it
+(``"pp0/"``, ``"tp1/"``). A few small gathers, issued only on those skipped steps; every rank
+issues them, since whether a step is skipped is decided from reduced values.
 """
 from __future__ import annotations
 
@@ -33,7 +37,8 @@ class SkipWatch:
 
     def skipped(self, attempt: int, scaler: LossScaler, nonfinite: Callable[[], list[str]]) -> None:
         """Step call ``attempt`` was skipped. ``nonfinite()``: the names of the parameters whose
-        averaged gradient has an inf/NaN on some rank (a collective). Every rank."""
+        averaged gradient has an inf/NaN on some rank of the model (collectives over every rank of
+        the job). Every rank."""
         self.in_row += 1
         if scaler.recovers:  # a lower scale can fix it (the dynamic scaler warns at its minimum)
             return

@@ -20,6 +20,7 @@ from shardopt.step._agreement import (CALLS, adopt_hyperparameters, call_header,
 from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
 from shardopt.comm._model_axes import ModelAxes
 from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
+from shardopt.step._usage_checks import Scaling
 
 if TYPE_CHECKING:
     from shardopt.step._usage_checks import CheckedBuffer, Findings, UsageChecks
@@ -131,28 +132,33 @@ class StepAgreement:
             raise
         if join and norm_type is not None:
             got.norm = self.norm_follow_up(norm_type, norm)
+        scaling = Scaling.of(got.checks)
         if self.axes:
             try:
-                self.whole_model(got, caller, norm_type)
+                scaling = self.whole_model(got, caller, norm_type, scaling)
             except RuntimeError as e:
                 self.rounds.fail(str(e))
                 raise
-        return self.conclude(got, caller, param_groups, found, hyper, loss_scale, norm_type, maxed)
+        return self.conclude(got, caller, param_groups, found, hyper, loss_scale, norm_type, maxed, scaling)
 
-    def whole_model(self, got: StepMessage, caller: str, norm_type: float | None) -> None:
+    def whole_model(self, got: StepMessage, caller: str, norm_type: float | None, scaling: Scaling) -> Scaling:
         """The follow-up over the model axes (see _model_axes [Note: the whole model's agreement]):
-        ``got``'s inf/NaN count and norm become the whole model's, in place. Raises RuntimeError on
-        every rank of the model when its ranks are in different calls. Every rank of the model."""
+        ``got``'s inf/NaN count and norm become the whole model's, in place, and the backward passes
+        of this data-parallel group (``scaling``) the whole model's, returned (see _usage_checks
+        [Note: the loss scale a gradient carries]). Raises RuntimeError on every rank of the model
+        when its ranks are in different calls. Every rank of the model."""
         axes = self.axes
         inf_norm = norm_type is not None and math.isinf(norm_type)
-        t = torch.zeros(2 + len(CALLS), dtype=torch.float64)
+        backwards = scaling.numbers()
+        t = torch.zeros(2 + len(CALLS) + len(backwards), dtype=torch.float64)
         t[0], t[1] = float(got.nonfinite), 0.0 if inf_norm or norm_type is None else float(got.norm)
         t[2 + CALLS.index(caller)] = 1.0
+        t[2 + len(CALLS):] = torch.tensor(backwards, dtype=torch.float64)
         where = f"{self.comm.where}, in its agreement with the ranks that hold the other parts of the model " \
                 f"({axes.describe()}),"
         with axes.during(where):
             axes.reduce(t)
-        counts = dict(zip(CALLS, t[2:].tolist()))
+        counts = dict(zip(CALLS, t[2:2 + len(CALLS)].tolist()))
         if counts[caller] != axes.size:
             others = ", ".join(f"{int(n)} in {c}()" for c, n in counts.items() if n and c != caller)
             raise RuntimeError(f"ranks that hold parts of one model ({axes.describe()}) are in different optimizer "
@@ -167,12 +173,15 @@ class StepAgreement:
             got.norm = float(m[0])
         elif norm_type is not None:
             got.norm = float(t[1])
+        return Scaling(*t[2 + len(CALLS):].tolist())
 
     def conclude(self, got: StepMessage, caller: str, param_groups: list[dict], found: Findings,
-                 hyper: list | None, loss_scale: float, norm_type: float | None, maxed: bool) -> tuple[bool, float]:
+                 hyper: list | None, loss_scale: float, norm_type: float | None, maxed: bool,
+                 scaling: Scaling | None = None) -> tuple[bool, float]:
         """What every rank does with the reduced step message ``got``: check the hyperparameters
         (``hyper`` None on a rank that shadows the others inside a Join, which takes theirs at a
-        step), apply the usage checks with this rank's ``found``. Every rank, with the same ``got``."""
+        step), apply the usage checks with this rank's ``found`` and the whole model's backward
+        passes (``scaling``; None: ``got``'s). Every rank, with the same ``got``."""
         checks = self.checks
         start = time.perf_counter()
         joined = 0 if maxed else joined_ranks(got.call)
@@ -180,7 +189,7 @@ class StepAgreement:
         if joined and caller == "step":
             adopt_hyperparameters(param_groups, hyper, self.comm)
         checks.seconds += time.perf_counter() - start
-        checks.apply(found, got.checks, loss_scale)
+        checks.apply(found, got.checks, loss_scale, scaling)
         nonfinite, norm = cast(float, got.nonfinite), cast(float, got.norm)  # reduced: plain floats
         found_inf = nonfinite > 0 or not math.isfinite(norm)
         if norm_type is None or maxed or math.isinf(norm_type):

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 CALL_LEN = 13  # _agreement.call_header: one slot per call (_agreement.CALLS), a lost round as (a, -a)
-CHECKS_LEN = 7  # _usage_checks.UsageChecks.flags
+CHECKS_LEN = 8  # _usage_checks.UsageChecks.flags
 HYPER_LEN = 16  # _agreement.hyper_code: a 32-bit digest of the hyperparameters in 4-bit chunks, twice
 
 

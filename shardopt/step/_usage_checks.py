@@ -6,6 +6,23 @@ passes that skipped ``opt.backward``), how those findings ride in the step's one
 numbers, and what every rank does once they are summed over ranks (raise everywhere, take
 written weights as master weights, skip parameters no rank has a gradient for, pick the loss
 scale the gradients carry). See docs/design.md, "Ordinary torch usage is followed or refused".
+
+[Note: the loss scale a gradient carries]
+``opt.backward(loss)`` multiplies the loss by the loss scale, so the gradients it makes carry it;
+``loss.backward()`` does not. Which one ran is known only where it ran, and a backward pass that
+starts from a gradient cannot be told from one that starts from a loss: a pipeline stage runs
+``act.backward(g)`` (or ``opt.backward(act, gradient=g)``, which does not multiply again) from the
+gradient ``g`` the next stage sent back, and ``g`` carries whatever scale the next stage's backward
+applied. So each rank counts its backward passes since the last step by how they were started
+(``reduce._reducer.Backward``: through ``opt.backward(loss)``, through ``opt.backward(t,
+gradient=g)``, or neither; gradients assigned by hand count as neither), the counts are summed
+over the data-parallel group in the step's message and then over the model axes (``Scaling``,
+see comm._model_axes [Note: the whole model's agreement]), and every rank of the model decides
+alike: if some rank of the model ran ``opt.backward(loss)``, every gradient of the model carries
+the loss scale (the other stages' gradients started from the gradients it sent back); if none
+did, none does, and the gradients are taken as unscaled with a warning (small fp16 gradients
+underflow). A part of the model whose ranks ran both ``opt.backward(loss)`` and plain backward
+passes has gradients with two scales summed: every rank of the model raises.
 """
 from __future__ import annotations
 
@@ -36,6 +53,7 @@ if TYPE_CHECKING:
     class _Reducer(Protocol):
         problems: list[str]
         scaled_backwards: int
+        carried_backwards: int
         unscaled_backwards: int
 
         def follow_views(self) -> bool: ...
@@ -68,11 +86,33 @@ class Findings:
 
     written: list[list[ParamRecord]]  # per buffer: records of parameters written from outside
     problems: list[str]  # messages of problems that stop training
-    scaled: int = 0  # backward passes since the last step that ran inside opt.backward
-    unscaled: int = 0  # ... and that did not
+    scaled: int = 0  # backward passes since the last step through opt.backward(loss)
+    unscaled: int = 0  # ... outside opt.backward (or gradients assigned by hand)
+    carried: int = 0  # ... through opt.backward(t, gradient=g)
     used: list[list[bool]] = field(default_factory=list)  # per buffer, in buffer order: got a gradient on this rank
     regraded: bool = False  # averaged gradients were zeroed or replaced on this rank since their round
     joined: bool = False  # this rank shadows the others inside a Join: it has no gradient and takes no side
+
+
+@dataclass
+class Scaling:
+    """The backward passes since the last step by how they were started, summed over ranks (see
+    [Note: the loss scale a gradient carries]); what decides the loss scale the gradients carry."""
+
+    scaled: float  # through opt.backward(loss)
+    unscaled: float  # outside opt.backward, or gradients assigned by hand
+    carried: float  # through opt.backward(t, gradient=g)
+    mixed: float  # parts of the model whose ranks ran both opt.backward(loss) and plain backward passes
+
+    @classmethod
+    def of(cls, summed: Sequence[float]) -> Scaling:
+        """From ``UsageChecks.flags`` summed (or maxed) over one data-parallel group."""
+        scaled, unscaled, carried = summed[1:4]
+        return cls(scaled, unscaled, carried, float(scaled > 0 and unscaled > 0))
+
+    def numbers(self) -> list[float]:
+        """In field order: what the follow-up over the model axes sums."""
+        return [self.scaled, self.unscaled, self.carried, self.mixed]
 
 
 @dataclass
@@ -131,6 +171,7 @@ class UsageChecks:
             found.written.append(written)
             found.problems += problems
             found.scaled += b.reducer.scaled_backwards
+            found.carried += b.reducer.carried_backwards
             found.unscaled += b.reducer.unscaled_backwards
             found.used.append([r.used for r in b.records])
         for p in self.untracked:
@@ -236,19 +277,25 @@ class UsageChecks:
 
     @staticmethod
     def flags(found: Findings) -> list[float]:
-        """``StepMessage.checks``, 7 numbers: problems, scaled and unscaled backward passes, parameters without a
-        gradient on this rank, parameters written from outside, and whether averaged gradients
-        were zeroed or replaced here, as (yes, no): summed or maxed, both are positive exactly when
-        some ranks did and some did not (see [Note: gradients changed on some ranks only]). The
-        bitmaps behind the parameter counts are exchanged only when some rank has one (``apply``)."""
+        """``StepMessage.checks``, 8 numbers: problems, backward passes through ``opt.backward(loss)``,
+        outside it and through ``opt.backward(t, gradient=g)`` (see [Note: the loss scale a gradient
+        carries]), parameters without a gradient on this rank, parameters written from outside, and
+        whether averaged gradients were zeroed or replaced here, as (yes, no): summed or maxed, both
+        are positive exactly when some ranks did and some did not (see [Note: gradients changed on
+        some ranks only]). The bitmaps behind the parameter counts are exchanged only when some rank
+        has one (``apply``)."""
         not_used = sum(len(u) - sum(u) for u in found.used)
-        return [len(found.problems), found.scaled, found.unscaled, not_used, sum(map(len, found.written)),
-                float(found.regraded), float(not found.regraded and not found.joined)]
+        return [len(found.problems), found.scaled, found.unscaled, found.carried, not_used,
+                sum(map(len, found.written)), float(found.regraded), float(not found.regraded and not found.joined)]
 
-    def apply(self, found: Findings, summed: Sequence[float], loss_scale: float) -> None:
-        """Act on ``flags`` summed (or maxed) over ranks. Every rank, with the same ``summed``."""
+    def apply(self, found: Findings, summed: Sequence[float], loss_scale: float,
+              scaling: Scaling | None = None) -> None:
+        """Act on ``flags`` summed (or maxed) over ranks; ``scaling``: the backward passes over the
+        whole model (``Scaling.of(summed)`` summed over the model axes; None: this data-parallel
+        group's, where it is the whole model). Every rank, with the same ``summed`` and ``scaling``."""
         start = time.perf_counter()
-        n_problems, scaled, unscaled, not_used, n_written, regraded, kept = summed
+        n_problems, _, _, _, not_used, n_written, regraded, kept = summed
+        scaling = scaling or Scaling.of(summed)
         self._raise_if(n_problems, found)
         if regraded > 0 and kept > 0:
             self._raise_regraded(found)
@@ -267,20 +314,25 @@ class UsageChecks:
                 log.info("shardopt: %d parameters were written from outside the optimizer (e.g. load_state_dict); "
                          "rank 0's values become the master weights", len(changed))
                 b.take_model_weights(changed)
-        self.grad_scale = loss_scale
-        if loss_scale != 1.0 and unscaled > 0:
-            if scaled > 0:
-                raise RuntimeError(
-                    f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
-                    f"scale {loss_scale:g}) and some through loss.backward() (unscaled), on this or another rank, so "
-                    "the summed gradient has no single scale; call opt.backward(loss) for every backward pass")
+        self.grad_scale = loss_scale  # see [Note: the loss scale a gradient carries]
+        if loss_scale != 1.0 and scaling.mixed > 0:
+            raise RuntimeError(
+                f"since the last step, some backward passes ran through opt.backward(loss) (scaled by the loss "
+                f"scale {loss_scale:g}) and some through loss.backward() (unscaled), on this or another rank holding "
+                "the same part of the model, so the summed gradient has no single scale; call opt.backward(loss) for "
+                "every backward pass (and opt.backward(t, gradient=g) for one from a gradient another pipeline "
+                "stage sent)")
+        if loss_scale != 1.0 and scaling.scaled == 0 and scaling.unscaled + scaling.carried > 0:
             self.grad_scale = 1.0
             if not self._warned_unscaled:
                 self._warned_unscaled = True
                 warnings.warn(
                     f"loss.backward() ran without the loss scale ({loss_scale:g}, dynamic loss scaling for fp16 "
-                    "parameters), or gradients were assigned to p.grad by hand; the gradients are taken as unscaled, "
-                    "but small fp16 gradients underflow to zero: call opt.backward(loss) instead of loss.backward()",
+                    "parameters), or gradients were assigned to p.grad by hand, and no rank of the model ran "
+                    "opt.backward(loss) since the last step; the gradients are taken as unscaled, but small fp16 "
+                    "gradients underflow to zero: call opt.backward(loss) instead of loss.backward() (a pipeline "
+                    "stage that runs backward from the gradient the next stage sent takes the scale of that stage's "
+                    "opt.backward(loss))",
                     UserWarning, stacklevel=4)
         self.seconds += time.perf_counter() - start
 
