@@ -1,8 +1,11 @@
-"""Tier 1: the update math and the master-weight codecs, no process group.
+"""Tier 1: the update math and the master-weight codecs, no process group (one tier-2 case at the
+end: a rank whose kernels fail to compile, beside one whose kernels do not).
 
 Catches a fused kernel that drifts from the reference, a remainder codec that is not bit-exact,
 a bf16 cast that differs from round-to-nearest elsewhere than on ties, stochastic rounding that is
-biased or depends on how the buffer is split, and a reference that drifts from torch.optim.AdamW.
+biased or depends on how the buffer is split, a reference that drifts from torch.optim.AdamW, and
+compiled kernels that meet dynamo's recompile limit or take a failure to compile for one of the
+compiled code.
 """
 from __future__ import annotations
 
