@@ -385,16 +385,27 @@ def test_fused_bitcasts_are_vectorised_and_hashing_loops_widened():
 
 
 def _byte_conversions(r: torch.Tensor, i8: torch.Tensor, u8: torch.Tensor, f: torch.Tensor) -> tuple:
-    """Every conversion that [Note: wide bytes] emits its own code for, and 8-bit loads and stores."""
+    """Every conversion that [Note: wide bytes] emits its own code for, and 8-bit loads and stores;
+    then the forms of [Note: byte planes and the bf16 weight]: each byte of an int32 by a shift,
+    and a bf16 conversion of a masked fp32 pattern (NaNs among them)."""
     return (r.to(torch.int8), r.to(torch.uint8), ((r << 24) >> 24).to(torch.int8), (r >> 8).to(torch.int8),
             i8.to(torch.int32) + r, u8.to(torch.int32) - r, f.to(torch.int32), r.float() * 0.5,
-            (i8.to(torch.int32) ^ u8.to(torch.int32)).to(torch.uint8))
+            (i8.to(torch.int32) ^ u8.to(torch.int32)).to(torch.uint8), (r >> 16).to(torch.uint8),
+            (r >> 24).to(torch.int8), ((r << 24) >> 24).to(torch.uint8), (r >> 7).to(torch.int8),
+            ((r + 0x8000) & -65536).view(torch.float32).to(torch.bfloat16),
+            (r & 0x7FFF0000).view(torch.float32).to(torch.bfloat16), (r & -256).view(torch.float32).to(torch.bfloat16))
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32}[t.element_size()])
 
 
 def check_wide_byte_code() -> str:
     """Compile :func:`_byte_conversions` as a fused kernel on this process's vector ISA and compare
     it with eager bit for bit, on full-range int32 values (a C cast wraps them) and every int8 and
-    uint8 value, over a length with a tail; returns the ISA's name ("" when the ISA has no such code)."""
+    uint8 value, over a length with a tail (a NaN equal to any NaN: eager's scalar tail writes
+    another NaN pattern than vector code), and with inductor's own code for the same function
+    bit for bit, NaNs included; returns the ISA's name ("" when the ISA has no such code)."""
     from torch._inductor.utils import run_and_get_code
 
     from shardopt.kernels import _cpu_codegen
@@ -408,10 +419,17 @@ def check_wide_byte_code() -> str:
     u8 = (torch.arange(n) * 7 % 256).to(torch.uint8)
     f = (torch.rand(n, generator=gen, dtype=torch.float64) * 2**32 - 2**31).float().clamp(-(2**31), 2**31 - 256)
     options = {**_cpu_codegen.compile_options(), "fx_graph_cache": False}  # generate the code here
+
+    def own(*args):  # another frame: compiled outside shardopt's kernels, inductor's own code
+        return _byte_conversions(*args)
+
     with _cpu_codegen.fused_kernels():
         got, (code,) = run_and_get_code(torch.compile(_byte_conversions, options=options), r, i8, u8, f)
-    for k, (a, b) in enumerate(zip(_byte_conversions(r, i8, u8, f), got)):
-        assert a.dtype == b.dtype and torch.equal(a, b), (k, a[a != b][:4], b[a != b][:4])
+    inductors = torch.compile(own, options=options)(r, i8, u8, f)
+    for k, (a, b, c) in enumerate(zip(_byte_conversions(r, i8, u8, f), got, inductors)):
+        nan = a.isnan() & b.isnan() if a.is_floating_point() else torch.zeros_like(a, dtype=torch.bool)
+        assert a.dtype == b.dtype and bool(((_bits(a) == _bits(b)) | nan).all()), (k, a[a != b][:4], b[a != b][:4])
+        assert torch.equal(_bits(b), _bits(c)), (k, b[_bits(b) != _bits(c)][:4], c[_bits(b) != _bits(c)][:4])
     isa = _cpu_codegen._state["bytes"]
     if isa:  # the loop was widened and none of ATen's slow forms is left
         from torch._inductor.cpu_vec_isa import pick_vec_isa
@@ -419,6 +437,9 @@ def check_wide_byte_code() -> str:
         assert f"+=static_cast<int64_t>({2 * pick_vec_isa().nelements(dtype=torch.float)}L)" in code
         assert "convert<int32_t,2,int8_t,1>" not in code and "convert<int32_t,2,float,2>" not in code
         assert "convert<float,2,int32_t,2>" not in code and "convert<int8_t,1,int32_t,2>" not in code
+    if isa == "avx2":  # [Note: byte planes and the bf16 weight]: bytes taken by a shuffle, bf16 as the high halves
+        assert "_mm256_shuffle_epi8" in code and "convert<at::BFloat16,1,float,2>" in code  # the last: r & -256
+        assert code.count("_mm256_set1_epi32(0xFFFF)") == 4, code.count("_mm256_set1_epi32(0xFFFF)")  # body, tail
     return isa
 
 
