@@ -4,7 +4,8 @@
 ``SHARDOPT_KERNEL`` forces ``fused`` or ``reference``; otherwise (``auto``) the fused path is used
 unless the compiled code differs from the reference in a codec that buffer's step runs (see
 :mod:`shardopt.kernels._self_check`), and the reference is used instead, with a warning. Should
-compilation itself fail at a kernel's first call, the object goes over to the reference then (see
+compilation itself fail when a kernel compiles (at its first call for a variant of its arguments,
+see fused [Note: one compile per variant]), the object goes over to the reference then (see
 fused [Note: compile failure]).
 """
 from __future__ import annotations
@@ -34,7 +35,7 @@ class Kernels:
     ``Kernels("fused", codecs, device)`` runs the self-check for ``codecs`` (the codecs the buffer's
     step runs, see _self_check.codecs_run; every codec when left out) on ``device`` and takes the
     reference, with one warning, when one of them differs (a RuntimeError under
-    ``SHARDOPT_KERNEL=fused``). A compile failure at a fused function's first call moves the object
+    ``SHARDOPT_KERNEL=fused``). A compile failure when a fused function compiles moves the object
     to the reference then (see fused [Note: compile failure])."""
 
     if TYPE_CHECKING:  # set by _use: each with the signature of reference's function of that name
@@ -68,7 +69,7 @@ class Kernels:
     def _codecs_compile_exactly(self) -> bool:
         """Whether this device's compiled code computes every codec of ``self.codecs`` bit for bit
         as eager does (see _self_check [Note: self-check]); if not, warns once (raises with
-        SHARDOPT_KERNEL=fused). A compile failure here is handled as at a kernel's first call."""
+        SHARDOPT_KERNEL=fused). A compile failure here is handled as one when a kernel compiles."""
         try:
             bad = _self_check.failing(self.codecs, self.device)
         except Exception as e:  # noqa: BLE001 - any compiler failure means: use the reference
@@ -86,14 +87,25 @@ class Kernels:
         return False
 
     def _compile_failed(self, error: Exception) -> None:
-        """torch.compile raised ``error``: re-raise it with SHARDOPT_KERNEL=fused, else warn once and
-        use the reference from now on."""
+        """torch.compile raised ``error`` before the compiled code ran: re-raise it with
+        SHARDOPT_KERNEL=fused, else warn once and use the reference from now on."""
         if os.environ.get("SHARDOPT_KERNEL", "auto") == "fused":
             raise error
-        warnings.warn(f"shardopt: torch.compile of the fused update failed ({type(error).__name__}: {error}); "
-                      "using the reference kernel (set SHARDOPT_KERNEL=reference to skip compiling)",
-                      RuntimeWarning, stacklevel=4)
+        warnings.warn(f"shardopt: torch.compile of the fused update failed ({_why(error)}) before it ran, so "
+                      "nothing was written; these parameters use the reference kernel from now on (set "
+                      "SHARDOPT_KERNEL=reference to skip compiling)", RuntimeWarning, stacklevel=4)
         self._use("reference")
+
+
+def _why(error: Exception) -> str:
+    """``error``'s type and message, and the first line of its cause where it has one (dynamo's
+    ``FailOnRecompileLimitHit`` says only "Hard failure due to fullgraph=True"; its cause names the limit)."""
+    why = f"{type(error).__name__}: {error}"
+    cause = error.__cause__
+    first = str(cause).strip().splitlines()[0] if cause is not None and str(cause).strip() else ""
+    if first and first not in why:
+        why += f"; {first}"
+    return why
 
 
 def select(choice: str | None = None, *, dtype: torch.dtype | None = None, master: str | None = None,

@@ -33,12 +33,14 @@ copy through a stack buffer), the conversion between one 8-bit and two int32 vec
 conversion between two float and two int32 vectors (both ATen's generic ``VecConvert``, a scalar
 loop over the lanes). Inside :func:`fused_kernels` they are emitted as a plain 256-bit (AVX2:
 128-bit) move, a sign or zero extension of each quarter (AVX2: eighth) and a truncating
-narrowing (a C cast's wrap-around, as eager ``.to(torch.int8)``), and one ``convert`` per
-vector. Per 16M elements on one AVX-512 core (``benchmarks/bench_kernels.py``): the bf16
-remainder step 19.3 -> 9.5 ms, the fp16 remainder 27.5 -> 11.5 ms, the fp16 stochastic step
-(its float <-> int32 pairs) 12.0 -> 8.5 ms, the 8-bit steps 39-58 -> 27-35 ms; on AVX2 code
-(``ATEN_CPU_CAPABILITY=avx2``) the bf16 remainder 21.2 -> 13.2 ms. Before, widening the
-remainder made it slower (25 -> 52 ms), so 8-bit loops were left one vector wide.
+narrowing (a C cast's wrap-around, as eager ``.to(torch.int8)``; on AVX2 a byte shuffle, see
+[Note: byte planes and the bf16 weight]), and one ``convert`` per vector. Per 16M elements
+on one AVX-512 core (``benchmarks/bench_kernels.py``): the bf16 remainder step 19.3 -> 9.5 ms,
+the fp16 remainder 27.5 -> 11.5 ms, the fp16 stochastic step (its float <-> int32 pairs) 12.0 ->
+8.5 ms, the 8-bit steps 39-58 -> 27-35 ms; on AVX2 code (``ATEN_CPU_CAPABILITY=avx2``, built
+there with 32 registers: see [Note: byte planes and the bf16 weight]) the bf16 remainder 21.2 ->
+13.2 ms. Before, widening the remainder made it slower (25 -> 52 ms), so 8-bit loops were left
+one vector wide.
 
 [Note: counter vector] The random bits hash each element's global index, which inductor
 builds per vector as ``Vectorized<int32_t>::arange(x0, 1)``: ATen's ``arange`` passes sixteen
@@ -80,14 +82,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
 _ours = contextvars.ContextVar("shardopt_fused_kernel", default=False)  # see [Note: scoped to shardopt's kernels]
 _state: dict[str, Any] = {"tried": False, "installed": False, "wide": False, "bytes": "", "counter": False, "fma": None}
-_VERSION = 6  # bump when the generated code changes
+_VERSION = 7  # bump when the generated code changes
 _PAIRS = {(torch.float32, torch.int32), (torch.int32, torch.float32)}
 
 
@@ -302,13 +305,24 @@ _BYTE_OPS = {
         "widen": "at::vec::VectorizedN<int32_t,2>("
                  "at::vec::Vectorized<int32_t>(_mm256_cvt{E}_epi32(_mm256_castsi256_si128({X}))), "
                  "at::vec::Vectorized<int32_t>(_mm256_cvt{E}_epi32(_mm_srli_si128(_mm256_castsi256_si128({X}), 8))))",
-        # the low byte of each int32 (a C cast): mask, pack to 16 then 8 bits (no saturation
-        # left to happen), and undo the packs' interleaving of the two 128-bit halves
+        # byte {K} of each int32 lane (K = 0: the low byte, a C cast's wrap-around): a byte shuffle
+        # gathers it in each 128-bit half of both vectors, and one unpack and one lane permute put
+        # the sixteen bytes in order (see [Note: wide bytes], [Note: byte planes and the bf16 weight])
         "narrow": "at::vec::Vectorized<{T}>(_mm256_castsi128_si256([&]() {{ "
-                  "const __m256i b_ = _mm256_set1_epi32(255); "
-                  "const __m256i w_ = _mm256_permute4x64_epi64(_mm256_packus_epi32("
-                  "_mm256_and_si256({X}[0], b_), _mm256_and_si256({X}[1], b_)), 0xD8); "
-                  "return _mm_packus_epi16(_mm256_castsi256_si128(w_), _mm256_extracti128_si256(w_, 1)); }}()))",
+                  "const __m256i s_ = _mm256_setr_epi8({M}, {M}); "
+                  "const __m256i u_ = _mm256_unpacklo_epi32(_mm256_shuffle_epi8({X}[0], s_), "
+                  "_mm256_shuffle_epi8({X}[1], s_)); "
+                  "return _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(u_, "
+                  "_mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))); }}()))",
+        # two fp32 vectors whose low 16 bits are zero -> bf16: their high halves (what rounding to
+        # nearest even leaves of them), NaN as ATen's AVX2 conversion writes it (0xFFFF)
+        "bf16_high": "at::vec::Vectorized<at::BFloat16>([&]() {{ const __m256i f_ = _mm256_set1_epi32(0xFFFF); "
+                     "const __m256 a_ = {X}[0], b_ = {X}[1]; "
+                     "const __m256i x_ = _mm256_blendv_epi8(f_, _mm256_srli_epi32(_mm256_castps_si256(a_), 16), "
+                     "_mm256_castps_si256(_mm256_cmp_ps(a_, a_, _CMP_ORD_Q))); "
+                     "const __m256i y_ = _mm256_blendv_epi8(f_, _mm256_srli_epi32(_mm256_castps_si256(b_), 16), "
+                     "_mm256_castps_si256(_mm256_cmp_ps(b_, b_, _CMP_ORD_Q))); "
+                     "return _mm256_permute4x64_epi64(_mm256_packus_epi32(x_, y_), 0xD8); }}())",
     },
 }
 
@@ -353,14 +367,104 @@ def _install_wide_bytes(cpp, ops: dict, wide: int) -> bool:  # noqa: ANN001 - in
             if src_dtype in _BYTES and dtype == torch.int32:
                 return ops["widen"].format(X=src, E="epi8" if src_dtype == torch.int8 else "epu8")
             if dtype in _BYTES and src_dtype == torch.int32:
-                return ops["narrow"].format(X=src, T=_BYTES[dtype])
+                source, byte = _byte_of(self, src) if "{M}" in ops["narrow"] else (src, 0)
+                return ops["narrow"].format(X=source, T=_BYTES[dtype], M=_byte_lanes(byte))
             if {src_dtype, dtype} == {torch.int32, torch.float32}:
                 return _per_vector("convert", "int32_t" if dtype == torch.int32 else "float", src)
+            if (dtype == torch.bfloat16 and src_dtype == torch.float32 and "bf16_high" in ops
+                    and _low_half_zero(self, src)):
+                return ops["bf16_high"].format(X=src)
         return dtype_expr(self, src, dtype, src_dtype, rounding)
 
     _replace(kernel_type, {"_get_vec_load_line": get_vec_load_line, "_get_store_line": get_store_line,
                            "get_to_dtype_expr": get_to_dtype_expr}, originals)
     return True
+
+
+# [Note: byte planes and the bf16 weight] What the bf16 remainder step writes, read off the code
+# generated before it. The step stores its remainder r (int32) as two int8 planes,
+# ((r << 24) >> 24).to(int8) and (r >> 8).to(int8) (codecs.split_remainder_), and its weight as
+# the fp32 pattern (bits + 0x8000) & -65536 converted to bf16 (codecs.encode_bf16_bits). On AVX2
+# all three were dear: the shifts cost a vector shift per vector each, every narrowing masked,
+# packed and permuted six times per two vectors, and ATen's fp32 -> bf16 conversion rounds to
+# nearest even (four integer operations per vector) a value with nothing below its top 16 bits to
+# round; with AVX2's 16 vector registers (AVX-512 has 32) the loop also spills. On an AVX2-only
+# AMD EPYC the bf16 remainder step ran at 1.16x torch's fused AdamW plus casts on 16M elements,
+# against at most 1.10x on AVX-512. (AVX2 code built on an AVX-512 host with inductor's default
+# -march=native gets 32 registers and EVEX instructions, and understates this: build with
+# TORCHINDUCTOR_CPP_MARCH=x86-64-v3 and ATEN_CPU_CAPABILITY=avx2 to time true AVX2 code there.)
+# So inside a widened AVX2 loop (:func:`fused_kernels`) a narrowing to 8 bits is emitted as the
+# byte it keeps, gathered from each 128-bit half by one byte shuffle per vector, then one unpack
+# and one lane permute; the low byte of (x >> 8k) is byte k of x and that of (x << 24) >> 24 is
+# byte 0 of x, so those are read from x (the shifts are left unused and the C++ compiler drops
+# them). An fp32 -> bf16 conversion of an int32 pattern masked with a constant whose low 16 bits
+# are zero is the high half of each lane, NaN written 0xFFFF as ATen's AVX2 conversion writes it.
+# Both are bit selections: the same bytes and bf16 patterns as inductor's own code on every input,
+# NaNs included (tests/test_kernels.py::check_wide_byte_code, full-range values). The patterns are
+# read from what the code generator already emitted (the expressions in the kernel's
+# common-subexpression cache); anything else keeps the general form. The bf16 remainder step's
+# loop on 16K elements (in cache, true AVX2 code on a shared Xeon): 0.755 -> 0.635 ns per element;
+# its main loop under llvm-mca's models, per 16 elements: Zen 2 161 -> 132 cycles, Zen 3 57 -> 46.
+_SHIFT = re.compile(r"(\w+) (<<|>>) (\w+)")
+_AND = re.compile(r"(\w+) & (\w+)")
+_INT_CONSTANT = re.compile(r"static_cast<int32_t>\((-?\d+)\)")
+
+
+def _definitions(kernel: Any) -> dict[str, tuple[str, Any]]:
+    """The expression and the variable of each name the kernel's common-subexpression cache holds."""
+    cache = getattr(getattr(kernel, "cse", None), "_cache", None)
+    found: dict[str, tuple[str, Any]] = {}
+    for key, var in (cache.items() if isinstance(cache, Mapping) else ()):
+        if isinstance(key, str) and isinstance(getattr(var, "name", None), str):
+            found.setdefault(var.name, (key, var))
+    return found
+
+
+def _int32_vector(defs: dict, name: str) -> bool:
+    var = defs.get(name, ("", None))[1]
+    return getattr(var, "dtype", None) == torch.int32 and getattr(var, "is_vec", False)
+
+
+def _broadcast_constant(kernel: Any, defs: dict, name: str) -> int | None:
+    """The int32 constant that vector ``name`` holds in every lane, if it is a broadcast constant."""
+    inner = re.fullmatch(re.escape(kernel._get_vec_type(torch.int32)) + r"\((\w+)\)", defs.get(name, ("",))[0])
+    constant = _INT_CONSTANT.fullmatch(defs.get(inner.group(1), ("",))[0]) if inner else None
+    return int(constant.group(1)) if constant else None
+
+
+def _byte_of(kernel: Any, src: Any) -> tuple[Any, int]:
+    """(x, k) with byte k of each int32 lane of x the low byte of ``src``'s (see [Note: byte planes
+    and the bf16 weight]); (src, 0) where ``src`` is no such shift."""
+    defs = _definitions(kernel)
+    outer = _SHIFT.fullmatch(defs.get(src.name, ("",))[0])
+    if outer is None or outer.group(2) != ">>" or not _int32_vector(defs, outer.group(1)):
+        return src, 0
+    shift = _broadcast_constant(kernel, defs, outer.group(3))
+    inner = _SHIFT.fullmatch(defs[outer.group(1)][0])
+    if (shift == 24 and inner is not None and inner.group(2) == "<<" and _int32_vector(defs, inner.group(1))
+            and _broadcast_constant(kernel, defs, inner.group(3)) == 24):
+        return defs[inner.group(1)][1], 0
+    if shift in (8, 16, 24):
+        return defs[outer.group(1)][1], shift // 8
+    return src, 0
+
+
+def _byte_lanes(k: int) -> str:
+    """The byte-shuffle indices of one 128-bit half that gather byte ``k`` of its four int32 lanes."""
+    return ", ".join([str(4 * lane + k) for lane in range(4)] + ["-1"] * 12)
+
+
+def _low_half_zero(kernel: Any, src: Any) -> bool:
+    """Whether fp32 vector ``src`` is the bitcast of an int32 vector masked with a constant whose
+    low 16 bits are zero (see [Note: byte planes and the bf16 weight])."""
+    defs = _definitions(kernel)
+    cast = re.fullmatch(r"at::vec::VectorizedN<float,2>\(at::vec::cast<float>\((\w+)\[0\]\), "
+                        r"at::vec::cast<float>\(\1\[1\]\)\)", defs.get(src.name, ("",))[0])
+    masked = _AND.fullmatch(defs.get(cast.group(1), ("",))[0]) if cast and _int32_vector(defs, cast.group(1)) else None
+    if masked is None:
+        return False
+    masks = (_broadcast_constant(kernel, defs, name) for name in masked.groups())
+    return any(mask is not None and mask & 0xFFFF == 0 for mask in masks)
 
 
 @contextlib.contextmanager
