@@ -59,10 +59,13 @@ class ShardedBuffer:
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
         if rule == "muon":  # each matrix whole in its owner's shard (see _muon_packing)
-            self.layout, self.packing, order = owned_layout([p.shape for p in params], comm.shard_size,
-                                                            alignment=alignment,
-                                                            bucket_numel=config.bucket_numel(element_size))
             dtensors = dtensors if dtensors is not None else [None] * len(params)
+            # placed by the whole matrices: alike at every tensor-parallel position (see
+            # _muon_packing [Note: owners of tensor-parallel pieces])
+            self.layout, self.packing, order = owned_layout(
+                [p.shape for p in params], comm.shard_size, alignment=alignment,
+                bucket_numel=config.bucket_numel(element_size),
+                whole_shapes=[(p if dt is None else dt).shape for p, dt in zip(params, dtensors)])
             counted = counted if counted is not None else [True] * len(params)
             in_order: list[Sequence[Any]] = [params, group_of, names, dtensors, counted]
             params, group_of, names, dtensors, counted = ([seq[i] for i in order] for seq in in_order)
