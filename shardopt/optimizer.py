@@ -231,18 +231,19 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             if g.get("capturable") and off_cuda:
                 raise ValueError(f"capturable=True (param group {gi}) applies to parameters on CUDA, these are on "
                                  f"{', '.join(off_cuda)} (torch.optim.AdamW refuses it there too); leave capturable "
-                                 "out. On CUDA it is accepted, but ShardedAdamW's step agrees with the other ranks "
+                                 f"out. On CUDA it is accepted, but {type(self).__name__}'s step agrees with the other ranks "
                                  "on the host, so it cannot be captured in a CUDA graph")
             if g.get("amsgrad") and self.config.moments == "8bit":
                 raise ValueError(f"amsgrad=True (param group {gi}) with moments='8bit': the running maximum of "
-                                 "exp_avg_sq has no 8-bit form in ShardedAdamW; use moments='fp32' (bit for bit "
+                                 "exp_avg_sq has no 8-bit form in shardopt; use moments='fp32' (bit for bit "
                                  "torch.optim.AdamW(amsgrad=True)) or 'bf16'")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
-            raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
+            raise RuntimeError(f"{type(self).__name__} lays out all parameters in flat buffers at construction; "
                                "pass every param group to the constructor instead of add_param_group")
-        super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults))
+        super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults,
+                                                  type(self).__name__))
 
     # -- training loop -------------------------------------------------------------------
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)

@@ -518,11 +518,11 @@ def _find(messages: list[Message], file: str, kind: str, fragment: str) -> Messa
 def test_the_collector_is_not_vacuous() -> None:
     messages = collected().messages
     assert len(messages) >= 120, len(messages)
-    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; ShardedAdamW needs dense")
+    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; shardopt needs dense")
     _find(messages, "shardopt/checkpoint/_files.py", "ValueError", "is corrupt: … does not match the checksum")
     # a module-level constant through .format(), both branches of a conditional
     _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
-    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by ShardedAdamW under")
+    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by the optimizer under")
     # a warning; a constant formatted with a known keyword; a problem reported at the next step
     _find(messages, "shardopt/step/_usage_checks.py", "UserWarning", "loss.backward() ran without the loss scale")
     _find(messages, "shardopt/step/_usage_checks.py", "RuntimeError", "a second time, into gradients that stage 2 keeps")

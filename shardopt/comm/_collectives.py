@@ -313,7 +313,7 @@ class Comm:
         return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
                        deadline=deadline, control=True)
 
-    def timed_out(self, waited: float, limit: str = "the ShardedAdamW timeout") -> str:
+    def timed_out(self, waited: float, limit: str = "the optimizer's timeout=") -> str:
         """Why a collective this rank waited ``waited`` seconds for (``limit``: whose timeout that
         was) did not complete, naming the call in progress. Local."""
         return (f"rank {self.rank} of {self.world_size}: {self.where} waited {waited:g} s ({limit}) for the other "
@@ -328,7 +328,7 @@ class Comm:
         ``ControlGone`` when the other ranks' connections were closed. Callers that know the call
         (``_step_agreement.enter``) restate either. Local."""
         if says_timed_out(error):
-            limit = "the ShardedAdamW timeout" if self.timeout is not None else "the process group's timeout"
+            limit = "the optimizer's timeout=" if self.timeout is not None else "the process group's timeout"
             text = self.timed_out(waited, limit)
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
                          notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")

@@ -149,7 +149,7 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
     without names cannot be told apart. Every rank, at construction."""
     try:
         check()
-        trainable, error = trainable_params(opt.param_groups), None
+        trainable, error = trainable_params(opt.param_groups, type(opt).__name__), None
         named = any(g.get("param_names") for g in opt.param_groups)
         desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]
         desc.insert(0, ("settings", sorted(settings(opt, comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
@@ -161,13 +161,13 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
         trainable, error, desc = [], e, [("error", type(e).__name__, str(e))]
     if comm.same_everywhere(desc) and error is None:
         return trainable
-    raise_first_difference(comm.all_gather_objects(desc), comm.rank)
+    raise_first_difference(comm.all_gather_objects(desc), comm.rank, type(opt).__name__)
 
 
-def raise_first_difference(every: list[list], rank: int) -> NoReturn:
+def raise_first_difference(every: list[list], rank: int, who: str = "ShardedAdamW") -> NoReturn:
     """Raise, on every rank alike, the first difference between rank 0's description and another
     rank's (``every``: each rank's ``[("settings", items), params..., ("frozen", params)]``, or
-    ``[("error", kind, message)]``)."""
+    ``[("error", kind, message)]``); ``who``: the optimizer's class name."""
     for r, other in enumerate(every):
         if other and other[0][0] == "error":
             kind = TypeError if other[0][1] == "TypeError" else ValueError
@@ -176,7 +176,7 @@ def raise_first_difference(every: list[list], rank: int) -> NoReturn:
         ours, theirs = dict(every[0][0][1]), dict(other[0][1])
         for key in sorted(set(ours) | set(theirs)):
             if ours.get(key) != theirs.get(key):
-                raise ValueError(f"ShardedAdamW settings differ across ranks: {key} is {ours.get(key)!r} on rank 0 "
+                raise ValueError(f"{who} settings differ across ranks: {key} is {ours.get(key)!r} on rank 0 "
                                  f"but {theirs.get(key)!r} on rank {r}; build the optimizer with the same "
                                  "arguments on every rank")
     every = [other[1:] for other in every]

@@ -125,7 +125,7 @@ class UsageChecks:
             for r in replaced:
                 found.problems.append(
                     f"p.grad of parameter {r.name} was replaced by a tensor after backward. With "
-                    "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
+                    "stage=2 each rank holds only its shard of the averaged gradient, so a gradient "
                     "assigned after backward cannot be averaged any more: assign it before backward (it is then "
                     "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
             found.written.append(written)
@@ -136,7 +136,7 @@ class UsageChecks:
         for p in self.untracked:
             if p.requires_grad and p.grad is not None:
                 found.problems.append(
-                    f"parameter {self.names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
+                    f"parameter {self.names[id(p)]} had requires_grad=False when the optimizer was built and now has "
                     "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
                     "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
                     "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
@@ -163,7 +163,7 @@ class UsageChecks:
         for r in b.binding.raced(records):
             self.late_problems.append(
                 f"parameter {r.name} was written (through the parameter, a view or .data) while "
-                "ShardedAdamW(overlap_param_gather=True) was still gathering the weights of the last step into the "
+                "the optimizer (overlap_param_gather=True) was still gathering the weights of the last step into the "
                 "model, which overwrote the write: call opt.finish_param_gather() before writing weights into the model "
                 "outside a forward (model.load_state_dict() waits by itself)")
 
@@ -285,7 +285,7 @@ class UsageChecks:
         self.seconds += time.perf_counter() - start
 
 
-DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but ShardedAdamW reduces the "
+DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but shardopt's optimizer reduces the "
                "gradients itself (DDP would reduce them a second time{what}). Train the bare model: with "
                "transformers.Trainer use shardopt.integrations.hf.ShardedTrainer, with Accelerate "
                "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...), with Lightning "
