@@ -34,6 +34,7 @@ from shardopt.step._skips import SkipWatch
 from shardopt.checkpoint._state_dict import OptimizerStateDict
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.step._step_agreement import StepAgreement
+from shardopt.step._copies import DeclaredCopies
 from shardopt.step._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.step._loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
@@ -177,6 +178,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers], lambda: self._comm.live_bytes)
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
+        # The first step checks that copies across the model axes are copies, and parts parts (see step._copies)
+        self._copies = DeclaredCopies([self._record_of[id(p)] for p, _ in trainable], self._buffers,
+                                      self.param_groups, self._parts, self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
@@ -224,9 +228,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                                  "overlapped gather is not tested beside tensor parallelism, so it is refused there; "
                                  "leave overlap_param_gather off (each step then waits for its gathers)")
             if g.get("replicated") and not self._parts.axes:
-                raise ValueError(f'param group {gi} is marked "replicated": True, which says its parameters are '
-                                 "copies on every rank of model_parallel_group; pass model_parallel_group= (the ranks "
+                raise ValueError(f'param group {gi} is marked "replicated": {g["replicated"]!r}, which says its '
+                                 "parameters are copies on ranks of model_parallel_group; pass model_parallel_group= (the ranks "
                                  "with the other pipeline stages or tensor-parallel shards), or leave the key out")
+            self._parts.check_replicated(g, gi)
             off_cuda = sorted({p.device.type for p in g["params"] if p.device.type != "cuda"})
             if g.get("capturable") and off_cuda:
                 raise ValueError(f"capturable=True (param group {gi}) applies to parameters on CUDA, these are on "
@@ -324,6 +329,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 found_inf = self._agree_on_gradients(None)[0]
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
+            if not self._copies.checked:  # the first step beside model axes, before any update (see step._copies)
+                self._copies.check_once()
             return self._apply_step(found_inf, coef, loss)
         finally:
             self._end_notice()

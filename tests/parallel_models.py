@@ -213,3 +213,16 @@ class Uneven(nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((self.mix(torch.tanh(self.fc2(torch.tanh(self.fc1(self.norm(x)))))) - y) ** 2).mean()
+
+
+class Gated(Whole):
+    """``Whole`` whose output is scaled by ``gate`` (D,): a plain tensor, or a DTensor whose local
+    piece is this rank's gate (read through ``to_local``)."""
+
+    def __init__(self, gate: torch.Tensor, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.gate = nn.Parameter(gate)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gate = self.gate.to_local() if hasattr(self.gate, "to_local") else self.gate
+        return ((self.fc2(self.hidden(x)) * gate - y) ** 2).mean()

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
 from models import gpt_steps, small_gpt
-from parallel_models import (Experts, MegatronTP, Stage, Uneven, Whole, batch, expert_reference, global_batch,
+from parallel_models import (Experts, Gated, MegatronTP, Stage, Uneven, Whole, batch, expert_reference, global_batch,
                              pipeline_step, reference)
 
 STEPS = 5
@@ -161,6 +161,118 @@ def replicated_without_axes_case() -> str:
 def test_replicated_without_a_model_axis_is_refused(pools):
     for msg in pools(2).run(replicated_without_axes_case):
         assert '"replicated": True' in msg and "model_parallel_group" in msg, msg
+
+
+def misdeclared_case(declared: str) -> dict:
+    """Megatron-style TP with every parameter marked a copy ("all copies": w1, b1 and w2 are parts),
+    or none ("no copies": the LayerNorm and b2 are copies): the first step raises on every rank."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    names, params = zip(*model.named_parameters())
+    group = {"params": list(params), "param_names": list(names)}
+    if declared == "all copies":
+        group["replicated"] = True
+    opt = shardopt.ShardedAdamW([group], lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4, device_mesh=mesh["dp"],
+                                model_parallel_group=tp, timeout=30.0)
+    before = [p.detach().clone() for p in params]
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
+    norm = float(opt.clip_grad_norm_(CLIP))
+    try:
+        opt.step()
+    except ValueError as e:
+        return {"error": str(e), "norm": norm, "untouched": all(torch.equal(a, p) for a, p in zip(before, params))}
+    return {"error": "no error", "norm": norm}
+
+
+@pytest.mark.parametrize("declared", ["all copies", "no copies"])
+def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_every_rank(pools, declared):
+    ref_norm = reference(1, 2, clip=CLIP)[1][0]  # the whole model's norm at step 0
+    for r, got in enumerate(pools(4).run(misdeclared_case, declared, timeout=120)):
+        msg = got["error"]
+        assert abs(got["norm"] - ref_norm) > 1e-3 * ref_norm, (r, got["norm"], ref_norm)  # what went unseen
+        if declared == "all copies":
+            assert "declared copies across model axis 'tp' hold different weights" in msg, (r, msg)
+            assert all(f"'{n}' (in param group 0, marked \"replicated\")" in msg for n in ("w1", "b1", "w2")), (r, msg)
+            assert "'b2'" not in msg and "'norm.weight'" not in msg, (r, msg)
+        else:
+            assert "hold the same weights and got the same averaged gradient on every rank of it" in msg, (r, msg)
+            assert all(f"'{n}' (param group 0)" in msg for n in ("norm.weight", "norm.bias", "b2")), (r, msg)
+            assert "'w1'" not in msg and "'b1'" not in msg and '"replicated": True' in msg, (r, msg)
+        assert got["untouched"], r
+
+
+def plain_part_beside_dtensors_case(path: str) -> dict:
+    """A plain parameter whose value differs per tensor-parallel position beside DTensor parameters
+    (taken as a copy) raises at the first step; declared as the message says, a DTensor split over the
+    mesh, each position's own value goes through a checkpoint."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank, dp = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+    def build(gate):
+        model = Gated(gate)
+        parallelize_module(model, mesh["tp"], plan)
+        opt = shardopt.ShardedAdamW(list(model.named_parameters()), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                    device_mesh=mesh["dp"], timeout=30.0)
+        return model, opt
+
+    model, opt = build(torch.full((8,), 1.0 + tp_rank))
+    try:
+        _clipped_steps(model, opt, dp, range(2))
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    opt.close()
+
+    def gate(value: float):
+        return DTensor.from_local(torch.full((8,), value), mesh["tp"], [Shard(0)], run_check=False)
+
+    model, opt = build(gate(1.0 + tp_rank))
+    _clipped_steps(model, opt, dp, range(2))
+    held = model.gate.to_local().detach().clone()
+    shardopt.save_checkpoint(path, model, opt)
+    again, opt2 = build(gate(5.0))
+    shardopt.load_checkpoint(path, again, opt2)
+    return {"error": error, "held": held, "loaded": again.gate.to_local().detach().clone(), "tp": tp_rank}
+
+
+def test_a_plain_part_beside_dtensors_raises_and_its_declaration_as_a_dtensor_resumes_each_part(pools, tmp_path):
+    got = pools(4).run(plain_part_beside_dtensors_case, str(tmp_path / "ckpt"), timeout=180)
+    for r, g in enumerate(got):
+        assert "declared copies across model axis 'tp' hold different weights" in g["error"], (r, g["error"])
+        assert "'gate' (a plain parameter beside DTensor parameters on that mesh)" in g["error"], (r, g["error"])
+        assert "'fc1.weight'" not in g["error"] and "'norm.weight'" not in g["error"], (r, g["error"])
+        assert torch.equal(g["loaded"], g["held"]), (r, g["loaded"], g["held"])
+    assert not torch.equal(got[0]["held"], got[1]["held"])  # the two positions' parts differ
+
+
+def replicated_by_name_case() -> dict:
+    """``"replicated": ["tp"]`` names the axis the copies are copies across: as True on a 1-D
+    model_parallel_group; an axis it does not have is refused, naming its axes."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    kw = dict(lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], model_parallel_group=tp)
+    try:
+        shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": ["pp"]}], **kw)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    opt = shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": ["tp"]}],
+                                **kw)
+    norms = _clipped_steps(model, opt, mesh["dp"].get_local_rank(), range(STEPS))
+    return {"refused": refused, "norms": norms, "ref_norms": reference(STEPS, 2, clip=CLIP)[1]}
+
+
+def test_replicated_may_name_the_axes_the_copies_are_copies_across(pools):
+    for r, got in enumerate(pools(4).run(replicated_by_name_case)):
+        assert "has no axis named 'pp'; its axes are ['tp']" in got["refused"], (r, got["refused"])
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
 
 
 def _tp_train(model, opt, mesh, steps) -> None:

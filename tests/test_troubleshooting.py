@@ -92,6 +92,8 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/kernels/fused.py", "with_fallback.run", "raise"):
         "re-raises the compiled kernel's own error with a note from _ran_and_failed (its entry: 'An error "
         "raised by the fused kernel while it ran')",
+    ("shardopt/step/_copies.py", "DeclaredCopies.check_once", "ValueError"):
+        "the problems DeclaredCopies._compare found on this rank (its two messages, collected there), joined",
     ("shardopt/kernels/__init__.py", "Kernels._compile_failed", "error"):
         "with SHARDOPT_KERNEL=fused, re-raises torch.compile's own error (from a fused function's first call, "
         "fused.with_fallback, or from the self-check at construction)",

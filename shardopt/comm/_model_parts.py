@@ -135,13 +135,36 @@ class ModelParts:
         """The model axes ``p`` (a plain parameter or a DTensor's stand-in) is a copy across (see
         _model_axes): a DTensor's mesh when its placement is Replicate; for a plain parameter the
         meshes of the DTensor parameters beside it; every axis of ``model_parallel_group`` for a
-        param group marked ``"replicated": True``."""
+        param group marked ``"replicated": True``, the axes it names for ``"replicated": [names]``
+        (see ``check_replicated``)."""
         dt = self.dtensor_of.get(id(p))
         if dt is not None:
             over = {self.axes.name_of(mesh_of(dt).get_group())} if replicated(dt) else set()
         else:
             over = set(self.dtensor_axes)
-        return frozenset(over | (self.user_axes if group.get("replicated") else set()))
+        marked = group.get("replicated")
+        if marked is True:
+            over |= self.user_axes
+        elif isinstance(marked, (str, list, tuple)):
+            over |= {marked} if isinstance(marked, str) else set(marked)
+        return frozenset(over)
+
+    def check_replicated(self, group: dict[str, Any], gi: int) -> None:
+        """Raise for param group ``gi``'s ``"replicated"`` key unless it is absent, True, False, or
+        names axes of ``model_parallel_group`` (a name or a list of names). Local."""
+        marked = group.get("replicated")
+        if marked is None or isinstance(marked, bool):
+            return
+        names = [marked] if isinstance(marked, str) else list(marked) if isinstance(marked, (list, tuple)) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise TypeError(f'param group {gi} has "replicated": {marked!r}; pass True (a copy on every rank of '
+                            "model_parallel_group), False (a part on each), or the names of the axes of "
+                            "model_parallel_group it is a copy across")
+        unknown = sorted(set(names) - self.user_axes)
+        if unknown:
+            raise ValueError(f'param group {gi} has "replicated": {marked!r}, but model_parallel_group has no axis '
+                             f"named {', '.join(map(repr, unknown))}; its axes are {sorted(self.user_axes)} (a "
+                             "DeviceMesh's mesh_dim_names; 'mp' for a process group)")
 
     def key_part(self) -> str:
         """This rank's checkpoint key prefix: its position on each axis of ``model_parallel_group``

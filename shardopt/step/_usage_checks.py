@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from shardopt.core._flat import FlatParams
+    from shardopt.core._flat import FlatParams, ShardView
     from shardopt.core._records import ParamRecord
 
     # What the checks read of a sharded buffer, its reducer and its binding, which live floors up
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
         problems: list[str]
         scaled_backwards: int
         unscaled_backwards: int
+
+        def local_grad(self) -> Tensor | ShardView: ...
 
         def follow_views(self) -> bool: ...
         def apply_zeroing(self, *, at_step: bool = False) -> bool: ...
