@@ -148,12 +148,16 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay, flags))
-        self._comm = Comm(process_group, device_mesh)
+        # timeout= covers construction too: every wait for the other ranks here, connects included
+        self._comm = Comm(process_group, device_mesh, connect=self.config.timeout)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
         # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
         self._parts = ModelParts(self.param_groups, self._names, self._comm, model_parallel_group, self.config.timeout)
-        trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+        with self._comm.during(f"{type(self).__name__}'s construction"):
+            trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+        # after the data-parallel ranks agreed on the axes (see comm._model_parts [Note: ranks that built the optimizer differently])
+        self._parts.connect()
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         flat = self._parts.settle(trainable, self._names)  # DTensor parameters by their stand-ins (core._dtensor)
         # see _ownership [Note: one optimizer per parameter]

@@ -275,6 +275,46 @@ def test_replicated_may_name_the_axes_the_copies_are_copies_across(pools):
             assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
 
 
+def model_parallel_group_on_some_ranks_case(passing: str) -> dict:
+    """Megatron-style TP with timeout=3, ``model_parallel_group=`` given only on tensor-parallel
+    position 1 (``passing="tp position 1"``) or only on data-parallel position 0 ("dp position 0")."""
+    import time
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    mine = tp.get_local_rank() == 1 if passing == "tp position 1" else mesh["dp"].get_local_rank() == 0
+    start = time.monotonic()
+    try:
+        shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": mine}],
+                              device_mesh=mesh["dp"], model_parallel_group=tp if mine else None, timeout=3.0)
+        error = "built"
+    except (ValueError, TimeoutError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - start, "passed": mine}
+
+
+@pytest.mark.parametrize("passing", ["tp position 1", "dp position 0"])
+def test_model_parallel_group_on_some_ranks_only_raises_within_the_timeout(passing):
+    from distpool import DistPool
+
+    pool = DistPool(4)  # its own ranks: a control group that could not be made stays broken on them
+    try:
+        got = pool.run(model_parallel_group_on_some_ranks_case, passing, timeout=60)
+    finally:
+        pool.close()
+    for r, g in enumerate(got):
+        assert g["seconds"] < 20, (r, g)
+        if passing == "dp position 0":  # the data-parallel ranks compare their settings first: every rank raises
+            assert g["error"].startswith("ValueError: ShardedAdamW settings differ across ranks: rank 0 passed "
+                                         "model_parallel_group (axes {'tp': 2}), rank 1 did not"), (r, g)
+        elif g["passed"]:  # ranks 1 and 3: their tensor-parallel peers 0 and 2 built without it
+            assert g["error"].startswith(f"ValueError: rank {r} passed model_parallel_group (axis 'tp', ranks "
+                                         f"[{r - 1}, {r}]), rank {r - 1} did not"), (r, g)
+        else:  # they hold no group with the ranks that passed it (see comm._model_parts)
+            assert g["error"] == "built", (r, g)
+
+
 def _tp_train(model, opt, mesh, steps) -> None:
     _clipped_steps(model, opt, mesh["dp"].get_local_rank(), steps)
 

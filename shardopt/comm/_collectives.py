@@ -223,11 +223,41 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     except RuntimeError as e:
         if not says_timed_out(e):
             raise
-        raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
-                           f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
-                           "must build the optimizer (or call a weights-only load_checkpoint) at the same point") from None
+        why = (f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join shardopt's control "
+               f"group within {wait.total_seconds():g} s: every rank of the group must build the optimizer (or call a "
+               "weights-only load_checkpoint) at the same point")
+        # The ranks now count the groups made for these ranks differently: a later try would wait under
+        # another name than theirs. Every later use on this rank raises instead.
+        _CONTROL[ranks] = ControlGroup(None, world, timeout, store=store, key=name + "gave-up",
+                                       broken=f"shardopt can no longer agree with the ranks {list(ranks)} on this "
+                                              f"rank: {why}. Restart every rank")
+        raise TimeoutError(why) from None
     found = _CONTROL[ranks] = ControlGroup(made, world, timeout, store=store, key=name + "gave-up")
     return found
+
+
+def leave_line(key: str, text: str) -> None:
+    """Leave ``text`` under ``key`` in the default store, for other ranks' messages; nothing where
+    there is no store, or it cannot be reached. Local."""
+    store = default_store()
+    if store is None:
+        return
+    try:
+        store.set(key, text)
+    except (RuntimeError, OSError, ValueError):
+        pass
+
+
+def read_line(key: str) -> str | None:
+    """The text a rank left under ``key`` (``leave_line``); None when there is none (or no store).
+    Does not wait. Local."""
+    store = default_store()
+    if store is None:
+        return None
+    try:
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
+    except (RuntimeError, OSError, ValueError):
+        return None
 
 
 class Comm:

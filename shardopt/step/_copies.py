@@ -97,7 +97,7 @@ class DeclaredCopies:
         marks = self._fingerprints()
         problems: list[str] = []
         for axis in self.parts.axes.axes:
-            problems += self._compare(axis.name, axis.comm, marks)
+            problems += self._compare(axis.name, axis.connected(), marks)
         flag = torch.tensor([1 if problems else 0, (1 << 40) - global_rank() if problems else 0], dtype=torch.int64)
         self.comm.control_all_reduce(flag, "max").wait()
         self.parts.axes.reduce(flag, "max")
