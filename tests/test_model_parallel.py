@@ -163,7 +163,7 @@ def test_replicated_without_a_model_axis_is_refused(pools):
         assert '"replicated": True' in msg and "model_parallel_group" in msg, msg
 
 
-def misdeclared_case(declared: str) -> dict:
+def misdeclared_case(declared: str, stage: int) -> dict:
     """Megatron-style TP with every parameter marked a copy ("all copies": w1, b1 and w2 are parts),
     or none ("no copies": the LayerNorm and b2 are copies): the first step raises on every rank."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
@@ -173,8 +173,8 @@ def misdeclared_case(declared: str) -> dict:
     group = {"params": list(params), "param_names": list(names)}
     if declared == "all copies":
         group["replicated"] = True
-    opt = shardopt.ShardedAdamW([group], lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4, device_mesh=mesh["dp"],
-                                model_parallel_group=tp, timeout=30.0)
+    opt = shardopt.ShardedAdamW([group], lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"], model_parallel_group=tp, timeout=30.0)
     before = [p.detach().clone() for p in params]
     opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
     norm = float(opt.clip_grad_norm_(CLIP))
@@ -185,10 +185,10 @@ def misdeclared_case(declared: str) -> dict:
     return {"error": "no error", "norm": norm}
 
 
-@pytest.mark.parametrize("declared", ["all copies", "no copies"])
-def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_every_rank(pools, declared):
+@pytest.mark.parametrize("declared, stage", [("all copies", 2), ("no copies", 1), ("no copies", 2)])
+def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_every_rank(pools, declared, stage):
     ref_norm = reference(1, 2, clip=CLIP)[1][0]  # the whole model's norm at step 0
-    for r, got in enumerate(pools(4).run(misdeclared_case, declared, timeout=120)):
+    for r, got in enumerate(pools(4).run(misdeclared_case, declared, stage, timeout=120)):
         msg = got["error"]
         assert abs(got["norm"] - ref_norm) > 1e-3 * ref_norm, (r, got["norm"], ref_norm)  # what went unseen
         if declared == "all copies":

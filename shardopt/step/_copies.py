@@ -34,7 +34,8 @@ another rank of the axis is not seen (it trains as before); weights are compared
 any update. Then one all-reduce over every rank of the job says whether any rank found one, and
 every rank raises a ValueError: the ranks that found it name the parameters and what to declare,
 the others the first rank that did. Cost, at the first step only: one read of the weights and of
-the gradient shard, three small all-reduces per axis and one over the job.
+the gradient shard; small all-reduces, one over the data-parallel group (the gradients' parts),
+two per axis and one over every rank of the job.
 """
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ class DeclaredCopies:
             w = fingerprint(r.param, weighted=True)[:2]
             g = fingerprint(grads[r.bucket.buffer][r.local.as_slice()], weighted=False)[[0, 2]] \
                 if r.local is not None else torch.zeros(2, dtype=torch.int64, device=w.device)
-            rows.append(torch.cat([w, g]).cpu())
-        marks = torch.stack(rows) if rows else torch.zeros((0, 4), dtype=torch.int64)
+            rows.append(torch.cat([w, g]))
+        marks = torch.stack(rows).cpu() if rows else torch.zeros((0, 4), dtype=torch.int64)  # one copy to the host
         grad_part = marks[:, 2:].contiguous()  # this rank's part of each gradient: summed over the group
         self.comm.control_all_reduce(grad_part).wait()
         marks[:, 2:] = grad_part
