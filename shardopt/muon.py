@@ -100,10 +100,11 @@ class ShardedMuon(ShardedAdamW):
                                "pass every param group to the constructor instead of add_param_group")
         index = len(self.param_groups)
         if isinstance(param_group, dict) and param_group.get("use_muon", True) is False:
-            group = check_param_group({**ADAMW_DEFAULTS, **param_group}, index, ADAMW_DEFAULTS)
+            group = check_param_group({**ADAMW_DEFAULTS, **param_group}, index, ADAMW_DEFAULTS, type(self).__name__)
             group["betas"] = tuple(group["betas"])
         else:
-            group = check_param_group(param_group, index, {**self.defaults, "betas": (0.9, 0.999)})
+            group = check_param_group(param_group, index, {**self.defaults, "betas": (0.9, 0.999)},
+                                      type(self).__name__)
             group.setdefault("use_muon", True)
             check_muon_hyperparameters({**self.defaults, **group}, index)
         torch.optim.Optimizer.add_param_group(self, group)  # fills every default key in

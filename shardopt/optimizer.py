@@ -35,6 +35,7 @@ from shardopt.step._skips import SkipWatch
 from shardopt.checkpoint._state_dict import OptimizerStateDict
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.step._step_agreement import StepAgreement
+from shardopt.step._copies import DeclaredCopies
 from shardopt.step._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.step._loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
@@ -148,12 +149,16 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay, flags))
-        self._comm = Comm(process_group, device_mesh)
+        # timeout= covers construction too: every wait for the other ranks here, connects included
+        self._comm = Comm(process_group, device_mesh, connect=self.config.timeout)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
         # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
         self._parts = ModelParts(self.param_groups, self._names, self._comm, model_parallel_group, self.config.timeout)
-        trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+        with self._comm.during(f"{type(self).__name__}'s construction"):
+            trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+        # after the data-parallel ranks agreed on the axes (see comm._model_parts [Note: ranks that built the optimizer differently])
+        self._parts.connect()
         self._closed: str | None = None  # why this optimizer no longer trains, once released
         flat = self._parts.settle(trainable, self._names)  # DTensor parameters by their stand-ins (core._dtensor)
         # see _ownership [Note: one optimizer per parameter]
@@ -179,6 +184,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers])
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
+        # The first step checks that copies across the model axes are copies, and parts parts (see step._copies)
+        self._copies = DeclaredCopies([self._record_of[id(p)] for p, _ in trainable], self._buffers,
+                                      self.param_groups, self._parts, self._comm)
         self.last_step_check_seconds = 0.0  # this rank's time in the usage checks of the last step, seconds
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
@@ -234,25 +242,27 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                                  "overlapped gather is not tested beside tensor parallelism, so it is refused there; "
                                  "leave overlap_param_gather off (each step then waits for its gathers)")
             if g.get("replicated") and not self._parts.axes:
-                raise ValueError(f'param group {gi} is marked "replicated": True, which says its parameters are '
-                                 "copies on every rank of model_parallel_group; pass model_parallel_group= (the ranks "
+                raise ValueError(f'param group {gi} is marked "replicated": {g["replicated"]!r}, which says its '
+                                 "parameters are copies on ranks of model_parallel_group; pass model_parallel_group= (the ranks "
                                  "with the other pipeline stages or tensor-parallel shards), or leave the key out")
+            self._parts.check_replicated(g, gi)
             off_cuda = sorted({p.device.type for p in g["params"] if p.device.type != "cuda"})
             if g.get("capturable") and off_cuda:
                 raise ValueError(f"capturable=True (param group {gi}) applies to parameters on CUDA, these are on "
                                  f"{', '.join(off_cuda)} (torch.optim.AdamW refuses it there too); leave capturable "
-                                 "out. On CUDA it is accepted, but ShardedAdamW's step agrees with the other ranks "
+                                 f"out. On CUDA it is accepted, but {type(self).__name__}'s step agrees with the other ranks "
                                  "on the host, so it cannot be captured in a CUDA graph")
             if g.get("amsgrad") and self.config.moments == "8bit":
                 raise ValueError(f"amsgrad=True (param group {gi}) with moments='8bit': the running maximum of "
-                                 "exp_avg_sq has no 8-bit form in ShardedAdamW; use moments='fp32' (bit for bit "
+                                 "exp_avg_sq has no 8-bit form in shardopt; use moments='fp32' (bit for bit "
                                  "torch.optim.AdamW(amsgrad=True)) or 'bf16'")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if getattr(self, "_built", False):
-            raise RuntimeError("ShardedAdamW lays out all parameters in flat buffers at construction; "
+            raise RuntimeError(f"{type(self).__name__} lays out all parameters in flat buffers at construction; "
                                "pass every param group to the constructor instead of add_param_group")
-        super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults))
+        super().add_param_group(check_param_group(param_group, len(self.param_groups), self.defaults,
+                                                  type(self).__name__))
 
     # -- training loop -------------------------------------------------------------------
     @torch.compiler.disable  # runs eagerly inside a compiled function (a graph break)
@@ -343,6 +353,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 found_inf = self._agree_on_gradients(None)[0]
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
+            if not self._copies.checked:  # the first step beside model axes, before any update (see step._copies)
+                self._copies.check_once()
             return self._apply_step(found_inf, coef, loss)
         finally:
             self._end_notice()

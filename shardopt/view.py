@@ -57,7 +57,7 @@ _T = TypeVar("_T")
 def _alive(ref: weakref.ref[_T]) -> _T:
     obj = ref()
     if obj is None:
-        raise ReferenceError("the ShardedAdamW this view reads was collected")
+        raise ReferenceError("the optimizer this view reads was collected")
     return obj
 
 

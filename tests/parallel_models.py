@@ -232,3 +232,35 @@ def expert_reference_with_optimizer(steps: int, ranks: int, experts: int, *, cli
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
     return model, opt, norms
+
+
+class Uneven(nn.Module):
+    """LayerNorm -> Linear(D, 15) -> tanh -> Linear(15, D) -> tanh -> Linear(D, D), mean squared
+    error: a hidden width that two tensor-parallel ranks split 8 / 7 (``torch.chunk``, as DTensor's
+    Shard), and a last matrix left whole (a copy on every tensor-parallel rank)."""
+
+    HIDDEN = 15
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.norm = nn.LayerNorm(D)
+        self.fc1 = nn.Linear(D, self.HIDDEN)
+        self.fc2 = nn.Linear(self.HIDDEN, D)
+        self.mix = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((self.mix(torch.tanh(self.fc2(torch.tanh(self.fc1(self.norm(x)))))) - y) ** 2).mean()
+
+
+class Gated(Whole):
+    """``Whole`` whose output is scaled by ``gate`` (D,): a plain tensor, or a DTensor whose local
+    piece is this rank's gate (read through ``to_local``)."""
+
+    def __init__(self, gate: torch.Tensor, seed: int = 0) -> None:
+        super().__init__(seed)
+        self.gate = nn.Parameter(gate)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        gate = self.gate.to_local() if hasattr(self.gate, "to_local") else self.gate
+        return ((self.fc2(self.hidden(x)) * gate - y) ** 2).mean()

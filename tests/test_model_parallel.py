@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
 from models import gpt_steps, small_gpt
-from parallel_models import (Experts, MegatronTP, Stage, Whole, batch, expert_reference,
+from parallel_models import (Experts, Gated, MegatronTP, Stage, Uneven, Whole, batch, expert_reference,
                              expert_reference_with_optimizer, global_batch, pipeline_step, reference,
                              reference_with_optimizer)
 
@@ -269,6 +269,158 @@ def test_replicated_without_a_model_axis_is_refused(pools):
         assert '"replicated": True' in msg and "model_parallel_group" in msg, msg
 
 
+def misdeclared_case(declared: str, stage: int) -> dict:
+    """Megatron-style TP with every parameter marked a copy ("all copies": w1, b1 and w2 are parts),
+    or none ("no copies": the LayerNorm and b2 are copies): the first step raises on every rank."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    names, params = zip(*model.named_parameters())
+    group = {"params": list(params), "param_names": list(names)}
+    if declared == "all copies":
+        group["replicated"] = True
+    opt = shardopt.ShardedAdamW([group], lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"], model_parallel_group=tp, timeout=30.0)
+    before = [p.detach().clone() for p in params]
+    opt.backward(model(*batch(mesh["dp"].get_local_rank(), 0)))
+    norm = float(opt.clip_grad_norm_(CLIP))
+    try:
+        opt.step()
+    except ValueError as e:
+        return {"error": str(e), "norm": norm, "untouched": all(torch.equal(a, p) for a, p in zip(before, params))}
+    return {"error": "no error", "norm": norm}
+
+
+@pytest.mark.parametrize("declared, stage", [("all copies", 2), ("no copies", 1), ("no copies", 2)])
+def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_every_rank(pools, declared, stage):
+    ref_norm = reference(1, 2, clip=CLIP)[1][0]  # the whole model's norm at step 0
+    for r, got in enumerate(pools(4).run(misdeclared_case, declared, stage, timeout=120)):
+        msg = got["error"]
+        assert abs(got["norm"] - ref_norm) > 1e-3 * ref_norm, (r, got["norm"], ref_norm)  # what went unseen
+        if declared == "all copies":
+            assert "declared copies across model axis 'tp' hold different weights" in msg, (r, msg)
+            assert all(f"'{n}' (in param group 0, marked \"replicated\")" in msg for n in ("w1", "b1", "w2")), (r, msg)
+            assert "'b2'" not in msg and "'norm.weight'" not in msg, (r, msg)
+        else:
+            assert "hold the same weights and got the same averaged gradient on every rank of it" in msg, (r, msg)
+            assert all(f"'{n}' (param group 0)" in msg for n in ("norm.weight", "norm.bias", "b2")), (r, msg)
+            assert "'w1'" not in msg and "'b1'" not in msg and '"replicated": True' in msg, (r, msg)
+        assert got["untouched"], r
+
+
+def plain_part_beside_dtensors_case(path: str) -> dict:
+    """A plain parameter whose value differs per tensor-parallel position beside DTensor parameters
+    (taken as a copy) raises at the first step; declared as the message says, a DTensor split over the
+    mesh, each position's own value goes through a checkpoint."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp_rank, dp = mesh["tp"].get_local_rank(), mesh["dp"].get_local_rank()
+    plan = {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()}
+
+    def build(gate):
+        model = Gated(gate)
+        parallelize_module(model, mesh["tp"], plan)
+        opt = shardopt.ShardedAdamW(list(model.named_parameters()), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                    device_mesh=mesh["dp"], timeout=30.0)
+        return model, opt
+
+    model, opt = build(torch.full((8,), 1.0 + tp_rank))
+    try:
+        _clipped_steps(model, opt, dp, range(2))
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    opt.close()
+
+    def gate(value: float):
+        return DTensor.from_local(torch.full((8,), value), mesh["tp"], [Shard(0)], run_check=False)
+
+    model, opt = build(gate(1.0 + tp_rank))
+    _clipped_steps(model, opt, dp, range(2))
+    held = model.gate.to_local().detach().clone()
+    shardopt.save_checkpoint(path, model, opt)
+    again, opt2 = build(gate(5.0))
+    shardopt.load_checkpoint(path, again, opt2)
+    return {"error": error, "held": held, "loaded": again.gate.to_local().detach().clone(), "tp": tp_rank}
+
+
+def test_a_plain_part_beside_dtensors_raises_and_its_declaration_as_a_dtensor_resumes_each_part(pools, tmp_path):
+    got = pools(4).run(plain_part_beside_dtensors_case, str(tmp_path / "ckpt"), timeout=180)
+    for r, g in enumerate(got):
+        assert "declared copies across model axis 'tp' hold different weights" in g["error"], (r, g["error"])
+        assert "'gate' (a plain parameter beside DTensor parameters on that mesh)" in g["error"], (r, g["error"])
+        assert "'fc1.weight'" not in g["error"] and "'norm.weight'" not in g["error"], (r, g["error"])
+        assert torch.equal(g["loaded"], g["held"]), (r, g["loaded"], g["held"])
+    assert not torch.equal(got[0]["held"], got[1]["held"])  # the two positions' parts differ
+
+
+def replicated_by_name_case() -> dict:
+    """``"replicated": ["tp"]`` names the axis the copies are copies across: as True on a 1-D
+    model_parallel_group; an axis it does not have is refused, naming its axes."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    kw = dict(lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], model_parallel_group=tp)
+    try:
+        shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": ["pp"]}], **kw)
+        refused = "no error"
+    except ValueError as e:
+        refused = str(e)
+    opt = shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": ["tp"]}],
+                                **kw)
+    norms = _clipped_steps(model, opt, mesh["dp"].get_local_rank(), range(STEPS))
+    return {"refused": refused, "norms": norms, "ref_norms": reference(STEPS, 2, clip=CLIP)[1]}
+
+
+def test_replicated_may_name_the_axes_the_copies_are_copies_across(pools):
+    for r, got in enumerate(pools(4).run(replicated_by_name_case)):
+        assert "has no axis named 'pp'; its axes are ['tp']" in got["refused"], (r, got["refused"])
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+
+
+def model_parallel_group_on_some_ranks_case(passing: str) -> dict:
+    """Megatron-style TP with timeout=3, ``model_parallel_group=`` given only on tensor-parallel
+    position 1 (``passing="tp position 1"``) or only on data-parallel position 0 ("dp position 0")."""
+    import time
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp = mesh["tp"]
+    model = MegatronTP(Whole(0), tp.get_group(), tp.get_local_rank(), 2)
+    mine = tp.get_local_rank() == 1 if passing == "tp position 1" else mesh["dp"].get_local_rank() == 0
+    start = time.monotonic()
+    try:
+        shardopt.ShardedAdamW([{"params": model.sharded()}, {"params": model.replicated(), "replicated": mine}],
+                              device_mesh=mesh["dp"], model_parallel_group=tp if mine else None, timeout=3.0)
+        error = "built"
+    except (ValueError, TimeoutError) as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.monotonic() - start, "passed": mine}
+
+
+@pytest.mark.parametrize("passing", ["tp position 1", "dp position 0"])
+def test_model_parallel_group_on_some_ranks_only_raises_within_the_timeout(passing):
+    from distpool import DistPool
+
+    pool = DistPool(4)  # its own ranks: a control group that could not be made stays broken on them
+    try:
+        got = pool.run(model_parallel_group_on_some_ranks_case, passing, timeout=60)
+    finally:
+        pool.close()
+    for r, g in enumerate(got):
+        assert g["seconds"] < 20, (r, g)
+        if passing == "dp position 0":  # the data-parallel ranks compare their settings first: every rank raises
+            assert g["error"].startswith("ValueError: ShardedAdamW settings differ across ranks: rank 0 passed "
+                                         "model_parallel_group (axes {'tp': 2}), rank 1 did not"), (r, g)
+        elif g["passed"]:  # ranks 1 and 3: their tensor-parallel peers 0 and 2 built without it
+            assert g["error"].startswith(f"ValueError: rank {r} passed model_parallel_group (axis 'tp', ranks "
+                                         f"[{r - 1}, {r}]), rank {r - 1} did not"), (r, g)
+        else:  # they hold no group with the ranks that passed it (see comm._model_parts)
+            assert g["error"] == "built", (r, g)
+
+
 def _tp_train(model, opt, mesh, steps) -> None:
     _clipped_steps(model, opt, mesh["dp"].get_local_rank(), steps)
 
@@ -473,6 +625,47 @@ def dtensor_muon_case(stage: int) -> dict:
 @pytest.mark.parametrize("stage", [1, 2])
 def test_sharded_muon_on_dtensor_tp_matrices_is_torch_muon_on_the_whole_matrices(pools, stage):
     for r, worst in enumerate(pools(4).run(dtensor_muon_case, stage)):
+        assert max(worst.values()) <= 1e-5, (r, worst)
+
+
+def uneven_muon_case(stage: int) -> dict:
+    """ShardedMuon over a hidden width of 15 split 8 / 7 over the tensor-parallel mesh, beside a
+    matrix left whole: the pieces' shapes differ between the tensor-parallel positions, the owners
+    must not. Against torch.optim.Muon on the whole matrices (AdamW on the rest), global batch."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Uneven(0)  # each output gathered whole: DTensor.from_local, which RowwiseParallel uses, assumes even pieces
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(output_layouts=Replicate()),
+                                           "fc2": ColwiseParallel(output_layouts=Replicate())})
+    names = ("fc1.weight", "fc2.weight", "mix.weight")
+    params = dict(model.named_parameters())
+    opt = shardopt.ShardedMuon([{"params": [params[n] for n in names]},
+                                {"params": [p for n, p in params.items() if n not in names], "use_muon": False,
+                                 **ADAMW}], **MUON, stage=stage, bucket_cap_mb=1e-4, device_mesh=mesh["dp"],
+                               timeout=30.0)
+    ref = Uneven(0)
+    theirs = dict(ref.named_parameters())
+    ref_muon = torch.optim.Muon([theirs[n] for n in names], **MUON)
+    ref_adamw = torch.optim.AdamW([p for n, p in theirs.items() if n not in names], **ADAMW)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(model(*batch(mesh["dp"].get_local_rank(), step)))
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        ref.zero_grad()
+        ref(*global_batch(2, step)).backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        ref_muon.step()
+        ref_adamw.step()
+    return {n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_muon_on_an_uneven_tensor_parallel_split_is_torch_muon_on_the_whole_matrices(pools, stage):
+    for r, worst in enumerate(pools(4).run(uneven_muon_case, stage, timeout=120)):
         assert max(worst.values()) <= 1e-5, (r, worst)
 
 

@@ -258,3 +258,38 @@ def test_each_update_is_torch_muon_fed_the_averaged_gradient_bit_for_bit(pools, 
         results = pools(world_size).run(fed_case, stage)
         assert all(equal for equal, _ in results), (stage, results)
         assert sum(n for _, n in results) == 3, results  # each trainable matrix (emb = head, fc1, fc2) owned once
+
+
+def named_errors_case() -> dict:
+    """Errors of a ShardedMuon, on every rank: at construction over frozen parameters only and with a
+    setting that differs across ranks, then a copy and a step once closed; each names ShardedMuon."""
+    got = {}
+    for key, build in (("frozen", lambda: shardopt.ShardedMuon([torch.zeros(2, 3)])),
+                       ("differs", lambda: shardopt.ShardedMuon(_split(make_model(seed=1))[0],
+                                                                 seed=dist.get_rank()))):
+        try:
+            build()
+            got[key] = "no error"
+        except ValueError as e:
+            got[key] = str(e)
+    mats = [p for p in make_model(seed=1).parameters() if p.dim() == 2]
+    opt = shardopt.ShardedMuon(mats)
+    try:
+        copy.deepcopy(opt)
+    except TypeError as e:
+        got["copy"] = str(e)
+    opt.close()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        got["closed"] = str(e)
+    return got
+
+
+def test_construction_and_lifetime_errors_name_sharded_muon(pools):
+    for r, got in enumerate(pools(2).run(named_errors_case)):
+        assert "ShardedMuon got 1 parameters ((2, 3) torch.float32) and none with requires_grad" in got["frozen"], got
+        assert "ShardedMuon settings differ across ranks: seed is 0 on rank 0 but 1 on rank 1" in got["differs"], got
+        assert "a ShardedMuon is not supported" in got["copy"] and "build a new ShardedMuon" in got["copy"], got
+        assert "(ShardedMuon) no longer trains, it is closed; build a new ShardedMuon" in got["closed"], got
+        assert not any("ShardedAdamW" in m for m in got.values()), (r, got)

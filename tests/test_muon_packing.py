@@ -142,3 +142,19 @@ def test_bad_shapes_raise_naming_the_shape(bad):
         pack_matrices(bad, 2)
     with pytest.raises(ValueError, match="world_size"):
         pack_matrices([(4, 4)], 0)
+
+
+def test_tensor_parallel_pieces_are_placed_by_their_whole_matrix():
+    # A (15, 8) matrix split 8 / 7 over two tensor-parallel positions beside an (8, 8) one left
+    # whole: by the pieces alone, position 0's (8, 8) piece ties the whole (8, 8) and goes first
+    # (owner 0), position 1's (7, 8) piece costs less and follows it (owner 1). Placed by the whole
+    # matrix, both positions give the piece the same owner, its offsets following its own size.
+    wholes = [(15, 8), (8, 8)]
+    by_piece = [pack_matrices([(8, 8), (8, 8)], 2).owner, pack_matrices([(7, 8), (8, 8)], 2).owner]
+    assert by_piece[0] != by_piece[1]
+    placed = [pack_matrices(pieces, 2, whole_shapes=wholes) for pieces in ([(8, 8), (8, 8)], [(7, 8), (8, 8)])]
+    assert placed[0].owner == placed[1].owner == pack_matrices(wholes, 2).owner
+    assert placed[0].ns_cost == placed[1].ns_cost == (ns_cost((15, 8)), ns_cost((8, 8)))
+    assert placed[1].chunk_numel == 64 and placed[1].shapes == ((7, 8), (8, 8))
+    with pytest.raises(ValueError, match="whole_shapes"):
+        pack_matrices([(8, 8)], 2, whole_shapes=wholes)

@@ -765,7 +765,7 @@ def test_adamw_keywords_that_cannot_hold_name_the_flag_on_every_rank(pools):
         assert "these are on cpu" in out["capturable"][1], out
         assert out["amsgrad_8bit"][0] == "ValueError" and "moments='8bit'" in out["amsgrad_8bit"][1], out
         assert out["muon_flag"][0] == "TypeError" and "'maximize'" in out["muon_flag"][1], out
-        assert out["late_amsgrad"][0] == "ValueError" and "set after ShardedAdamW was built" in out["late_amsgrad"][1]
+        assert out["late_amsgrad"][0] == "ValueError" and "set after the optimizer was built" in out["late_amsgrad"][1]
         assert out["late_amsgrad_untouched"], out
 
 

@@ -98,6 +98,8 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/kernels/fused.py", "with_fallback.run", "raise"):
         "re-raises the compiled kernel's own error with a note from _ran_and_failed (its entry: 'An error "
         "raised by the fused kernel while it ran')",
+    ("shardopt/step/_copies.py", "DeclaredCopies.check_once", "ValueError"):
+        "the problems DeclaredCopies._compare found on this rank (its two messages, collected there), joined",
     ("shardopt/kernels/__init__.py", "Kernels._compile_failed", "error"):
         "with SHARDOPT_KERNEL=fused, re-raises torch.compile's own error (from a fused function's first call, "
         "fused.with_fallback, or from the self-check at construction)",
@@ -524,11 +526,11 @@ def _find(messages: list[Message], file: str, kind: str, fragment: str) -> Messa
 def test_the_collector_is_not_vacuous() -> None:
     messages = collected().messages
     assert len(messages) >= 120, len(messages)
-    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; ShardedAdamW needs dense")
+    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; shardopt needs dense")
     _find(messages, "shardopt/checkpoint/_files.py", "ValueError", "is corrupt: … does not match the checksum")
     # a module-level constant through .format(), both branches of a conditional
     _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
-    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by ShardedAdamW under")
+    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by the optimizer under")
     # a warning; a constant formatted with a known keyword; a problem reported at the next step
     _find(messages, "shardopt/step/_usage_checks.py", "UserWarning", "loss.backward() ran without the loss scale")
     _find(messages, "shardopt/step/_usage_checks.py", "RuntimeError", "a second time, into gradients that stage 2 keeps")

@@ -97,7 +97,7 @@ def check_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
             sd.get("shard_size", sd["world_size"]) != opt._comm.shard_size:
         raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']} sharded over "
                          f"{sd.get('shard_size', sd['world_size'])}, this is rank {opt._comm.rank} of "
-                         f"{opt._comm.world_size} sharded over {opt._comm.shard_size}: a ShardedAdamW's state_dict() is one rank's "
+                         f"{opt._comm.world_size} sharded over {opt._comm.shard_size}: a {type(opt).__name__}'s state_dict() is one rank's "
                          "shard. Save the whole state with opt.consolidate_state_dict() before state_dict() (it "
                          "loads at any world size), or use shardopt.save_checkpoint / load_checkpoint")
     if sd.get("moments", "fp32") != opt.config.moments:

@@ -132,7 +132,7 @@ class OptimizerStateDict:
             kinds = agree(self._comm, None, kind)
             if len(set(kinds)) > 1 or kind == "other":
                 raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "
-                                 "0..N-1 ('rank' = a ShardedAdamW rank state dict, 'adamw' = torch.optim.AdamW's "
+                                 "0..N-1 ('rank' = a shardopt rank state dict, 'adamw' = torch.optim.AdamW's "
                                  "format, 'other' = neither): every rank must load the same kind of state dict; to "
                                  "change the world size load an 'adamw' one or use shardopt.load_checkpoint")
             self._consolidated = None

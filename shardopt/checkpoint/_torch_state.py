@@ -100,14 +100,14 @@ class ParamStateView(MutableMapping):
             k == "step" or (isinstance(v, Tensor) and v.data_ptr() == held[k].data_ptr() and v.shape == held[k].shape)
             for k, v in value.items())
         if not same:
-            raise TypeError(f"opt.state[p] = ... for parameter {found[1].name}: ShardedAdamW keeps each parameter's "
+            raise TypeError(f"opt.state[p] = ... for parameter {found[1].name}: shardopt keeps each parameter's "
                             "state in this rank's shard, and opt.state[p] is read from it; write into the tensors of "
                             "opt.state[p] in place (moments='fp32'), or load a state dict (opt.load_state_dict, "
                             "shardopt.load_checkpoint)")
 
     def __delitem__(self, p: Any) -> None:
         if self._record(p) is not None:
-            raise TypeError("del opt.state[p]: ShardedAdamW keeps each parameter's state in this rank's shard; "
+            raise TypeError("del opt.state[p]: shardopt keeps each parameter's state in this rank's shard; "
                             "it cannot forget one parameter's state (build a new optimizer to start afresh)")
         del self._other[p]
 

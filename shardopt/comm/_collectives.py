@@ -233,11 +233,41 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     except RuntimeError as e:
         if not says_timed_out(e):
             raise
-        raise TimeoutError(f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join "
-                           f"shardopt's control group within {wait.total_seconds():g} s: every rank of the group "
-                           "must build the optimizer (or call a weights-only load_checkpoint) at the same point") from None
+        why = (f"rank {dist.get_rank()}: the other ranks of the group {list(ranks)} did not join shardopt's control "
+               f"group within {wait.total_seconds():g} s: every rank of the group must build the optimizer (or call a "
+               "weights-only load_checkpoint) at the same point")
+        # The ranks now count the groups made for these ranks differently: a later try would wait under
+        # another name than theirs. Every later use on this rank raises instead.
+        _CONTROL[ranks] = ControlGroup(None, world, timeout, store=store, key=name + "gave-up",
+                                       broken=f"shardopt can no longer agree with the ranks {list(ranks)} on this "
+                                              f"rank: {why}. Restart every rank")
+        raise TimeoutError(why) from None
     found = _CONTROL[ranks] = ControlGroup(made, world, timeout, store=store, key=name + "gave-up")
     return found
+
+
+def leave_line(key: str, text: str) -> None:
+    """Leave ``text`` under ``key`` in the default store, for other ranks' messages; nothing where
+    there is no store, or it cannot be reached. Local."""
+    store = default_store()
+    if store is None:
+        return
+    try:
+        store.set(key, text)
+    except (RuntimeError, OSError, ValueError):
+        pass
+
+
+def read_line(key: str) -> str | None:
+    """The text a rank left under ``key`` (``leave_line``); None when there is none (or no store).
+    Does not wait. Local."""
+    store = default_store()
+    if store is None:
+        return None
+    try:
+        return store.get(key).decode(errors="replace") if store.check([key]) else None
+    except (RuntimeError, OSError, ValueError):
+        return None
 
 
 class Comm:
@@ -321,7 +351,7 @@ class Comm:
         return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
                        deadline=deadline, control=True)
 
-    def timed_out(self, waited: float, limit: str = "the ShardedAdamW timeout") -> str:
+    def timed_out(self, waited: float, limit: str = "the optimizer's timeout=") -> str:
         """Why a collective this rank waited ``waited`` seconds for (``limit``: whose timeout that
         was) did not complete, naming the call in progress. Local."""
         return (f"rank {self.rank} of {self.world_size}: {self.where} waited {waited:g} s ({limit}) for the other "
@@ -336,7 +366,7 @@ class Comm:
         ``ControlGone`` when the other ranks' connections were closed. Callers that know the call
         (``_step_agreement.enter``) restate either. Local."""
         if says_timed_out(error):
-            limit = "the ShardedAdamW timeout" if self.timeout is not None else "the process group's timeout"
+            limit = "the optimizer's timeout=" if self.timeout is not None else "the process group's timeout"
             text = self.timed_out(waited, limit)
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
                          notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")

@@ -42,18 +42,27 @@ from shardopt.comm._collectives import Comm, ProcessGroup, global_rank, group_ra
 @dataclass
 class ModelAxis:
     """One group of ranks that hold other parts of the model: ``name`` for messages and
-    checkpoints, its ``comm`` (rank, size, control group)."""
+    checkpoints, its ``group``, its global ``ranks``, this rank's place in it; ``comm`` (its
+    control group, see _collectives) once the optimizer's ranks agreed on the axes (``connect``)."""
 
     name: str
-    comm: Comm
+    group: ProcessGroup
+    ranks: tuple[int, ...]
+    comm: Comm | None = None
 
     @property
     def rank(self) -> int:
-        return self.comm.rank
+        return self.ranks.index(global_rank())
 
     @property
     def size(self) -> int:
-        return self.comm.world_size
+        return len(self.ranks)
+
+    def connected(self) -> Comm:
+        """Its comm; raises when asked before ``ModelAxes.connect``."""
+        if self.comm is None:
+            raise AssertionError(f"model axis {self.name!r} used before its ranks connected")
+        return self.comm
 
 
 def axis_groups(model_parallel_group: Any) -> list[tuple[str, ProcessGroup]]:
@@ -75,7 +84,8 @@ def axis_groups(model_parallel_group: Any) -> list[tuple[str, ProcessGroup]]:
 
 class ModelAxes:
     """Every model axis of one optimizer, in the order they are reduced over, and the agreement
-    over them (see [Note: the whole model's agreement])."""
+    over them (see [Note: the whole model's agreement]). Built from the groups alone (no
+    communication); ``connect`` makes each axis's control group."""
 
     def __init__(self, groups: Sequence[tuple[str, ProcessGroup]], data: Comm) -> None:
         self.axes: list[ModelAxis] = []
@@ -87,19 +97,33 @@ class ModelAxes:
             while name in seen.values():
                 name += "'"
             seen[ranks] = name
-            self.axes.append(ModelAxis(name, Comm(group)))
+            self.axes.append(ModelAxis(name, group, ranks))
         self._check_grid(data)
+
+    def connect(self, timeout: float | None) -> list[ModelAxis]:
+        """Make each axis's control group, waiting at most ``timeout`` seconds (None: the group's
+        own timeout) for its other ranks to connect; its messages then wait as long. Returns the
+        axes whose ranks did not all connect, from the first (this rank cannot agree with them: the
+        caller raises). Every rank of every axis, at the same point (after the optimizer's own
+        ranks agreed)."""
+        for i, a in enumerate(self.axes):
+            try:
+                a.comm = Comm(a.group, connect=timeout)
+            except TimeoutError:
+                return self.axes[i:]
+            a.comm.timeout = timeout
+        return []
 
     def name_of(self, group: ProcessGroup) -> str:
         """The name of the axis over the ranks of ``group``. Local."""
-        ranks = group_ranks(group)
-        return next(a.name for a in self.axes if group_ranks(a.comm.data_group) == ranks)
+        ranks = tuple(group_ranks(group))
+        return next(a.name for a in self.axes if a.ranks == ranks)
 
     def _check_grid(self, data: Comm) -> None:
         """Each axis meets the data-parallel group and every other axis in this rank only. Local."""
         me = global_rank()
         sets = [("the optimizer's data-parallel group", set(group_ranks(data.data_group)))]
-        sets += [(f"model axis {a.name!r}", set(group_ranks(a.comm.data_group))) for a in self.axes]
+        sets += [(f"model axis {a.name!r}", set(a.ranks)) for a in self.axes]
         for i, (na, a) in enumerate(sets):
             for nb, b in sets[i + 1:]:
                 if a & b != {me}:
@@ -127,18 +151,14 @@ class ModelAxes:
         """``t`` (a small CPU tensor) summed (or maxed) over every rank of the job: over each axis
         in turn, on its control group. Every rank of the job."""
         for a in self.axes:
-            a.comm.control_all_reduce(t, op).wait()
-
-    def set_timeout(self, timeout: float | None) -> None:
-        for a in self.axes:
-            a.comm.timeout = timeout
+            a.connected().control_all_reduce(t, op).wait()
 
     @contextlib.contextmanager
     def during(self, where: str) -> Iterator[None]:
         """Name ``where`` in the timeout message of the follow-ups waited for inside (``Comm.during``)."""
         with contextlib.ExitStack() as stack:
             for a in self.axes:
-                stack.enter_context(a.comm.during(where))
+                stack.enter_context(a.connected().during(where))
             yield
 
     def describe(self) -> str:

@@ -34,56 +34,122 @@ tell which axis is which, though: beside each part a checkpoint records its axes
 size; the axis whose ranks lie farthest apart first), and a load refuses a checkpoint of another
 number of parts, of as many axes of other sizes, or whose axes of the same names put this rank
 elsewhere (``pp`` and ``tp`` swapped over the same ranks).
+
+[Note: ranks that built the optimizer differently]
+The data-parallel ranks agree on their settings, the model axes among them, before any group of
+the model axes is connected (``connect``): ranks of one data-parallel group that differ in
+``model_parallel_group`` raise there, on every one of them. Ranks at different positions of a
+model axis meet in no group of shardopt's until that axis's control group connects, so a rank
+that passed ``model_parallel_group`` where its peers on the axis did not waits there, at most the
+optimizer's ``timeout`` (else the group's), and then raises. To say why, each rank leaves one line
+in the default store at construction, the axes its latest optimizer holds (``_BUILT``), and the
+rank that gave up reads its peers' lines: a peer whose latest optimizer holds no axis over these
+ranks is named (ValueError), else the peers that built none (TimeoutError). The peers that did not
+pass it cannot be told: they hold no group with this rank, and go on until the model's own
+collectives with the ranks that raised fail (or the launcher ends the job).
 """
 from __future__ import annotations
 
+import ast
 import itertools
-from typing import Any, Sequence
+from typing import Any, NoReturn, Sequence
 
 from torch import Tensor
 from torch.nn import Parameter
 
-from shardopt.comm._collectives import Comm, global_rank, group_ranks, is_process_group, world_size
+from shardopt.comm._collectives import Comm, global_rank, group_ranks, is_process_group, leave_line, read_line, world_size
 from shardopt.comm._model_axes import ModelAxes, ModelAxis, axis_groups
 from shardopt.core._dtensor import axis_name, check_placements, is_dtensor, mesh_of, replicated, stand_in
 
+_BUILT = "shardopt-built/{rank}"  # the store key of the model axes a rank's latest optimizer holds
+
 
 class ModelParts:
-    """Built on every rank at the optimizer's construction, in the same order (it makes process
-    groups of its own): ``param_groups`` (torch's), ``names`` (how messages name each parameter,
-    by ``id``), the optimizer's data-parallel ``comm``, ``model_parallel_group=`` and the
-    optimizer's ``timeout`` (seconds or None)."""
+    """Built on every rank at the optimizer's construction, in the same order: ``param_groups``
+    (torch's), ``names`` (how messages name each parameter, by ``id``), the optimizer's
+    data-parallel ``comm``, ``model_parallel_group=`` and the optimizer's ``timeout`` (seconds or
+    None). Building it is local; ``connect``, once the data-parallel ranks agreed on the settings
+    (the model axes among them), makes the process groups of its own."""
 
     def __init__(self, param_groups: Sequence[dict[str, Any]], names: dict[int, str], comm: Comm,
                  model_parallel_group: Any, timeout: float | None) -> None:
-        self.comm = comm
+        self.comm, self.timeout = comm, timeout
         dtensors = [p for g in param_groups for p in g["params"] if is_dtensor(p)]
         for p in dtensors:
             check_placements(p, names[id(p)])
         given = axis_groups(model_parallel_group)
         self.axes = ModelAxes(given + [(axis_name(p), mesh_of(p).get_group()) for p in dtensors], comm)
-        self.axes.set_timeout(timeout)
         self.user_axes = frozenset(self.axes.name_of(g) for _, g in given)  # model_parallel_group's
         self.dtensor_axes = frozenset(self.axes.name_of(mesh_of(p).get_group()) for p in dtensors)
-        # this rank's place among the ranks that hold one copy of the model on the axes a checkpoint
-        # keys by, and how many they are (see [Note: a part is named by its ranks])
-        self.place, self.places = self._place()
-        # Every rank of the job (the default group), for checkpoints: made here, where every rank is,
-        # when the data-parallel group and the axes cover the default group (see checkpoint._job)
+        # Every rank of the job (the default group), for checkpoints: made at connect, where every rank
+        # is, when the data-parallel group and the axes cover the default group (see checkpoint._job)
         self.job: Comm | None = None
-        if self.axes and comm.world_size * self.axes.size == world_size():
-            self.job = Comm(None)
-            self.job.timeout = timeout
-        self.group_comms = self._own_groups(param_groups, timeout)
+        self.place, self.places = 0, 1  # (at connect)
+        self._own = self._own_groups(param_groups)  # by param group index, its own process group
+        self.group_comms: dict[int, Comm] = {}  # by param group index, the Comm of its own group (at connect)
         self.dtensor_of: dict[int, Tensor] = {}  # by id of a stand-in, the DTensor parameter it stands in for
         self._stand_in: dict[int, Tensor] = {}  # by id of a DTensor parameter, its stand-in
         self.key_prefix: dict[int, str] = {}  # by id of an expert group's parameter, its checkpoint key prefix
+        leave_line(_BUILT.format(rank=global_rank()), repr(self._axes_held()))
 
-    def _own_groups(self, param_groups: Sequence[dict[str, Any]], timeout: float | None) -> dict[int, Comm]:
-        """The Comm of each param group with its own ``"process_group"`` (one per set of ranks),
-        made on every rank in param-group order. Every rank."""
+    def _axes_held(self) -> list[tuple[str, tuple[int, ...], bool]]:
+        """(name, global ranks, given as model_parallel_group) of each model axis: what this rank
+        leaves in the store for the others' messages (see ``connect``). Local."""
+        return [(a.name, a.ranks, a.name in self.user_axes) for a in self.axes.axes]
+
+    def connect(self) -> None:
+        """Make the control groups of the model axes, of every rank of the job (checkpoints) and of
+        each param group's own process group, each waiting at most the optimizer's ``timeout`` for
+        its other ranks. An axis whose ranks did not all connect raises on this rank, naming what
+        the others built instead (see [Note: ranks that built the optimizer differently]). Every
+        rank, at the same point: after the data-parallel ranks agreed on the settings."""
+        failed = self.axes.connect(self.timeout)
+        if failed:
+            self._not_connected(failed[0])
+        # this rank's place among the ranks that hold one copy of the model on the axes a checkpoint
+        # keys by, and how many they are (see [Note: a part is named by its ranks])
+        self.place, self.places = self._place()
+        if self.axes and self.comm.world_size * self.axes.size == world_size():
+            self.job = Comm(None, connect=self.timeout)
+            self.job.timeout = self.timeout
         made: dict[tuple[int, ...], Comm] = {}
-        out: dict[int, Comm] = {}
+        for gi, pg in self._own.items():
+            ranks = tuple(group_ranks(pg))
+            if ranks not in made:
+                made[ranks] = Comm(pg, connect=self.timeout)
+                made[ranks].timeout = self.timeout
+            self.group_comms[gi] = made[ranks]
+
+    def _not_connected(self, axis: ModelAxis) -> NoReturn:
+        """Raise for model axis ``axis``, whose other ranks did not connect within the timeout:
+        ValueError naming the ranks whose latest optimizer holds no axis over these ranks, else
+        TimeoutError naming the ranks that built none (see [Note: ranks that built the optimizer
+        differently]). Local."""
+        me = global_rank()
+        how = "passed model_parallel_group" if axis.name in self.user_axes else "holds DTensor parameters on a mesh"
+        waited = f"{self.timeout:g} s" if self.timeout is not None else "the process group's timeout"
+        without, silent = [], []
+        for r in axis.ranks:
+            line = read_line(_BUILT.format(rank=r)) if r != me else ""
+            if line is None:
+                silent.append(r)
+            elif line and all(ranks != axis.ranks for _, ranks, _ in ast.literal_eval(line)):
+                without.append(r)
+        over = f"(axis {axis.name!r}, ranks {list(axis.ranks)})"
+        if without:
+            raise ValueError(
+                f"rank {me} {how} {over}, rank {without[0]} did not: its latest optimizer was built without a model "
+                f"axis over these ranks{f' (so were ranks {without[1:]})' if without[1:] else ''}. Every rank of "
+                "model_parallel_group must pass it (the same group, or the same DeviceMesh) to its optimizer, so that "
+                f"the clip norm, the skip and checkpoints span the whole model (this rank waited {waited} for it)")
+        raise TimeoutError(
+            f"rank {me} {how} {over}, and ranks {silent or 'of it'} did not build their optimizer with it within "
+            f"{waited}: every rank of the axis must build its optimizer at the same point, with the same "
+            "model_parallel_group; where one rank legitimately arrives later, pass a larger timeout=")
+
+    def _own_groups(self, param_groups: Sequence[dict[str, Any]]) -> dict[int, Any]:
+        """By index, the ``"process_group"`` of each param group that has its own, checked. Local."""
+        out: dict[int, Any] = {}
         mine = set(self.comm.global_ranks)
         for gi, g in enumerate(param_groups):
             pg = g.get("process_group")
@@ -98,15 +164,12 @@ class ModelParts:
                 raise ValueError(f"param group {gi}'s process_group holds ranks {sorted(set(ranks) - mine)} outside "
                                  f"the optimizer's group {sorted(mine)}: a param group's own group is the part of "
                                  "the optimizer's data-parallel ranks that hold its parameters")
-            if ranks not in made:
-                made[ranks] = Comm(pg)
-                made[ranks].timeout = timeout
-            out[gi] = made[ranks]
+            out[gi] = pg
         return out
 
     def __bool__(self) -> bool:
         """Whether the ranks hold different parts of the model (model axes or expert groups)."""
-        return bool(self.axes) or bool(self.group_comms)
+        return bool(self.axes) or bool(self._own)
 
     def settle(self, trainable: Sequence[tuple[Parameter, int]], names: dict[int, str]) -> list[tuple[Parameter, int]]:
         """Once the ranks agreed on ``trainable`` ((parameter, group index) pairs): the pairs the
@@ -153,13 +216,36 @@ class ModelParts:
         """The model axes ``p`` (a plain parameter or a DTensor's stand-in) is a copy across (see
         _model_axes): a DTensor's mesh when its placement is Replicate; for a plain parameter the
         meshes of the DTensor parameters beside it; every axis of ``model_parallel_group`` for a
-        param group marked ``"replicated": True``."""
+        param group marked ``"replicated": True``, the axes it names for ``"replicated": [names]``
+        (see ``check_replicated``)."""
         dt = self.dtensor_of.get(id(p))
         if dt is not None:
             over = {self.axes.name_of(mesh_of(dt).get_group())} if replicated(dt) else set()
         else:
             over = set(self.dtensor_axes)
-        return frozenset(over | (self.user_axes if group.get("replicated") else set()))
+        marked = group.get("replicated")
+        if marked is True:
+            over |= self.user_axes
+        elif isinstance(marked, (str, list, tuple)):
+            over |= {marked} if isinstance(marked, str) else set(marked)
+        return frozenset(over)
+
+    def check_replicated(self, group: dict[str, Any], gi: int) -> None:
+        """Raise for param group ``gi``'s ``"replicated"`` key unless it is absent, True, False, or
+        names axes of ``model_parallel_group`` (a name or a list of names). Local."""
+        marked = group.get("replicated")
+        if marked is None or isinstance(marked, bool):
+            return
+        names = [marked] if isinstance(marked, str) else list(marked) if isinstance(marked, (list, tuple)) else None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise TypeError(f'param group {gi} has "replicated": {marked!r}; pass True (a copy on every rank of '
+                            "model_parallel_group), False (a part on each), or the names of the axes of "
+                            "model_parallel_group it is a copy across")
+        unknown = sorted(set(names) - self.user_axes)
+        if unknown:
+            raise ValueError(f'param group {gi} has "replicated": {marked!r}, but model_parallel_group has no axis '
+                             f"named {', '.join(map(repr, unknown))}; its axes are {sorted(self.user_axes)} (a "
+                             "DeviceMesh's mesh_dim_names; 'mp' for a process group)")
 
     def _keyed_axes(self) -> list[ModelAxis]:
         """The axes of ``model_parallel_group`` that no DTensor mesh names (those whose parts a
@@ -167,7 +253,7 @@ class ModelParts:
         an order that the ranks alone give, whatever the axes are called or the order they are
         passed in (see [Note: a part is named by its ranks]). Local."""
         keyed = [a for a in self.axes.axes if a.name in self.user_axes and a.name not in self.dtensor_axes]
-        return sorted(keyed, key=lambda a: -_stride(group_ranks(a.comm.data_group)))
+        return sorted(keyed, key=lambda a: -_stride(a.ranks))
 
     def _place(self) -> tuple[int, int]:
         """(this rank's place among the global ranks, sorted, that hold one copy of the model on the
@@ -177,11 +263,11 @@ class ModelParts:
         if not keyed:
             return 0, 1
         if len(keyed) == 1:
-            held = set(group_ranks(keyed[0].comm.data_group))
+            held = set(keyed[0].ranks)
         else:  # the grid they span: each axis's ranks, then every rank of the next axis through them
             held = {global_rank()}
             for a in keyed:
-                held = set().union(*a.comm.all_gather_objects(sorted(held)))
+                held = set().union(*a.connected().all_gather_objects(sorted(held)))
         return sorted(held).index(global_rank()), len(held)
 
     def key_part(self) -> str:

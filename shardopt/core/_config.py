@@ -85,9 +85,9 @@ ADAMW_FLAGS: dict[str, Any] = {"amsgrad": False, "maximize": False, "foreach": N
                                "differentiable": False, "fused": None, "decoupled_weight_decay": True}
 
 
-def _check_flags(hp: dict[str, Any], index: int) -> None:
-    """Raise ValueError for a torch.optim.AdamW flag ShardedAdamW cannot honour in param group ``index``
-    (with its defaults filled in). Local."""
+def _check_flags(hp: dict[str, Any], index: int, who: str) -> None:
+    """Raise ValueError for a torch.optim.AdamW flag optimizer ``who`` (its class name) cannot honour
+    in param group ``index`` (with its defaults filled in). Local."""
     for key in ("amsgrad", "maximize", "capturable", "differentiable", "decoupled_weight_decay"):
         if key in hp and not isinstance(hp[key], bool):
             raise ValueError(f"param group {index} sets {key}={hp[key]!r}: pass True or False")
@@ -95,18 +95,19 @@ def _check_flags(hp: dict[str, Any], index: int) -> None:
         if hp.get(key) is not None and not isinstance(hp[key], bool):
             raise ValueError(f"param group {index} sets {key}={hp[key]!r}: pass None, True or False")
     if hp.get("differentiable"):
-        raise ValueError(f"differentiable=True (param group {index}): ShardedAdamW's step cannot be differentiated "
+        raise ValueError(f"differentiable=True (param group {index}): {who}'s step cannot be differentiated "
                          "through (it updates sharded state in place and exchanges it between ranks); use "
                          "torch.optim.AdamW(differentiable=True) for gradients through the optimizer step, or leave "
                          "differentiable out")
     if hp.get("decoupled_weight_decay") is False:
-        raise ValueError(f"param group {index} sets decoupled_weight_decay=False, which ShardedAdamW does not "
-                         "implement (it is AdamW: decoupled weight decay); remove the key from the group")
+        raise ValueError(f"param group {index} sets decoupled_weight_decay=False, which {who} does not "
+                         "implement (its AdamW update decouples the weight decay); remove the key from the group")
 
 
-def check_param_group(param_group: object, index: int, defaults: dict[str, Any]) -> dict[str, Any]:
+def check_param_group(param_group: object, index: int, defaults: dict[str, Any],
+                      who: str = "ShardedAdamW") -> dict[str, Any]:
     """A copy of param group ``index`` whose ``params`` is a list (a generator is consumed once);
-    raises TypeError/ValueError naming what ShardedAdamW cannot take."""
+    raises TypeError/ValueError naming what optimizer ``who`` (its class name) cannot take."""
     from torch import Tensor
 
     if not isinstance(param_group, dict):
@@ -122,9 +123,9 @@ def check_param_group(param_group: object, index: int, defaults: dict[str, Any])
         params = list(params)
     group["params"] = params
     if params is not None and len({id(_tensor(p)) for p in params}) != len(params):
-        _drop_duplicates(group, index)
+        _drop_duplicates(group, index, who)
     hp = {**defaults, **group}
-    _check_flags(hp, index)
+    _check_flags(hp, index, who)
     check_hyperparameters(hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"])
     for p in params or []:
         if isinstance(p, Tensor) and not p.is_leaf:
@@ -133,7 +134,7 @@ def check_param_group(param_group: object, index: int, defaults: dict[str, Any])
     return group
 
 
-def _drop_duplicates(group: dict[str, Any], index: int) -> None:
+def _drop_duplicates(group: dict[str, Any], index: int, who: str) -> None:
     """Keep the first occurrence of each parameter listed more than once in ``group`` (a tied
     weight collected twice), with torch's warning; torch.optim.AdamW would update it once per
     occurrence, a behaviour torch has deprecated."""
@@ -147,9 +148,9 @@ def _drop_duplicates(group: dict[str, Any], index: int) -> None:
     dropped = [repr(params[j][0]) if isinstance(params[j], tuple) else repr(names[j]) if names else f"#{j}"
                for j in range(len(params)) if j not in set(keep)]
     warnings.warn(f"optimizer contains a parameter group with duplicate parameters (param group {index}: "
-                  f"repeated entries {', '.join(dropped)}); ShardedAdamW keeps the first occurrence and updates "
-                  "each parameter once per step (torch.optim.AdamW would update it once per occurrence, which torch "
-                  "has deprecated); pass each parameter once, e.g. list(dict.fromkeys(params))", UserWarning,
+                  f"repeated entries {', '.join(dropped)}); {who} keeps the first occurrence and updates "
+                  "each parameter once per step (a torch.optim optimizer would update it once per occurrence, which "
+                  "torch has deprecated); pass each parameter once, e.g. list(dict.fromkeys(params))", UserWarning,
                   stacklevel=5)
     group["params"] = [group["params"][j] for j in keep]
     if names:
@@ -175,8 +176,8 @@ def check_hyperparameters(lr: object, betas: object, eps: object, weight_decay: 
     """Raise ValueError naming the first invalid AdamW hyperparameter."""
     check_lr(lr)
     if isinstance(betas, (tuple, list)) and any(isinstance(b, torch.Tensor) for b in betas):
-        raise ValueError(f"betas as tensors are not supported (betas={tuple(betas)!r}): ShardedAdamW computes its "
-                         "per-step factors from float betas; pass floats, e.g. betas=(0.9, 0.95)")
+        raise ValueError(f"betas as tensors are not supported (betas={tuple(betas)!r}): shardopt's AdamW update "
+                         "computes its per-step factors from float betas; pass floats, e.g. betas=(0.9, 0.95)")
     if not (_is_number(lr) and float(lr) >= 0):
         raise ValueError(f"invalid learning rate lr={lr!r}: need a number >= 0")
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2 and all(_is_number(b) for b in betas)):
@@ -214,9 +215,11 @@ def param_names(param_groups: list[dict[str, Any]]) -> dict[int, str]:
     return names
 
 
-def trainable_params(param_groups: list[dict[str, Any]]) -> list[tuple[torch.nn.Parameter, int]]:
-    """(parameter, param-group index) of every parameter that requires grad; a clear error for one
-    ShardedAdamW cannot shard (non-leaf, meta, unsupported dtype, sparse, on several devices). Local."""
+def trainable_params(param_groups: list[dict[str, Any]],
+                     who: str = "ShardedAdamW") -> list[tuple[torch.nn.Parameter, int]]:
+    """(parameter, param-group index) of every parameter that requires grad; a clear error, naming
+    optimizer ``who`` (its class name), for one it cannot shard (non-leaf, meta, unsupported dtype,
+    sparse, on several devices). Local."""
     out, devices = [], set()
     for gi, group in enumerate(param_groups):
         for p in group["params"]:
@@ -227,22 +230,22 @@ def trainable_params(param_groups: list[dict[str, Any]]) -> list[tuple[torch.nn.
                 continue
             if p.device.type == "meta":
                 raise ValueError(f"parameter of shape {tuple(p.shape)} is on the meta device (no values yet); "
-                                 "materialise the model before building ShardedAdamW, e.g. "
+                                 f"materialise the model before building {who}, e.g. "
                                  "model.to_empty(device=...) followed by its initialisation")
             if p.dtype not in _SUPPORTED_DTYPES:
-                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; ShardedAdamW "
+                raise TypeError(f"parameter of shape {tuple(p.shape)} has dtype {p.dtype}; {who} "
                                 f"supports {[str(d) for d in _SUPPORTED_DTYPES]}: convert the model first")
             if p.is_sparse:
-                raise TypeError(f"parameter of shape {tuple(p.shape)} is sparse; ShardedAdamW needs dense parameters")
+                raise TypeError(f"parameter of shape {tuple(p.shape)} is sparse; {who} needs dense parameters")
             devices.add(p.device)
             out.append((p, gi))
     if not out:
         given = [p for group in param_groups for p in group["params"]]
         if not given:
-            raise ValueError("ShardedAdamW got an empty parameter list: pass the model's parameters, e.g. "
+            raise ValueError(f"{who} got an empty parameter list: pass the model's parameters, e.g. "
                              "model.parameters()")
         shapes = ", ".join(f"{tuple(p.shape)} {p.dtype}" for p in given[:4]) + (", ..." if len(given) > 4 else "")
-        raise ValueError(f"ShardedAdamW got {len(given)} parameters ({shapes}) and none with requires_grad=True, "
+        raise ValueError(f"{who} got {len(given)} parameters ({shapes}) and none with requires_grad=True, "
                          "so it has nothing to train: pass parameters that require gradients (frozen ones may be "
                          "passed too; they are left untouched)")
     if len(devices) > 1:

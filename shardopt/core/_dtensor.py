@@ -54,13 +54,13 @@ def check_placements(p: Tensor, name: str) -> None:
     dimension, or a Partial placement. Local."""
     mesh = mesh_of(p)
     if mesh.ndim != 1:
-        raise ValueError(f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {tuple(mesh.shape)}: ShardedAdamW "
+        raise ValueError(f"parameter {name} is a DTensor on a {mesh.ndim}-D mesh {tuple(mesh.shape)}: shardopt "
                          "takes DTensor parameters on a 1-D (tensor-parallel) mesh and shards their local tensors "
                          "over its own data-parallel group; parallelize the model over mesh['tp'] and pass "
                          "device_mesh=mesh['dp'] to the optimizer")
     kinds = {type(pl).__name__ for pl in p.placements}  # type: ignore[attr-defined]
     if not kinds <= {"Shard", "Replicate"}:
-        raise ValueError(f"parameter {name} is a DTensor with placements {tuple(p.placements)}: ShardedAdamW "  # type: ignore[attr-defined]
+        raise ValueError(f"parameter {name} is a DTensor with placements {tuple(p.placements)}: shardopt "  # type: ignore[attr-defined]
                          "takes Shard and Replicate placements (as parallelize_module makes them)")
 
 

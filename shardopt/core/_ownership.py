@@ -66,12 +66,13 @@ def take_over(opt: Lifetime, params: Iterable[Tensor], anchors: dict[int, Tensor
         anchor = anchors.get(id(p))
         _OWNERS[id(p)] = (weakref.ref(p if anchor is None else anchor), weakref.ref(opt), anchor is not None)
     for old in previous.values():
-        old._release("superseded: a newer ShardedAdamW was built over the same parameters and trains them now")
+        old._release(f"superseded: a newer {type(opt).__name__} was built over the same parameters and trains "
+                     "them now")
 
 
-_NO_COPY = ("{how} a ShardedAdamW is not supported: its state is sharded over the ranks of a process group and "
+_NO_COPY = ("{how} a {cls} is not supported: its state is sharded over the ranks of a process group and "
             "the model's parameters are views of its flat buffers, so a copy could not train. Copy the model and build "
-            "a new ShardedAdamW over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
+            "a new {cls} over the copy on every rank, then new_opt.load_state_dict(opt.state_dict()); to save "
             "the optimizer use opt.state_dict() or shardopt.save_checkpoint")
 
 
@@ -109,16 +110,16 @@ class Lifetime:
                 self.__dict__[name] = None
 
     def __deepcopy__(self, memo: dict) -> NoReturn:
-        raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)"))
+        raise TypeError(_NO_COPY.format(how="deep-copying (copy.deepcopy)", cls=type(self).__name__))
 
     def __getstate__(self) -> NoReturn:  # copy.copy, pickle, torch.save of the optimizer object
-        raise TypeError(_NO_COPY.format(how="copying or pickling"))
+        raise TypeError(_NO_COPY.format(how="copying or pickling", cls=type(self).__name__))
 
     def _check_open(self) -> None:
         if self._closed is not None:
             then = "train with the newer one" if self._closed.startswith("superseded") else \
-                "build a new ShardedAdamW over the parameters to train them again"
-            raise RuntimeError(f"this ShardedAdamW is {self._closed}; {then}")
+                f"build a new {type(self).__name__} over the parameters to train them again"
+            raise RuntimeError(f"this optimizer ({type(self).__name__}) no longer trains, it is {self._closed}; {then}")
 
     def __del__(self) -> None:
         # Dropped with weight gathers in flight (a local of a function that returned right after

@@ -36,14 +36,14 @@ from shardopt.core._records import Placeholder
 _aten = torch.ops.aten
 _ZEROING = {_aten.zero_.default, _aten._foreach_zero_.default}
 
-MESSAGE = ("this parameter is trained by ShardedAdamW(stage=2), which keeps only this rank's shard of the averaged "
+MESSAGE = ("this parameter is trained by a shardopt optimizer with stage=2, which keeps only this rank's shard of the averaged "
            "gradient, so p.grad holds no values (it was read by {op}). To clip by norm, call "
            "opt.clip_grad_norm_(max_norm) (the global norm over all ranks and shards) instead of "
            "torch.nn.utils.clip_grad_norm_. Clipping by value (torch.nn.utils.clip_grad_value_), a plain torch.optim "
            "optimizer over this parameter and torch.amp.GradScaler.unscale_ need every element of p.grad: use stage=1, "
-           "which keeps the full averaged gradient in p.grad (for fp16, ShardedAdamW scales the loss itself through "
+           "which keeps the full averaged gradient in p.grad (for fp16, the optimizer scales the loss itself through "
            "opt.backward(loss): no GradScaler is needed). p.grad = None and p.grad.zero_() work as usual")
-ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by ShardedAdamW under opt.no_sync(), so "
+ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by the optimizer under opt.no_sync(), so "
                 "p.grad holds no values until the backward of the last micro-batch, outside no_sync (it was read by "
                 "{op}); read gradients after that backward, or pass accumulate_dtype=None to sum them in p.grad in "
                 "16 bits; p.grad = None and p.grad.zero_() work as usual")
@@ -92,7 +92,7 @@ class GradPlaceholder(Placeholder):
         if func in (_aten.detach.default, _aten.alias.default):
             return args[0]
         if func is _aten.add.Tensor and isinstance(args[0], GradPlaceholder):
-            raise RuntimeError("autograd added a new gradient out of place to the gradient ShardedAdamW(stage=2) "
+            raise RuntimeError("autograd added a new gradient out of place to the gradient the optimizer (stage=2) "
                                "holds in shards (a backward with create_graph=True, or compiled autograd), which "
                                "it cannot do: call opt.zero_grad() (or model.zero_grad()) before that backward")
         flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
@@ -100,7 +100,7 @@ class GradPlaceholder(Placeholder):
         raise RuntimeError((ACCUMULATING if accumulating else MESSAGE).format(op=func))
 
     def __repr__(self) -> str:  # type: ignore[override]
-        return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by ShardedAdamW stage 2)"
+        return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by a shardopt optimizer, stage 2)"
 
 
 def pending_of(grad: Tensor | None) -> Tensor | None:

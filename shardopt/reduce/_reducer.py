@@ -316,7 +316,7 @@ class GradReducer:
         self.held.unkeep(r)
         p = r.param
         if p.grad is not None and p.grad.is_sparse:
-            raise TypeError(f"parameter #{r.index} of shape {tuple(p.shape)} got a sparse gradient; ShardedAdamW "
+            raise TypeError(f"parameter #{r.index} of shape {tuple(p.shape)} got a sparse gradient; shardopt "
                             "needs dense gradients (e.g. nn.Embedding(sparse=False))")
         if self.accum is not None:  # fold this round's gradient into the fp32 sum of earlier micro-batches
             self._accumulate(r)

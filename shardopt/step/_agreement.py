@@ -133,7 +133,10 @@ def settings(opt: _Built, comm: Comm, loss_scale: object, dtypes: set[torch.dtyp
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
             "max_consecutive_skips": c.max_consecutive_skips,
             "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
-            "model axes": tuple((a.name, a.size) for a in opt._parts.axes.axes),
+            "model_parallel_group": tuple((a.name, a.size) for a in opt._parts.axes.axes
+                                          if a.name in opt._parts.user_axes),
+            "DTensor meshes": tuple((a.name, a.size) for a in opt._parts.axes.axes
+                                    if a.name in opt._parts.dtensor_axes),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v if k != "process_group" else f"a group of {len(group_ranks(v))} ranks"
                for gi, g in enumerate(opt.param_groups) for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
@@ -149,7 +152,7 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
     without names cannot be told apart. Every rank, at construction."""
     try:
         check()
-        trainable, error = trainable_params(opt.param_groups), None
+        trainable, error = trainable_params(opt.param_groups, type(opt).__name__), None
         named = any(g.get("param_names") for g in opt.param_groups)
         desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]
         desc.insert(0, ("settings", sorted(settings(opt, comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
@@ -161,13 +164,13 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
         trainable, error, desc = [], e, [("error", type(e).__name__, str(e))]
     if comm.same_everywhere(desc) and error is None:
         return trainable
-    raise_first_difference(comm.all_gather_objects(desc), comm.rank)
+    raise_first_difference(comm.all_gather_objects(desc), comm.rank, type(opt).__name__)
 
 
-def raise_first_difference(every: list[list], rank: int) -> NoReturn:
+def raise_first_difference(every: list[list], rank: int, who: str = "ShardedAdamW") -> NoReturn:
     """Raise, on every rank alike, the first difference between rank 0's description and another
     rank's (``every``: each rank's ``[("settings", items), params..., ("frozen", params)]``, or
-    ``[("error", kind, message)]``)."""
+    ``[("error", kind, message)]``); ``who``: the optimizer's class name."""
     for r, other in enumerate(every):
         if other and other[0][0] == "error":
             kind = TypeError if other[0][1] == "TypeError" else ValueError
@@ -175,10 +178,17 @@ def raise_first_difference(every: list[list], rank: int) -> NoReturn:
     for r, other in enumerate(every):
         ours, theirs = dict(every[0][0][1]), dict(other[0][1])
         for key in sorted(set(ours) | set(theirs)):
-            if ours.get(key) != theirs.get(key):
-                raise ValueError(f"ShardedAdamW settings differ across ranks: {key} is {ours.get(key)!r} on rank 0 "
-                                 f"but {theirs.get(key)!r} on rank {r}; build the optimizer with the same "
-                                 "arguments on every rank")
+            if ours.get(key) == theirs.get(key):
+                continue
+            if key == "model_parallel_group" and not (ours[key] and theirs[key]):
+                given, without = (0, r) if ours[key] else (r, 0)
+                raise ValueError(f"{who} settings differ across ranks: rank {given} passed model_parallel_group "
+                                 f"(axes {dict(ours[key] or theirs[key])}), rank {without} did not; pass the same "
+                                 "model_parallel_group (the ranks that hold the other parts of the model) on every "
+                                 "rank")
+            raise ValueError(f"{who} settings differ across ranks: {key} is {ours.get(key)!r} on rank 0 "
+                             f"but {theirs.get(key)!r} on rank {r}; build the optimizer with the same "
+                             "arguments on every rank")
     every = [other[1:] for other in every]
     ref = every[0]
     for r, other in enumerate(every):

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
     from torch import Tensor
 
-    from shardopt.core._flat import FlatParams
+    from shardopt.core._flat import FlatParams, ShardView
     from shardopt.core._records import ParamRecord
 
     # What the checks read of a sharded buffer, its reducer and its binding, which live floors up
@@ -55,6 +55,8 @@ if TYPE_CHECKING:
         scaled_backwards: int
         carried_backwards: int
         unscaled_backwards: int
+
+        def local_grad(self) -> Tensor | ShardView: ...
 
         def follow_views(self) -> bool: ...
         def apply_zeroing(self, *, at_step: bool = False) -> bool: ...
@@ -165,7 +167,7 @@ class UsageChecks:
             for r in replaced:
                 found.problems.append(
                     f"p.grad of parameter {r.name} was replaced by a tensor after backward. With "
-                    "ShardedAdamW(stage=2) each rank holds only its shard of the averaged gradient, so a gradient "
+                    "stage=2 each rank holds only its shard of the averaged gradient, so a gradient "
                     "assigned after backward cannot be averaged any more: assign it before backward (it is then "
                     "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
             found.written.append(written)
@@ -177,7 +179,7 @@ class UsageChecks:
         for p in self.untracked:
             if p.requires_grad and p.grad is not None:
                 found.problems.append(
-                    f"parameter {self.names[id(p)]} had requires_grad=False when ShardedAdamW was built and now has "
+                    f"parameter {self.names[id(p)]} had requires_grad=False when the optimizer was built and now has "
                     "a gradient: the optimizer lays out and shards its parameters at construction, so it cannot start "
                     "training this one. Build the optimizer with the parameter trainable and freeze it while it should "
                     "not train (a frozen parameter is left untouched), or build a new optimizer after unfreezing")
@@ -204,7 +206,7 @@ class UsageChecks:
         for r in b.binding.raced(records):
             self.late_problems.append(
                 f"parameter {r.name} was written (through the parameter, a view or .data) while "
-                "ShardedAdamW(overlap_param_gather=True) was still gathering the weights of the last step into the "
+                "the optimizer (overlap_param_gather=True) was still gathering the weights of the last step into the "
                 "model, which overwrote the write. A write in the thread that called step() waits for the gathers by "
                 "itself; from another thread, call opt.finish_param_gather() before writing weights into the model")
 
@@ -337,7 +339,7 @@ class UsageChecks:
         self.seconds += time.perf_counter() - start
 
 
-DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but ShardedAdamW reduces the "
+DDP_MESSAGE = ("the model is wrapped in torch.nn.parallel.DistributedDataParallel, but shardopt's optimizer reduces the "
                "gradients itself (DDP would reduce them a second time{what}). Train the bare model: with "
                "transformers.Trainer use shardopt.integrations.hf.ShardedTrainer, with Accelerate "
                "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...), with Lightning "

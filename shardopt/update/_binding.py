@@ -39,7 +39,7 @@ def warn_layout_change(names: Sequence[str], when: str) -> None:
     contiguous views of a flat buffer. Local; each rank warns for its own parameters."""
     if names:
         warnings.warn(
-            f"ShardedAdamW lays each parameter out contiguously in its flat buffer, so these parameters, which had "
+            f"shardopt lays each parameter out contiguously in its flat buffer, so these parameters, which had "
             f"another memory format (e.g. channels_last) {when}, are now contiguous: {', '.join(names)}. The values "
             "and the training are unchanged, but kernels that prefer that format (channels_last convolutions on GPUs) "
             "convert the weight on every call; convert the activations, not the weights, to channels_last",
@@ -93,10 +93,10 @@ class ParamBinding:
             was = f"{r.span.shape} {flat.dtype} on {flat.device}"
             now = f"{tuple(p.shape)} {p.dtype} on {p.device}"
             problems.append(
-                f"parameter {r.name} is now {now} but was {was} when ShardedAdamW was built: model.to(dtype), "
+                f"parameter {r.name} is now {now} but was {was} when the optimizer was built: model.to(dtype), "
                 ".half(), .float(), .to(device) or p.data = t after building the optimizer gave it new storage that "
                 "the optimizer's flat buffers, master weights and moments cannot follow. Convert or move the model "
-                "first, then build ShardedAdamW (to continue a run, save_checkpoint before and load_checkpoint after)")
+                "first, then build the optimizer (to continue a run, save_checkpoint before and load_checkpoint after)")
         return written, rebind, problems
 
     def rebind(self, records: Sequence[ParamRecord]) -> None:

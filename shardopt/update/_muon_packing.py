@@ -24,6 +24,17 @@ randomness and only integer arithmetic: every rank computes the same packing fro
 Greedy list scheduling bounds the result (Graham): the rank with the most cost received its last
 matrix ``j`` when it had the least, at most the mean of the others, so
 ``max cost <= mean cost + (1 - 1/N) * cost_j``.
+
+[Note: owners of tensor-parallel pieces]
+A matrix split over tensor-parallel ranks (a DTensor with a Shard placement) is orthogonalised
+whole: its owner at each tensor-parallel position gathers the pieces from the owners at the
+others (see _muon_tp). So the owners must be the same data-parallel rank at every position, and
+the placement reads the *whole* matrix's shape (``whole_shapes``), alike everywhere, never the
+piece's: an uneven split (``torch.chunk`` of 15 rows over 2 ranks gives 8 and 7) gives the
+positions different pieces, whose costs would order the matrices differently and pair one
+position's gather with another matrix, or with none, at the next. The whole matrix's cost is also
+the owner's work. Only where the piece lies in its owner's chunk (offsets, chunk and bucket
+sizes) follows the piece's own elements.
 """
 from __future__ import annotations
 
@@ -54,7 +65,7 @@ class MuonPacking:
     offset: tuple[int, ...]  # start of matrix i within its owner's chunk, a multiple of alignment
     chunk_numel: int  # elements of every rank's chunk, a multiple of alignment
     padding_numel: int  # world_size * chunk_numel minus the matrices' elements (alignment gaps included)
-    ns_cost: tuple[int, ...]  # per rank: the sum of ns_cost() of its matrices, in multiply-adds
+    ns_cost: tuple[int, ...]  # per rank: the sum of ns_cost() of its matrices (a piece's: its whole's), multiply-adds
 
     @property
     def numel(self) -> int:
@@ -96,29 +107,40 @@ class MuonPacking:
         return Range(start, start + m * n)
 
 
-def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *,
-                  alignment: int = DEFAULT_ALIGNMENT) -> MuonPacking:
-    """Assign each (m, n) matrix to one of ``world_size`` ranks; see [Note: balance]."""
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size=}")
-    if alignment < 1:
-        raise ValueError(f"alignment must be >= 1, got {alignment=}")
+def _matrices(shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
     dims: list[tuple[int, int]] = []
     for i, shape in enumerate(shapes):
         shape = tuple(shape)
         if len(shape) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
             raise ValueError(f"matrix {i}: Muon packs 2-D matrices of positive integer sizes, got shape {shape}")
         dims.append((shape[0], shape[1]))
+    return dims
 
-    costs = [ns_cost(s) for s in dims]
+
+def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *, alignment: int = DEFAULT_ALIGNMENT,
+                  whole_shapes: Sequence[Sequence[int]] | None = None) -> MuonPacking:
+    """Assign each (m, n) matrix to one of ``world_size`` ranks; see [Note: balance].
+    ``whole_shapes[i]``: the whole matrix ``shapes[i]`` is a tensor-parallel piece of, which places
+    it (see [Note: owners of tensor-parallel pieces]); default ``shapes``."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size=}")
+    if alignment < 1:
+        raise ValueError(f"alignment must be >= 1, got {alignment=}")
+    dims = _matrices(shapes)
+    wholes = dims if whole_shapes is None else _matrices(whole_shapes)
+    if len(wholes) != len(dims):
+        raise ValueError(f"whole_shapes names {len(wholes)} matrices for {len(dims)} pieces")
+
+    costs = [ns_cost(s) for s in wholes]
+    sizes = [_round_up(m * n, alignment) for m, n in wholes]  # the whole matrices' elements: the placement's ties
     footprints = [_round_up(m * n, alignment) for m, n in dims]  # elements up to the next aligned start
     rank_cost, rank_elems = [0] * world_size, [0] * world_size
     owner = [0] * len(dims)
-    for i in sorted(range(len(dims)), key=lambda i: (-costs[i], -footprints[i], i)):
+    for i in sorted(range(len(dims)), key=lambda i: (-costs[i], -sizes[i], i)):
         r = min(range(world_size), key=lambda r: (rank_cost[r], rank_elems[r], r))
         owner[i] = r
         rank_cost[r] += costs[i]
-        rank_elems[r] += footprints[i]
+        rank_elems[r] += sizes[i]
 
     offset, fill = [0] * len(dims), [0] * world_size
     for i, r in enumerate(owner):  # each chunk in the matrices' given order
@@ -130,12 +152,15 @@ def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *,
 
 
 def owned_layout(shapes: Sequence[Sequence[int]], world_size: int, *, alignment: int = DEFAULT_ALIGNMENT,
-                 bucket_numel: int | None = None) -> tuple[FlatLayout, MuonPacking, list[int]]:
+                 bucket_numel: int | None = None,
+                 whole_shapes: Sequence[Sequence[int]] | None = None) -> tuple[FlatLayout, MuonPacking, list[int]]:
     """The flat buffer ShardedMuon lays its matrices out in: every matrix whole in its owner's
     piece of one bucket (see [Note: Muon's buckets]). Returns (layout, packing, order): ``order[k]``
     is the index in ``shapes`` of the layout's ``k``-th parameter (bucket by bucket, each bucket's
     matrices by owner, then chunk offset), and ``packing`` is indexed in that buffer order, its
-    ``padding_numel`` the layout's. Valid on any rank; no communication.
+    ``padding_numel`` the layout's. ``whole_shapes``: as ``pack_matrices``'s, the whole matrices
+    that place tensor-parallel pieces (the owners then agree at every tensor-parallel position;
+    see [Note: owners of tensor-parallel pieces]). Valid on any rank; no communication.
 
     [Note: Muon's buckets]
     A bucket is ``world_size`` equal pieces, one per rank (see core._layout); a reduce-scatter
@@ -143,7 +168,7 @@ def owned_layout(shapes: Sequence[Sequence[int]], world_size: int, *, alignment:
     ones that fit in ``bucket_numel / world_size`` elements (at least one while any is left), and
     its piece size is the fullest rank's. Owners stay the packing's (the balance is kept); a bucket
     where ranks fill unequally is padded up to the fullest, which ``padding_numel`` counts."""
-    packing = pack_matrices(shapes, world_size, alignment=alignment)
+    packing = pack_matrices(shapes, world_size, alignment=alignment, whole_shapes=whole_shapes)
     footprints = [_round_up(m * n, alignment) for m, n in packing.shapes]
     queues = [list(packing.rank_matrices(r)) for r in range(world_size)]
     cap = None if bucket_numel is None else max(1, bucket_numel // world_size)

@@ -3,13 +3,16 @@
 [Note: Muon beside tensor parallelism]
 Newton-Schulz needs the whole matrix: orthogonalising each tensor-parallel piece on its own is a
 different update (the pieces' singular vectors are not the whole's). Each piece is owned whole by
-one rank of its data-parallel group, the same data-parallel rank at every tensor-parallel position
-(the layouts are alike there). That owner's momentum-averaged update of its piece is gathered
+one rank of its data-parallel group, the same data-parallel rank at every tensor-parallel position:
+owners are placed by the whole matrices' shapes, also where an uneven split gives the positions
+pieces of different sizes (see _muon_packing [Note: owners of tensor-parallel pieces]). That
+owner's momentum-averaged update of its piece is gathered
 across the tensor-parallel mesh (the DTensor's own all-gather, ``full_tensor``), every owner
 orthogonalises the whole matrix, as ``torch.optim.Muon`` would, and keeps its piece (the same
 ``torch.chunk`` split DTensor's Shard placement uses). The learning-rate adjustment reads the whole
-matrix's shape. Pieces are gathered in layout order, alike at every tensor-parallel position, so
-every rank of the mesh meets the same gathers. Bytes: each owner receives the whole matrix's fp32
+matrix's shape. Each owner gathers its pieces in layout order, where its matrices keep their given
+order (the buckets take them in turn), alike at every tensor-parallel position, so the owners
+across the mesh meet the same gathers. Bytes: each owner receives the whole matrix's fp32
 update once per step, (tp - 1)/tp of it from the others.
 """
 from __future__ import annotations

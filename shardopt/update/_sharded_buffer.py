@@ -59,17 +59,20 @@ class ShardedBuffer:
         element_size = params[0].element_size()
         alignment = math.lcm(config.alignment, moment_alignment(config.moments))  # 8-bit: whole blocks
         if rule == "muon":  # each matrix whole in its owner's shard (see _muon_packing)
-            self.layout, self.packing, order = owned_layout([p.shape for p in params], comm.shard_size,
-                                                            alignment=alignment,
-                                                            bucket_numel=config.bucket_numel(element_size))
             dtensors = dtensors if dtensors is not None else [None] * len(params)
+            # placed by the whole matrices: alike at every tensor-parallel position (see
+            # _muon_packing [Note: owners of tensor-parallel pieces])
+            self.layout, self.packing, order = owned_layout(
+                [p.shape for p in params], comm.shard_size, alignment=alignment,
+                bucket_numel=config.bucket_numel(element_size),
+                whole_shapes=[(p if dt is None else dt).shape for p, dt in zip(params, dtensors)])
             counted = counted if counted is not None else [True] * len(params)
             in_order: list[Sequence[Any]] = [params, group_of, names, dtensors, counted]
             params, group_of, names, dtensors, counted = ([seq[i] for i in order] for seq in in_order)
         else:
             self.layout = build_layout([p.shape for p in params], comm.shard_size, alignment=alignment,
                                        bucket_numel=config.bucket_numel(element_size))
-        warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when ShardedAdamW was built")
+        warn_layout_change([n for n, p in zip(names, params) if not p.is_contiguous()], "when the optimizer was built")
         self.flat = FlatParams(params, self.layout, dtensors)
         comm.broadcast(self.flat.data, src=0).wait()  # every rank starts from rank 0's weights
         self.shard = self.flat.shard(comm.shard_rank)  # this rank's pieces of the weights, local coordinates
@@ -157,7 +160,7 @@ class ShardedBuffer:
         if not self.amsgrad and self.rule == "adamw":
             late = [g for g in self.groups if param_groups[g].get("amsgrad")]
             if late:  # every rank alike: the hyperparameters agreed at this step's message
-                raise ValueError(f"param group {late[0]} has amsgrad=True, set after ShardedAdamW was built without "
+                raise ValueError(f"param group {late[0]} has amsgrad=True, set after the optimizer was built without "
                                  "it: the running maximum of exp_avg_sq is laid out at construction, so the step "
                                  "cannot honour it; pass amsgrad=True (or the group's \"amsgrad\": True) to the "
                                  "constructor. The step was not taken")
