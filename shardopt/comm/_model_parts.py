@@ -305,7 +305,7 @@ class ModelParts:
         rank. Every rank of the job (a few small collectives per group)."""
         out = _first_occurrences(self.comm.all_gather_objects(names))
         for a in self.axes.axes:
-            out = _first_occurrences(a.comm.all_gather_objects(out))
+            out = _first_occurrences(a.connected().all_gather_objects(out))
         return out
 
     def writes_copies(self) -> bool:
