@@ -618,6 +618,43 @@ def test_a_dtensor_model_moved_after_building_the_optimizer_raises_on_every_rank
         assert "DTensor parameter" in msg and "was swapped for another tensor" in msg, (r, msg)
         assert ("the same storage" if how == "cpu" else "new storage (") in msg, (r, msg)
 
+
+def dtensor_state_case() -> dict:
+    """opt.state over DTensor TP (dp 2 x tp 2): one entry per parameter, found by the DTensor
+    parameter; then every exp_avg replaced by zeros of the parameter's kind (a DTensor where the
+    parameter is one), against torch.optim.AdamW on the whole model with the same edit."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, model, opt, _ = _dtensor_setup(2)
+    whole = Whole(0)
+    ref_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, weight_decay=0.1)
+    dp = mesh["dp"].get_local_rank()
+    out: dict = {}
+    for step in range(STEPS):
+        if step == 3:
+            listed = list(opt.state)
+            out["entries"] = (len(opt.state), len(listed), len({id(p) for p in listed}))
+            out["keys"] = sorted({k for p in model.parameters() for k in opt.state[p]})
+            for p, q in zip(model.parameters(), whole.parameters()):
+                opt.state[p]["exp_avg"] = torch.zeros_like(p)
+                ref_opt.state[q]["exp_avg"] = torch.zeros_like(q)
+        _clipped_steps(model, opt, dp, [step])
+        ref_opt.zero_grad()
+        whole(*global_batch(2, step)).backward()
+        torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)
+        ref_opt.step()
+    theirs = dict(whole.named_parameters())
+    out["worst"] = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+                       for n, p in model.named_parameters())
+    return out
+
+
+def test_opt_state_of_dtensor_parameters_is_one_entry_each_and_takes_writes(pools):
+    for r, got in enumerate(pools(4).run(dtensor_state_case)):
+        assert got["entries"] == (6, 6, 6), (r, got)
+        assert "step" in got["keys"] and "exp_avg" in got["keys"], (r, got)
+        assert got["worst"] <= 1e-6, (r, got)
+
 def tp_memory_case() -> dict:
     """The example GPT split over tp 2 by examples/gpt.py's tensor_parallel, bf16, 2 steps."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
