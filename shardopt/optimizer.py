@@ -348,6 +348,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # rank only, and a rank-local test deciding whether to look again would let one rank issue
         # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
         coef, self._clip_coef = self._clip_coef, 1.0
+        # writes into opt.state reach the shard before the update reads it (see checkpoint._torch_state)
+        self._checks.report_late(self.state.take_writes())
         try:
             with record_function(STEP_AGREEMENT):
                 found_inf = self._agree_on_gradients(None)[0]
@@ -395,6 +397,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self.last_step_update_seconds = waited - start
         self.last_step_gather_wait_seconds = time.perf_counter() - waited
         self._scaler.update(False, self._step + self.skipped_steps)
+        self.state.refresh()  # the state tensors opt.state handed out hold the new state, as torch's
         self.last_step_comm = dataclasses.replace(self._comm.stats)
         self._comm.stats.reset()
         return loss

@@ -808,6 +808,152 @@ def test_a_dtensor_checkpoint_loads_without_tensor_parallelism(pools, tmp_path):
         assert got["loaded"] and got["worst"] <= 1e-6 and got["step"] == STEPS, (r, got)
 
 
+WRITES = ("load_state_dict", "copy_", "nn.init", "to_local", "load_checkpoint")
+
+
+def _write(model, how: str, source, path: str, opt) -> None:
+    """Write ``source``'s weights (a model of the same kind: TP beside a TP model, whole beside the
+    whole reference) into ``model``, the way ``how`` names; "nn.init": constants instead. ``opt``
+    None: the reference, which takes every write by copying."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(source.named_parameters())
+    if opt is not None and how == "load_state_dict":
+        return model.load_state_dict(source.state_dict())
+    if opt is not None and how == "load_checkpoint":
+        return shardopt.load_checkpoint(path, model)
+    with torch.no_grad():
+        for i, (n, p) in enumerate(model.named_parameters()):
+            if how == "nn.init":
+                torch.nn.init.zeros_(p) if n.endswith("bias") else torch.nn.init.constant_(p, 0.05 * (i + 1))
+            elif opt is not None and how == "to_local" and isinstance(p, DTensor):
+                p.to_local().copy_(theirs[n].to_local())
+            else:
+                p.copy_(theirs[n])
+
+
+class _MixedAdamW:
+    """torch.optim.AdamW on fp32 master weights of a 16-bit model: the 16-bit model's gradient is
+    the master's, the master rounded is the model (the mixed precision ShardedAdamW computes)."""
+
+    def __init__(self, model, **hp) -> None:
+        self.model, self.master = model, [p.detach().float().requires_grad_() for p in model.parameters()]
+        self.opt = torch.optim.AdamW(self.master, **hp)
+
+    def take_weights(self) -> None:
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                m.copy_(p)
+
+    def step(self, x, y, clip: float) -> None:
+        self.model.zero_grad()
+        self.model(x, y).backward()
+        for m, p in zip(self.master, self.model.parameters()):
+            m.grad = p.grad.float()
+        torch.nn.utils.clip_grad_norm_(self.master, clip)
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                p.copy_(m)
+
+
+def dtensor_write_case(how: str, path: str) -> dict:
+    """DTensor TP (dp 2 x tp 2) with bf16 weights: 2 steps, every parameter written from outside
+    the optimizer (``how``), 3 more steps; against torch.optim.AdamW on fp32 master weights of the
+    whole bf16 model on the global batch, with the same write between the same steps."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+
+    def tp_model(seed):
+        m = Whole(seed, torch.bfloat16)
+        parallelize_module(m, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        return m
+
+    model, pretrained = tp_model(0), tp_model(7)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"])
+    if how == "load_checkpoint":
+        shardopt.save_checkpoint(path, pretrained, shardopt.ShardedAdamW(
+            pretrained.parameters(), lr=1e-2, bucket_cap_mb=1e-4, device_mesh=mesh["dp"]))
+    ref = _MixedAdamW(Whole(0, torch.bfloat16), lr=1e-2, weight_decay=0.1)
+    for step in range(STEPS):
+        if step == 2:
+            _write(model, how, pretrained, path, opt)
+            _write(ref.model, how, Whole(7, torch.bfloat16), path, None)
+            ref.take_weights()
+        _clipped_steps(model, opt, dp, [step])
+        ref.step(*global_batch(2, step), CLIP)
+    theirs = dict(ref.model.named_parameters())
+    return {n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).float().abs().max().item()
+            for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("how", WRITES)
+def test_writes_into_dtensor_parameters_become_the_master_weights(pools, tmp_path, how):
+    for r, worst in enumerate(pools(4).run(dtensor_write_case, how, str(tmp_path / "ckpt"))):
+        assert max(worst.values()) <= 4e-3, (r, how, worst)  # a bf16 ulp or two
+
+
+def dtensor_swap_case(how: str) -> str:
+    """``how`` on a DTensor TP model (dp 2 x tp 2) after a step: torch swaps DTensor parameters."""
+    mesh, model, opt, _ = _dtensor_setup(2)
+    _tp_train(model, opt, mesh, range(1))
+    model.to("cpu") if how == "cpu" else model.bfloat16()
+    try:
+        _tp_train(model, opt, mesh, range(1, 3))
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("how", ["cpu", "bfloat16"])
+def test_a_dtensor_model_moved_after_building_the_optimizer_raises_on_every_rank(pools, how):
+    """torch swaps each DTensor parameter even for a move to where it is (which drops the optimizer's
+    hooks): an error naming it on every rank, where training went on with the hooks lost."""
+    for r, msg in enumerate(pools(4).run(dtensor_swap_case, how)):
+        assert "DTensor parameter" in msg and "was swapped for another tensor" in msg, (r, msg)
+        assert ("the same storage" if how == "cpu" else "new storage (") in msg, (r, msg)
+
+
+def dtensor_state_case() -> dict:
+    """opt.state over DTensor TP (dp 2 x tp 2): one entry per parameter, found by the DTensor
+    parameter; then every exp_avg replaced by zeros of the parameter's kind (a DTensor where the
+    parameter is one), against torch.optim.AdamW on the whole model with the same edit."""
+    from torch.distributed.tensor import DTensor
+
+    mesh, model, opt, _ = _dtensor_setup(2)
+    whole = Whole(0)
+    ref_opt = torch.optim.AdamW(whole.parameters(), lr=1e-2, weight_decay=0.1)
+    dp = mesh["dp"].get_local_rank()
+    out: dict = {}
+    for step in range(STEPS):
+        if step == 3:
+            listed = list(opt.state)
+            out["entries"] = (len(opt.state), len(listed), len({id(p) for p in listed}))
+            out["keys"] = sorted({k for p in model.parameters() for k in opt.state[p]})
+            for p, q in zip(model.parameters(), whole.parameters()):
+                opt.state[p]["exp_avg"] = torch.zeros_like(p)
+                ref_opt.state[q]["exp_avg"] = torch.zeros_like(q)
+        _clipped_steps(model, opt, dp, [step])
+        ref_opt.zero_grad()
+        whole(*global_batch(2, step)).backward()
+        torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)
+        ref_opt.step()
+    theirs = dict(whole.named_parameters())
+    out["worst"] = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+                       for n, p in model.named_parameters())
+    return out
+
+
+def test_opt_state_of_dtensor_parameters_is_one_entry_each_and_takes_writes(pools):
+    for r, got in enumerate(pools(4).run(dtensor_state_case)):
+        assert got["entries"] == (6, 6, 6), (r, got)
+        assert "step" in got["keys"] and "exp_avg" in got["keys"], (r, got)
+        assert got["worst"] <= 1e-6, (r, got)
+
 def tp_memory_case() -> dict:
     """The example GPT split over tp 2 by examples/gpt.py's tensor_parallel, bf16, 2 steps."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

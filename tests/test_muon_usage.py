@@ -183,6 +183,42 @@ def test_bf16_momentum_is_torch_muon_with_its_buffer_rounded_to_bf16_after_each_
     assert any(not torch.equal(p, q) for p, q in zip(unrounded.parameters(), model.parameters()))
 
 
+
+# (fp32 momentum is handed out as a view of the shard, so writes in place into it always went through)
+@pytest.mark.parametrize("edit,moments", [("mul_", "bf16"), ("=zeros", "fp32"), ("=zeros", "bf16"), ("del", "fp32"),
+                                          ("del", "bf16")])
+def test_writes_into_the_momentum_buffer_are_torch_muons(edit, moments):
+    """opt.state[p]["momentum_buffer"] halved in place, replaced by zeros, or the entry deleted
+    after 2 steps, then 2 more: torch.optim.Muon with the same edit (its buffer rounded to bf16
+    after each step where ShardedMuon stores it in bf16; AdamW's lr is 0 in both)."""
+    ref = make_model(seed=1)
+    model = copy.deepcopy(ref)
+    opt = shardopt.ShardedMuon(_groups(model, lr=0.0), lr=0.02, moments=moments)
+    muon = torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], lr=0.02)
+    for step in range(4):
+        if step == 2:
+            for state, params in ((opt.state, model.parameters()), (muon.state, ref.parameters())):
+                for p in [p for p in params if p.dim() == 2 and p.requires_grad]:
+                    if edit == "mul_":
+                        state[p]["momentum_buffer"].mul_(0.5)
+                    elif edit == "=zeros":
+                        state[p]["momentum_buffer"] = torch.zeros_like(p)
+                    else:
+                        del state[p]
+        opt.zero_grad()
+        muon.zero_grad()
+        opt.backward(model(batch(0, step)))
+        ref(batch(0, step)).backward()
+        opt.step()
+        muon.step()
+        if moments == "bf16":
+            for state in muon.state.values():
+                state["momentum_buffer"].copy_(state["momentum_buffer"].bfloat16().float())
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.equal(p.detach(), q.detach()), name
+        if p.dim() == 2 and p.requires_grad:
+            assert torch.equal(opt.state[p]["momentum_buffer"], muon.state[q]["momentum_buffer"]), name
+
 def test_bf16_momentum_holds_two_bytes_per_owned_element_as_predicted():
     model = make_model(seed=1)
     opt = shardopt.ShardedMuon(_groups(model), moments="bf16")

@@ -42,6 +42,11 @@ REPORTERS = {"_refuse": 1, "fail": 0}
 # category; "raise" for a bare re-raise, the expression for ``raise e`` and ``raise kind(...)``)
 # -> where the text of a raise or report that the collector cannot resolve comes from.
 UNRESOLVED: dict[tuple[str, str, str], str] = {
+    ("shardopt/checkpoint/_torch_state.py", "ParamStateView._write_back", "RuntimeError"):
+        "the ValueError of ParamStateView._write (_step_count and _piece_of in _torch_state.py), collected there, "
+        "for a value written in place; raised at the next step on every rank",
+    ("shardopt/checkpoint/_rank_state.py", "rank_state_dict", "RuntimeError"):
+        "the first of ParamStateView.take_writes()'s problems: the ValueError of ParamStateView._write, collected there",
     ("shardopt/step/_agreement.py", "raise_first_difference", "kind"):
         "a construction error of some rank (trainable_params in _config.py, collected there), raised on every "
         "rank, with 'on rank …:' in front on the others",

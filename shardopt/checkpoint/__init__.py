@@ -41,7 +41,7 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
                                         list_checkpoints, read_manifest, temp_path, verify_data, write_json)
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
-from shardopt.core._dtensor import is_dtensor, local_box, replicated
+from shardopt.core._dtensor import is_dtensor, local_box, local_of, replicated
 from shardopt.core._layout import Range, ShardPiece
 from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
@@ -126,7 +126,8 @@ def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None, part: str) ->
         # a DTensor: its local piece, at its offsets in the whole (see [Note: one checkpoint for every part of the model])
         split = is_dtensor(t) and not replicated(t)
         shape, offsets = local_box(t) if is_dtensor(t) else (tuple(t.shape), (0,) * t.dim())
-        local = t.detach().to_local() if is_dtensor(t) else t.detach()  # type: ignore[attr-defined]  # a DTensor's
+        # a DTensor's local tensor, sharing its version counter: a weights-only load moves it (see _load)
+        local = (local_of(t) if is_dtensor(t) else t).detach()
         entries.append(_Entry(key, local, where.pop(id(t), None), shape, offsets, split or replicated_writer(opt)))
     if where:
         b, i = next(iter(where.values()))

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._files import agree
+from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.core._layout import Range
 from shardopt.step._step_agreement import enter
 
@@ -53,8 +54,9 @@ def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> No
     if finish is not None:
         finish()
     checks = getattr(opt, "_checks", None)
-    if checks is not None:
-        checks.take_outside_writes()
+    if checks is not None:  # writes into opt.state first: a checkpoint or a load reads the state
+        state = getattr(opt, "state", None)
+        checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
 
 
 def _locations(opt: ShardedOptimizer) -> dict[int, tuple[ShardedBuffer, int]]:

@@ -19,6 +19,9 @@ def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     keys (see [Note: torch's keys in the rank state dict]). Local."""
     opt.finish_param_gather()
     opt._checks.refresh_local()
+    problems = opt.state.take_writes()  # writes into opt.state, as the state dict reads it
+    if problems:
+        raise RuntimeError(problems[0])
     index = param_indices(opt.param_groups)
     groups = []
     for g in opt.param_groups:

@@ -88,6 +88,7 @@ class OptimizerStateDict:
         for b in self._buffers:
             b.master.seed = self.config.seed
             b.binding.record()  # the loaded master weights are the authority, not what was written before
+        self.state.forget()  # what opt.state handed out before is no longer the state, as in torch
 
     def full_state_dict(self: ShardedOptimizer) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other

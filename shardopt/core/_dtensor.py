@@ -16,6 +16,10 @@ the gradient's life is a plain parameter's. So a DTensor parameter's ``.grad`` i
 backward: the optimizer holds it (in stage 2 as shards), as it holds a plain parameter's in
 stage 2; clip with ``opt.clip_grad_norm_``.
 
+Writes from outside (``load_state_dict``, ``copy_``, a write into ``to_local()``) are noticed
+through the model's DTensor parameter, not its stand-in (see update._binding [Note: writes into
+DTensor parameters]).
+
 Each DTensor parameter's mesh (1-D: the tensor-parallel ranks) is a model axis (see
 comm._model_axes): a Shard placement is a part of the model, a Replicate placement (and a plain
 parameter beside DTensor ones) a copy counted once in the norm. A parameter object that something
@@ -88,6 +92,16 @@ def local_box(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
                              f"{rank} of its mesh, not the piece its placement {pl} makes; checkpoints store such "
                              "a parameter by its pieces' offsets and need that split")
     return shape, tuple(offsets)
+
+
+def local_of(p: Tensor) -> Tensor:
+    """DTensor ``p``'s local tensor (or a view of it: torch 2.13 gives a parameter's as a view): its
+    storage, and the version counter that a write through ``p.to_local()`` moves.
+    ``p.detach().to_local()`` is no such thing: DTensor detaches below autograd, so that alias has a
+    counter of its own that no write to ``p`` moves (see update._binding [Note: writes into DTensor
+    parameters]). Local."""
+    with torch.no_grad():  # to_local() is no autograd function there
+        return p.to_local()  # type: ignore[attr-defined]
 
 
 def stand_in(p: Tensor) -> torch.nn.Parameter:

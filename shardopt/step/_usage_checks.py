@@ -200,6 +200,11 @@ class UsageChecks:
         return Findings(written=[[] for _ in self.buffers], problems=[], joined=True,
                         used=[[False] * len(b.records) for b in self.buffers])
 
+    def report_late(self, problems: Sequence[str]) -> None:
+        """Problems found outside a check (a write into ``opt.state`` that cannot be taken): raised
+        by the next check on every rank. Local."""
+        self.late_problems += problems
+
     def note_gathered(self, b: CheckedBuffer, records: Sequence[ParamRecord]) -> None:
         """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
         from outside before it did lost that write to it. Noted for the next check. Local."""
@@ -210,10 +215,11 @@ class UsageChecks:
                 "model, which overwrote the write. A write in the thread that called step() waits for the gathers by "
                 "itself; from another thread, call opt.finish_param_gather() before writing weights into the model")
 
-    def take_outside_writes(self) -> None:
+    def take_outside_writes(self, late: Sequence[str] = ()) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint
-        or an export reads the master weights. Every rank."""
-        found = Findings(written=[], problems=[])
+        or an export reads the master weights. ``late``: problems found on this rank before (writes
+        into ``opt.state`` that cannot be taken), raised on every rank with the others. Every rank."""
+        found = Findings(written=[], problems=list(late))
         for b in self.buffers:
             written, problems = b.binding.follow()
             found.written.append(written)

@@ -18,18 +18,36 @@ master weights are the authority on its value. Ordinary PyTorch code can break e
   and each master-weight strategy refreshes its copy (``MasterWeights.refresh_``).
   Writes through ``p.data`` bypass the version counter; after those call
   ``opt.refresh_master_weights()``.
+
+[Note: writes into DTensor parameters]
+A DTensor parameter is watched through the model's parameter, never through its stand-in (see
+core._dtensor), which no outside write reaches. Its values live in its local tensor, a view of the
+flat buffer; two version counters see the writes. ``p.copy_``, ``nn.init.*_`` and
+``model.load_state_dict`` write the DTensor, which moves the DTensor's own counter only (DTensor
+runs the write on the local tensor below autograd, where no counter moves); a write through
+``p.to_local()`` moves the local tensor's counter only. So a DTensor parameter's version is the
+sum of the two, and the storage it is bound to is its local tensor's. Only a swap gives it another
+local tensor: ``model.to(...)``, ``.cpu()``, ``.half()`` swap every DTensor parameter (torch's
+``Module._apply`` swaps tensor subclasses rather than set ``.data``), as ``torch.utils.swap_tensors``
+does; ``p.data = t`` on a DTensor parameter changes nothing, in torch too. A swap also takes away
+the gradient hooks and the gradient accumulator the optimizer holds for the parameter, so it cannot
+be followed as a plain parameter's new storage is (``rebind``): a DTensor parameter whose gradient
+accumulator is no longer the one the optimizer holds (``ParamRecord.accumulator``) was swapped, and
+is reported, even where its new local tensor is the same storage.
 """
 from __future__ import annotations
 
 import operator
 import warnings
 from itertools import repeat
-from typing import Sequence
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import get_gradient_edge
 
 from shardopt.core._compat import version
+from shardopt.core._dtensor import local_of
 from shardopt.core._flat import FlatParams
 from shardopt.core._records import ParamRecord, column
 
@@ -51,25 +69,52 @@ class ParamBinding:
 
     def __init__(self, flat: FlatParams, records: Sequence[ParamRecord]) -> None:
         self.flat, self.records = flat, list(records)
-        for r in self.records:
-            r.bound(r.param.data_ptr())  # its view of the flat buffer
+        # (position, record) of each DTensor parameter: watched through the model's DTensor (see
+        # [Note: writes into DTensor parameters])
+        self.dtensors = [(i, r) for i, r in enumerate(self.records) if r.dtensor is not None]
+        for r, held in zip(self.records, self._held()):
+            r.bound(held.data_ptr())  # its view of the flat buffer
         self.record()
+
+    def _held(self) -> list[Tensor]:
+        """Per record, the tensor that holds the model's values: the parameter, or a DTensor
+        parameter's local tensor. A question."""
+        held = column(self.records, "param")
+        for i, r in self.dtensors:
+            held[i] = local_of(cast(Tensor, r.dtensor))
+        return held
+
+    def _swapped(self) -> list[ParamRecord]:
+        """The DTensor parameters swapped for another tensor since the optimizer hooked them: their
+        gradient accumulator is another than the one the optimizer holds. A question."""
+        return [r for _, r in self.dtensors if r.accumulator is not None and r.leaf.requires_grad and
+                get_gradient_edge(r.leaf).node is not r.accumulator]
+
+    def _versions(self, held: Sequence[Tensor]) -> list[int]:
+        """Per record, its parameter's version (``held``: ``_held()``): a DTensor parameter's is its
+        own counter plus its local tensor's. A question."""
+        versions = list(map(version, held))
+        for i, r in self.dtensors:
+            versions[i] += version(cast(Tensor, r.dtensor))
+        return versions
 
     def record(self) -> None:
         """Take the parameters' current values as seen (after the optimizer took them). Local."""
-        for r in self.records:
-            r.seen(version(r.param))
+        for r, v in zip(self.records, self._versions(self._held())):
+            r.seen(v)
 
     def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
         """Those of ``records`` written since ``record`` (see ``UsageChecks.note_gathered``). A question. Local."""
-        return [r for r in records if version(r.param) != r.version]
+        mine = set(map(id, records))
+        return [r for r, v in zip(self.records, self._versions(self._held())) if id(r) in mine and v != r.version]
 
-    def _unchanged(self) -> bool:
+    def _unchanged(self, held: Sequence[Tensor]) -> bool:
         # C passes (see core._records.column): this runs over every parameter at every step
-        records, params = self.records, column(self.records, "param")
-        return not any(column(records, "rebound")) and list(map(version, params)) == column(records, "version") and \
-            all(map(operator.is_, column(params, "dtype"), repeat(self.flat.dtype))) and \
-            list(map(Tensor.data_ptr, params)) == column(records, "ptr")
+        records = self.records
+        return not any(column(records, "rebound")) and not self._swapped() and \
+            self._versions(held) == column(records, "version") and \
+            all(map(operator.is_, column(held, "dtype"), repeat(self.flat.dtype))) and \
+            list(map(Tensor.data_ptr, held)) == column(records, "ptr")
 
     def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]:
         """(parameters whose values changed from outside since ``record``, parameters given new
@@ -78,20 +123,31 @@ class ParamBinding:
         written: list[ParamRecord] = []
         rebind: list[ParamRecord] = []
         problems: list[str] = []
-        if self._unchanged():
+        held = self._held()
+        if self._unchanged(held):
             return written, rebind, problems  # the usual step: nothing changed
         flat = self.flat
-        for r in self.records:
-            p = r.param
+        swapped = set(map(id, self._swapped()))
+        for r, p, v in zip(self.records, held, self._versions(held)):
+            was = f"{r.span.shape} {flat.dtype} on {flat.device}"
+            now = f"{tuple(p.shape)} {p.dtype} on {p.device}"
+            if id(r) in swapped:
+                problems.append(
+                    f"DTensor parameter {r.name} was swapped for another tensor after ShardedAdamW was built "
+                    "(model.to(...), .cpu(), .half() or .float() swap every DTensor parameter, as torch does for "
+                    "tensor subclasses; or torch.utils.swap_tensors): its local tensor is now "
+                    f"{'the same storage' if p.data_ptr() == r.ptr else 'new storage'} ({now}; the optimizer's "
+                    f"flat buffer holds {was}) and the swap took away the optimizer's gradient hooks on it, so "
+                    "the optimizer can no longer follow it. Move or convert the model first, then build "
+                    "ShardedAdamW (to continue a run, save_checkpoint before and load_checkpoint after)")
+                continue
             if p.data_ptr() == r.ptr and p.dtype == flat.dtype:
-                if version(p) != r.version or r.rebound:
+                if v != r.version or r.rebound:
                     written.append(r)
                 continue
             if tuple(p.shape) == r.span.shape and p.dtype == flat.dtype and p.device == flat.device:
                 rebind.append(r)
                 continue
-            was = f"{r.span.shape} {flat.dtype} on {flat.device}"
-            now = f"{tuple(p.shape)} {p.dtype} on {p.device}"
             problems.append(
                 f"parameter {r.name} is now {now} but was {was} when the optimizer was built: model.to(dtype), "
                 ".half(), .float(), .to(device) or p.data = t after building the optimizer gave it new storage that "

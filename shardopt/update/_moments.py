@@ -97,6 +97,19 @@ class Moments(abc.ABC):
         m, v = self.operands(r)
         return m.float(), v.float()  # type: ignore[union-attr]
 
+    live = False  # state_piece gives views of the stored tensors (writes go through), not decoded copies
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        """The keys of ``state_piece``, in its order."""
+        return ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if self.max_operand(Range(0, 0)) is not None else ())
+
+    def write_piece(self, r: Range, key: str, value: Tensor) -> None:
+        """Store ``value`` (1-D, ``r.size`` elements, any float dtype and device) as the state
+        tensor ``key`` (one of ``state_keys``) over local range ``r``, rounded to nearest as a
+        loaded checkpoint is: what a write into ``opt.state[p]`` becomes. Local."""
+        self.tensors()[key][r.as_slice()].copy_(value.reshape(-1))
+
     def load_tensors(self, tensors: dict[str, Tensor]) -> None:
         """Restore ``tensors()`` output bit for bit (this rank's own state dict). Local."""
         for k, t in self.tensors().items():
@@ -154,6 +167,7 @@ class _Dense(Moments):
 
 class FP32Moments(_Dense):
     name = "fp32"
+    live = True
 
 
 class BF16Moments(_Dense):
@@ -201,6 +215,20 @@ class Int8Moments(Moments):
         cut = slice(r.start - start, r.end - start)
         return m[cut], v[cut]
 
+    def write_piece(self, r: Range, key: str, value: Tensor) -> None:
+        # the whole blocks around r decoded, r's part of moment ``key`` replaced, that moment's
+        # blocks encoded again (to nearest); the other moment's codes stay as they are
+        start, end = r.start - r.start % MOMENT_BLOCK, -(-r.end // MOMENT_BLOCK) * MOMENT_BLOCK
+        blocks = slice(start // MOMENT_BLOCK, end // MOMENT_BLOCK)
+        m, v = decode_moment8(self.m_codes[start:end], self.m_scales[blocks], self.v_codes[start:end],
+                              self.v_scales[blocks])
+        (m if key == "exp_avg" else v)[r.start - start:r.end - start] = value.reshape(-1).to(m.device, torch.float32)
+        (mq, ms), (vq, vs) = encode_moment8(m, v, None)
+        codes, scales, new = (self.m_codes, self.m_scales, (mq, ms)) if key == "exp_avg" else \
+            (self.v_codes, self.v_scales, (vq, vs))
+        codes[start:end].copy_(new[0])
+        scales[blocks].copy_(new[1])
+
     def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         (mq, ms), (vq, vs) = encode_moment8(exp_avg.float(), exp_avg_sq.float(), None)
         self.m_codes.copy_(mq)
@@ -245,6 +273,17 @@ class MuonMomentum(Moments):
     def state_piece(self, r: Range) -> dict[str, Tensor]:
         """torch.optim.Muon's state over local range ``r``: its ``momentum_buffer`` (1-D fp32)."""
         return {"momentum_buffer": self.read(r)}
+
+    @property
+    def live(self) -> bool:  # type: ignore[override]
+        return self.buffer.dtype == torch.float32  # read() gives the stored tensor itself
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return ("momentum_buffer",)
+
+    def write_piece(self, r: Range, key: str, value: Tensor) -> None:
+        self.buffer[r.as_slice()].copy_(value.reshape(-1))
 
     def load_(self, exp_avg: Tensor, exp_avg_sq: Tensor, max_exp_avg_sq: Tensor | None = None) -> None:
         self.buffer.copy_(exp_avg)

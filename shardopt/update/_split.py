@@ -116,10 +116,19 @@ class SplitMoments(_Pieces[Moments]):
     prepare = _routed("prepare")
     max_operand = _routed("max_operand")
     state_piece = _routed("state_piece")
+    write_piece = _routed("write_piece")
     read = _routed("read")
     write_ = _routed("write_")
     exp_avg_bytes = _summed("exp_avg_bytes")
     exp_avg_sq_bytes = _summed("exp_avg_sq_bytes")
+
+    @property
+    def live(self) -> bool:
+        return self.parts[0].live
+
+    @property
+    def state_keys(self) -> tuple[str, ...]:
+        return self.parts[0].state_keys
 
     def fp32(self) -> tuple[Tensor, ...]:
         each = [p.fp32() for p in self.parts]
