@@ -570,6 +570,96 @@ def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools
         assert got["replicas_equal"], r
 
 
+def _sequence_parallel(model, tp, norm: bool = True) -> None:
+    """torch's sequence-parallel plan: each tensor-parallel rank runs the LayerNorm on its part of
+    the sequence (dimension 1), fc1 gathers the sequence, fc2's output is replicated. ``norm``
+    False leaves the LayerNorm a plain module on each rank's part (a plain copy beside DTensors)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    plan = {"fc1": ColwiseParallel(input_layouts=Shard(1)), "fc2": RowwiseParallel(output_layouts=Replicate())}
+    if norm:
+        plan["norm"] = SequenceParallel()
+    parallelize_module(model, tp, plan)
+
+
+def _sequence_steps(model, opt, tp, dp: int, steps, micro: bool = True) -> list[float]:
+    """Clipped steps on data-parallel rank ``dp``'s batch taken as one sequence of 4, each
+    tensor-parallel rank given its part of it; ``micro``: two micro-batches of 2, the first under
+    no_sync (the loss of each halved). The norms returned."""
+    import contextlib
+
+    norms = []
+    for step in steps:
+        x, y = (t.unsqueeze(0) for t in batch(dp, step))
+        opt.zero_grad()
+        halves = ((slice(0, 2), opt.no_sync()), (slice(2, 4), contextlib.nullcontext())) if micro else \
+            ((slice(0, 4), contextlib.nullcontext()),)
+        for rows, ctx in halves:
+            with ctx:
+                part = x[:, rows].chunk(tp.size(), dim=1)[tp.get_local_rank()]
+                opt.backward(model(part, y[:, rows]) / len(halves))
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+    return norms
+
+
+def sequence_parallel_case(stage: int, grad: str) -> dict:
+    """torch's sequence-parallel plan on dp 2 x tp 2: autograd gives the LayerNorm's Replicate
+    weight and bias Partial(sum) gradients (each tensor-parallel rank's share, from its part of the
+    sequence). ``grad="avg"`` hands them over as the same gradients in Partial(avg), ``"shard"``
+    hands fc1's Shard(0) weight its gradient as a Partial(sum) of the whole matrix (hooks on the
+    parameters). Two micro-batches per step, the first under no_sync; against torch.optim.AdamW on
+    the whole model, global batch."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"].get_local_rank()
+    model = Whole(0)
+    _sequence_parallel(model, tp)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"])
+    given: dict[str, str] = {}
+
+    def hand_over(name: str, make) -> None:
+        def hook(g):
+            given[name] = str(tuple(g.placements))  # what autograd gave
+            return make(g)
+        model.get_parameter(name).register_hook(hook)
+
+    def partial(local, g, op: str):
+        return DTensor.from_local(local, tp, [Partial(op)], run_check=False, shape=g.shape, stride=g.stride())
+
+    for name in ("norm.weight", "norm.bias"):
+        hand_over(name, (lambda g: partial(g.to_local() * tp.size(), g, "avg")) if grad == "avg" else (lambda g: g))
+    if grad == "shard":
+        hand_over("fc1.weight", lambda g: partial(g.full_tensor() / tp.size(), g, "sum"))
+    norms = _sequence_steps(model, opt, tp, dp, range(STEPS))
+    whole, ref_norms = reference(STEPS, 2, clip=CLIP)
+    theirs = dict(whole.named_parameters())
+    worst = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+                for n, p in model.named_parameters())
+    mine = model.norm.weight.to_local().detach().clone()
+    other = mine.clone()
+    dist.broadcast(other, dist.get_global_rank(tp.get_group(), 0), group=tp.get_group())
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "given": given,
+            "replicas_equal": torch.equal(mine, other)}
+
+
+@pytest.mark.parametrize("stage, grad", [(1, "sum"), (2, "sum"), (2, "avg"), (1, "shard")])
+def test_partial_gradients_of_dtensor_parameters_are_reduced_over_the_mesh(pools, stage, grad):
+    """A Replicate DTensor whose gradient is Partial (sequence parallelism's LayerNorm) is the
+    whole model's parameter: the gradient is summed (or averaged) over the mesh before it is
+    averaged over the data-parallel ranks, so the clip norm and the weights are the whole model's
+    and the copies stay equal; a Partial gradient of a Shard parameter is reduce-scattered."""
+    for r, got in enumerate(pools(4).run(sequence_parallel_case, stage, grad)):
+        assert got["given"]["norm.weight"] == "(Partial(sum),)", (r, got["given"])  # what is tested
+        for a, b in zip(got["norms"], got["ref_norms"]):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+        assert got["replicas_equal"], r
+
+
 def dtensor_checkpoint_case(path: str) -> dict:
     from torch.distributed.tensor import DTensor
 

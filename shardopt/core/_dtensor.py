@@ -24,6 +24,34 @@ Each DTensor parameter's mesh (1-D: the tensor-parallel ranks) is a model axis (
 comm._model_axes): a Shard placement is a part of the model, a Replicate placement (and a plain
 parameter beside DTensor ones) a copy counted once in the norm. A parameter object that something
 holds a weak reference to cannot be swapped: ``stand_ins`` says which, before anything changes.
+
+[Note: a gradient in another placement]
+Autograd may give a DTensor parameter a gradient whose placements are not the parameter's: a
+Replicate parameter applied where the activations are split across the mesh (the LayerNorm of
+torch's ``SequenceParallel``, any Replicate parameter in a sequence-parallel region) gets a
+``Partial(sum)`` gradient: each rank holds its share of the gradient, and the gradient is their
+sum. Its local tensor is not the gradient. So ``move_grad`` first brings the gradient to the
+parameter's placements with DTensor's own ``redistribute`` (a ``Partial(sum)`` or ``Partial(avg)``
+made ``Replicate``: an all-reduce over the mesh, summing or averaging; made ``Shard``: a
+reduce-scatter), as FSDP2 does with a DTensor parameter's gradient in its post-backward, and
+moves that local tensor. The stand-in then holds what a plain parameter's gradient would be: the
+whole gradient, alike on every rank of the mesh, so the data-parallel average, accumulation under
+``no_sync``, a copy counted once in the clip norm and the first step's check of copies (see
+step._copies) hold as for any copy.
+
+Cost: one collective over the mesh per such gradient per backward pass (also per micro-batch under
+``no_sync``), issued from the gradient's hook; beside sequence parallelism that is each LayerNorm's
+weight and bias, vectors of the model width. (``torch.optim`` on the same DTensor model reduces
+such a gradient in each operation of its step that reads it, and in ``clip_grad_norm_``.) Summing such
+gradients once per step instead, over the reduced shards (as Megatron-LM all-reduces its
+sequence-parallel LayerNorm gradients after the data-parallel reduction), would need each
+parameter's shard at the same place on every rank of the mesh, which an uneven Shard split (whose
+pieces differ in size between the positions, and so the flat buffers' layouts) does not give; and
+it would have to tell a sum already taken from gradients added after it (a backward pass after
+``clip_grad_norm_``). In the hook every rank of the mesh holds the whole gradient, in the order
+autograd produces them, the order DTensor's own collectives in the backward pass already rely on.
+A gradient assigned by hand (``p.grad = g``, moved at ``clip_grad_norm_``/``step``) is brought to
+the placements there: assign it on every rank of the mesh alike.
 """
 from __future__ import annotations
 
@@ -125,14 +153,22 @@ def rewrap(p: Tensor, view: Tensor) -> None:
 
 
 def move_grad(p: Tensor, into: Tensor) -> None:
-    """Move DTensor parameter ``p``'s ``.grad`` (its local tensor) into stand-in ``into``'s
-    ``.grad``, as autograd accumulates: assigned when ``into.grad`` is None, else added in place
-    (a stage-2 placeholder keeps it as its pending part). ``p.grad`` becomes None. Local."""
-    g = p.grad
+    """Move DTensor parameter ``p``'s ``.grad`` (its local tensor, in ``p``'s placements) into
+    stand-in ``into``'s ``.grad``, as autograd accumulates: assigned when ``into.grad`` is None,
+    else added in place (a stage-2 placeholder keeps it as its pending part). ``p.grad`` becomes
+    None. Local, but for a gradient in other placements than ``p``'s (a Partial one): every rank of
+    ``p``'s mesh, in the same order (see [Note: a gradient in another placement])."""
+    g: Any = p.grad
     if g is None:
         return
     p.grad = None
-    local = g.to_local() if is_dtensor(g) else g  # type: ignore[attr-defined]
+    if is_dtensor(g):
+        if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
+            with torch.no_grad():
+                g = g.redistribute(mesh_of(p), p.placements)  # type: ignore[attr-defined]
+        local = g.to_local()
+    else:
+        local = g
     if into.grad is None:
         into.grad = local
     else:
