@@ -355,7 +355,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 found_inf = self._agree_on_gradients(None)[0]
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
-            if not self._copies.checked:  # the first step beside model axes, before any update (see step._copies)
+            # the first step taken beside model axes, before its update (see step._copies): a skipped
+            # step's gradients are not finite, and prove nothing about copies
+            if not found_inf and not self._copies.checked:
                 self._copies.check_once()
             return self._apply_step(found_inf, coef, loss)
         finally:

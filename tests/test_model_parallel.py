@@ -308,6 +308,70 @@ def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_e
         assert got["untouched"], r
 
 
+def skipped_first_step_case(dtype_name: str, declared: bool, stage: int) -> dict:
+    """Megatron-style TP with fc1's bias zero-initialised (its parts start alike), whose first step's
+    gradients are not finite: fp16, whose loss 1000 times larger overflows at the initial loss scale
+    (2**16), or fp32 with an inf in the loss. That step is skipped on every rank. ``declared``: the
+    copies in the "replicated" group; else none are (the LayerNorm and fc2's bias left parts)."""
+    dtype = getattr(torch, dtype_name)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"].get_local_rank()
+    whole = Whole(0, dtype)
+    with torch.no_grad():
+        whole.fc1.bias.zero_()
+    model = MegatronTP(whole, tp.get_group(), tp.get_local_rank(), 2)
+    names, params = zip(*model.named_parameters())
+    groups = [{"params": model.sharded()}, {"params": model.replicated(), "replicated": True}] if declared else \
+        [{"params": list(params), "param_names": list(names)}]
+    opt = shardopt.ShardedAdamW(groups, lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"], model_parallel_group=tp, timeout=60.0)
+    out: dict = {"skipped": [], "norms": [], "error": None}
+    for step in range(STEPS):
+        x, y = batch(dp, step)
+        before = [p.detach().clone() for p in params]
+        opt.zero_grad()
+        opt.backward(model(x, y * ((1000.0 if dtype == torch.float16 else float("inf")) if step == 0 else 1.0)))
+        out["norms"].append(float(opt.clip_grad_norm_(CLIP)))
+        try:
+            opt.step()
+        except ValueError as e:
+            out["error"] = (step, str(e), all(torch.equal(a, p) for a, p in zip(before, params)))
+            return out
+        out["skipped"].append(opt.step_was_skipped)
+    ref = Whole(0, dtype).float()  # torch.optim.AdamW on the whole model, from the second step on
+    with torch.no_grad():
+        ref.fc1.bias.zero_()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    out["ref_norms"] = []
+    for step in range(1, STEPS):
+        ref_opt.zero_grad()
+        ref(*global_batch(2, step)).backward()
+        out["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)))
+        ref_opt.step()
+    out["worst"] = max((p.detach().float() - q.detach()).abs().max().item() for p, q in model.pieces_of(ref))
+    return out
+
+
+@pytest.mark.parametrize("dtype, stage", [("float16", 2), ("float32", 1)])
+def test_a_skipped_first_step_leaves_the_check_of_copies_to_the_first_step_taken(pools, dtype, stage):
+    """The first step's non-finite gradients (identical on every rank: fc1's bias parts start alike)
+    are no sign of copies: declared right, the model trains on from the second step as
+    torch.optim.AdamW on the whole model; declared wrong, the check still runs, at the first step
+    taken, before its update."""
+    fp16 = dtype == "float16"
+    for r, got in enumerate(pools(4).run(skipped_first_step_case, dtype, True, stage)):
+        assert got["error"] is None and got["skipped"] == [True] + [False] * (STEPS - 1), (r, got)
+        for a, b in zip(got["norms"][1:], got["ref_norms"]):  # fp16 gradients against fp32 ones
+            assert abs(a - b) <= (1e-3 if fp16 else 1e-5) * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= (1e-3 if fp16 else 1e-6), (r, got["worst"])  # fp16 weights: their rounding
+    for r, got in enumerate(pools(4).run(skipped_first_step_case, dtype, False, stage)):
+        step, msg, untouched = got["error"]
+        assert step == 1 and got["skipped"] == [True] and untouched, (r, got)
+        assert "hold the same weights and got the same averaged gradient" in msg, (r, msg)
+        assert all(f"'{n}' (param group 0)" in msg for n in ("norm.weight", "norm.bias", "b2")), (r, msg)
+        assert "'b1'" not in msg, (r, msg)
+
+
 def plain_part_beside_dtensors_case(path: str) -> dict:
     """A plain parameter whose value differs per tensor-parallel position beside DTensor parameters
     (taken as a copy) raises at the first step; declared as the message says, a DTensor split over the
