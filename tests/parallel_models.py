@@ -254,8 +254,10 @@ class Uneven(nn.Module):
 
 
 class Gated(Whole):
-    """``Whole`` whose output is scaled by ``gate`` (D,): a plain tensor, or a DTensor whose local
-    piece is this rank's gate (read through ``to_local``)."""
+    """``Whole`` whose hidden units are scaled by ``gate``: beside fc1 split by rows and fc2 by
+    columns over tensor-parallel ranks, the gates of this rank's hidden units (H / tp of them), a
+    plain tensor or a DTensor whose local piece they are (read through ``to_local``). Each rank
+    gates its own units, so the model's output, and every rank's loss, is one."""
 
     def __init__(self, gate: torch.Tensor, seed: int = 0) -> None:
         super().__init__(seed)
@@ -263,4 +265,4 @@ class Gated(Whole):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         gate = self.gate.to_local() if hasattr(self.gate, "to_local") else self.gate
-        return ((self.fc2(self.hidden(x)) * gate - y) ** 2).mean()
+        return ((self.fc2(self.hidden(x) * gate) - y) ** 2).mean()

@@ -19,7 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import shardopt
 from models import gpt_steps, small_gpt
-from parallel_models import (Experts, Gated, MegatronTP, Stage, Uneven, Whole, batch, expert_reference,
+from parallel_models import (H, Experts, Gated, MegatronTP, Stage, Uneven, Whole, batch, expert_reference,
                              expert_reference_with_optimizer, global_batch, pipeline_step, reference,
                              reference_with_optimizer)
 
@@ -308,6 +308,76 @@ def test_copies_declared_wrongly_beside_megatron_tp_raise_at_the_first_step_on_e
         assert got["untouched"], r
 
 
+def drifting_copies_case(how: str, stage: int) -> dict:
+    """Copies whose weights are the same at the first step and whose averaged gradients differ across
+    the tensor-parallel ranks. "bias": Megatron-style TP whose fc1 bias starts at zero (its parts
+    alike) put in the "replicated" group by mistake; "sequence": torch's sequence-parallel plan with
+    the LayerNorm left a plain module on each rank's part of the sequence (a plain copy beside
+    DTensors, whose gradient is that rank's share)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    tp, dp = mesh["tp"], mesh["dp"].get_local_rank()
+    kw = dict(lr=1e-2, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], timeout=60.0)
+    if how == "bias":
+        whole = Whole(0)
+        with torch.no_grad():
+            whole.fc1.bias.zero_()
+        model = MegatronTP(whole, tp.get_group(), tp.get_local_rank(), 2)
+        named = dict(model.named_parameters())
+        parts, copies = ["w1", "w2"], ["b1", "norm.weight", "norm.bias", "b2"]
+        opt = shardopt.ShardedAdamW([{"params": [named[n] for n in parts], "param_names": parts},
+                                     {"params": [named[n] for n in copies], "param_names": copies, "replicated": True}],
+                                    model_parallel_group=tp, **kw)
+        ref = Whole(0)
+        with torch.no_grad():
+            ref.fc1.bias.zero_()
+
+        def first_step() -> float:
+            opt.backward(model(*batch(dp, 0)))
+            return float(opt.clip_grad_norm_(CLIP))
+    else:
+        model, ref = Whole(0), Whole(0)
+        _sequence_parallel(model, tp, norm=False)
+        opt = shardopt.ShardedAdamW(list(model.named_parameters()), **kw)
+
+        def first_step() -> float:
+            x, y = (t.unsqueeze(0) for t in batch(dp, 0))
+            opt.backward(model(x.chunk(tp.size(), dim=1)[tp.get_local_rank()], y))
+            return float(opt.clip_grad_norm_(CLIP))
+    params = [p for _, p in model.named_parameters()]
+    before = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for p in params]
+    norm = first_step()
+    ref(*global_batch(2, 0)).backward()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP))
+    try:
+        opt.step()
+        error = "no error"
+    except ValueError as e:
+        error = str(e)
+    after = [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach() for p in params]
+    return {"error": error, "norm": norm, "ref_norm": ref_norm,
+            "untouched": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+@pytest.mark.parametrize("how, stage", [("bias", 2), ("sequence", 1)])
+def test_copies_whose_gradients_differ_across_the_axis_raise_at_the_first_step_on_every_rank(pools, how, stage):
+    """Weights alike at the first step do not make copies: a copy's averaged gradient is compared
+    across the axis too, and one that differs (a zero-initialised part marked a copy, a LayerNorm
+    whose gradient each rank holds a share of) raises on every rank before any update, naming it;
+    the clip norm it would have trained with is not the model's."""
+    for r, got in enumerate(pools(4).run(drifting_copies_case, how, stage)):
+        msg = got["error"]
+        assert abs(got["norm"] - got["ref_norm"]) > 1e-3 * got["ref_norm"], (r, got)  # what went unseen
+        assert "hold the same weights but got different averaged gradients on its ranks" in msg, (r, msg)
+        if how == "bias":
+            assert "'b1' (in param group 1, marked \"replicated\")" in msg, (r, msg)
+            assert "'norm.weight'" not in msg and "'b2'" not in msg, (r, msg)
+        else:
+            why = "(a plain parameter beside DTensor parameters on that mesh)"
+            assert f"'norm.weight' {why}" in msg and f"'norm.bias' {why}" in msg, (r, msg)
+            assert "'fc2.bias'" not in msg, (r, msg)
+        assert got["untouched"], r
+
+
 def skipped_first_step_case(dtype_name: str, declared: bool, stage: int) -> dict:
     """Megatron-style TP with fc1's bias zero-initialised (its parts start alike), whose first step's
     gradients are not finite: fp16, whose loss 1000 times larger overflows at the initial loss scale
@@ -390,7 +460,7 @@ def plain_part_beside_dtensors_case(path: str) -> dict:
                                     device_mesh=mesh["dp"], timeout=30.0)
         return model, opt
 
-    model, opt = build(torch.full((8,), 1.0 + tp_rank))
+    model, opt = build(torch.full((H // 2,), 1.0 + tp_rank))  # the gates of this rank's hidden units
     try:
         _clipped_steps(model, opt, dp, range(2))
         error = "no error"
@@ -399,7 +469,7 @@ def plain_part_beside_dtensors_case(path: str) -> dict:
     opt.close()
 
     def gate(value: float):
-        return DTensor.from_local(torch.full((8,), value), mesh["tp"], [Shard(0)], run_check=False)
+        return DTensor.from_local(torch.full((H // 2,), value), mesh["tp"], [Shard(0)], run_check=False)
 
     model, opt = build(gate(1.0 + tp_rank))
     _clipped_steps(model, opt, dp, range(2))
