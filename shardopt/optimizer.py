@@ -15,7 +15,7 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.utils.hooks import RemovableHandle
 
-from shardopt.step._agreement import agree_on_params, check_calls, joined_ranks, the_call
+from shardopt.step._agreement import agree_on_building, agree_on_params, check_calls, joined_ranks, the_call
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
@@ -166,11 +166,17 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         remove_freed_hooks()
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
         parts = self._parts
-        self._buffers = build_buffers(flat, self._comm, self.config, self._names,
-                                      lambda gi: self._rule_of(self.param_groups[gi]),
-                                      lambda gi: bool(self.param_groups[gi].get("amsgrad")),
-                                      lambda p, gi: parts.counted(p, self.param_groups[gi]),
-                                      parts.dtensor_of, parts.group_comm)
+        error: TypeError | ValueError | None = None
+        try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
+            self._buffers = build_buffers(flat, self._comm, self.config, self._names,
+                                          lambda gi: self._rule_of(self.param_groups[gi]),
+                                          lambda gi: bool(self.param_groups[gi].get("amsgrad")),
+                                          lambda p, gi: parts.counted(p, self.param_groups[gi]),
+                                          parts.dtensor_of, parts.group_comm)
+        except (TypeError, ValueError) as e:
+            error = e
+        with self._comm.during(f"{type(self).__name__}'s construction"):
+            agree_on_building(error, self._comm, parts)
         tracked = {id(p) for p, _ in trainable}
         # Parameters given with requires_grad=False: no state; their values still follow rank 0.
         self._untracked = [p for g in self.param_groups for p in g["params"] if id(p) not in tracked]

@@ -893,6 +893,94 @@ def test_sharded_muon_on_an_uneven_tensor_parallel_split_is_torch_muon_on_the_wh
         assert max(worst.values()) <= 1e-5, (r, worst)
 
 
+def empty_piece_muon_case(stage: int) -> dict:
+    """ShardedMuon on dp 2 x tp 3 over DTensor matrices whose split leaves a piece empty: 4 rows
+    over 3 ranks are 2, 2 and 0 (DTensor's split), 7 rows 3, 3 and 1, 3 columns 1, 1 and 1;
+    against torch.optim.Muon on the whole matrices (AdamW on a bias), global batch."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2, 3), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    specs = [((4, 5), 0), ((7, 5), 0), ((4, 3), 1)]
+
+    def build(split: bool) -> torch.nn.Module:
+        torch.manual_seed(0)
+        model = torch.nn.Module()
+        model.bias = torch.nn.Parameter(torch.zeros(3))
+        model.ws = torch.nn.ParameterList([
+            torch.nn.Parameter(distribute_tensor(w, mesh["tp"], [Shard(d)]) if split else w)
+            for w, d in ((torch.randn(*shape) / shape[1] ** 0.5, d) for shape, d in specs)])
+        return model
+
+    def loss(model, rank: int, step: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        total = (model.bias ** 2).sum()
+        for w in model.ws:
+            whole = w.full_tensor() if isinstance(w, DTensor) else w
+            x, y = torch.randn(4, whole.shape[1], generator=g), torch.randn(4, whole.shape[0], generator=g)
+            total = total + ((torch.tanh(x @ whole.T) - y) ** 2).mean() + model.bias.sum() * 0.01 * whole.sum()
+        return total
+
+    model, ref = build(True), build(False)
+    opt = shardopt.ShardedMuon([{"params": list(model.ws)}, {"params": [model.bias], "use_muon": False, **ADAMW}],
+                               **MUON, stage=stage, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], timeout=60.0)
+    ref_muon, ref_adamw = torch.optim.Muon(list(ref.ws), **MUON), torch.optim.AdamW([ref.bias], **ADAMW)
+    for step in range(STEPS):
+        opt.zero_grad()
+        opt.backward(loss(model, dp, step))
+        opt.step()
+        ref.zero_grad()
+        (sum(loss(ref, r, step) for r in range(2)) / 2).backward()
+        ref_muon.step()
+        ref_adamw.step()
+    theirs = dict(ref.named_parameters())
+    return {"pieces": [tuple(w.to_local().shape) for w in model.ws],
+            "worst": {n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs()
+                      .max().item() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_sharded_muon_on_a_split_with_an_empty_piece_is_torch_muon_on_the_whole_matrices(pools, stage):
+    """A tensor-parallel position whose piece of a matrix is empty still owns it where the whole
+    matrix's placement says, and takes part in its gather: every position's piece of the
+    orthogonalised whole is the one DTensor's split gives it."""
+    for r, got in enumerate(pools(6).run(empty_piece_muon_case, stage, timeout=180)):
+        assert got["pieces"][0] == ((0, 5) if r % 3 == 2 else (2, 5)), (r, got["pieces"])  # what is tested
+        assert max(got["worst"].values()) <= 1e-5, (r, got["worst"])
+
+
+def construction_error_on_one_position_case() -> dict:
+    """DTensor TP on dp 2 x tp 2 whose flat buffers cannot be built at tensor-parallel position 1 (as
+    a problem with that position's own pieces, found on both its data-parallel ranks): every rank of
+    the job raises at construction, the others naming the rank that found it."""
+    import shardopt.optimizer as built_in
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    original = built_in.build_buffers
+
+    def refused(*args, **kwargs):
+        raise ValueError("this position's pieces cannot be laid out")
+
+    if mesh["tp"].get_local_rank() == 1:
+        built_in.build_buffers = refused
+    try:
+        shardopt.ShardedAdamW(model.parameters(), lr=1e-2, device_mesh=mesh["dp"], timeout=30.0)
+        return {"error": "built"}
+    except ValueError as e:
+        return {"error": str(e)}
+    finally:
+        built_in.build_buffers = original
+
+
+def test_a_construction_error_on_one_tensor_parallel_position_raises_on_every_rank(pools):
+    for r, got in enumerate(pools(4).run(construction_error_on_one_position_case, timeout=120)):
+        found = "this position's pieces cannot be laid out"
+        assert got["error"] == (found if r in (1, 3) else f"on rank 1: {found}"), (r, got)
+
+
 def expert_case(stage: int) -> dict:
     """Dense parameters on all 4 ranks, expert e on ranks {2e, 2e + 1}: one optimizer, the
     experts in a param group with their own data-parallel group."""

@@ -50,6 +50,10 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/step/_agreement.py", "raise_first_difference", "kind"):
         "a construction error of some rank (trainable_params in _config.py, collected there), raised on every "
         "rank, with 'on rank …:' in front on the others",
+    ("shardopt/step/_agreement.py", "agree_on_building", "error"):
+        "re-raises this rank's own TypeError or ValueError from building its flat buffers (build_buffers and what "
+        "it calls: _sharded_buffer.py, _muon_packing.py, _layout.py), whose message is collected where it is "
+        "raised; the other ranks raise it with 'on rank …:' in front",
     ("shardopt/checkpoint/_files.py", "agree", "error"):
         "re-raises this rank's own exception, whose message is collected where its caller raised it "
         "(checkpoint.py, _checkpoint_files.py, _checkpoint_adamw.py, _rank_state.py)",

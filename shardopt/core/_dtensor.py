@@ -101,10 +101,19 @@ def replicated(p: Tensor) -> bool:
     return all(type(pl).__name__ == "Replicate" for pl in p.placements)  # type: ignore[attr-defined]
 
 
+def shard_extent(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, length) of piece ``index`` of ``parts`` when a Shard placement splits a dimension
+    of ``size`` elements: ``torch.chunk``'s pieces of ``ceil(size / parts)``, the last ones short
+    or empty (4 over 3: 2, 2, 0), as DTensor splits it. A question."""
+    chunk = -(-size // parts)
+    offset = min(index * chunk, size)
+    return offset, max(0, min(chunk, size - offset))
+
+
 def local_box(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the global shape, the offsets of this rank's local tensor in it) of DTensor ``p``, as its
-    Shard placement splits it (``torch.chunk``'s sizes; a Replicate placement: at 0). Raises
-    ValueError for a local tensor that is not that piece. Local."""
+    Shard placement splits it (``shard_extent``; a Replicate placement: at 0). Raises ValueError
+    for a local tensor that is not that piece. Local."""
     shape = tuple(int(n) for n in p.shape)
     local = p.detach().to_local()  # type: ignore[attr-defined]
     offsets = [0] * len(shape)
@@ -112,10 +121,9 @@ def local_box(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     for pl in p.placements:  # type: ignore[attr-defined]
         if type(pl).__name__ != "Shard":
             continue
-        d, k, rank = int(pl.dim), mesh.size(), mesh.get_local_rank()
-        chunk = -(-shape[d] // k)
-        offsets[d] = min(rank * chunk, shape[d])
-        if local.shape[d] != max(0, min(chunk, shape[d] - offsets[d])):
+        d, rank = int(pl.dim), mesh.get_local_rank()
+        offsets[d], length = shard_extent(shape[d], mesh.size(), rank)
+        if local.shape[d] != length:
             raise ValueError(f"a DTensor of shape {shape} holds a local tensor of shape {tuple(local.shape)} on rank "
                              f"{rank} of its mesh, not the piece its placement {pl} makes; checkpoints store such "
                              "a parameter by its pieces' offsets and need that split")

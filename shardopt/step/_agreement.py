@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence
 
 import torch
 
-from shardopt.comm._collectives import group_ranks
+from shardopt.comm._collectives import global_rank, group_ranks
 from shardopt.core._config import trainable_params
 from shardopt.step._step_message import CALL_LEN, HYPER_LEN
 from shardopt.step._loss_scale import make_scaler
@@ -165,6 +165,32 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
     if comm.same_everywhere(desc) and error is None:
         return trainable
     raise_first_difference(comm.all_gather_objects(desc), comm.rank, type(opt).__name__)
+
+
+def agree_on_building(error: TypeError | ValueError | None, comm: Comm, parts: ModelParts) -> None:
+    """Raise on every rank of the job when some rank met ``error`` (this rank's, or None) building
+    its part of the optimizer, after the data-parallel ranks agreed on the settings and the
+    parameters: the ranks of a model axis build from their own pieces (a tensor-parallel split
+    gives each position pieces of its own sizes, an uneven one an empty piece), which the
+    data-parallel ranks' agreement does not compare, so a problem found with its own pieces may be
+    one rank's. That rank raises its error, every other rank the same kind naming the first rank
+    that met one (``on rank …: …``), rather than meeting that rank's absence at the next
+    collective. One small all-reduce over the data-parallel group and each model axis; the
+    messages travel (an all-gather over each) only when some rank failed. Every rank of the job."""
+    flag = torch.tensor([1, (1 << 40) - global_rank()] if error is not None else [0, 0], dtype=torch.int64)
+    comm.control_all_reduce(flag, "max").wait()
+    parts.axes.reduce(flag, "max")
+    if not flag[0]:
+        return
+    found = [e for found in comm.all_gather_objects(
+        [] if error is None else [(global_rank(), type(error).__name__, str(error))]) for e in found]
+    for axis in parts.axes.axes:
+        found = [e for theirs in axis.connected().all_gather_objects(found) for e in theirs]
+    if error is not None:
+        raise error
+    first = (1 << 40) - int(flag[1])
+    rank, kind, message = next(e for e in found if e[0] == first)
+    raise (TypeError if kind == "TypeError" else ValueError)(f"on rank {rank}: {message}")
 
 
 def raise_first_difference(every: list[list], rank: int, who: str = "ShardedAdamW") -> NoReturn:

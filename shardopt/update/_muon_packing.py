@@ -34,7 +34,9 @@ piece's: an uneven split (``torch.chunk`` of 15 rows over 2 ranks gives 8 and 7)
 positions different pieces, whose costs would order the matrices differently and pair one
 position's gather with another matrix, or with none, at the next. The whole matrix's cost is also
 the owner's work. Only where the piece lies in its owner's chunk (offsets, chunk and bucket
-sizes) follows the piece's own elements.
+sizes) follows the piece's own elements. A piece may be empty (4 rows over 3 ranks: 2, 2, 0): it
+takes no elements, and its owner still gathers and orthogonalises the whole matrix with the
+others (see _muon_tp).
 """
 from __future__ import annotations
 
@@ -107,12 +109,15 @@ class MuonPacking:
         return Range(start, start + m * n)
 
 
-def _matrices(shapes: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+def _matrices(shapes: Sequence[Sequence[int]], least: int = 1) -> list[tuple[int, int]]:
+    """``shapes`` as (m, n) pairs, each size an int of at least ``least`` (0: a tensor-parallel
+    piece, which an uneven split may leave empty, see [Note: owners of tensor-parallel pieces])."""
     dims: list[tuple[int, int]] = []
     for i, shape in enumerate(shapes):
         shape = tuple(shape)
-        if len(shape) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shape):
-            raise ValueError(f"matrix {i}: Muon packs 2-D matrices of positive integer sizes, got shape {shape}")
+        if len(shape) != 2 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= least for s in shape):
+            raise ValueError(f"matrix {i}: Muon packs 2-D matrices whose sizes are integers of at least {least}, "
+                             f"got shape {shape}")
         dims.append((shape[0], shape[1]))
     return dims
 
@@ -126,7 +131,7 @@ def pack_matrices(shapes: Sequence[Sequence[int]], world_size: int, *, alignment
         raise ValueError(f"world_size must be >= 1, got {world_size=}")
     if alignment < 1:
         raise ValueError(f"alignment must be >= 1, got {alignment=}")
-    dims = _matrices(shapes)
+    dims = _matrices(shapes, least=1 if whole_shapes is None else 0)
     wholes = dims if whole_shapes is None else _matrices(whole_shapes)
     if len(wholes) != len(dims):
         raise ValueError(f"whole_shapes names {len(wholes)} matrices for {len(dims)} pieces")

@@ -8,8 +8,10 @@ owners are placed by the whole matrices' shapes, also where an uneven split give
 pieces of different sizes (see _muon_packing [Note: owners of tensor-parallel pieces]). That
 owner's momentum-averaged update of its piece is gathered
 across the tensor-parallel mesh (the DTensor's own all-gather, ``full_tensor``), every owner
-orthogonalises the whole matrix, as ``torch.optim.Muon`` would, and keeps its piece (the same
-``torch.chunk`` split DTensor's Shard placement uses). The learning-rate adjustment reads the whole
+orthogonalises the whole matrix, as ``torch.optim.Muon`` would, and keeps its piece (the split
+DTensor's Shard placement makes, ``core._dtensor.shard_extent``: pieces of ``ceil(rows / tp)``,
+the last ones short or empty, so 4 rows over 3 ranks are 2, 2 and 0; an owner whose piece is empty
+still takes part in the gather). The learning-rate adjustment reads the whole
 matrix's shape. Each owner gathers its pieces in layout order, where its matrices keep their given
 order (the buckets take them in turn), alike at every tensor-parallel position, so the owners
 across the mesh meet the same gathers. Bytes: each owner receives the whole matrix's fp32
@@ -19,9 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Callable, cast
 
-import torch
 from torch import Tensor
 
+from shardopt.core._dtensor import shard_extent
 from shardopt.kernels.muon_reference import orthogonalize
 
 
@@ -46,6 +48,6 @@ def whole_orthogonalizer(dt: Tensor) -> Callable[..., Tensor]:
         whole = DTensor.from_local(update.contiguous(), mesh, placements, run_check=False,
                                    shape=dt.shape, stride=dt.stride()).full_tensor()
         ortho = orthogonalize(whole, **kw)
-        return torch.chunk(ortho, mesh.size(), dim=dim)[mesh.get_local_rank()]
+        return ortho.narrow(dim, *shard_extent(int(dt.shape[dim]), mesh.size(), mesh.get_local_rank()))
 
     return piece

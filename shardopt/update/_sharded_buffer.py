@@ -215,25 +215,29 @@ class ShardedBuffer:
         tensor-parallel piece is orthogonalised as part of the whole matrix (see _muon_tp). Local,
         but for that piece's gather across its mesh."""
         place, r = self.place_of(rec.bucket), rec.local
-        if r is None:
-            raise AssertionError(f"Muon's step of matrix {rec.name} on a rank that holds no part of it")
-        gb = place.grad_of(rec.bucket, grad)  # Muon's gradient stays where it is (no host copy is kept)
         shape, hp, here = rec.span.shape, param_groups[rec.group], self.flat.device
-        g = gb[r.as_slice()].view(shape).float()
-        if grad_scale != 1.0:
-            g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
         tp = rec.dtensor if rec.dtensor is not None and sharded_dim(rec.dtensor) is not None else None  # a TP piece
         moments = cast("MuonMomentum | SplitMoments", self.moments)  # rule "muon": Muon's one moment
-        # offloaded: the master and momentum move to the gradient's device for the step and back
-        master, momentum = self.master.read_fp32(r).to(here), moments.read(r).to(here)
+        if r is None:  # an empty tensor-parallel piece: its owner still gathers the whole matrix (see _muon_tp)
+            if tp is None or rec.span.numel:
+                raise AssertionError(f"Muon's step of matrix {rec.name} on a rank that holds no part of it")
+            g, master, momentum = (torch.zeros(shape, dtype=torch.float32, device=here) for _ in range(3))
+        else:
+            gb = place.grad_of(rec.bucket, grad)  # Muon's gradient stays where it is (no host copy is kept)
+            g = gb[r.as_slice()].view(shape).float()
+            # offloaded: the master and momentum move to the gradient's device for the step and back
+            master, momentum = self.master.read_fp32(r).to(here), moments.read(r).to(here)
+        if grad_scale != 1.0:
+            g = g * grad_scale  # unscaled, then clipped, as clip_grad_norm_ before torch's Muon
         muon_step_(master.view(shape), g, momentum.view(shape),
                    lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                    nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                    eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"],
                    orthogonalize_fn=whole_orthogonalizer(tp) if tp is not None else None,
                    shape=tuple(tp.shape) if tp is not None else None)
-        self.master.write_fp32_(r, master.to(place.device), step)
-        moments.write_(r, momentum.to(place.device))
+        if r is not None:
+            self.master.write_fp32_(r, master.to(place.device), step)
+            moments.write_(r, momentum.to(place.device))
 
     def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
@@ -244,8 +248,8 @@ class ShardedBuffer:
         gathers = []
         # Tensor-parallel pieces first, in layout order (see _muon_tp [Note: Muon beside tensor parallelism])
         split = [rec for rec in self.records if rec.dtensor is not None and sharded_dim(rec.dtensor) is not None]
-        for rec in split:
-            if rec.local is not None and rec.trained:
+        for rec in split:  # by owner, not by elements held: an owner's piece may be empty
+            if self.packing.owner[rec.index] == self.comm.shard_rank and rec.trained:
                 self._muon_step(rec, grad, grad_scale, param_groups, step)
         done = {id(rec) for rec in split}
         for b in self.reducer.forward_order:
