@@ -182,8 +182,8 @@ def agree_on_building(error: TypeError | ValueError | None, comm: Comm, parts: M
     parts.axes.reduce(flag, "max")
     if not flag[0]:
         return
-    found = [e for found in comm.all_gather_objects(
-        [] if error is None else [(global_rank(), type(error).__name__, str(error))]) for e in found]
+    mine = [] if error is None else [(global_rank(), type(error).__name__, str(error))]
+    found = [e for theirs in comm.all_gather_objects(mine) for e in theirs]
     for axis in parts.axes.axes:
         found = [e for theirs in axis.connected().all_gather_objects(found) for e in theirs]
     if error is not None:
