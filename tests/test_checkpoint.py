@@ -7,7 +7,7 @@ bucket size changed, for fp32, bf16 and fp16 weights and every master-weight mod
 a skipped step and with a growing loss scale; ``full_state_dict`` against a plain
 ``torch.optim.AdamW``; partial, corrupt and foreign checkpoints refused on every rank; paths
 with a trailing slash, ``./`` or ``~`` saved and found under one name; the converter, with no
-process group, in bounded memory.
+process group, in bounded memory, refusing what load_checkpoint refuses (a flipped bit).
 
 Catches: lost or misplaced pieces of parameters cut by shard boundaries (a rank's middle piece,
 an empty piece, a scalar), pieces deduplicated as if replicated, padding that leaks into weights,
@@ -491,6 +491,55 @@ def test_converter_finds_a_checkpoint_as_load_checkpoint_does(pools, tmp_path, m
         main(["ckpt", "never.pt"])
     assert f"the latest, {os.path.join('ckpt', 'step_00002')}" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "never.pt")
+
+
+def _flip_first_data_byte(path: str, name: str = "__0_0.distcp") -> None:
+    """XOR 0x01 into the first byte of the data of the first tensor DCP stored in ``name`` (each
+    tensor is a ``torch.save`` zip archive there; its data the ``data/0`` record): the file keeps its
+    size, and the archive still reads, as a flipped bit on a disk does."""
+    import io
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(path).read_metadata().storage_data
+    offset, length = min((s.offset, s.length) for s in storage.values() if s.relative_path == name)
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(offset)
+        item = f.read(length)
+        record = next(e for e in zipfile.ZipFile(io.BytesIO(item)).infolist() if e.filename.endswith("/data/0"))
+        name_len, extra_len = struct.unpack("<HH", item[record.header_offset + 26:record.header_offset + 30])
+        at = offset + record.header_offset + 30 + name_len + extra_len  # past the record's local header
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_the_converter_refuses_a_flipped_bit_as_load_checkpoint_does(pools, tmp_path, capsys):
+    """The converter checked the files' sizes and the small files' hashes, never the tensor files'
+    CRCs: a bit flipped in a shard converted silently into wrong state, while load_checkpoint
+    refused the same checkpoint. Both must raise the same ValueError, naming the file."""
+    from shardopt.convert import main
+
+    root = str(tmp_path)
+    _run(pools, 2, save_steps_case, root, [2])
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(os.path.join(root, "step_00002"), flipped)
+    _flip_first_data_byte(flipped)
+    loads = _run(pools, 2, load_error_case, flipped, 29)
+    shard = os.path.join(flipped, "__0_0.distcp")
+    for rank, got in enumerate(loads):  # the reference: load_checkpoint refuses it on every rank
+        assert got is not None and got[0] == "ValueError" and shard in got[1], (rank, got)
+    out = str(tmp_path / "plain.pt")
+    with pytest.raises(ValueError) as refused:
+        convert_checkpoint(flipped, out)
+    assert str(refused.value) == loads[0][1]  # rank 0 checks __0_0.distcp: its own words
+    with pytest.raises(SystemExit):
+        main([flipped, out])
+    assert shard in capsys.readouterr().err
+    assert not os.path.exists(out)
 
 
 def model_only_case(group, path: str) -> dict:

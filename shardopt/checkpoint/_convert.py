@@ -56,7 +56,7 @@ import torch
 from shardopt.checkpoint._adamw import adamw_defaults
 from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block,
                                          whole)
-from shardopt.checkpoint._files import find_checkpoint, read_manifest
+from shardopt.checkpoint._files import check_complete, find_checkpoint, read_manifest, verify_data
 
 
 def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, *, fp32_weights: bool = False) -> str:
@@ -72,7 +72,9 @@ def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     conversion]). Raises like ``load_checkpoint`` on a partial or corrupt checkpoint."""
     path = find_checkpoint(ckpt_dir)
     out_path = os.path.expanduser(os.fspath(out_path))
-    manifest = read_manifest(path)
+    marker = check_complete(path)
+    manifest = read_manifest(path, marker)
+    verify_data(path, marker)  # every tensor file against its CRC, as load_checkpoint does before it reads
     out_dir = os.path.dirname(os.path.abspath(out_path))
     scratch = tempfile.mkdtemp(prefix=os.path.basename(out_path) + ".scratch-", dir=out_dir)
     try:
