@@ -40,6 +40,7 @@ from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MAST
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
                                         list_checkpoints, read_manifest, temp_path, verify_data, write_json)
+from shardopt.checkpoint._hyper import TENSORS, jsonable, restore_group, tensor_kinds
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.core._dtensor import is_dtensor, local_box, local_of, replicated
 from shardopt.core._layout import Range, ShardPiece
@@ -151,20 +152,6 @@ def _group_keys(opt: ShardedOptimizer, model: torch.nn.Module, part: str) -> lis
     return out
 
 
-def _jsonable(v: Any, where: str) -> Any:
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x, where) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x, f"{where}[{k!r}]") for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, torch.dtype):
-        return str(v)
-    if isinstance(v, Tensor) and v.numel() == 1:
-        return v.item()
-    raise TypeError(f"{where} is a {type(v).__name__}; checkpoints keep numbers, strings, lists and dicts here")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -189,15 +176,17 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model, part))):
-        hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k not in ("params", "process_group")}
-        groups.append({**hp, "params": keys})
+        hp = {k: v for k, v in g.items() if k not in ("params", "process_group")}
+        kinds = tensor_kinds(hp)  # a tensor lr comes back a tensor (see _hyper [Note: tensor hyperparameters])
+        groups.append({**{k: jsonable(v, f"param group {gi} {k!r}") for k, v in hp.items()},
+                       **({TENSORS: kinds} if kinds else {}), "params": keys})
     cfg = opt.config
-    config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
+    config = {f.name: jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
     return {
         "format": FORMAT, "shardopt_version": __version__, "torch_version": torch.__version__,
         "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
         "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
-        "loss_scaler": _jsonable(opt._scaler.state_dict(), "loss scaler state"),
+        "loss_scaler": jsonable(opt._scaler.state_dict(), "loss scaler state"),
         "param_groups": groups,
         "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in opt._buffers],
         "tensors": tensors, "aliases": aliases,
@@ -683,9 +672,7 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[t
     for pending in [b.gather_params() for b in opt._buffers]:
         pending.wait()
     for g, saved in zip(opt.param_groups, manifest["param_groups"]):
-        for k, v in saved.items():
-            if k != "params":
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
+        restore_group(g, saved)
     step = int(manifest["step"])
 
     def lag_of(b: ShardedBuffer, r: ParamRecord) -> int:  # a parameter saved without state was left out of every step
