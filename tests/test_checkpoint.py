@@ -7,13 +7,15 @@ bucket size changed, for fp32, bf16 and fp16 weights and every master-weight mod
 a skipped step and with a growing loss scale; ``full_state_dict`` against a plain
 ``torch.optim.AdamW``; partial, corrupt and foreign checkpoints refused on every rank; paths
 with a trailing slash, ``./`` or ``~`` saved and found under one name; the converter, with no
-process group, in bounded memory.
+process group, in bounded memory, refusing what load_checkpoint refuses (a flipped bit); a tensor
+``lr`` through a checkpoint, both state-dict formats and the converter, against torch's AdamW.
 
 Catches: lost or misplaced pieces of parameters cut by shard boundaries (a rank's middle piece,
 an empty piece, a scalar), pieces deduplicated as if replicated, padding that leaks into weights,
 state that does not survive a change of world size, stage or bucket size (moments, step, skipped
 steps, loss scale, the stochastic-rounding seed), a half-written checkpoint taken for a good one,
-and a path written with a trailing slash that saved into itself and then could not be found.
+a path written with a trailing slash that saved into itself and then could not be found, and a
+tensor ``lr`` that came back a float (a resume 7e-9 off).
 
 Every rank trains on the same data, so the gradient average equals the local gradient and a run
 does not depend on the world size. That makes an uninterrupted run the reference: bit for bit
@@ -491,6 +493,163 @@ def test_converter_finds_a_checkpoint_as_load_checkpoint_does(pools, tmp_path, m
         main(["ckpt", "never.pt"])
     assert f"the latest, {os.path.join('ckpt', 'step_00002')}" in capsys.readouterr().err
     assert not os.path.exists(tmp_path / "never.pt")
+
+
+def _flip_first_data_byte(path: str, name: str = "__0_0.distcp") -> None:
+    """XOR 0x01 into the first byte of the data of the first tensor DCP stored in ``name`` (each
+    tensor is a ``torch.save`` zip archive there; its data the ``data/0`` record): the file keeps its
+    size, and the archive still reads, as a flipped bit on a disk does."""
+    import io
+    import struct
+    import zipfile
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    storage = FileSystemReader(path).read_metadata().storage_data
+    offset, length = min((s.offset, s.length) for s in storage.values() if s.relative_path == name)
+    with open(os.path.join(path, name), "r+b") as f:
+        f.seek(offset)
+        item = f.read(length)
+        record = next(e for e in zipfile.ZipFile(io.BytesIO(item)).infolist() if e.filename.endswith("/data/0"))
+        name_len, extra_len = struct.unpack("<HH", item[record.header_offset + 26:record.header_offset + 30])
+        at = offset + record.header_offset + 30 + name_len + extra_len  # past the record's local header
+        f.seek(at)
+        byte = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([byte ^ 0x01]))
+
+
+def test_the_converter_refuses_a_flipped_bit_as_load_checkpoint_does(pools, tmp_path, capsys):
+    """The converter checked the files' sizes and the small files' hashes, never the tensor files'
+    CRCs: a bit flipped in a shard converted silently into wrong state, while load_checkpoint
+    refused the same checkpoint. Both must raise the same ValueError, naming the file."""
+    from shardopt.convert import main
+
+    root = str(tmp_path)
+    _run(pools, 2, save_steps_case, root, [2])
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(os.path.join(root, "step_00002"), flipped)
+    _flip_first_data_byte(flipped)
+    loads = _run(pools, 2, load_error_case, flipped, 29)
+    shard = os.path.join(flipped, "__0_0.distcp")
+    for rank, got in enumerate(loads):  # the reference: load_checkpoint refuses it on every rank
+        assert got is not None and got[0] == "ValueError" and shard in got[1], (rank, got)
+    out = str(tmp_path / "plain.pt")
+    with pytest.raises(ValueError) as refused:
+        convert_checkpoint(flipped, out)
+    assert str(refused.value) == loads[0][1]  # rank 0 checks __0_0.distcp: its own words
+    with pytest.raises(SystemExit):
+        main([flipped, out])
+    assert shard in capsys.readouterr().err
+    assert not os.path.exists(out)
+
+
+# -- tier 2: a tensor lr through every format ---------------------------------------------------------
+def _lr_groups(model) -> list[dict]:
+    """A group on the optimizer's tensor lr, and one with a float lr of its own."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2]},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "lr": 5e-3, "weight_decay": 0.0}]
+
+
+def _lr_optimizer(model, group=None):
+    """ShardedAdamW (``group``: its process group) or torch's single-tensor AdamW with a tensor
+    ``lr``, under a StepLR (which keeps ``initial_lr`` a tensor too)."""
+    hp = dict(lr=torch.tensor(1e-2), weight_decay=0.1)
+    opt = (shardopt.ShardedAdamW(_lr_groups(model), **hp, process_group=group) if group is not None else
+           torch.optim.AdamW(_lr_groups(model), **hp, foreach=False))
+    return opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.7)
+
+
+def _lr_train(model, opt, sched, steps) -> None:
+    for step in steps:  # the same batch on every rank: the average is the batch's own gradient
+        opt.zero_grad()
+        loss = model(batch(0, step))
+        loss.backward() if isinstance(opt, torch.optim.AdamW) else opt.backward(loss)
+        opt.step()
+        sched.step()
+
+
+def _lr_kinds(groups) -> list:
+    """Each group's lr and initial_lr: (type, dtype or None, value)."""
+    return [[(type(g[k]).__name__, str(g[k].dtype) if isinstance(g[k], torch.Tensor) else None, float(g[k]))
+             for k in ("lr", "initial_lr")] for g in groups]
+
+
+def tensor_lr_case(group, path: str) -> dict:
+    """K steps with a tensor lr, then the state kept three ways (a checkpoint, the rank state dict,
+    torch's format) and the run on to STEPS; each kept state restored into a fresh optimizer that
+    goes on to STEPS, and whether the dict a state-dict load was given still holds what it held
+    (torch deep-copies it). On rank 0 also the reference, torch's AdamW uninterrupted, and torch's
+    AdamW resumed from the converter's output: in this process, whose kernels add in the order the
+    ranks' do."""
+    import copy
+
+    model = make_model(seed=3)
+    opt, sched = _lr_optimizer(model, group)
+    _lr_train(model, opt, sched, range(K))
+    save_checkpoint(path, model, opt, extra={"sched": sched.state_dict()})
+    weights, sched_sd = _weights(model), sched.state_dict()
+    dicts = {"load_state_dict": copy.deepcopy(opt.state_dict()),
+             "load_full_state_dict": copy.deepcopy(full_state_dict(opt))}  # {} on rank 1
+    _lr_train(model, opt, sched, range(K, STEPS))
+    out: dict = {"uninterrupted": {"end": _weights(model)}}
+    for way in ("load_checkpoint", "load_state_dict", "load_full_state_dict"):
+        fresh = make_model(seed=4)
+        fresh_opt, fresh_sched = _lr_optimizer(fresh, group)
+        given = dicts.get(way)
+        held = copy.deepcopy(given["param_groups"]) if given else None  # what the dict holds before the load
+        if way == "load_checkpoint":
+            fresh_sched.load_state_dict(load_checkpoint(path, fresh, fresh_opt)["sched"])
+        else:
+            fresh.load_state_dict(weights)
+            if way == "load_state_dict":
+                fresh_opt.load_state_dict(given)
+            else:
+                load_full_state_dict(fresh_opt, given)
+            fresh_sched.load_state_dict(sched_sd)
+        kinds = _lr_kinds(fresh_opt.param_groups)
+        _lr_train(fresh, fresh_opt, fresh_sched, range(K, STEPS))
+        out[way] = {"kinds": kinds, "end": _weights(fresh),
+                    "dict_kept": held is None or _lr_kinds(given["param_groups"]) == _lr_kinds(held)}
+    if dist.get_rank(group) == 0:
+        ref = make_model(seed=3)
+        ref_opt, ref_sched = _lr_optimizer(ref)
+        _lr_train(ref, ref_opt, ref_sched, range(K))
+        out["torch"] = {"kinds": _lr_kinds(ref_opt.param_groups)}
+        _lr_train(ref, ref_opt, ref_sched, range(K, STEPS))
+        out["torch"]["end"] = _weights(ref)
+        plain_path = os.path.join(os.path.dirname(path), "plain.pt")
+        convert_checkpoint(path, plain_path)
+        plain = torch.load(plain_path, weights_only=True)
+        resumed = make_model(seed=9)
+        resumed.load_state_dict(plain["model"])
+        resumed_opt, resumed_sched = _lr_optimizer(resumed)
+        resumed_opt.load_state_dict(plain["optim"])
+        resumed_sched.load_state_dict(sched_sd)
+        out["converted"] = {"kinds": _lr_kinds(resumed_opt.param_groups)}
+        _lr_train(resumed, resumed_opt, resumed_sched, range(K, STEPS))
+        out["converted"]["end"] = _weights(resumed)
+    return out
+
+
+def test_a_tensor_lr_comes_back_a_tensor_and_resumes_bit_for_bit(pools, tmp_path):
+    """A tensor lr came back from load_checkpoint (and the converter) as a Python float: the resumed
+    run took float-lr steps, 7e-9 off the uninterrupted tensor-lr run. The state-dict loads kept the
+    dict's own tensor, so the loaded optimizer's scheduler wrote into the dict. The reference is
+    torch's AdamW with the same tensor lr and StepLR, uninterrupted: the lr's kind at step K (a
+    tensor of the optimizer's dtype for the tensor lr, a float for a group's float lr), and the
+    weights at STEPS, bit for bit."""
+    got = _run(pools, 2, tensor_lr_case, str(tmp_path / "ckpt"))
+    ref = got[0]["torch"]
+    assert ref["kinds"][0][0][:2] == ("Tensor", "torch.float32") and ref["kinds"][1][0][0] == "float", ref["kinds"]
+    for rank, out in enumerate(got):
+        for way in ("uninterrupted", "load_checkpoint", "load_state_dict", "load_full_state_dict", "converted"):
+            if way not in out:
+                continue  # the converter's, on rank 0 only
+            assert out[way].get("kinds", ref["kinds"]) == ref["kinds"], (rank, way, out[way]["kinds"])
+            assert out[way].get("dict_kept", True), (rank, way)
+            for key, w in ref["end"].items():
+                assert torch.equal(out[way]["end"][key], w), (rank, way, key)
 
 
 def model_only_case(group, path: str) -> dict:

@@ -17,6 +17,14 @@ Catches two ways a run was lost or hung:
 * deadlines that were not what they said: a weights-only load that gave up after the group's
   timeout while naming its own, and a rank that came to a call after another had given up on it,
   whose message paired with the one left in flight and took it into the save alone.
+* a rank that died where the others waited in torch's own calls rather than shardopt's messages:
+  the default store a save claims its path in (hosted by rank 0 under a plain launch), the weight
+  gather at the end of a load (whose other parts' ranks returned as if it had succeeded), a step's
+  weight gather after the other rank's update raised: bare torch errors that named neither the call
+  nor the death.
+* an OSError other than FileNotFoundError on one rank in a load or a save: that rank left the call
+  alone and gloo aborted a rank at the next call; every rank must raise it, so that a resume loop
+  falling back to an older checkpoint works.
 """
 from __future__ import annotations
 
@@ -34,18 +42,21 @@ import torch.distributed as dist
 
 import shardopt
 from models import batch, make_model
+from shardopt.convert import convert_checkpoint
 
 WORLD = 2
 
 
 def _spawn(target, root: str, *args, timeout: float = 90.0, linger: bool = False,
-           world: int = WORLD, group_timeout: float = 300.0) -> list[int | None]:
+           world: int = WORLD, group_timeout: float = 300.0, tcp_store: bool = False) -> list[int | None]:
     """Run ``target(rank, root, *args)`` on WORLD fresh gloo ranks of their own; their exit codes.
     ``linger``: each rank stays up until every rank has written its result (see ``_main``);
-    ``group_timeout``: seconds, the default group's timeout."""
+    ``group_timeout``: seconds, the default group's timeout; ``tcp_store``: the default store is a
+    TCPStore that rank 0 hosts, as under a plain launch (torchrun's agent hosts it apart), so that
+    it goes down with rank 0, instead of a file."""
     ctx = _context()
     store = os.path.join(root, f"store-{time.monotonic_ns()}")
-    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger, world, group_timeout),
+    procs = [ctx.Process(target=_main, args=(target, r, store, root, args, linger, world, group_timeout, tcp_store),
                          daemon=True) for r in range(world)]
     for p in procs:
         p.start()
@@ -68,11 +79,12 @@ def _context():
 
 
 def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool, world: int,
-          group_timeout: float) -> None:
+          group_timeout: float, tcp_store: bool = False) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=group_timeout))
+    wait = datetime.timedelta(seconds=group_timeout)
+    dist.init_process_group("gloo", store=_tcp_store(store, rank, world, wait) if tcp_store else
+                            dist.FileStore(store, world), rank=rank, world_size=world, timeout=wait)
     try:
         result = target(rank, root, *args)
     except BaseException:  # noqa: BLE001 - reported to the test, which decides
@@ -86,6 +98,20 @@ def _main(target, rank: int, store: str, root: str, args: tuple, linger: bool, w
             os.path.exists(os.path.join(root, f"rank{r}.json")) for r in range(world)):
         time.sleep(0.05)
     os._exit(0)  # results are written; collectives a refused call left in flight need no teardown
+
+
+def _tcp_store(where: str, rank: int, world: int, timeout: datetime.timedelta):
+    """A TCPStore on a free port, hosted by rank 0, which leaves its port in the file ``where``."""
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world, True, timeout=timeout, wait_for_workers=False)
+        with open(where + ".partial", "w") as f:
+            f.write(str(store.port))
+        os.replace(where + ".partial", where)
+        return store
+    while not os.path.exists(where):
+        time.sleep(0.02)
+    with open(where) as f:
+        return dist.TCPStore("127.0.0.1", int(f.read()), world, False, timeout=timeout)
 
 
 def _results(root: str, world: int = WORLD) -> list[dict]:
@@ -365,6 +391,247 @@ def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoin
             r = got[rank][name]
             assert r["found"] == os.path.join(root, name, "ckpt") and r["same"], (name, rank, r)
             assert r["optim_entries"] == (6 if rank in (0, 1) else 0), (name, rank, r)  # the part's, at dp rank 0
+
+
+# -- a rank that dies where the others wait in torch's own calls ----------------------------------
+# Under a plain launch the default store (a TCPStore) lives in rank 0: a save whose rank 0 died
+# before the others claimed the path in it gave them torch's bare DistNetworkError ("Failed to
+# recv, got 0 bytes"). A rank that died after DCP's read in a load left its data-parallel peers
+# with gloo's bare "Connection reset by peer" from the weight gather, and the ranks of the model's
+# other parts returning from load_checkpoint as if it had succeeded (to fail at their next forward
+# pass). Every survivor must raise, within seconds, naming the call and saying that a rank died.
+def _names_a_death(msg: str, call: str) -> bool:
+    """Whether ``msg`` names ``call`` and a rank's death in shardopt's words (torch's own follow in
+    parentheses, after them)."""
+    ours = msg.split("(gloo:")[0].split("(store:")[0]
+    return call in ours and "died" in ours and "Connection" not in ours and "Failed to recv" not in ours
+
+
+def killed_before_claim_case(rank: int, root: str) -> dict:
+    import shardopt.checkpoint as ck
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    path = os.path.join(root, "ckpt")
+    _train(model, opt, range(1))
+    shardopt.save_checkpoint(path, model, opt)
+    saved = _state(model, opt)
+    if rank == 0:
+        with open(os.path.join(root, "saved.json"), "w") as f:
+            json.dump(saved, f)
+    _train(model, opt, range(1, 2))
+    claim = ck.claim
+
+    def claim_once_rank_0_died(*args, **kwargs):
+        if rank == 0:  # the store's host
+            os._exit(17)
+        time.sleep(0.5)
+        return claim(*args, **kwargs)
+
+    ck.claim = claim_once_rank_0_died
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(path, model, opt)
+        error = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.launch  # processes of its own
+def test_a_save_whose_store_host_died_before_the_claim_is_named_and_commits_nothing(tmp_path):
+    root = str(tmp_path)
+    codes = _spawn(killed_before_claim_case, root, world=3, tcp_store=True, timeout=120)
+    assert codes == [17, 0, 0], codes
+    for rank, got in enumerate(_results_of(root, (1, 2)), start=1):
+        assert _names_a_death(got.get("error", str(got)), "save_checkpoint()"), (rank, got)
+        assert got["seconds"] < 30, (rank, got)
+    # the first save is still the checkpoint at the path (read without ranks: the converter)
+    out = str(tmp_path / "plain.pt")
+    convert_checkpoint(os.path.join(root, "ckpt"), out)
+    plain = torch.load(out, weights_only=True)
+    with open(os.path.join(root, "saved.json")) as f:
+        saved = json.load(f)
+    for key, value in saved.items():
+        index, _, name = key.partition(".")
+        got = plain["optim"]["state"][int(index)][name] if index.isdigit() else plain["model"][key]
+        assert got.tolist() == value, key
+
+
+def _results_of(root: str, ranks) -> list[dict]:
+    out = []
+    for r in ranks:
+        with open(os.path.join(root, f"rank{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def _dtensor_parts(timeout: float):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from parallel_models import Whole
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    return mesh, model, shardopt.ShardedAdamW(model.parameters(), lr=1e-2, device_mesh=mesh["dp"], timeout=timeout)
+
+
+def killed_after_the_read_case(rank: int, root: str, layout: str, victim: int) -> dict:
+    """Save, then load with ``victim`` dying once every rank has read and restored its shard, as
+    the gather of the weights starts: its data-parallel peers wait in that gather, the other parts'
+    ranks finish theirs. ``layout``: "dp" (2 ranks), "megatron" (plain shards with
+    model_parallel_group) or "dtensor" (DTensor parameters), each 2 x 2 (dp x tp)."""
+    if layout == "dp":
+        model = make_model(seed=4)
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+
+        def train(steps):
+            _train(model, opt, steps)
+    else:
+        mesh, model, opt = _tp_parts(timeout=20) if layout == "megatron" else _dtensor_parts(timeout=20)
+
+        def train(steps):
+            _tp_train(mesh, model, opt, steps)
+    path = os.path.join(root, "ckpt")
+    train(range(2))
+    shardopt.save_checkpoint(path, model, opt)
+    train(range(2, 3))
+    if rank == victim:
+        def die():
+            os._exit(17)
+
+        for b in opt._buffers:
+            b.gather_params = die
+    start = time.perf_counter()
+    try:
+        shardopt.load_checkpoint(path, model, opt)
+        error = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.launch  # processes of its own
+@pytest.mark.parametrize("layout,world,victim", [("dp", 2, 0), ("megatron", 4, 3), ("dtensor", 4, 3)])
+def test_a_rank_killed_in_a_load_after_the_read_is_named_on_every_rank(tmp_path, layout, world, victim):
+    root = str(tmp_path)
+    codes = _spawn(killed_after_the_read_case, root, layout, victim, world=world, timeout=150)
+    assert codes[victim] == 17 and all(c == 0 for r, c in enumerate(codes) if r != victim), codes
+    survivors = [r for r in range(world) if r != victim]
+    for rank, got in zip(survivors, _results_of(root, survivors)):
+        assert _names_a_death(got.get("error", str(got)), "load_checkpoint()"), (rank, got)
+        assert got["seconds"] < 30, (rank, got)
+
+
+# -- an error of one rank in a load or a save: every rank raises it and leaves the call -----------
+def fallback_case(rank: int, root: str) -> dict:
+    """Two checkpoints; a save to a new path and a load of the newest each meet a PermissionError on
+    rank 1 only (an OSError that is not FileNotFoundError: EACCES, EIO). A resume loop falls back to
+    the older checkpoint, and every rank trains on."""
+    import shardopt.checkpoint as ck
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    saved = {}
+    for step in (1, 2):
+        _train(model, opt, range(step - 1, step))
+        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
+        saved[step] = _state(model, opt)
+    out: dict = {}
+    check = ck.check_replaceable
+
+    def denied(path):
+        if rank == 1:
+            raise PermissionError(13, "Permission denied", path)
+        check(path)
+
+    ck.check_replaceable = denied
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "step_3"), model, opt)
+        out["save"] = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        out["save"] = f"{type(e).__name__}: {e}"
+    ck.check_replaceable = check
+    verify = ck.verify_data
+
+    def unreadable(path, *args, **kwargs):
+        if rank == 1 and path.endswith("step_2"):
+            raise PermissionError(13, "Permission denied", os.path.join(path, "__1_0.distcp"))
+        verify(path, *args, **kwargs)
+
+    ck.verify_data = unreadable
+    model = make_model(seed=9)  # a restarted run
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    out["tried"] = []
+    for found in reversed(shardopt.list_checkpoints(root)):
+        try:
+            extra = shardopt.load_checkpoint(found, model, opt)
+            out["tried"].append([os.path.basename(found), f"loaded {extra}"])
+            break
+        except Exception as e:  # noqa: BLE001 - the test reads what it was
+            out["tried"].append([os.path.basename(found), f"{type(e).__name__}: {e}"])
+    out["as_saved"] = _state(model, opt) == saved[1]
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+def test_an_oserror_on_one_rank_is_raised_on_every_rank_and_a_fallback_loop_resumes(tmp_path):
+    """A PermissionError on one rank was not taken to the agreement: that rank left the call alone,
+    its next load's first message met the others' agreement of another size, and gloo aborted a
+    rank (SIGABRT). Every rank must raise it, and the loop then load the older checkpoint on every
+    rank, equal to what was saved, and train on together."""
+    root = str(tmp_path)
+    codes = _spawn(fallback_case, root, timeout=120)
+    assert codes == [0, 0], codes  # none killed by a signal, none hung
+    got = _results(root)
+    assert all("traceback" not in r for r in got), got
+    denied = "PermissionError: [Errno 13] Permission denied"
+    for rank, r in enumerate(got):
+        assert r["save"].startswith("PermissionError: ") and denied.split(": ", 1)[1] in r["save"], (rank, r["save"])
+        assert [name for name, _ in r["tried"]] == ["step_2", "step_1"], (rank, r["tried"])
+        assert r["tried"][0][1].startswith("PermissionError: ") and "__1_0.distcp" in r["tried"][0][1], (rank, r)
+        assert r["tried"][1][1] == "loaded {'step': 1}", (rank, r)
+        assert r["as_saved"], rank
+        assert r["listed"] == ["step_1", "step_2"], (rank, r["listed"])  # the refused save wrote nothing
+    assert "on rank 1" in got[0]["save"] and "on rank 1" in got[0]["tried"][0][1], got[0]
+    assert got[0]["trained"] == got[1]["trained"]  # the ranks stepped together after the fallback
+
+
+# -- a rank whose step raises: the other names the step ------------------------------------------
+def one_rank_fails_in_step_case(rank: int, root: str) -> dict:
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    _train(model, opt, range(1))
+    if rank == 0:  # as a fused kernel that fails to compile on one rank only (torch.compile's error)
+        def update(*args, **kwargs):
+            raise RuntimeError("the update kernel failed on this rank")
+
+        for b in opt._buffers:
+            b.update = update
+    start = time.perf_counter()
+    try:
+        _train(model, opt, range(1, 2))
+        error = "no error"
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "seconds": time.perf_counter() - start}
+
+
+@pytest.mark.launch  # processes of its own
+def test_a_rank_whose_step_raises_leaves_the_other_an_error_naming_the_step(tmp_path):
+    """The rank whose update raised exits; the other, waiting for its part of the weight gather,
+    got gloo's bare "Connection closed by peer" from step(), naming neither."""
+    root = str(tmp_path)
+    assert _spawn(one_rank_fails_in_step_case, root) == [0, 0]
+    first, other = _results(root)
+    assert "the update kernel failed on this rank" in first["error"], first
+    assert _names_a_death(other["error"], "step()") and "raised an error of its own" in other["error"], other
+    assert other["seconds"] < 30, other
 
 
 # -- checkpoint calls on rank 0 only ------------------------------------------------------------

@@ -40,6 +40,7 @@ from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MAST
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
                                         list_checkpoints, read_manifest, temp_path, verify_data, write_json)
+from shardopt.checkpoint._hyper import TENSORS, jsonable, restore_group, tensor_kinds
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.core._dtensor import is_dtensor, local_box, local_of, replicated
 from shardopt.core._layout import Range, ShardPiece
@@ -151,20 +152,6 @@ def _group_keys(opt: ShardedOptimizer, model: torch.nn.Module, part: str) -> lis
     return out
 
 
-def _jsonable(v: Any, where: str) -> Any:
-    if isinstance(v, (tuple, list)):
-        return [_jsonable(x, where) for x in v]
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x, f"{where}[{k!r}]") for k, x in v.items()}
-    if v is None or isinstance(v, (bool, int, float, str)):
-        return v
-    if isinstance(v, torch.dtype):
-        return str(v)
-    if isinstance(v, Tensor) and v.numel() == 1:
-        return v.item()
-    raise TypeError(f"{where} is a {type(v).__name__}; checkpoints keep numbers, strings, lists and dicts here")
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -189,15 +176,17 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model, part))):
-        hp = {k: _jsonable(v, f"param group {gi} {k!r}") for k, v in g.items() if k not in ("params", "process_group")}
-        groups.append({**hp, "params": keys})
+        hp = {k: v for k, v in g.items() if k not in ("params", "process_group")}
+        kinds = tensor_kinds(hp)  # a tensor lr comes back a tensor (see _hyper [Note: tensor hyperparameters])
+        groups.append({**{k: jsonable(v, f"param group {gi} {k!r}") for k, v in hp.items()},
+                       **({TENSORS: kinds} if kinds else {}), "params": keys})
     cfg = opt.config
-    config = {f.name: _jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
+    config = {f.name: jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
     return {
         "format": FORMAT, "shardopt_version": __version__, "torch_version": torch.__version__,
         "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
         "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
-        "loss_scaler": _jsonable(opt._scaler.state_dict(), "loss scaler state"),
+        "loss_scaler": jsonable(opt._scaler.state_dict(), "loss scaler state"),
         "param_groups": groups,
         "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in opt._buffers],
         "tensors": tensors, "aliases": aliases,
@@ -219,7 +208,8 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     ``path`` must be on a filesystem that every rank sees. The checkpoint appears at ``path`` only
     once complete (an existing one there is replaced); a save that fails or is killed leaves
     ``path`` as it was; where a rank dies in it, the others raise RuntimeError naming the call
-    and saying so. ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
+    and saying so, and whatever one rank raises in it is raised on every rank (see [Note: every
+    rank raises]). ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = checkpoint_path(path)
     with opt._comm.during("save_checkpoint()"):
@@ -352,18 +342,34 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
         _write(path, model, opt, comm, extra)
 
 
+# [Note: every rank raises]
+# A checkpoint call runs from one agreement (``_files.agree``) to the next, and the work between
+# two is local: reading or writing files, checking the model, restoring the state. Whatever one
+# rank raises there (a model that does not match, a PermissionError or an EIO from one file, a bug)
+# is caught, whatever its class, and taken to the next agreement, so that every rank raises it
+# (its own, or "on rank r: ..." as the same class) and leaves the call at the same point. So a
+# caller that catches it (a resume loop that falls back to an older checkpoint) finds every rank
+# out of the call and ready for the next; a rank that left alone would meet the next call's
+# messages with the others still in this one's. A failure of the collectives themselves (a rank
+# died in DCP's exchanges, the weight gather, the default store) cannot be agreed on: the rank
+# raises at once, naming the call and saying that another rank died (``Comm.collective_failed``),
+# and gives up on the others (``agree`` then raises its error without a message). A load ends in
+# one agreement over every rank of the job, after the weights are gathered: no rank returns from
+# a load that another rank, of any part of the model, did not finish.
+
+
 def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm, extra: Any) -> None:
     """``_save`` once every rank of ``comm`` (``_job``) is in the call. Every rank."""
     error: Exception | None  # this rank's, which agree() raises on every rank
-    part = _part(opt)
+    part, manifest = _part(opt), {}
     try:
         entries, aliases = _entries(model, opt, part)
         manifest, error = _manifest(opt, model, entries, aliases, part), None
         check_replaceable(path)
         if comm.rank == 0 and extra is not None:
             _check_loadable(extra)
-        claim(path, comm.global_ranks)
-    except (TypeError, ValueError, FileExistsError) as e:
+        claim(path, comm)
+    except Exception as e:  # noqa: BLE001 - whatever it is, every rank raises it (see [Note: every rank raises])
         error = e
     # the ranks' manifests differ only when they hold different parts: gathered then, merged on every rank
     agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path),
@@ -388,7 +394,7 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
                     f.flush()
                     os.fsync(f.fileno())
         error = None
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - see [Note: every rank raises]
         error = e
     agree(comm, error)
     from shardopt.checkpoint._dcp import CollectiveFailed, write_blocks  # DCP, imported when a checkpoint is written
@@ -404,13 +410,13 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
     crcs, error = {}, None
     try:
         crcs = data_checksums(tmp, comm.rank)  # this rank's files, while they are still in the page cache
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - see [Note: every rank raises]
         error = e
     every = agree(comm, error, crcs)
     if comm.rank == 0:  # every rank's files are written: DCP's last step gathered them all
         try:
             commit(tmp, path, token, {k: v for mine in every for k, v in mine.items()}, started)
-        except (OSError, RuntimeError) as e:
+        except Exception as e:  # noqa: BLE001 - see [Note: every rank raises]
             error = e
     agree(comm, error)
 
@@ -518,9 +524,12 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     ValueError naming the file; a checkpoint of another model raises ValueError naming the first
     mismatching parameter; either is raised on every rank. A rank waits at most ``timeout`` seconds
     (default: the optimizer's ``timeout``, else 60; ``math.inf``: as long as a step would) for the
-    others to call it too, then raises TimeoutError naming the call. ``path`` is written as
-    ``save_checkpoint`` writes it, after finishing a commit to it that a kill interrupted; a
-    directory of checkpoints raises FileNotFoundError naming its latest."""
+    others to call it too, then raises TimeoutError naming the call. Whatever one rank raises in
+    it is raised on every rank, each leaving the call at the same point (see [Note: every rank
+    raises]); where a rank dies in it, the others raise RuntimeError naming the call and saying
+    so, and no rank (of any part of a model split over ranks) returns before every rank has
+    finished. ``path`` is written as ``save_checkpoint`` writes it, after finishing a commit to it
+    that a kill interrupted; a directory of checkpoints raises FileNotFoundError naming its latest."""
     path = checkpoint_path(path)
     comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
     with comm.during("load_checkpoint()"):
@@ -542,7 +551,9 @@ def _load(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, comm:
 
 
 def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: Comm) -> Any:
-    """``_load`` once every rank of ``job`` (``_job``, or the weights-only load's group) is in the call. Every rank."""
+    """``_load`` once every rank of ``job`` (``_job``, or the weights-only load's group) is in the
+    call: check, read, restore, each step agreed over ``job`` (see [Note: every rank raises]).
+    Every rank."""
     try:
         path = find_checkpoint(path)  # see _files [Note: a kill between the renames of a commit]
         marker = check_complete(path)
@@ -553,58 +564,91 @@ def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: 
         entries, aliases = _entries(model, opt, part)
         _check_matches(manifest, entries, aliases, opt, model, path, part)
         extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
+        plan = _plan(manifest, entries, opt)
         error = None
-    except (FileNotFoundError, ValueError, TypeError) as err:
+    except Exception as err:  # noqa: BLE001 - whatever it is, every rank raises it (see [Note: every rank raises])
         error = err
     agree(job, error)
-    staging: dict[int, Tensor] = {}
-    blocks: list[Block] = []
-    with torch.no_grad():
-        moments: dict[int, tuple[Tensor, ...]] = {}  # fp32, encoded into the moments mode once read
-        without_max: list[tuple[Tensor, Tensor]] = []  # amsgrad here, not in the checkpoint: (max, exp_avg_sq) pieces
-        for b in opt._buffers if opt is not None else []:
-            staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
-            moments[id(b)] = tuple(torch.zeros_like(staging[id(b)]) for _ in range(3 if b.amsgrad else 2))
-        pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
-        for e in entries:
-            s = manifest["tensors"][e.key]
-            if math.prod(s["shape"]) == 0 or not e.tensor.numel():
-                continue
-            if e.where is None:
-                # Same dtype: the stored weights, bit for bit; another dtype: from the fp32 master if kept.
-                same = s["dtype"] == _dtype_name(e.tensor.dtype)
-                blocks += e.whole(MODEL + e.key if same else s.get("master", MODEL + e.key))
-                continue
-            b, i = e.where
-            piece = pieces[id(b)].get(i)
-            if piece is None:
-                continue
-            # the local piece's shape: a DTensor's is read from wherever its whole was cut when saved
-            shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
-            blocks += e.blocks(s.get("master", MODEL + e.key), shape, r, staging[id(b)][local])
-            # Moments of the rule it was saved with; none when it was frozen, or saved under the
-            # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
-            if s["sharded"] and s.get("rule", "adamw") == b.rule:
-                saved_max = b.amsgrad and s.get("amsgrad", False)
-                for key, moment in zip(_moment_keys(b.rule, saved_max), moments[id(b)]):
-                    blocks += e.blocks(key + e.key, shape, r, moment[local])
-                if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
-                    without_max.append((moments[id(b)][2][local], moments[id(b)][1][local]))
-        from shardopt.checkpoint._dcp import CollectiveFailed, read_blocks  # DCP, imported when a checkpoint is read
-
+    try:
+        _fill(path, plan, entries, opt, job)
+        error = None
+    except Exception as err:  # noqa: BLE001 - see [Note: every rank raises]
+        error = err
+    agree(job, error)  # every rank has its shard: the weight gather that follows needs every one
+    if opt is not None:
         try:
-            read_blocks(path, blocks, job.group)
+            with torch.no_grad():
+                _restore_optimizer(opt, manifest, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
+            error = None
+        except Exception as err:  # noqa: BLE001 - see [Note: every rank raises]
+            error = err
+        agree(job, error)  # the end of the load, over every part's ranks: none returns before all have finished
+    return extra
+
+
+@dataclass
+class _ReadPlan:
+    """What a load reads (``blocks``) and where it lands before it is restored. Local."""
+
+    blocks: list[Block]
+    staging: dict[int, Tensor]  # by id of buffer: 1D fp32, this rank's shard of the master weights
+    moments: dict[int, tuple[Tensor, ...]]  # by id of buffer: 1D fp32 shards, encoded into the moments mode once read
+    without_max: list[tuple[Tensor, Tensor]]  # amsgrad here, not in the checkpoint: (max, exp_avg_sq) pieces
+
+
+def _plan(manifest: dict, entries: list[_Entry], opt: ShardedOptimizer | None) -> _ReadPlan:
+    """The blocks to read from the checkpoint of ``manifest`` (this rank's part of it, checked
+    against the model's ``entries``) into the model and, if given, ``opt``'s staging. Local:
+    nothing is modified."""
+    plan = _ReadPlan([], {}, {}, [])
+    for b in opt._buffers if opt is not None else []:
+        plan.staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
+        plan.moments[id(b)] = tuple(torch.zeros_like(plan.staging[id(b)]) for _ in range(3 if b.amsgrad else 2))
+    pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
+    for e in entries:
+        s = manifest["tensors"][e.key]
+        if math.prod(s["shape"]) == 0 or not e.tensor.numel():
+            continue
+        if e.where is None:
+            # Same dtype: the stored weights, bit for bit; another dtype: from the fp32 master if kept.
+            same = s["dtype"] == _dtype_name(e.tensor.dtype)
+            plan.blocks += e.whole(MODEL + e.key if same else s.get("master", MODEL + e.key))
+            continue
+        b, i = e.where
+        piece = pieces[id(b)].get(i)
+        if piece is None:
+            continue
+        # the local piece's shape: a DTensor's is read from wherever its whole was cut when saved
+        shape, r, local = b.layout.params[i].shape, piece.param_range, piece.local_range.as_slice()
+        plan.blocks += e.blocks(s.get("master", MODEL + e.key), shape, r, plan.staging[id(b)][local])
+        # Moments of the rule it was saved with; none when it was frozen, or saved under the
+        # other rule (a run moved between AdamW and Muon): they start at zero, as a new optimizer's.
+        if s["sharded"] and s.get("rule", "adamw") == b.rule:
+            saved_max = b.amsgrad and s.get("amsgrad", False)
+            for key, moment in zip(_moment_keys(b.rule, saved_max), plan.moments[id(b)]):
+                plan.blocks += e.blocks(key + e.key, shape, r, moment[local])
+            if b.amsgrad and not saved_max:  # the running maximum starts at the loaded exp_avg_sq
+                plan.without_max.append((plan.moments[id(b)][2][local], plan.moments[id(b)][1][local]))
+    return plan
+
+
+def _fill(path: str, plan: _ReadPlan, entries: list[_Entry], opt: ShardedOptimizer | None, job: Comm) -> None:
+    """Read the checkpoint at ``path`` as ``plan`` says, into the model and, if given, ``opt``'s
+    moments and this rank's shard of its master weights and weights. Every rank of ``job``."""
+    from shardopt.checkpoint._dcp import CollectiveFailed, read_blocks  # DCP, imported when a checkpoint is read
+
+    with torch.no_grad():
+        try:
+            read_blocks(path, plan.blocks, job.group)
         except CollectiveFailed as failed:  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
             job.collective_failed(failed.cause, "DCP's exchange of the checkpoint's read plans")
-        for vmax, v in without_max:
+        for vmax, v in plan.without_max:
             vmax.copy_(v)
         for b in opt._buffers if opt is not None else []:
-            b.moments.load_(*moments[id(b)])
+            b.moments.load_(*plan.moments[id(b)])
+            b.load_master({"master": plan.staging[id(b)]})  # also writes this rank's weight shard
         for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write
             torch.autograd.graph.increment_version(e.tensor)
-        if opt is not None:
-            _restore_optimizer(opt, manifest, staging, {(id(e.where[0]), e.where[1]): e.key for e in entries if e.where})
-    return extra
 
 
 def _read_extra(path: str) -> Any:
@@ -621,16 +665,14 @@ def _read_extra(path: str) -> Any:
                          "was loaded") from None
 
 
-def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, staging: dict[int, Tensor], model_keys: dict[tuple, str]) -> None:
-    """``model_keys``: (id of buffer, index in it) -> state-dict key of that parameter."""
-    for b in opt._buffers:
-        b.load_master({"master": staging[id(b)]})  # also writes this rank's weight shard
+def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[tuple, str]) -> None:
+    """Gather the loaded weights (every rank's shard, written by ``_fill``), then restore the param
+    groups and the counters of ``manifest``; ``model_keys``: (id of buffer, index in it) ->
+    state-dict key of that parameter. Every rank."""
     for pending in [b.gather_params() for b in opt._buffers]:
         pending.wait()
     for g, saved in zip(opt.param_groups, manifest["param_groups"]):
-        for k, v in saved.items():
-            if k != "params":
-                g[k] = tuple(v) if isinstance(g.get(k), tuple) or k == "betas" else v
+        restore_group(g, saved)
     step = int(manifest["step"])
 
     def lag_of(b: ShardedBuffer, r: ParamRecord) -> int:  # a parameter saved without state was left out of every step

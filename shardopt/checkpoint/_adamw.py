@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._files import agree
+from shardopt.checkpoint._hyper import restore_group
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.core._layout import Range
 from shardopt.step._step_agreement import enter
@@ -243,9 +244,7 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
             pending.wait()
     ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())
     for g, saved in zip(opt.param_groups, header["param_groups"]):
-        for k, v in saved.items():
-            if k != "params" and (k in ours or k not in adamw_only):
-                g[k] = tuple(v) if k == "betas" else v
+        restore_group(g, saved, keys={k for k in saved if k in ours or k not in adamw_only})
     steps = [s for _, _, s, _ in header["state"].values() if s is not None]
     step = int(max(steps)) if steps else 0
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}

@@ -56,7 +56,8 @@ import torch
 from shardopt.checkpoint._adamw import adamw_defaults
 from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MAX_EXP_AVG_SQ, MODEL, MOMENTUM, Block,
                                          whole)
-from shardopt.checkpoint._files import find_checkpoint, read_manifest
+from shardopt.checkpoint._files import check_complete, find_checkpoint, read_manifest, verify_data
+from shardopt.checkpoint._hyper import TENSORS, restored
 
 
 def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike, *, fp32_weights: bool = False) -> str:
@@ -72,7 +73,9 @@ def convert_checkpoint(ckpt_dir: str | os.PathLike, out_path: str | os.PathLike,
     conversion]). Raises like ``load_checkpoint`` on a partial or corrupt checkpoint."""
     path = find_checkpoint(ckpt_dir)
     out_path = os.path.expanduser(os.fspath(out_path))
-    manifest = read_manifest(path)
+    marker = check_complete(path)
+    manifest = read_manifest(path, marker)
+    verify_data(path, marker)  # every tensor file against its CRC, as load_checkpoint does before it reads
     out_dir = os.path.dirname(os.path.abspath(out_path))
     scratch = tempfile.mkdtemp(prefix=os.path.basename(out_path) + ".scratch-", dir=out_dir)
     try:
@@ -147,7 +150,9 @@ def _optim(manifest: dict, param_groups: list[dict], scratch_tensor: Callable[[s
                     state[index]["max_exp_avg_sq"] = scratch_tensor(MAX_EXP_AVG_SQ + key, s["shape"], torch.float32)
             ids.append(index)
             index += 1
-        hp = {k: tuple(v) if k in ("betas", "ns_coefficients") else v for k, v in g.items() if k != "params"}
+        kinds = g.get(TENSORS) or {}  # a tensor lr as torch's state dict holds it (_hyper [Note: tensor hyperparameters])
+        hp = {k: tuple(v) if k in ("betas", "ns_coefficients") else restored(None, v, kinds.get(k))
+              for k, v in g.items() if k not in ("params", TENSORS)}
         muon = hp.get("use_muon", False) is not False  # a ShardedMuon's Muon group: torch.optim.Muon's keys
         groups.append({**({} if muon else defaults), **hp, "params": ids})
     return {"state": state, "param_groups": groups}

@@ -1,8 +1,9 @@
 """The files of a checkpoint directory (manifest, completion marker, atomic commit, listing), and
 the agreement of ranks on errors around them.
 
-Knows nothing of torch.distributed: every function but ``agree`` runs in one process (the
-converter uses them with no process group at all); ``agree`` goes through the optimizer's ``Comm``.
+Knows nothing of torch.distributed: every function but ``agree`` and ``claim`` runs in one
+process (the converter uses them with no process group at all); those two go through the
+optimizer's ``Comm``.
 
 [Note: a checkpoint is complete only when its marker says so]
 A checkpoint is written into ``PATH.tmp-TOKEN`` (TOKEN shared by all ranks). Every rank writes
@@ -65,7 +66,7 @@ import re
 import shutil
 import time
 import zlib
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from shardopt.core._compat import default_store
 
@@ -81,16 +82,22 @@ _HASHED = (MANIFEST, DCP_METADATA, EXTRA)  # small files whose content the marke
 _TEMP = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
 
 
-_ERRORS = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, ValueError, TypeError, RuntimeError,
-                                         OSError)}
+# what a peer's error is raised as here, by its class's name (any other: RuntimeError)
+_ERRORS = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
+                                         NotADirectoryError, OSError, ValueError, TypeError, RuntimeError,
+                                         TimeoutError)}
 
 
 def agree(comm: Comm, error: BaseException | None, payload: Any = None) -> list:
     """Every rank's ``payload``, unless some rank had an error: then every rank raises (its own
-    error, or the first peer's, naming that rank).
+    error, or the first peer's, naming that rank, as the same class where it is one of ``_ERRORS``).
 
     One small all-gather through ``comm`` (a ``shardopt.comm._collectives.Comm``); all ranks must call
-    it. A rank's local error thus never leaves its peers waiting in the next collective."""
+    it. A rank's local error thus never leaves its peers waiting in the next collective. A rank
+    that gave up on the others (``Comm.gave_up``: a collective failed, and its error says so)
+    raises its error without a message: it can no longer agree with them."""
+    if error is not None and comm.gave_up():
+        raise error
     info = None if error is None else (type(error).__name__, str(error))
     gathered = comm.all_gather_objects((payload, info))
     if error is not None:
@@ -101,16 +108,20 @@ def agree(comm: Comm, error: BaseException | None, payload: Any = None) -> list:
     return [p for p, _ in gathered]
 
 
-def claim(path: str, ranks: Sequence[int]) -> None:
-    """Claim ``path`` for the group of (global) ``ranks`` that saves there, in the default store,
+def claim(path: str, comm: Comm) -> None:
+    """Claim ``path`` for the ranks of ``comm`` (the group that saves there), in the default store,
     for the rest of the job; raises ValueError naming both groups when another group of ranks
-    claimed it (see checkpoint [Note: one checkpoint for every part of the model]). Every rank of
-    the group; does nothing without a default store."""
+    claimed it (see checkpoint [Note: one checkpoint for every part of the model]), and as
+    ``Comm.collective_failed`` when the store cannot be reached (its host, rank 0 under a plain
+    launch, died). Every rank of the group; does nothing without a default store."""
     store = default_store()
     if store is None:
         return
-    mine = ",".join(map(str, ranks))
-    held = store.compare_set(f"shardopt-save/{os.path.abspath(path)}", "", mine)
+    mine = ",".join(map(str, comm.global_ranks))
+    try:
+        held = store.compare_set(f"shardopt-save/{os.path.abspath(path)}", "", mine)
+    except RuntimeError as e:  # torch's DistNetworkError (a connection reset), or the store's timeout
+        comm.collective_failed(e, "the default store, claiming the checkpoint's path", source="store")
     held = held.decode() if isinstance(held, bytes) else str(held)
     if held != mine:
         raise ValueError(f"save_checkpoint({path!r}) on ranks [{mine}], but ranks [{held}] saved to this path "

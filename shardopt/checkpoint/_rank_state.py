@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from shardopt.checkpoint._hyper import restore_group
+
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
     from shardopt.core._records import ParamRecord
@@ -141,7 +143,7 @@ def load_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         b.moments.load_tensors(saved)
         b.load_master(saved)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
-        g.update({k: v for k, v in saved.items() if k != "params"})
+        restore_group(g, saved)  # a tensor lr stays a tensor (see _hyper [Note: tensor hyperparameters])
     for k, v in sd.get("state", {}).items():
         if not isinstance(k, int):
             opt.state[k] = v  # entries of other keys, as torch.optim keeps them

@@ -41,6 +41,10 @@ from torch import Tensor
 from shardopt.comm._pending import CommStats, Pending, Waiter, and_then
 from shardopt.core._layout import Range
 
+# what a failed collective's message names (Comm.collective_failed)
+REDUCTION = "a bucket's gradient reduction"
+GATHER = "a gather of the flat buffer (the weights, or stage 1's averaged gradients)"
+
 
 class InFlight:
     """The bytes one caller's reductions in flight hold beside its buckets: receive buffers
@@ -101,7 +105,8 @@ class NativePath:
 
         def whole() -> Pending:
             work = dist.all_reduce(bucket, op=dist.ReduceOp.AVG, group=c.shard_group, async_op=True)
-            return Pending(c._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=c.stats, comm=c)
+            return Pending(c._count([work], reduced=bucket.nbytes), keep_alive=[bucket], stats=c.stats, comm=c,
+                           what=REDUCTION)
         return [whole]
 
     def _reduce_then_gather(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
@@ -134,7 +139,7 @@ class NativePath:
         whole = flat[pieces[0].start:pieces[-1].end]
         work = _all_gather_into_tensor(whole, flat[pieces[c.shard_rank].as_slice()], group=c.shard_group,
                                        async_op=True)
-        return Pending(c._count([work], gathered=whole.nbytes), keep_alive=[flat], stats=c.stats, comm=c)
+        return Pending(c._count([work], gathered=whole.nbytes), keep_alive=[flat], stats=c.stats, comm=c, what=GATHER)
 
     def _broadcasts(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """One broadcast per rank that holds part of ``pieces``, into its piece of ``flat``."""
@@ -142,7 +147,7 @@ class NativePath:
         works = [dist.broadcast(flat[p.as_slice()], src=c._shard_global[r], group=c.shard_group, async_op=True)
                  for r, p in enumerate(pieces) if p.size > 0]
         gathered = sum(p.size for p in pieces) * flat.element_size()
-        return Pending(c._count(works, gathered=gathered), keep_alive=[flat], stats=c.stats, comm=c)
+        return Pending(c._count(works, gathered=gathered), keep_alive=[flat], stats=c.stats, comm=c, what=GATHER)
 
     def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
                              held: InFlight) -> list[Callable[[], Pending]]:
@@ -163,7 +168,7 @@ class NativePath:
             return c._cross(out, avg=True) if c.hybrid else None
 
         return Pending(c._count([work], reduced=src.nbytes), keep_alive=[src, out], stats=c.stats, then=landed,
-                       comm=c)
+                       comm=c, what=REDUCTION)
 
 
 class RankOrderPath(NativePath):
@@ -202,7 +207,7 @@ class RankOrderPath(NativePath):
                                           input_split_sizes=[size if q < me else 0 for q in range(n)],
                                           group=c.shard_group, async_op=True)
             return Pending(c._count([work]), keep_alive=[bucket, above],
-                           stats=c.stats, comm=c)
+                           stats=c.stats, comm=c, what=REDUCTION)
 
         def up() -> Pending:  # to the ranks above, from the ranks below
             held.nbytes += below.nbytes
@@ -211,7 +216,7 @@ class RankOrderPath(NativePath):
                                           input_split_sizes=[size if q > me else 0 for q in range(n)],
                                           group=c.shard_group, async_op=True)
             return Pending(c._count([work], reduced=bucket.nbytes),  # the bucket's reduction, counted once
-                           keep_alive=[bucket, below, out], stats=c.stats, then=finish, comm=c)
+                           keep_alive=[bucket, below, out], stats=c.stats, then=finish, comm=c, what=REDUCTION)
 
         def finish() -> Pending | None:
             held.nbytes -= above.nbytes + below.nbytes

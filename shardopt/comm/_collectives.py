@@ -380,22 +380,24 @@ class Comm:
         self.give_up(text)
         raise ControlGone(text, why, noticed=bool(notice)) from None
 
-    def collective_failed(self, error: Exception, what: str) -> NoReturn:
-        """A collective of torch's own over this comm's group (``what``: whose, e.g. DCP's exchange
-        of a checkpoint's plans) failed with torch's ``error``: stop using the control group on this
-        rank (the ranks can no longer agree) and raise naming the call in progress: TimeoutError when
-        the wait ran out of time, else RuntimeError saying that another rank died (its connection
-        closed), with the backend's words. Local."""
+    def collective_failed(self, error: Exception, what: str, source: str = "") -> NoReturn:
+        """A collective over this comm's group, or the default store (``what``: which, e.g. DCP's
+        exchange of a checkpoint's plans, a weight gather), failed with torch's ``error``
+        (``source``: whose words those are; default the group's backend): stop using the control
+        group on this rank (the ranks can no longer agree) and raise naming the call in progress:
+        TimeoutError when the wait ran out of time, else RuntimeError saying that another rank died
+        (its connection closed), with torch's words. Local."""
+        source = source or self.backend
         if says_timed_out(error):
             text = (f"rank {self.rank} of {self.world_size}: {self.where} waited for the other ranks in {what} until "
                     "the process group's timeout: another rank is stuck in other work or died. This rank can no "
                     "longer agree with them: restart every rank and resume from the last complete checkpoint "
-                    f"({self.backend}: {_first_line(error)})")
+                    f"({source}: {_first_line(error)})")
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
             raise TimeoutError(text) from None
         text = (f"rank {self.rank} of {self.world_size}: {self.where} lost the other ranks in {what}: {_PEER_DIED}. "
                 "This rank can no longer agree with them: restart every rank and resume from the last complete "
-                f"checkpoint ({self.backend}: {_first_line(error)})")
+                f"checkpoint ({source}: {_first_line(error)})")
         self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
         raise RuntimeError(text) from None
 
@@ -406,6 +408,11 @@ class Comm:
         table[self.rank] = t
         self.control_all_reduce(table).wait()
         return list(table)
+
+    def gave_up(self) -> bool:
+        """Whether this rank stopped using the control group (``give_up``): its messages can no
+        longer agree with the other ranks, and every later use raises why. Local."""
+        return self.control is not None and bool(self.control.broken)
 
     def give_up(self, why: str, notice: str = "") -> None:
         """This rank stops using the control group (a message of it was given up on or found the
@@ -497,7 +504,7 @@ class Comm:
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
         work = dist.all_reduce(t, op=op, group=self.replicate_group, async_op=True)
         return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
-                       overlap=True)
+                       overlap=True, what="a cross-replica gradient reduction")
 
     def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
                              held: InFlight) -> list[Callable[[], Pending]]:

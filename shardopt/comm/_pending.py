@@ -23,6 +23,8 @@ class Waiter(Protocol):
 
     def control_failed(self, error: Exception, waited: float) -> NoReturn: ...
 
+    def collective_failed(self, error: Exception, what: str, source: str = "") -> NoReturn: ...
+
 
 @dataclass
 class CommStats:
@@ -53,6 +55,7 @@ class Pending(Gather):
     overlap: bool = False  # a follow-up that its issuer may wait on later (see wait_landed)
     deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
     control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
+    what: str = "a collective of the optimizer's group"  # what the message of a failure names (Comm.collective_failed)
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
@@ -80,9 +83,13 @@ class Pending(Gather):
             except RuntimeError as e:
                 if self.control:  # a control message has its comm and its deadline
                     cast(Waiter, self.comm).control_failed(e, cast(float, timeout))  # raises
-                if timeout is None or not says_timed_out(e):
+                if timeout is not None and says_timed_out(e):  # a timeout: the comm's
+                    raise TimeoutError(cast(Waiter, self.comm).timed_out(timeout)) from None
+                if self.comm is None:
                     raise
-                raise TimeoutError(cast(Waiter, self.comm).timed_out(timeout)) from None  # a timeout: the comm's
+                # A peer's connection closed (it died, or raised and exited) or the group's own timeout
+                # passed: name the call in progress, not only gloo's words (see Comm.collective_failed).
+                self.comm.collective_failed(e, self.what)
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
         self.done = True

@@ -341,7 +341,7 @@ class ShardedBuffer:
         """All buckets' all-gathers as one handle. Every rank."""
         parts = [p for _, p in self.gather_buckets()]
         return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats,
-                       comm=self.comm)
+                       comm=self.comm, what="the gather of the weights")
 
     def memory_report(self) -> MemoryReport:
         """Bytes held on this rank for this buffer, measured from the tensors, and predicted."""
