@@ -424,8 +424,13 @@ class GradReducer:
         else:
             for r in self.records:
                 r.place(GradSlot.OWN)
-                if r.param.grad is not None and not is_placeholder(r.param.grad):
-                    r.param.grad.zero_()  # a real .grad (16-bit accumulation aside) is zeroed in place
+                g = r.param.grad
+                if g is not None and not is_placeholder(g):
+                    if not self.store.is_storage(r, g):
+                        # A gradient no round took yet (there when the optimizer was built, or assigned
+                        # by hand): a zero one stays, though stage 1's view replaces the tensor below.
+                        r.got_gradient()
+                    g.zero_()  # a real .grad (16-bit accumulation aside) is zeroed in place
             if not self.store.keeps_views:
                 for r in self.records:
                     p = r.param
