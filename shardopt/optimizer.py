@@ -275,20 +275,25 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
 
-        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss, as a pipeline stage
-        runs backward from the gradient the next stage sent back. Not multiplied: ``g`` came from
-        the next stage's ``opt.backward(loss)`` and carries its loss scale already, as
-        ``loss.backward(g)`` without the optimizer does (see step._usage_checks [Note: the loss
-        scale a gradient carries]). Other keywords go to ``Tensor.backward``."""
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without model axes
+        (no ``model_parallel_group=``, no DTensor parameters) ``g`` is a gradient of your own and is
+        multiplied by the loss scale, as the loss is. Beside model axes it is the gradient a pipeline
+        stage received from the next stage, which that stage's ``opt.backward(loss)`` scaled already,
+        so it is not multiplied again, as ``loss.backward(g)`` without the optimizer does (see
+        step._usage_checks [Note: the loss scale a gradient carries]). Other keywords go to
+        ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
-        how = Backward.SCALED if gradient is None else Backward.CARRIED
+        carried = gradient is not None and bool(self._parts.axes)
+        how = Backward.CARRIED if carried else Backward.SCALED
         for b in self._buffers:
             b.reducer.backward = how
         try:
             with self._comm.during("opt.backward()"):
-                if gradient is not None:
+                if carried:
                     loss.backward(gradient, **kwargs)
+                elif gradient is not None:
+                    loss.backward(gradient * scale if scale != 1.0 else gradient, **kwargs)
                 else:
                     (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
