@@ -28,6 +28,7 @@ from shardopt.view import OptimizerView
 from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
+from shardopt.reduce._left_grads import take_left
 from shardopt.reduce._reducer import Backward
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
@@ -165,6 +166,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks()
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
+        with self._comm.during(f"{type(self).__name__}'s construction"):
+            # what earlier optimizers left in p.grad, as torch would hold it (see reduce._left_grads)
+            take_left([p for p, _ in flat], self._comm, self._names)
         parts = self._parts
         error: TypeError | ValueError | None = None
         try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
@@ -224,9 +228,22 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """See ``Lifetime.close``; also hand ``p.grad`` back as torch would hold it (see
         ``GradReducer.release``). Local."""
         if self.__dict__.get("_closed") is None:
-            for b in self.__dict__.get("_buffers", ()):
-                b.reducer.release()
+            self._leave_gradients()
         super()._release(why)
+
+    def _leave_gradients(self) -> None:
+        """Leave ``p.grad`` as torch would hold it, for the next optimizer over the parameters (see
+        reduce._left_grads [Note: gradients left to the next optimizer]). Local; no communication."""
+        for b in self.__dict__.get("_buffers", ()):  # __dict__: see Lifetime._remove_hooks
+            b.reducer.release()
+
+    def __del__(self) -> None:
+        # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
+        # for the next optimizer to gather; its hooks stay until the next safe point (see _ownership).
+        with contextlib.suppress(Exception):
+            if self.__dict__.get("_closed", "") is None:
+                self._leave_gradients()
+        super().__del__()
 
     # -- construction --------------------------------------------------------------------
     def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
@@ -536,7 +553,17 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
         As with torch, ``set_to_none=True`` leaves parameters without a gradient (the next step
         skips those that get none) and ``set_to_none=False`` with a zero one. Stage 1 keeps ``p.grad``
-        a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place."""
+        a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place.
+        Once this optimizer no longer trains (closed or superseded), torch's ``zero_grad`` on
+        ``p.grad`` of its parameters."""
+        if self._closed is not None:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None and set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()  # a placeholder left to the next optimizer stands for zeros then
+            return
         # Averaged gradients dropped before their step: must happen on every rank alike (checked at the step).
         self._checks.zeroed_after_round |= self._rounds.total_rounds != self._rounds_at_step
         self._rounds.zero_grad()
