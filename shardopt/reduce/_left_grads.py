@@ -54,36 +54,36 @@ class LeftGrads:
     dtype: torch.dtype  # the gradients' (the parameters') dtype
     shard: Tensor | None  # 1D: this rank's shard of the averaged gradient, grad dtype or an fp32 sum; None: no reduction since zero_grad
     accum: Tensor | None  # 1D fp32, the whole buffer: this rank's 16-bit gradients summed under no_sync; None: none
-    whole: Tensor | None = None  # 1D, grad dtype, the whole buffer: the shard gathered over the ranks (``gather``)
 
     def key(self) -> tuple[int, int, int, bool]:
         """What the ranks must agree on before gathering: the buffer's size, shard size and ranks,
         and whether there is a shard to gather. A question."""
         return self.layout.numel, self.layout.shard_numel, self.comm.shard_size, self.shard is not None
 
-    def gather(self) -> None:
-        """Gather every rank's shard into ``whole``, once. Every rank of the shard group, in the
-        same order of buffers; nothing to do (on every rank alike: see ``key``) without a shard."""
-        if self.shard is None or self.whole is not None:
-            return
+    def gather(self) -> Tensor | None:
+        """The whole averaged gradient (1D, grad dtype, the whole buffer): every rank's shard,
+        gathered; None without a shard. Every rank of the shard group, in the same order of
+        buffers, or (without a shard, on every rank alike: see ``key``) none."""
+        if self.shard is None:
+            return None
         layout, comm = self.layout, self.comm
         whole = torch.zeros(layout.numel, dtype=self.dtype, device=self.shard.device)
         ShardView(whole, layout.shard_runs(comm.shard_rank), layout.shard_numel).copy_(self.shard)
         pending = [comm.all_gather_inplace(whole, layout.bucket_shard_ranges(b.index)) for b in layout.buckets]
         for p in pending:
             p.wait()
-        self.whole = whole
+        return whole
 
-    def grad_of(self, index: int, ph: GradPlaceholder, used: bool) -> Tensor | None:
+    def grad_of(self, index: int, ph: GradPlaceholder, used: bool, whole: Tensor | None) -> Tensor | None:
         """What ``p.grad`` holds in torch for parameter ``index`` of the buffer, whose placeholder
-        is ``ph`` and which had a gradient on this rank (``used``) when it was left: see [Note:
-        gradients left to the next optimizer]. After ``gather``. Local."""
+        is ``ph`` and which had a gradient on this rank (``used``) when it was left (see [Note:
+        gradients left to the next optimizer]); ``whole``: what ``gather`` returned. Local."""
         span = self.layout.params[index]
         at = span.global_range.as_slice()
         if ph.zeroed:  # zeroed since the last round: the shard still holds what came before
             grad = torch.zeros(span.shape, dtype=self.dtype, device=ph.device)
         else:
-            grad = (self.whole[at].view(span.shape).clone() if self.whole is not None else
+            grad = (whole[at].view(span.shape).clone() if whole is not None else
                     torch.zeros(span.shape, dtype=self.dtype, device=ph.device))
             if ph.accumulating and self.accum is not None:
                 grad += self.accum[at].view(span.shape).to(self.dtype)
@@ -117,17 +117,15 @@ def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str]) -> No
             f"building the optimizer: p.grad of {', '.join(lost[:5])}{' ...' if len(lost) > 5 else ''} holds the "
             "gradient placeholder of a shardopt optimizer that holds the values no more, so the gradient there is "
             "lost; call model.zero_grad() (or set p.grad = None) before building the new optimizer")
-    lefts: list[LeftGrads] = []
+    wholes: dict[int, Tensor | None] = {}  # by id of each LeftGrads, in the order of the parameters: alike on every rank
     for _, _, ph in found:
         left = cast(tuple, ph.left)[0]
-        if all(left is not other for other in lefts):
-            lefts.append(left)
-    for left in lefts:  # in the order of the parameters: the same on every rank
-        with left.comm.during("the construction of an optimizer over parameters an earlier one trained"):
-            left.gather()
+        if id(left) not in wholes:
+            with left.comm.during("the construction of an optimizer over parameters an earlier one trained"):
+                wholes[id(left)] = left.gather()
     for _, p, ph in found:
         left, index, used = cast(tuple, ph.left)
-        p.grad = left.grad_of(index, ph, used)
+        p.grad = left.grad_of(index, ph, used, wholes[id(left)])
 
 
 def _raise_difference(every: list[list[tuple[int, tuple | None]]], names: list[str]) -> None:
