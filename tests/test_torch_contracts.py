@@ -593,8 +593,10 @@ def replaced_after_backward_case(first: int, second: int) -> dict:
             if step == 0:
                 opt.step()
                 ref_opt.step()
+        read = None
         if how.startswith("close"):
             opt.close()
+            read = error_of(lambda: model.fc1.weight.grad.norm())  # stage 2: a placeholder until the next optimizer
         if how.endswith("zero_false"):
             opt.zero_grad(set_to_none=False)
             ref_opt.zero_grad(set_to_none=False)
@@ -611,7 +613,7 @@ def replaced_after_backward_case(first: int, second: int) -> dict:
         new.step()
         ref_new.step()
         out[how] = {"worst": param_diff(model, ref), "moved": param_diff(model, before),
-                    "extra moved": (model.extra - before.extra).abs().max().item()}
+                    "extra moved": (model.extra - before.extra).abs().max().item(), "read": read}
         new.zero_grad()
         ref_new.zero_grad()
         new.backward(_loss(model, 3))
@@ -635,6 +637,8 @@ def test_a_new_optimizer_steps_on_the_gradient_the_old_one_left(pools):
                     got = out[how]
                     assert got["worst"] <= 2e-6 and got["then"] <= 2e-6, (first, second, how, got)
                     assert got["moved"] > 1e-4 and got["extra moved"] == 0.0, (first, second, how, got)
+                    if first == 2 and how == "close":
+                        assert got["read"] is not None and "no longer trains it" in got["read"][1], got
 
 
 def left_on_one_rank_case(stage: int) -> tuple[str, str] | None:
