@@ -28,6 +28,7 @@ from shardopt.view import OptimizerView
 from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
+from shardopt.reduce._left_grads import take_left
 from shardopt.reduce._reducer import Backward
 from shardopt.reduce._rounds import Rounds
 from shardopt.update._sharded_buffer import build_buffers
@@ -165,6 +166,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks()
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
+        with self._comm.during(f"{type(self).__name__}'s construction"):
+            # what earlier optimizers left in p.grad, as torch would hold it (see reduce._left_grads)
+            take_left([p for p, _ in flat], self._comm, self._names)
         parts = self._parts
         error: TypeError | ValueError | None = None
         try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
@@ -224,9 +228,22 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """See ``Lifetime.close``; also hand ``p.grad`` back as torch would hold it (see
         ``GradReducer.release``). Local."""
         if self.__dict__.get("_closed") is None:
-            for b in self.__dict__.get("_buffers", ()):
-                b.reducer.release()
+            self._leave_gradients()
         super()._release(why)
+
+    def _leave_gradients(self) -> None:
+        """Leave ``p.grad`` as torch would hold it, for the next optimizer over the parameters (see
+        reduce._left_grads [Note: gradients left to the next optimizer]). Local; no communication."""
+        for b in self.__dict__.get("_buffers", ()):  # __dict__: see Lifetime._remove_hooks
+            b.reducer.release()
+
+    def __del__(self) -> None:
+        # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
+        # for the next optimizer to gather; its hooks stay until the next safe point (see _ownership).
+        with contextlib.suppress(Exception):
+            if self.__dict__.get("_closed", "") is None:
+                self._leave_gradients()
+        super().__del__()
 
     # -- construction --------------------------------------------------------------------
     def _defaults(self, lr: float, betas: tuple[float, ...], eps: float, weight_decay: float,
@@ -275,20 +292,25 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
 
-        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss, as a pipeline stage
-        runs backward from the gradient the next stage sent back. Not multiplied: ``g`` came from
-        the next stage's ``opt.backward(loss)`` and carries its loss scale already, as
-        ``loss.backward(g)`` without the optimizer does (see step._usage_checks [Note: the loss
-        scale a gradient carries]). Other keywords go to ``Tensor.backward``."""
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without model axes
+        (no ``model_parallel_group=``, no DTensor parameters) ``g`` is a gradient of your own and is
+        multiplied by the loss scale, as the loss is. Beside model axes it is the gradient a pipeline
+        stage received from the next stage, which that stage's ``opt.backward(loss)`` scaled already,
+        so it is not multiplied again, as ``loss.backward(g)`` without the optimizer does (see
+        step._usage_checks [Note: the loss scale a gradient carries]). Other keywords go to
+        ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
-        how = Backward.SCALED if gradient is None else Backward.CARRIED
+        carried = gradient is not None and bool(self._parts.axes)
+        how = Backward.CARRIED if carried else Backward.SCALED
         for b in self._buffers:
             b.reducer.backward = how
         try:
             with self._comm.during("opt.backward()"):
-                if gradient is not None:
+                if carried:
                     loss.backward(gradient, **kwargs)
+                elif gradient is not None:
+                    loss.backward(gradient * scale if scale != 1.0 else gradient, **kwargs)
                 else:
                     (loss * scale if scale != 1.0 else loss).backward(**kwargs)
         finally:
@@ -531,7 +553,17 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
         As with torch, ``set_to_none=True`` leaves parameters without a gradient (the next step
         skips those that get none) and ``set_to_none=False`` with a zero one. Stage 1 keeps ``p.grad``
-        a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place."""
+        a (zeroed) view of the flat gradient buffer either way, so backward accumulates in place.
+        Once this optimizer no longer trains (closed or superseded), torch's ``zero_grad`` on
+        ``p.grad`` of its parameters."""
+        if self._closed is not None:
+            for g in self.param_groups:
+                for p in g["params"]:
+                    if p.grad is not None and set_to_none:
+                        p.grad = None
+                    elif p.grad is not None:
+                        p.grad.zero_()  # a placeholder left to the next optimizer stands for zeros then
+            return
         # Averaged gradients dropped before their step: must happen on every rank alike (checked at the step).
         self._checks.zeroed_after_round |= self._rounds.total_rounds != self._rounds_at_step
         self._rounds.zero_grad()

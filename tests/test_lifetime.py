@@ -25,6 +25,9 @@ def _train_and_drop(**kwargs):
         opt.step()
         opt.zero_grad()
     opt.state_dict()  # a copy of the state, made and dropped
+    # The last backward pass's gradient stays in p.grad, as when a loop stops before its step: a
+    # stage-2 placeholder then keeps that gradient's shard for the next optimizer, not the optimizer.
+    opt.backward(model(torch.randn(8, 32, dtype=model[0].weight.dtype)).float().square().mean())
     return weakref.ref(opt), weakref.ref(model[0].weight), weakref.ref(model)
 
 

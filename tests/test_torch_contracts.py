@@ -551,6 +551,138 @@ def test_a_new_optimizer_after_zero_grad_finds_no_gradient(pools):
                 assert out["worst"] <= 2e-6, (first, second, out)
 
 
+# -- 10b: a new optimizer built after the old one's backward pass ----------------------------------------
+def _with_gradless(seed: int) -> nn.Module:
+    """TinyNet with one more parameter that no rank ever has a gradient for (``extra``); its
+    ``unused`` parameter gets one on rank 0 only (see ``_loss``)."""
+    model = make_model(seed=seed)
+    model.extra = nn.Parameter(torch.randn(4))
+    return model
+
+
+def _loss(model: nn.Module, step: int) -> torch.Tensor:
+    rank = dist.get_rank()
+    loss = model(batch(rank, step))
+    return loss + 0.1 * model.unused.square().sum() if rank == 0 else loss
+
+
+REPLACE_HOWS = ("keep", "close", "drop", "close+backward", "zero_false", "close+zero_false")
+
+
+def replaced_after_backward_case(first: int, second: int) -> dict:
+    """An optimizer steps once, then runs its own backward pass (or zeroes with
+    ``set_to_none=False`` instead); a new optimizer is built over the same parameters, the old one
+    kept, closed, or dropped (collected), or closed and then a plain backward pass adds to the
+    gradients; the new one steps, then trains one more step. As torch.optim.AdamW doing the same on
+    gradients averaged as DDP does: the new optimizer steps on the gradients there (one that only
+    rank 0 had, averaged; zeros where they were zeroed), and leaves alone a parameter no rank had
+    one for."""
+    out = {}
+    for how in REPLACE_HOWS:
+        model, ref = _with_gradless(21), _with_gradless(21)
+        opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=first)
+        ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+        for step in range(2):
+            if step == 1 and how.endswith("zero_false"):
+                break
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            opt.backward(_loss(model, step))
+            _loss(ref, step).backward()
+            ddp_average(ref)
+            if step == 0:
+                opt.step()
+                ref_opt.step()
+        read = None
+        if how.startswith("close"):
+            opt.close()
+            read = error_of(lambda: model.fc1.weight.grad.norm())  # stage 2: a placeholder until the next optimizer
+        if how.endswith("zero_false"):
+            opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad(set_to_none=False)
+        if how == "close+backward":  # no optimizer takes it: autograd adds it to what p.grad holds
+            _loss(model, 2).backward()
+            _loss(ref, 2).backward()
+            ddp_average(ref)
+        if how == "drop":
+            opt = None
+            gc.collect()
+        before = copy.deepcopy(model)
+        new = shardopt.ShardedAdamW(model.parameters(), **HP, stage=second)
+        ref_new = torch.optim.AdamW(ref.parameters(), **HP)
+        new.step()
+        ref_new.step()
+        out[how] = {"worst": param_diff(model, ref), "moved": param_diff(model, before),
+                    "extra moved": (model.extra - before.extra).abs().max().item(), "read": read}
+        new.zero_grad()
+        ref_new.zero_grad()
+        new.backward(_loss(model, 3))
+        _loss(ref, 3).backward()
+        ddp_average(ref)
+        new.step()
+        ref_new.step()
+        out[how]["then"] = param_diff(model, ref)
+    return out
+
+
+def test_a_new_optimizer_steps_on_the_gradient_the_old_one_left(pools):
+    """Frameworks build a new optimizer after a backward pass (Lightning's and HF's rebuilds, an
+    lr finder): with the old one kept, closed or collected, the new one steps on the gradient as
+    torch does, in both stages and from either stage to either."""
+    pool = pools(2)
+    for first in (1, 2):
+        for second in (1, 2):
+            for out in pool.run(replaced_after_backward_case, first, second):
+                for how in REPLACE_HOWS:
+                    got = out[how]
+                    assert got["worst"] <= 2e-6 and got["then"] <= 2e-6, (first, second, how, got)
+                    assert got["moved"] > 1e-4 and got["extra moved"] == 0.0, (first, second, how, got)
+                    if first == 2 and how == "close":
+                        assert got["read"] is not None and "no longer trains it" in got["read"][1], got
+
+
+def left_on_one_rank_case(stage: int) -> tuple[str, str] | None:
+    """The old optimizer's backward pass, then rank 0 alone drops the gradients before a new
+    optimizer is built: the ranks would start from different gradients."""
+    model = make_model(seed=22)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    if dist.get_rank() == 0:
+        model.zero_grad()
+    return error_of(lambda: shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage))
+
+
+def test_gradients_left_on_some_ranks_only_raise_on_every_rank_at_construction(pools):
+    for got in pools(2).run(left_on_one_rank_case, 2):
+        assert got is not None and got[0] == "RuntimeError", got
+        assert "on rank 1 but not on rank 0" in got[1] and "alike on every rank" in got[1], got
+
+
+def replaced_between_micro_batches_case(stage: int, dtype_name: str) -> dict:
+    """A micro-batch reduced, another one accumulated under ``no_sync`` (16-bit: summed in fp32 by the
+    optimizer), then a new optimizer is built: its gradient norm is that of both micro-batches'
+    gradients averaged over the ranks, against fp32 torch."""
+    dtype, rank = getattr(torch, dtype_name), dist.get_rank()
+    model, ref = make_model(seed=23, dtype=dtype), make_model(seed=23, dtype=dtype).float()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    opt.backward(model(batch(rank, 0)))
+    with opt.no_sync():
+        opt.backward(model(batch(rank, 1)))
+    new = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    (ref(batch(rank, 0)) + ref(batch(rank, 1))).backward()
+    ddp_average(ref)
+    return {"norm": new.clip_grad_norm_(1.0).item(),
+            "ref": torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item()}
+
+
+def test_a_new_optimizer_takes_the_micro_batches_the_old_one_summed(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for dtype_name, tol in (("float32", 1e-6), ("bfloat16", 1e-2)):
+            for out in pool.run(replaced_between_micro_batches_case, stage, dtype_name):
+                assert abs(out["norm"] - out["ref"]) <= tol * out["ref"], (stage, dtype_name, out)
+
+
 # -- 11: backward from a parameter itself -------------------------------------------------------------
 def leaf_backward_case(stage: int) -> float:
     model, ref = make_model(seed=12), make_model(seed=12)

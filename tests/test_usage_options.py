@@ -119,6 +119,38 @@ def test_unscaled_fp16_backward_is_taken_as_unscaled(pools):
         assert out["mixed"] is not None and "some backward passes ran through opt.backward" in out["mixed"][1]
 
 
+def gradient_backward_case(how: str) -> dict:
+    """fp16 weights, plain data parallelism: ``opt.backward(t, gradient=g)`` from a gradient of one's
+    own, alone or beside an ``opt.backward(loss)`` of another loss in the same step. ``g`` carries no
+    loss scale (no other stage made it), so the optimizer scales it as it scales a loss: the norm is
+    the fp32 reference's, and no warning."""
+    rank = dist.get_rank()
+    model = make_model(seed=8, dtype=torch.float16)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=2)  # dynamic scaling, 2**16
+    ref = make_model(seed=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if how == "beside a loss":
+            opt.backward(model(batch(rank, 0)))
+        loss = model(batch(rank, 1))
+        opt.backward(loss, gradient=torch.tensor(0.5, dtype=loss.dtype))  # d(0.5 * loss)
+        norm = opt.clip_grad_norm_(1.0).item()
+        opt.step()
+    ref_loss = 0.5 * ref(batch(rank, 1)) + (ref(batch(rank, 0)) if how == "beside a loss" else 0.0)
+    ref_loss.backward()
+    ddp_average(ref)
+    return {"norm": norm, "ref": torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0).item(),
+            "warned": [str(w.message)[:80] for w in caught], "skipped": opt.skipped_steps}
+
+
+def test_fp16_backward_from_a_gradient_of_ones_own_is_scaled(pools):
+    pool = pools(2)
+    for how in ("beside a loss", "alone"):
+        for out in pool.run(gradient_backward_case, how):
+            assert abs(out["norm"] - out["ref"]) <= 1e-2 * out["ref"], (how, out)
+            assert out["warned"] == [] and out["skipped"] == 0, (how, out)
+
+
 # -- 9: eps=0 and a parameter without a gradient -----------------------------------------------
 def eps_zero_case(stage: int) -> tuple[float, bool]:
     model, ref = make_model(seed=9), make_model(seed=9)  # TinyNet.unused never gets a gradient

@@ -300,3 +300,36 @@ def test_opt_zero_grad_keeping_zero_gradients(pools):
     pool = pools(2)
     for stage in (1, 2):
         assert max(pool.run(opt_zero_keep_case, stage)) <= 2e-6, stage
+
+
+def opt_zero_at_construction_case(stage: int, set_to_none: bool) -> dict:
+    """A gradient there when the optimizer is built (a backward pass before it), then
+    ``opt.zero_grad(set_to_none=...)`` and ``step()``, then one more step: as torch, a zero gradient
+    that still counts (weight decay, a step counted) where there was one, or none."""
+    rank = dist.get_rank()
+    model, ref = make_model(seed=24), make_model(seed=24)
+    model(batch(rank, 0)).backward()
+    ref(batch(rank, 0)).backward()
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=stage)
+    ref_opt = torch.optim.AdamW(ref.parameters(), **HP)
+    for o in (opt, ref_opt):
+        o.zero_grad(set_to_none=set_to_none)
+        o.step()
+    out = {"worst": param_diff(model, ref),
+           "steps": [float(opt.state[p]["step"]) if "step" in opt.state[p] else None for p in model.parameters()],
+           "ref steps": [float(ref_opt.state[q]["step"]) if "step" in ref_opt.state[q] else None
+                         for q in ref.parameters()]}
+    ref_step(ref, ref_opt, 1, zero=False)
+    opt.backward(model(batch(rank, 1)))
+    opt.step()
+    out["then"] = param_diff(model, ref)
+    return out
+
+
+def test_opt_zero_grad_keeping_a_gradient_there_at_construction(pools):
+    pool = pools(2)
+    for stage in (1, 2):
+        for set_to_none in (False, True):
+            for out in pool.run(opt_zero_at_construction_case, stage, set_to_none):
+                assert out["worst"] <= 2e-6 and out["then"] <= 2e-6, (stage, set_to_none, out)
+                assert out["steps"] == out["ref steps"], (stage, set_to_none, out)

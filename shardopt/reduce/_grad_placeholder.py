@@ -48,6 +48,11 @@ ACCUMULATING = ("this parameter's 16-bit gradient is being summed in fp32 by the
                 "{op}); read gradients after that backward, or pass accumulate_dtype=None to sum them in p.grad in "
                 "16 bits; p.grad = None and p.grad.zero_() work as usual")
 
+LEFT = ("the shardopt optimizer that held this parameter's gradient no longer trains it (closed, superseded or "
+        "collected), and p.grad holds no values (it was read by {op}): the gradient is kept as that optimizer's shard "
+        "until a new ShardedAdamW is built over the parameter on every rank, which puts it in p.grad as a whole "
+        "tensor and steps on it; p.grad = None and p.grad.zero_() work as usual")
+
 
 class GradPlaceholder(Placeholder):
     """A storage-less stand-in for a stage-2 parameter's gradient (see the module docstring)."""
@@ -55,6 +60,9 @@ class GradPlaceholder(Placeholder):
     zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
     pending: Tensor | None  # gradient autograd added to it since the reducer last took one
     accumulating: bool  # it stands for a 16-bit gradient summed in fp32 under no_sync (else: stage-2 shards)
+    # Once its optimizer stopped training the parameter: (what holds the values, the parameter's index
+    # in its buffer, whether it had a gradient on this rank); see _left_grads. None while it trains.
+    left: tuple[Any, int, bool] | None
 
     @staticmethod
     def __new__(cls: type[GradPlaceholder], like: Tensor, *, dtype: torch.dtype | None = None,
@@ -62,8 +70,14 @@ class GradPlaceholder(Placeholder):
         t = make_wrapper_subclass(cls, like.shape, dtype=dtype or like.dtype, device=device or like.device,
                                   requires_grad=False)
         t.zeroed = t.accumulating = False
-        t.pending = None
+        t.pending = t.left = None
         return t
+
+    def leave(self, left: Any, index: int, used: bool) -> None:
+        """Its optimizer no longer trains the parameter: ``left`` (a ``_left_grads.LeftGrads``) holds
+        the values it stands for, at parameter ``index`` of that buffer; ``used``: the parameter had a
+        gradient on this rank (see _left_grads [Note: gradients left to the next optimizer])."""
+        self.left = (left, index, used)
 
     __torch_function__ = disabled_torch_function  # only __torch_dispatch__ below
 
@@ -88,7 +102,9 @@ class GradPlaceholder(Placeholder):
             return ph
         if func is _aten._to_copy.default:  # module.to(...) converts .grad along with the parameter
             kw = kwargs or {}
-            return GradPlaceholder(args[0], dtype=kw.get("dtype"), device=kw.get("device"))
+            converted = GradPlaceholder(args[0], dtype=kw.get("dtype"), device=kw.get("device"))
+            converted.left = args[0].left  # the values it stands for, once its optimizer let it go
+            return converted
         if func in (_aten.detach.default, _aten.alias.default):
             return args[0]
         if func is _aten.add.Tensor and isinstance(args[0], GradPlaceholder):
@@ -97,7 +113,8 @@ class GradPlaceholder(Placeholder):
                                "it cannot do: call opt.zero_grad() (or model.zero_grad()) before that backward")
         flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
         accumulating = any(isinstance(a, GradPlaceholder) and a.accumulating for a in flat)
-        raise RuntimeError((ACCUMULATING if accumulating else MESSAGE).format(op=func))
+        left = any(isinstance(a, GradPlaceholder) and a.left is not None for a in flat)
+        raise RuntimeError((LEFT if left else ACCUMULATING if accumulating else MESSAGE).format(op=func))
 
     def __repr__(self) -> str:  # type: ignore[override]
         return f"GradPlaceholder(shape={tuple(self.shape)}, dtype={self.dtype}: held as shards by a shardopt optimizer, stage 2)"

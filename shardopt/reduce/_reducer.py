@@ -51,8 +51,8 @@ class Backward(enum.Enum):
     decided from these at the step (see step._usage_checks [Note: the loss scale a gradient carries])."""
 
     PLAIN = "plain"  # outside opt.backward: loss.backward(), t.backward(g) (a pipeline stage's received gradient)
-    SCALED = "scaled"  # opt.backward(loss): the loss multiplied by the loss scale
-    CARRIED = "carried"  # opt.backward(t, gradient=g): not multiplied; g carries the scale of where it came from
+    SCALED = "scaled"  # opt.backward(loss), or opt.backward(t, gradient=g) without model axes: multiplied by the loss scale
+    CARRIED = "carried"  # opt.backward(t, gradient=g) beside model axes: not multiplied; g carries the scale of the stage it came from
 
 
 class GradReducer:
@@ -97,6 +97,7 @@ class GradReducer:
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self._arrivals = 0  # gradients that arrived in the first round so far
         self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
+        self.released = False  # its optimizer no longer trains the parameters (``release``)
 
     # -- what _rounds asks of a reducer ----------------------------------------------------
     def unreached(self, reached: ParamRecord | None = None) -> list[ParamRecord]:
@@ -424,8 +425,13 @@ class GradReducer:
         else:
             for r in self.records:
                 r.place(GradSlot.OWN)
-                if r.param.grad is not None and not is_placeholder(r.param.grad):
-                    r.param.grad.zero_()  # a real .grad (16-bit accumulation aside) is zeroed in place
+                g = r.param.grad
+                if g is not None and not is_placeholder(g):
+                    if not self.store.is_storage(r, g):
+                        # A gradient no round took yet (there when the optimizer was built, or assigned
+                        # by hand): a zero one stays, though stage 1's view replaces the tensor below.
+                        r.got_gradient()
+                    g.zero_()  # a real .grad (16-bit accumulation aside) is zeroed in place
             if not self.store.keeps_views:
                 for r in self.records:
                     p = r.param
@@ -439,15 +445,24 @@ class GradReducer:
         self.stepped()
 
     def release(self) -> None:
-        """This optimizer no longer trains the parameters (closed, or superseded by a new one): leave
-        ``p.grad`` as torch would hold it. Stage 1: a parameter without a gradient since its last
-        zeroing holds None instead of its zeroed view (which stood for None), so that a new optimizer
-        over it does not take zeros for a gradient; one with a gradient keeps its view, which a new
-        optimizer takes as a gradient that was there when it was built. Local."""
-        if not self.store.keeps_views:
+        """This optimizer no longer trains the parameters (closed, superseded by a new one, or
+        collected): leave ``p.grad`` as torch would hold it, for a new optimizer to step on (see
+        _left_grads [Note: gradients left to the next optimizer]). A placeholder in ``p.grad`` is
+        handed what holds the values it stands for. Stage 1: a parameter's view of the flat gradient
+        stays ``p.grad`` where it holds a gradient (the parameter had one on this rank since its last
+        zeroing, or the view is not zero: another rank's, averaged), else it stood for None and
+        ``p.grad`` becomes None, so that a new optimizer does not take zeros for a gradient. Local;
+        the first call acts."""
+        if self.released:
             return
+        self.released = True
+        left = None
         for r in self.records:
-            if not r.used and r.holds() is Holds.VIEW:
+            g = r.param.grad
+            if is_placeholder(g):
+                left = left or self.store.left(self.accum)
+                cast(GradPlaceholder, g).leave(left, r.index, r.used)
+            elif self.store.keeps_views and not r.used and r.holds() is Holds.VIEW and not bool(cast(Tensor, g).any()):
                 r.param.grad = None
 
     def stepped(self) -> None:
