@@ -95,7 +95,11 @@ version counters, see step._usage_checks) runs with torch functions off (comm._g
 looks at that bucket's parameters only, so a landing costs the same whatever the number of
 buckets. The global module hooks cost every module call one Python call each that reads a
 module-level flag and returns while nothing is in flight (and the optimizer has taken its first
-overlapped step).
+overlapped step). Most of what a forward with nothing in flight pays is torch's: while any global
+module hook is registered, every module call takes the slower path of ``Module._call_impl``
+(about 1.5 microseconds a call on a CPU). The hooks stay registered for the optimizer's life all
+the same: dynamo guards on the lengths of the hook dicts, so adding and removing them at every
+step would recompile a compiled model at every step.
 
 [Note: other threads]
 A ``TorchFunctionMode`` is thread-local: the guard covers the thread that called ``step()``.
