@@ -3,14 +3,21 @@
 Catches bucket boundaries that change results (a lost or doubled gradient at a boundary, tied or
 unused parameters mishandled), overlapped parameter gathers that let a module run on stale
 weights, an fp32 reduction option that does not reduce in fp32, and communication counters that
-do not add up to the bytes actually moved.
+do not add up to the bytes actually moved. With overlapped gathers also: a model that no longer
+pickles or whose deep copy waits for the original's gathers, a fullgraph compile that fails
+without saying what to do, TorchScript blocks that cannot run or run on stale weights, a landing
+whose cost grows with the number of buckets, and a dropped optimizer kept alive by its gathers.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
+import pickle
 import threading
+import time
+import weakref
 
 import pytest
 import torch
@@ -221,7 +228,8 @@ def read_case(overlap: bool, read: str, steps: int = 3) -> dict:
         loss = forward(batch(rank, step, vocab=2048, n=8, t=16))
         losses.append(loss.item())
         opt.backward(loss)
-        opt.step()
+        with slow_sender() if read == "storage" else contextlib.nullcontext():
+            opt.step()
         # right after step(), the gathers still in flight:
         if read == "ema":  # by hand, in place
             with torch.no_grad():
@@ -250,6 +258,12 @@ def read_case(overlap: bool, read: str, steps: int = 3) -> dict:
             buf = io.BytesIO()
             torch.save(list(model.parameters()), buf)
             got.append([p.detach() for p in torch.load(io.BytesIO(buf.getvalue()))])
+        elif read == "storage":  # the whole flat buffer, through the first weight: its storage, and saving it
+            first = next(iter(model.parameters()))
+            whole = _raw_bytes(first.untyped_storage())  # as bytes(storage) reads it, without a torch call
+            buf = io.BytesIO()
+            torch.save(first, buf)
+            got.append([whole, _raw_bytes(torch.load(io.BytesIO(buf.getvalue())).untyped_storage())])
         elif read == "write":  # in place, through the parameters: kept, and trained from at the next step
             with torch.no_grad():
                 for p in model.parameters():
@@ -271,6 +285,13 @@ def read_case(overlap: bool, read: str, steps: int = 3) -> dict:
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()], "read": got}
 
 
+def _raw_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """The bytes of ``storage`` read straight from memory, as ``bytes(storage)`` or NumPy would."""
+    import ctypes
+
+    return torch.frombuffer(bytearray(ctypes.string_at(storage.data_ptr(), storage.nbytes())), dtype=torch.uint8)
+
+
 def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
@@ -280,7 +301,7 @@ def _same(a, b) -> bool:
 
 
 @pytest.mark.parametrize("read", ["ema", "averaged", "snapshot", "eval", "tied", "compile", "compile_in_place",
-                                  "data", "tolist", "numpy", "deepcopy", "save", "write", "thread"])
+                                  "data", "tolist", "numpy", "deepcopy", "save", "storage", "write", "thread"])
 def test_weights_read_right_after_an_overlapped_step_are_the_stepped_ones(pools, read):
     pool = pools(2)
     plain = pool.run(read_case, False, read)
@@ -416,3 +437,247 @@ def dropped_case() -> tuple[list[str], list[str]]:
 def test_the_guard_of_a_dropped_optimizer_goes_at_the_next_module_call(pools):
     for after_step, after in pools(2).run(dropped_case):
         assert after_step == ["InFlightReads"] and after == [], (after_step, after)
+
+
+@contextlib.contextmanager
+def slow_sender(seconds: float = 0.02, rank: int = 1):
+    """Rank ``rank`` sleeps before each asynchronous broadcast it sends (step()'s weight gathers on
+    gloo), so that on the other ranks step() returns with its pieces of every bucket still on their
+    way: whatever does not wait for them reads the weights before the step."""
+    send = dist.broadcast
+
+    def slow(tensor, src=None, group=None, async_op=False, **kwargs):
+        if async_op and src == dist.get_rank() == rank:
+            time.sleep(seconds)
+        return send(tensor, src=src, group=group, async_op=async_op, **kwargs)
+
+    dist.broadcast = slow
+    try:
+        yield
+    finally:
+        dist.broadcast = send
+
+
+# -- the model pickled and copied --------------------------------------------------------------------
+def pickle_case(overlap: bool) -> dict:
+    """``torch.save(model)`` and ``copy.deepcopy(model)`` of the whole module right after an
+    overlapped step and after ``finish_param_gather()``, once forwards have run; the copy's forward
+    and ``state_dict()`` right after the next step, and what they wait for."""
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    x = batch(rank, 9, vocab=2048, n=8, t=16)
+    out: dict = {"saved": [], "copy_loss": [], "copy_state": [], "pending": [], "shardopt_in_pickle": []}
+    copied = None
+    for step in range(3):
+        opt.zero_grad()
+        opt.backward(model(batch(rank, step, vocab=2048, n=8, t=16)))
+        with slow_sender():
+            opt.step()
+        if copied is not None:  # a copy made at the last step: none of its calls waits for this step's gathers
+            before = len(opt.pending_param_buckets())
+            with torch.no_grad():
+                out["copy_loss"].append(copied(x))
+            out["copy_state"].append({k: v.clone() for k, v in copied.state_dict().items()})
+            out["pending"].append((before, len(opt.pending_param_buckets())))
+        buf = io.BytesIO()
+        torch.save(model, buf)  # right after step(), the gathers in flight
+        blob = buf.getvalue()
+        out["shardopt_in_pickle"].append(b"shardopt" in blob)  # a saved model loads without shardopt
+        loaded = torch.load(io.BytesIO(blob), weights_only=False)
+        with torch.no_grad():
+            out["saved"].append([loaded(x), loaded.state_dict()])
+        copied = copy.deepcopy(model)
+    opt.finish_param_gather()
+    blob = pickle.dumps(model)  # once the gathers landed
+    out["shardopt_in_pickle"].append(b"shardopt" in blob)
+    with torch.no_grad():
+        out["saved"].append(pickle.loads(blob)(x))
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_a_model_pickles_and_deep_copies_with_overlapped_gathers(pools):
+    pool = pools(2)
+    plain = pool.run(pickle_case, False)
+    over = pool.run(pickle_case, True)
+    for rank, (a, b) in enumerate(zip(plain, over)):
+        for key in ("saved", "copy_loss", "copy_state", "params"):
+            assert _same(a[key], b[key]), (rank, key)
+        assert b["shardopt_in_pickle"] == [False] * 4, b["shardopt_in_pickle"]
+        assert all(before == after for before, after in b["pending"]), b["pending"]
+        if rank == 0:  # the slow sender's pieces are still on their way: the copy's calls did not wait for them
+            assert all(before > 0 for before, _ in b["pending"]), b["pending"]
+
+
+# -- fullgraph compiles -------------------------------------------------------------------------------
+def fullgraph_case(overlap: bool, how: str) -> dict:
+    """A model compiled with ``fullgraph=True``: in place (``model.compile``), then with
+    ``opt.finish_param_gather()`` before each forward (what the error says to do), or wrapped
+    (``torch.compile(model)``, whose wrapper waits eagerly); a compiled EMA after finish_param_gather()."""
+    torch._dynamo.reset()  # a fresh recompile budget: each case compiles new modules
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    forward = torch.compile(model, backend="aot_eager", fullgraph=True) if how == "wrapper" else model
+    if how.startswith("in_place"):
+        model.compile(backend="aot_eager", fullgraph=True)
+    lerp = torch.compile(_lerp, backend="aot_eager", fullgraph=True)
+    ema = [p.detach().clone() for p in model.parameters()]
+    losses = []
+    try:
+        for step in range(3):
+            opt.zero_grad()
+            if how == "in_place_finished":
+                opt.finish_param_gather()
+            loss = forward(batch(rank, step, vocab=2048, n=8, t=16))
+            losses.append(loss.detach())
+            opt.backward(loss)
+            opt.step()
+            if how == "ema":
+                opt.finish_param_gather()
+                lerp(ema, list(model.parameters()))
+    except RuntimeError as e:  # dynamo's errors are RuntimeErrors
+        opt.finish_param_gather()
+        return {"error": f"{type(e).__name__}: {e}"}
+    opt.finish_param_gather()
+    return {"losses": losses, "ema": ema, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_fullgraph_compiles_with_overlapped_gathers(pools):
+    pool = pools(2)
+    for r in pool.run(fullgraph_case, True, "in_place"):  # nothing can wait inside: a clear error
+        assert "error" in r and "opt.finish_param_gather() before calling" in r["error"] \
+            and "torch.compile(model, fullgraph=True)" in r["error"], r
+    for how in ("in_place_finished", "wrapper", "ema"):
+        plain = pool.run(fullgraph_case, False, how)
+        over = pool.run(fullgraph_case, True, how)
+        for a, b in zip(plain, over):
+            assert "error" not in a and "error" not in b, (how, a, b)
+            assert _same(a["losses"], b["losses"]) and _same(a["params"], b["params"]), how
+            assert _same(a["ema"], b["ema"]), how
+
+
+# -- TorchScript blocks -------------------------------------------------------------------------------
+class Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.lin(x))
+
+
+class ScriptedBlocks(torch.nn.Module):
+    """ReadModel's shape with its body made of TorchScript blocks, whose inner modules no Python
+    hook sees."""
+
+    def __init__(self, vocab: int = 2048, dim: int = 192) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList([torch.jit.script(Block(dim)) for _ in range(3)])
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), idx.roll(1, dims=-1).view(-1))
+
+
+def scripted_case(overlap: bool) -> dict:
+    """Training a model with TorchScript blocks, and a block called on its own right after step()."""
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    with torch.jit.optimized_execution(False):  # the same kernels in both runs (no profiling executor's fusions)
+        model = ScriptedBlocks()
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+        losses, read = [], []
+        for step in range(3):
+            opt.zero_grad()
+            loss = model(batch(rank, step, vocab=2048, n=8, t=16))
+            losses.append(loss.detach())
+            opt.backward(loss)
+            with slow_sender():
+                opt.step()
+            with torch.no_grad():
+                read.append(model.blocks[1](torch.ones(2, 192)))
+        opt.finish_param_gather()
+    return {"losses": losses, "read": read, "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_a_model_with_torchscript_blocks_trains_with_overlapped_gathers(pools):
+    pool = pools(2)
+    plain = pool.run(scripted_case, False)
+    over = pool.run(scripted_case, True)
+    for a, b in zip(plain, over):
+        for key in ("losses", "read", "params"):
+            assert _same(a[key], b[key]), key
+
+
+# -- the cost of a landing ----------------------------------------------------------------------------
+def landing_cost_case(overlap: bool) -> dict:
+    """The forward right after step() with every parameter in a bucket of its own: which torch calls
+    a mode of the user's sees, and how many parameter versions the landings read (each landing
+    checks its own parameters for writes that raced it, see step._usage_checks)."""
+    import shardopt.update._binding as binding
+
+    rank = dist.get_rank()
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(12)])
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=ONE_ELEMENT_MB,
+                                overlap_param_gather=overlap)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    opt.backward(model(x).square().mean())
+    opt.step()
+    reads = []
+    read = binding.version
+    binding.version = lambda t: reads.append(1) or read(t)
+    user = Counting()
+    try:
+        with user:
+            y = model(x)
+    finally:
+        binding.version = read
+    opt.finish_param_gather()
+    return {"y": y.detach(), "calls": user.calls, "versions": len(reads),
+            "params": len(list(model.parameters()))}
+
+
+def test_a_landing_costs_its_own_parameters_and_no_users_mode_sees_it(pools):
+    pool = pools(2)
+    for a, b in zip(pool.run(landing_cost_case, False), pool.run(landing_cost_case, True)):
+        assert _same(a["y"], b["y"])
+        assert b["calls"] == a["calls"], (a["calls"], b["calls"])  # the same calls as without overlap
+        assert a["versions"] == 0 and b["versions"] == b["params"], (a["versions"], b["versions"])
+
+
+# -- an optimizer dropped with gathers in flight ------------------------------------------------------
+def dropped_in_flight_case(overlap: bool) -> dict:
+    """``del opt`` right after step(), its gathers in flight: the weights are the stepped ones, and
+    its buffers are freed at once, before any module call."""
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    opt.backward(model(batch(rank, 0, vocab=2048, n=8, t=16)))
+    with slow_sender():
+        opt.step()
+    buffer = weakref.ref(opt._buffers[0])
+    del opt
+    gc.collect()
+    freed = buffer() is None
+    weights = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        model(batch(rank, 1, vocab=2048, n=8, t=16))  # the guard left by the dropped optimizer goes here
+    return {"freed": freed, "weights": weights, "guards": _guards()}
+
+
+def test_an_optimizer_dropped_with_gathers_in_flight_is_freed_at_once(pools):
+    pool = pools(2)
+    for a, b in zip(pool.run(dropped_in_flight_case, False), pool.run(dropped_in_flight_case, True)):
+        assert _same(a["weights"], b["weights"])
+        assert a["freed"] and b["freed"] and b["guards"] == [], (a, b)

@@ -2,22 +2,42 @@
 
 [Note: overlapped gather]
 With overlap_param_gather=True, step() returns while the weights are still being all-gathered.
-Each module that directly owns some of the optimizer's parameters gets a forward pre-hook of its
-own that waits, before the module runs, for the buckets holding those parameters, so the gathers
-of later layers overlap the compute of earlier ones (as FSDP2 and Megatron's
-overlap_param_gather do). The optimizer is not given the model, so it finds those modules at the
-first forward: a global forward pre-hook looks at each module the first time it is called, and
-registers the hooks on every module under it that owns such parameters (for the outermost
-module, the whole model at once); after that it does nothing for that module. That outermost
-module also gets a forward hook that, once its forward is over, waits for the gathers of every
-parameter under it that the forward did not use (they have had the whole forward to land), so
-that nothing is left in flight into the backward pass. Each module that owns parameters also
-gets a state-dict pre-hook and a load-state-dict pre-hook that wait for every gather, so
-``model.state_dict()`` and ``model.load_state_dict()`` are right from any thread. Every other
-read or write of a weight still in flight waits through the read guard ([Note: reads of a weight
-in flight]). The handles are kept (see core._ownership [Note: hooks of a freed optimizer]) and
-removed when the optimizer is released. At interpreter exit the gathers still in flight are
-waited for, so no collective is left running when torch tears the process group down.
+Before each module runs, the buckets holding the parameters it owns directly are waited for, so
+the gathers of later layers overlap the compute of earlier ones (as FSDP2 and Megatron's
+overlap_param_gather do). The optimizer is not given the model, so the waits run in two global
+module hooks of its own (``register_module_forward_pre_hook`` and
+``register_module_forward_hook``), which look at the module being called: its parameters are
+looked up in the optimizer's index, by identity, as the module runs (see [Note: hooks on the
+user's modules] for why nothing is registered on the modules themselves for this). The first
+module of a forward over some of the optimizer's parameters (the outermost one, usually the
+model) also waits, once its forward is over, for the gathers of every parameter under it that
+the forward did not use (they have had the whole forward to land), so that nothing is left in
+flight into the backward pass. A module whose submodules run where no Python hook reaches them
+waits, before it runs, for every bucket under it: torch.compile's wrapper (see [Note: compiled
+models]) and a TorchScript module (``torch.jit.script``/``trace``, whose submodules run inside
+the TorchScript interpreter). Each module that owns parameters (but a TorchScript one, which takes
+no such hook) also gets a state-dict pre-hook and a load-state-dict pre-hook that wait for every
+gather, so ``model.state_dict()`` and ``model.load_state_dict()`` are right from any thread: those
+modules are found by looking at every module under each module called, from the optimizer's
+construction until its first overlapped step, and then at each module called while gathers are in
+flight. Every other read or write of a weight still in flight waits through the read guard
+([Note: reads of a weight in flight]). The handles are kept (see core._ownership [Note: hooks of a
+freed optimizer]) and removed when the optimizer is released. At interpreter exit the gathers
+still in flight are waited for, so no collective is left running when torch tears the process
+group down.
+
+[Note: hooks on the user's modules]
+The user pickles their model (``torch.save(model)``), deep-copies it (an EMA copy, a reference
+model) and compiles it; shardopt's hooks must not get in the way. Module hooks are part of a
+module's pickled state (``Module.__getstate__`` keeps its hook dicts), and a closure or lambda
+does not pickle; ``copy.deepcopy`` copies a function by reference, so a copy would keep hooks
+working for the original's optimizer. So the forward waits are global hooks (above), which are
+not part of any module: a copy of the model is a model the optimizer does not train, whose
+parameters the index does not hold, and nothing waits for it. ``state_dict()`` has no global
+hook, so its pre-hooks sit on the modules, as objects of a module-level class (``_WaitAll``)
+holding the optimizer weakly, whose pickled and deep-copied form is ``"".format``: a builtin that
+takes any arguments and does nothing, so a saved model loads without shardopt installed, and a
+copy's ``state_dict()`` waits for nothing.
 
 [Note: reads of a weight in flight]
 A weight can be read or written right after ``step()`` outside the module that owns it: an EMA by
@@ -37,6 +57,15 @@ alias. Calls that read no value do not wait (``_NO_WAIT``: ``p.grad``, ``p.shape
 ``p.requires_grad``, hashing, ...), so ``model.zero_grad()`` between ``step()`` and the next
 forward keeps the overlap. A write waits like a read, so it lands after the gather and is kept.
 ``torch.no_grad()`` and ``torch.inference_mode()`` change nothing: the mode sees calls under both.
+
+Memory reached without a torch call is not seen: ``bytes(p.untyped_storage())`` (the storage's
+``__getitem__``/buffer protocol; its ``untyped_storage()`` call waits for the parameter's own
+bucket only, while the storage is the whole flat buffer, other buckets included), or a NumPy array
+(``p.detach().numpy()``, ``memoryview``, DLPack) made before ``step()``, read with NumPy after it:
+both read the flat buffer's bytes as they are, so take them after ``opt.finish_param_gather()``.
+Calls inside TorchScript code are not torch calls of the thread either: a TorchScript module
+waits for every bucket under it before it runs (above), but a TorchScript function given a weight
+right after ``step()`` does not.
 
 The mode goes onto the stack at the end of ``step()`` (also of one that raised after starting some
 gather; never earlier, so step's own update of the later buckets does not go through it), at the
@@ -61,10 +90,20 @@ buffer: about 2 microseconds each). In the usual loop that is the forward up to 
 waits for the last bucket (the outermost module's forward hook waits for any bucket the forward
 did not use), after which the mode is gone: the backward pass, the next ``step()`` and whatever
 runs until then pay nothing, and the optimizer's own update in ``step()`` never runs under it.
+Shardopt's own work when a gather lands (its profiler range, the check of its parameters'
+version counters, see step._usage_checks) runs with torch functions off (comm._gathers), and
+looks at that bucket's parameters only, so a landing costs the same whatever the number of
+buckets. The global module hooks cost every module call one Python call each that reads a
+module-level flag and returns while nothing is in flight (and the optimizer has taken its first
+overlapped step). Most of what a forward with nothing in flight pays is torch's: while any global
+module hook is registered, every module call takes the slower path of ``Module._call_impl``
+(about 1.5 microseconds a call on a CPU). The hooks stay registered for the optimizer's life all
+the same: dynamo guards on the lengths of the hook dicts, so adding and removing them at every
+step would recompile a compiled model at every step.
 
 [Note: other threads]
 A ``TorchFunctionMode`` is thread-local: the guard covers the thread that called ``step()``.
-Module calls (the forward pre-hooks), ``state_dict()`` and ``load_state_dict()`` wait from any
+Module calls (the global hooks), ``state_dict()`` and ``load_state_dict()`` wait from any
 thread, and ``WeightGathers`` waits under a lock, a bucket counting as in flight until its gather
 has landed, so a thread that asks for a bucket another is waiting for returns once it has landed.
 A raw read of a parameter in another thread (a tensor op on it, without a module call) is not seen
@@ -78,20 +117,26 @@ raises there on every rank.
 [Note: compiled models]
 Dynamo traces module hooks and the modes on the stack into the compiled code. The hooks and the
 mode therefore do their work only when run eagerly: ``torch.compile(model)`` runs the hooks of
-its wrapper eagerly, before the compiled code starts. The global hook found the whole model under
-it at the first call (before dynamo traced it) and gave the wrapper a hook that waits for every
-gather of the model (the last landing takes the mode away), so the compiled forward starts with
-nothing in flight and no mode. Where a hook or the mode is traced with gathers in flight (a module
+its wrapper eagerly, before the compiled code starts, and the wrapper waits there for every bucket
+under it, so the compiled forward starts with the model's gathers landed (and, where the optimizer
+trains nothing else, no mode). Where a hook or the mode is traced with gathers in flight (a module
 compiled in place with ``module.compile()``, whose hooks all run traced; a compiled function that
-reads weights right after ``step()``), it calls a function that dynamo does not trace and that
-waits for every gather: one graph break, and the weights are right; the compiled code does not
-change from one step to the next. A module compiled
-in place is never seen eagerly, so it has no state-dict hooks; its ``state_dict()`` in the
-stepping thread waits through the mode, and in another thread after ``opt.finish_param_gather()``.
+reads weights right after ``step()``), it calls ``_finish_all``, which dynamo does not trace and
+which waits for every gather: one graph break, and the weights are right; the compiled code does
+not change from one step to the next. Under ``fullgraph=True`` a graph break is an error, and
+nothing else can wait there: no Python runs between the call of a compiled function and its
+compiled code but torch's, and an operator put into the graph to wait would not be ordered before
+the graph's reads of the weights (custom operators and ``leaf_function`` are ordered only by their
+data). Dynamo's error then carries ``_finish_all``'s reason, which says what to do: call
+``opt.finish_param_gather()`` first, or compile the model with ``torch.compile(model,
+fullgraph=True)`` (whose wrapper waits eagerly, as above). A module compiled in place is never
+seen eagerly, so it has no state-dict hooks; its ``state_dict()`` in the stepping thread waits
+through the mode, and in another thread after ``opt.finish_param_gather()``.
 """
 from __future__ import annotations
 
 import atexit
+import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -105,10 +150,23 @@ from shardopt.comm._gathers import WeightGathers
 from shardopt.core._ownership import owned_hook
 from shardopt.core._records import BucketRecord
 
-_in_flight = False  # some overlapped gather may be in flight (read by the traced hooks and mode: a guard)
-_optimizers: weakref.WeakSet = weakref.WeakSet()  # WeightGathers of optimizers with overlap_param_gather=True
-_flying: tuple[WeightGathers, ...] = ()  # those with a gather in flight, as of the last step() or landing
-_local = threading.local()  # .mode: this thread's InFlightReads while it may be on the stack (else absent or None)
+# Module-level flags, read first by every hook (also in traced code, where dynamo guards on them):
+_in_flight = False  # some overlapped gather may be in flight
+_left = False  # some thread's read guard may still be on its stack with nothing in flight (see _retire)
+_looking = False  # some optimizer has not taken its first overlapped step: module calls are looked at (GatherWatch)
+_generation = 0  # overlapped steps taken so far: which forward a module call belongs to (GatherWatch.before)
+_left_in: set[int] = set()  # the threads (by ident) whose read guard is left on their stack
+_watches: weakref.WeakSet = weakref.WeakSet()  # the GatherWatch of every optimizer with overlap_param_gather=True
+# The WeightGathers with a gather in flight, as of the last step() or landing. Held weakly: an
+# optimizer dropped with gathers in flight is freed at once (its __del__ waits for them).
+_flying: tuple[weakref.ref, ...] = ()
+
+
+class _Local(threading.local):
+    mode: InFlightReads | None = None  # this thread's read guard while it may be on the stack
+
+
+_local = _Local()
 
 # Calls that read no weight values: they never wait (see [Note: reads of a weight in flight]). A
 # property reaches a mode as its descriptor's __get__/__set__ (``_T``: Tensor, typed as the class).
@@ -120,6 +178,18 @@ _NO_WAIT = frozenset({
     Tensor.stride, Tensor.element_size, Tensor.is_contiguous, Tensor.is_floating_point, Tensor.__hash__,
     Tensor.__len__, Tensor.register_hook, Tensor.register_post_accumulate_grad_hook, Tensor.retain_grad,
 })
+# Calls that hand out a tensor's whole storage, which for a weight is its whole flat buffer: they
+# wait for every bucket of it in flight, not only for the tensor's own elements.
+_STORAGE = frozenset({Tensor.untyped_storage, Tensor.storage})
+
+# Why the wait is not traced; dynamo puts it into its error under fullgraph=True (see [Note: compiled models]).
+_FULLGRAPH = (
+    "shardopt: the weights that step() updated are still being gathered into the model "
+    "(overlap_param_gather=True) and this compiled code reads them; waiting for them is a graph break, "
+    "which fullgraph=True refuses. Call opt.finish_param_gather() before calling a function or a module "
+    "compiled in place (module.compile) with fullgraph=True right after step(), compile the model as "
+    "torch.compile(model, fullgraph=True), whose wrapper waits before its compiled code starts, or leave "
+    "overlap_param_gather off")
 
 
 class InFlightReads(TorchFunctionMode):
@@ -133,6 +203,8 @@ class InFlightReads(TorchFunctionMode):
         if _in_flight:
             if torch.compiler.is_compiling():  # see [Note: compiled models]
                 _finish_all()
+            elif func in _STORAGE:
+                _wait_for_storage(args[0])
             elif func not in _NO_WAIT:
                 _wait_for(args, kwargs)
         return func(*args, **kwargs)
@@ -149,9 +221,11 @@ def _wait_for(args: tuple, kwargs: dict) -> None:
 
 def _wait_touching(x: Any) -> None:
     if isinstance(x, Tensor):
-        for gathers in _flying:
-            for bucket in gathers.touching(x):
-                gathers.wait(bucket)
+        for ref in _flying:
+            gathers = ref()
+            if gathers is not None:
+                for bucket in gathers.touching(x):
+                    gathers.wait(bucket)
     elif isinstance(x, (list, tuple)):
         for y in x:
             _wait_touching(y)
@@ -160,158 +234,228 @@ def _wait_touching(x: Any) -> None:
             _wait_touching(y)
 
 
+def _wait_for_storage(t: Any) -> None:
+    if isinstance(t, Tensor):
+        for ref in _flying:
+            gathers = ref()
+            if gathers is not None:
+                for bucket in gathers.touching_storage(t):
+                    gathers.wait(bucket)
+
+
 def in_flight() -> None:
     """step() issued overlapped gathers (call once they are all started, or once step() raised
     after starting some): the thread that called it gets the read guard. Local."""
-    global _in_flight, _flying
-    _flying = tuple(g for g in list(_optimizers) if g)
+    global _in_flight, _flying, _generation, _looking
+    watches = list(_watches)
+    for w in watches:
+        if w.gathers:
+            w.looking = False
+    _looking = any(w.looking for w in watches)
+    _flying = tuple(weakref.ref(w.gathers) for w in watches if w.gathers)
     _in_flight = bool(_flying)
     if not _in_flight:
         return
-    mode = getattr(_local, "mode", None)
+    _generation += 1
+    mode = _local.mode
     if mode is not None:  # left from the last step (or taken off by someone else): a new one, at the bottom
         remove_function_mode(mode)
     _local.mode = InFlightReads()
     insert_function_mode(_local.mode)
+    _note_left(False)
 
 
 def landed() -> None:
     """A gather was waited for (or an optimizer built): whether any is still in flight; once none
     is, this thread's read guard leaves the mode stack. Local; outside compiled code."""
     global _in_flight, _flying
-    _flying = tuple(g for g in _flying if g)
+    _flying = tuple(r for r in _flying if (g := r()) is not None and g)
     _in_flight = bool(_flying)
     if not _in_flight:
         _retire()
 
 
 def _retire() -> None:
-    mode = getattr(_local, "mode", None)
-    if mode is not None and remove_function_mode(mode):  # not there while its own __torch_function__ runs
+    mode = _local.mode
+    if mode is None:
+        return
+    if remove_function_mode(mode):
         _local.mode = None
+        _note_left(False)
+    else:  # its own __torch_function__ runs: the next module call in this thread takes it off
+        _note_left(True)
 
 
-@torch.compiler.disable
+def _note_left(left: bool) -> None:
+    """Whether this thread's read guard is left on its stack with nothing in flight."""
+    global _left
+    (_left_in.add if left else _left_in.discard)(threading.get_ident())
+    _left = bool(_left_in)
+
+
+@torch.compiler.disable(reason=_FULLGRAPH)
 def _finish_all() -> None:
-    for gathers in list(_optimizers):
-        gathers.finish()
+    for w in list(_watches):
+        w.gathers.finish()
     landed()
 
 
+class _Outer(threading.local):
+    """A thread's outermost module call over some of one optimizer's parameters, in the forward of
+    one step (see GatherWatch.before)."""
+
+    module: weakref.ref | None = None  # None: none running
+    generation = -1  # the value of _generation when it started
+
+
 class GatherWatch:
-    """The hooks of the Notes above for one optimizer's ``gathers`` (held weakly). Local."""
+    """The hooks of the Notes above for one optimizer's ``gathers``. Held by the optimizer only:
+    the hooks hold it weakly. Local."""
 
     def __init__(self, gathers: WeightGathers) -> None:
-        ref = weakref.ref(gathers)  # no hook may keep the optimizer's state alive
-        _optimizers.add(gathers)
-        handles: list = []  # every hook of this watch, for remove()
-        seen: weakref.WeakSet = weakref.WeakSet()  # modules looked at (with everything under them)
-
-        def hook(module: torch.nn.Module, args: Any) -> None:  # the global one: finds the modules
-            if torch.compiler.is_compiling():  # see [Note: compiled models]
-                if _in_flight:
-                    _finish_all()
-                return
-            if getattr(_local, "mode", None) is not None:
-                landed()  # the last gather may have landed inside the mode's own call, or its optimizer is gone
-            if module in seen:
-                return
-            o = ref()
-            if o is None:
-                return
-            now = None
-            for m in module.modules():
-                if m not in seen:
-                    seen.add(m)
-                    new, forward = _hooks_of(m, o, ref)
-                    handles.extend(owned_hook(h, ref) for h in new)
-                    now = forward if m is module else now
-            after = _after_forward(ref, module, o) if compiled_inner(module) is None else None
-            if after is not None:  # the outermost module of this forward, over some of the parameters
-                handles.append(owned_hook(module.register_forward_hook(after), ref))
-            if now is not None:  # torch read this call's hooks before the new ones were registered
-                now(module, args)
-
-        handles.append(owned_hook(torch.nn.modules.module.register_module_forward_pre_hook(hook), ref))
-        self._handles = handles
+        global _looking
+        self.gathers = gathers
+        self.looking = True  # until its first overlapped step: every module call is looked at
+        _looking = True
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # modules looked at (with everything under them)
+        self._under: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> buckets of its parameters
+        self._outer = _Outer()
+        _watches.add(self)
+        ref = weakref.ref(self)
+        self._ref = ref
+        hooks = torch.nn.modules.module
+        self._handles = [  # every hook of this watch, for remove()
+            owned_hook(hooks.register_module_forward_pre_hook(functools.partial(_before_call, ref)), ref),
+            owned_hook(hooks.register_module_forward_hook(functools.partial(_after_call, ref)), ref)]
         atexit.register(_finish_at_exit, ref)
 
     def remove(self) -> None:
         """Remove every hook of this watch (the optimizer is released). Local."""
+        global _looking
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.looking = False
+        _looking = any(w.looking for w in list(_watches))
+
+    def before(self, module: torch.nn.Module) -> None:
+        """``module`` is about to run (eagerly): look at it, wait for the buckets it needs, and
+        note whether it is the outermost module of this forward."""
+        if (self.looking or _in_flight) and module not in self._seen:  # everything under a seen one was seen
+            self._look(module)
+        gathers = self.gathers
+        if not gathers:
+            return
+        if _runs_unhooked(module):
+            for b in self._buckets_under(module):  # its submodules run where no hook of ours reaches
+                gathers.wait(b)
+        else:
+            record_of = gathers.record_of
+            for p in module._parameters.values():
+                r = record_of.get(id(p))
+                if r is not None:
+                    gathers.wait(r.bucket)
+        outer = self._outer
+        if (outer.module is None or outer.generation != _generation) and gathers and self._buckets_under(module):
+            outer.module, outer.generation = weakref.ref(module), _generation
+
+    def after(self, module: torch.nn.Module) -> None:
+        """``module`` ran (eagerly): if it is the outermost module of this forward, wait for the
+        buckets under it that its forward left in flight."""
+        outer = self._outer
+        if outer.module is None or outer.module() is not module or outer.generation != _generation:
+            return
+        outer.module = None
+        for b in self._buckets_under(module):
+            self.gathers.wait(b)
+
+    def _buckets_under(self, module: torch.nn.Module) -> tuple[BucketRecord, ...]:
+        """The buckets of this optimizer's parameters under ``module`` (found once per module)."""
+        found = self._under.get(module)
+        if found is None:
+            record_of = self.gathers.record_of
+            buckets: dict[int, BucketRecord] = {}
+            for p in module.parameters():
+                r = record_of.get(id(p))
+                if r is not None:
+                    buckets.setdefault(id(r.bucket), r.bucket)
+            found = self._under[module] = tuple(buckets.values())
+        return found
+
+    def _look(self, module: torch.nn.Module) -> None:
+        """Give every module under ``module`` that owns some of the parameters its state-dict hooks."""
+        record_of, wait_all = self.gathers.record_of, None
+        for m in module.modules():
+            if m in self._seen:
+                continue
+            self._seen.add(m)
+            if isinstance(m, torch.jit.ScriptModule) or not any(id(p) in record_of for p in m._parameters.values()):
+                continue  # a TorchScript module takes no state-dict hook (its parent's waits for everything)
+            wait_all = wait_all or _WaitAll(self._ref)
+            self._handles += [owned_hook(m.register_state_dict_pre_hook(wait_all), self._ref),
+                              owned_hook(m.register_load_state_dict_pre_hook(wait_all), self._ref)]
 
 
-def _hooks_of(m: torch.nn.Module, o: WeightGathers, ref: weakref.ref) -> tuple[list, Callable | None]:
-    """Register on ``m`` the hooks it needs: their handles, and its forward pre-hook (None if none)."""
-    if compiled_inner(m) is not None:  # torch.compile's wrapper: everything before the compiled code
-        if not any(id(p) in o.record_of for p in m.parameters()):
-            return [], None
-        forward = _finish(ref)
-        return [m.register_forward_pre_hook(forward, prepend=True)], forward
-    if not any(id(p) in o.record_of for p in m.parameters(recurse=False)):
-        return [], None
-    forward, finish = _wait_own(ref), _finish(ref)
-    return [m.register_forward_pre_hook(forward, prepend=True),  # before the module's other hooks
-            m.register_state_dict_pre_hook(lambda module, prefix, keep_vars: finish(module, None)),
-            m.register_load_state_dict_pre_hook(lambda module, *args: finish(module, None))], forward
+_UNHOOKED: dict[type, bool] = {}  # by module class: whether _runs_unhooked (looked up at every module call)
 
 
-def _module_hook(ref: weakref.ref, work: Callable[[WeightGathers, torch.nn.Module], None]
-                 ) -> Callable[[torch.nn.Module, Any], None]:
-    """A module hook that runs ``work(gathers, module)`` eagerly while the gathers of ``ref`` are in
-    flight, and inside traced code waits for every gather (see [Note: compiled models])."""
-    def hook(module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
+def _runs_unhooked(module: torch.nn.Module) -> bool:
+    """Whether the submodules of ``module`` run where no Python hook reaches them: torch.compile's
+    wrapper (before its compiled code) and a TorchScript module (see [Note: overlapped gather])."""
+    kind = type(module)
+    unhooked = _UNHOOKED.get(kind)
+    if unhooked is None:
+        unhooked = _UNHOOKED[kind] = compiled_inner(module) is not None or isinstance(module, torch.jit.ScriptModule)
+    return unhooked
+
+
+def _before_call(ref: weakref.ref, module: torch.nn.Module, args: Any) -> None:
+    """The global forward pre-hook of the GatherWatch behind ``ref``."""
+    if not (_in_flight or _left or _looking):  # the usual module call: nothing to do
+        return
+    if torch.compiler.is_compiling():  # see [Note: compiled models]
+        if _in_flight:
+            _finish_all()
+        return
+    if _local.mode is not None:
+        landed()  # the last gather may have landed inside the mode's own call, or its optimizer is gone
+    watch = ref()
+    if watch is not None:
+        watch.before(module)
+
+
+def _after_call(ref: weakref.ref, module: torch.nn.Module, args: Any, output: Any) -> None:
+    """The global forward hook of the GatherWatch behind ``ref``."""
+    if not _in_flight or torch.compiler.is_compiling():  # traced: its pre-hook waited for every gather
+        return
+    watch = ref()
+    if watch is not None:
+        watch.after(module)
+
+
+class _WaitAll:
+    """The state-dict and load-state-dict pre-hook of the modules that own parameters: waits for
+    every gather of the optimizer behind ``watch`` (see [Note: hooks on the user's modules])."""
+
+    __slots__ = ("watch",)
+
+    def __init__(self, watch: weakref.ref) -> None:
+        self.watch = watch
+
+    def __call__(self, module: torch.nn.Module, *args: Any) -> None:
+        if torch.compiler.is_compiling():  # see [Note: compiled models]
             if _in_flight:
                 _finish_all()
             return
-        o = ref()
-        if o:  # not freed, and something in flight
-            work(o, module)
-    return hook
+        watch = self.watch()
+        if watch is not None and watch.gathers:
+            watch.gathers.finish()
 
-
-def _wait_for_own(o: WeightGathers, module: torch.nn.Module) -> None:
-    for p in module.parameters(recurse=False):
-        r = o.record_of.get(id(p))
-        if r is not None:
-            o.wait(r.bucket)
-
-
-def _wait_own(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
-    return _module_hook(ref, _wait_for_own)
-
-
-def _finish(ref: weakref.ref) -> Callable[[torch.nn.Module, Any], None]:
-    return _module_hook(ref, lambda o, module: o.finish())
-
-
-def _after_forward(ref: weakref.ref, module: torch.nn.Module, o: WeightGathers
-                   ) -> Callable[[torch.nn.Module, Any, Any], None] | None:
-    """The outermost module's forward hook: waits for the buckets under it that its forward left in
-    flight. None when no parameter under it is the optimizer's."""
-    buckets: dict[int, BucketRecord] = {}
-    for p in module.parameters():
-        r = o.record_of.get(id(p))
-        if r is not None:
-            buckets.setdefault(id(r.bucket), r.bucket)
-    if not buckets:
-        return None
-
-    def wait_left(gathers: WeightGathers, m: torch.nn.Module) -> None:
-        for b in buckets.values():
-            gathers.wait(b)
-
-    wait = _module_hook(ref, wait_left)
-
-    def hook(m: torch.nn.Module, args: Any, output: Any) -> None:
-        wait(m, args)
-    return hook
+    def __reduce__(self) -> tuple:
+        return getattr, ("", "format")  # pickled and deep-copied: a builtin that takes anything and does nothing
 
 
 def _finish_at_exit(ref: weakref.ref) -> None:
-    gathers = ref()
-    if gathers:
-        gathers.finish()
+    watch = ref()
+    if watch is not None:
+        watch.gathers.finish()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Callable, Iterator, Sequence, cast
 
+import torch
 from torch import Tensor
 
 from shardopt.comm._collectives import Pending
@@ -44,8 +45,11 @@ class WeightGathers:
 
     def wait(self, bucket: BucketRecord) -> bool:
         """Wait for the gather of ``bucket`` if it is in flight; True if it was. The bucket counts as
-        in flight until its gather has landed: another thread asking for it meanwhile waits here."""
-        with self._lock:
+        in flight until its gather has landed: another thread asking for it meanwhile waits here.
+        The landing is shardopt's own work (its profiler range, ``on_landed``): it runs with torch
+        functions off, so that no torch function mode sees it, the read guard of comm._gather_wait
+        included, whose look at every call would otherwise be paid for each of them."""
+        with self._lock, torch._C.DisableTorchFunction():
             pending = bucket.gather
             if pending is None:
                 return False
@@ -56,7 +60,9 @@ class WeightGathers:
                 arrived = True
             finally:  # waited once, also when the wait raised
                 bucket.gathering(None)
-                self._started = tuple(b for b in self._started if b is not bucket)
+                # the first, as a rule (the forward waits in the order step() started them): O(1) to find
+                at = next((i for i, b in enumerate(self._started) if b is bucket), len(self._started))
+                self._started = self._started[:at] + self._started[at + 1:]
                 self._on_landed(bucket, arrived)
             return True
 
@@ -84,14 +90,31 @@ class WeightGathers:
             first = t.data_ptr()
         except (RuntimeError, NotImplementedError):  # no storage of its own to look at
             return list(self._started)
-        started = self._started
-        found: list[BucketRecord] = []
         for i, (lo, hi, size) in enumerate(self._memory):
             if lo <= first < hi and t.numel():  # a view of flat buffer i (no view starts before its storage)
                 end = first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-                found += [b for b in started if b.buffer == i
-                          and first < lo + b.global_range.end * size and lo + b.global_range.start * size < end]
-        return found
+                return self._between(i, lo, size, first, end)
+        return []
+
+    def touching_storage(self, t: Tensor) -> list[BucketRecord]:
+        """The buckets in flight in the whole storage of ``t`` (what ``t.untyped_storage()`` hands
+        out: for a weight, its whole flat buffer); as ``touching`` for a tensor without one. A
+        question. Local."""
+        try:
+            storage = t.untyped_storage()
+            first = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return list(self._started)
+        for i, (lo, hi, size) in enumerate(self._memory):
+            if lo <= first < hi:  # flat buffer i's storage (a flat buffer is an allocation of its own)
+                return self._between(i, lo, size, first, first + storage.nbytes())
+        return []
+
+    def _between(self, i: int, lo: int, size: int, first: int, end: int) -> list[BucketRecord]:
+        """The buckets in flight of flat buffer ``i`` (its first byte ``lo``, its element size
+        ``size``) with memory in the bytes [first, end)."""
+        return [b for b in self._started if b.buffer == i
+                and first < lo + b.global_range.end * size and lo + b.global_range.start * size < end]
 
     def handles(self) -> list[Pending]:
         """The handles in flight (for tests that check they were waited for)."""

@@ -104,9 +104,17 @@ class ParamBinding:
             r.seen(v)
 
     def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]:
-        """Those of ``records`` written since ``record`` (see ``UsageChecks.note_gathered``). A question. Local."""
-        mine = set(map(id, records))
-        return [r for r, v in zip(self.records, self._versions(self._held())) if id(r) in mine and v != r.version]
+        """Those of ``records`` (some of this buffer's) written since ``record`` (see
+        ``UsageChecks.note_gathered``): their versions only, as ``_versions`` reads them, so that
+        each landing bucket costs its own parameters, not the whole buffer. A question. Local."""
+        return [r for r in records if self._version_of(r) != r.version]
+
+    @staticmethod
+    def _version_of(r: ParamRecord) -> int:
+        """``_versions`` of one record."""
+        if r.dtensor is None:
+            return version(r.param)
+        return version(local_of(r.dtensor)) + version(r.dtensor)
 
     def _unchanged(self, held: Sequence[Tensor]) -> bool:
         # C passes (see core._records.column): this runs over every parameter at every step
