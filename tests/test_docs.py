@@ -39,3 +39,12 @@ def test_report_check_fails_on_a_stale_table(tmp_path, monkeypatch):
     assert report.main([]) == 0 and report.main(["--check"]) == 0
     with open(os.path.join(ROOT, "README.md")) as f:
         assert readme.read_text() == f.read()
+
+
+def test_readme_opens_with_the_two_commands_and_stays_short():
+    with open(os.path.join(ROOT, "README.md")) as f:
+        lines = f.read().splitlines()
+    block = lines[lines.index("```bash") + 1: lines.index("```")]
+    assert [line.split()[:2] for line in block] == [["make", "demo"], ["make", "test"]], block
+    assert lines.index("```bash") < 5
+    assert len(lines) <= 150, f"README.md has {len(lines)} lines; keep it to 150 and move details into docs/"
