@@ -971,14 +971,20 @@ def test_more_variants_than_the_recompile_limit_compile_and_step_as_the_referenc
     maximize and tensor learning rate over two segment sizes, with dynamo's limit lowered to 2
     graphs per function (twelve graphs of step_fp32 alone here; the default limit is 8): every
     variant compiles within the limit (see fused [Note: one compile per variant]), nothing falls
-    back or warns, and each steps bit for bit as the reference with a correctly rounded sqrt."""
+    back or warns, and each steps bit for bit as the reference with a correctly rounded sqrt. A
+    variant whose codecs this torch's compiler gets wrong (the fp16 residual before torch 2.13, see
+    test_a_compiler_that_drops_the_fp16_residual_*) runs the reference by the self-check's choice, not the limit's: left out."""
     from correct_sqrt import correctly_rounded_sqrt
 
+    from shardopt.kernels import _self_check
+
+    exact = [case for case in VARIANTS if not _self_check.failing(_self_check.codecs_run(*case[:3]), "cpu")]
+    assert len(exact) >= len(VARIANTS) - 1, exact  # at most the fp16 residual's variant
     _fresh_compiles(monkeypatch)
     monkeypatch.setenv("SHARDOPT_KERNEL", "auto")
     with _recompile_limit(2), warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for mode, dtype, moments, amsgrad, maximize in VARIANTS:
+        for mode, dtype, moments, amsgrad, maximize in exact:
             case = (mode, dtype, moments, amsgrad, maximize)
             kernels = select(dtype=dtype, master=mode, moments=moments)
             got = _variant_steps(kernels, *case)
@@ -1015,7 +1021,7 @@ def test_the_recompile_limit_met_falls_back_to_the_reference_and_says_nothing_wa
         kernels.step_remainder(*segment(64))  # compiles this variant's first graph
         assert kernels.name == "fused"
         got, want = segment(320), segment(320)
-        with pytest.warns(RuntimeWarning, match=r"(?s)FailOnRecompileLimitHit.*recompile limit.*nothing was written"):
+        with pytest.warns(RuntimeWarning, match=r"(?s)FailOnRecompileLimitHit.*recompile.limit.*nothing was written"):
             kernels.step_remainder(*got)
     reference.step_remainder(*want)
     for a, b in zip(want[:5], got[:5]):
