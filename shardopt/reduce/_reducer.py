@@ -401,10 +401,12 @@ class GradReducer:
 
     def take_dtensor_grads(self) -> None:
         """Move the ``.grad`` of each DTensor parameter into its stand-in (a gradient no hook moved:
-        assigned by hand). See core._dtensor [Note: DTensor parameters]. Local."""
+        assigned by hand), in place of what the stand-in held, as a plain parameter's ``p.grad = g``
+        replaces its gradient: the round or the step then takes it as one assigned by hand. See
+        core._dtensor [Note: DTensor parameters]. Local."""
         for r in self.dtensor_records:
             if r.dtensor is not None and r.dtensor.grad is not None:
-                move_grad(r.dtensor, r.param)
+                move_grad(r.dtensor, r.param, replace=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
