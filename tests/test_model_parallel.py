@@ -707,10 +707,10 @@ def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools
 def dtensor_hooks_and_rebuild_case() -> dict:
     """DTensor TP on dp 2 x tp 2, with the user's gradient hooks on DTensor parameters registered
     before any optimizer: a pre-hook that halves fc1.weight's gradient, a post-accumulate-grad hook
-    on fc2.weight that counts, one on fc1.bias removed at once. A stage-1 ShardedAdamW takes one
-    clipped step, is closed, and a stage-2 one with another learning rate takes two more over the
-    same model. Against torch.optim.AdamW on the whole model (the same pre-hook, a new AdamW at the
-    switch)."""
+    on fc2.weight that counts, one on fc1.bias removed at once. A backward pass, then a stage-1
+    ShardedAdamW is built and takes one clipped step on that gradient; it is closed, and a stage-2
+    one with another learning rate takes two more steps over the same model. Against
+    torch.optim.AdamW on the whole model (the same pre-hook, a new AdamW at the switch)."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -728,17 +728,21 @@ def dtensor_hooks_and_rebuild_case() -> dict:
         return shardopt.ShardedAdamW(model.parameters(), lr=lr, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
                                      device_mesh=mesh["dp"])
 
-    norms, ref_norms = [], []
-    for steps, stage, lr in (((0,), 1, 1e-2), ((1, 2), 2, 2e-2)):
-        opt, ref = build(stage, lr), torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=0.1)
-        norms += _clipped_steps(model, opt, dp, steps)
+    model(*batch(dp, 0)).backward()  # before the optimizer: the first step's gradient, as in torch
+    opt = build(1, 1e-2)
+    norms = [float(opt.clip_grad_norm_(CLIP))]
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    norms += _clipped_steps(model, build(2, 2e-2), dp, (1, 2))
+    ref_norms = []
+    for steps, lr in (((0,), 1e-2), ((1, 2), 2e-2)):
+        ref = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=0.1)
         for step in steps:
             ref.zero_grad()
             whole(*global_batch(2, step)).backward()
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)))
             ref.step()
-        opt.zero_grad()
-        opt.close()
     theirs = dict(whole.named_parameters())
     worst = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
                 for n, p in model.named_parameters())
@@ -747,9 +751,10 @@ def dtensor_hooks_and_rebuild_case() -> dict:
 
 def test_user_hooks_on_dtensor_parameters_and_a_second_optimizer_train_as_torch(pools):
     """Gradient hooks on a DTensor parameter registered before the optimizer run (a pre-hook that
-    changes the gradient counts in the update), and a second ShardedAdamW built after the first was
-    closed takes the DTensor gradients: both optimizers keep the model's parameter objects and
-    their hooks."""
+    changes the gradient counts in the update), a gradient left by a backward pass before the
+    optimizer is the first step's, and a second ShardedAdamW built after the first was closed takes
+    the DTensor gradients: both optimizers keep the model's parameter objects, their hooks and
+    their gradients."""
     for r, got in enumerate(pools(4).run(dtensor_hooks_and_rebuild_case)):
         assert got["counted"] == [True] * 3, (r, got["counted"])  # once per backward pass, p.grad the DTensor's
         for a, b in zip(got["norms"], got["ref_norms"], strict=True):
@@ -804,10 +809,9 @@ def test_gradients_assigned_by_hand_to_dtensor_parameters_in_stage_1_are_the_ste
     assigned by hand is the step's gradient, with no backward pass as after one (it replaces the
     backward's, as ``p.grad = g`` does in torch), as for a plain parameter."""
     for r, got in enumerate(pools(4).run(dtensor_hand_grads_case)):
-        for a, b in zip(got["norms"], got["ref_norms"], strict=True):
-            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
-        for step, worst in enumerate(got["worst"]):
+        for step, (worst, a, b) in enumerate(zip(got["worst"], got["norms"], got["ref_norms"], strict=True)):
             assert max(worst.values()) <= 1e-6, (r, step, worst)
+            assert abs(a - b) <= 1e-5 * b, (r, step, got["norms"], got["ref_norms"])
 
 
 def _sequence_parallel(model, tp, norm: bool = True) -> None:

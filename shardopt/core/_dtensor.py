@@ -62,7 +62,10 @@ it would have to tell a sum already taken from gradients added after it (a backw
 ``clip_grad_norm_``). In the hook every rank of the mesh holds the whole gradient, in the order
 autograd produces them, the order DTensor's own collectives in the backward pass already rely on.
 A gradient assigned by hand (``p.grad = g``, moved at ``clip_grad_norm_``/``step``) is brought to
-the placements there: assign it on every rank of the mesh alike.
+the placements there: assign it on every rank of the mesh alike. It replaces what the stand-in
+held (``move_grad(..., replace=True)``), as ``p.grad = g`` replaces a plain parameter's gradient:
+in stage 1 the stand-in's ``.grad`` is its view of the flat gradient, where an addition would be
+taken for no gradient at all before a backward pass, and for the backward's after one.
 """
 from __future__ import annotations
 
