@@ -704,6 +704,116 @@ def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools
         assert got["replicas_equal"], r
 
 
+def dtensor_hooks_and_rebuild_case() -> dict:
+    """DTensor TP on dp 2 x tp 2, with the user's gradient hooks on DTensor parameters registered
+    before any optimizer: a pre-hook that halves fc1.weight's gradient, a post-accumulate-grad hook
+    on fc2.weight that counts, one on fc1.bias removed at once. A backward pass, then a stage-1
+    ShardedAdamW is built and takes one clipped step on that gradient; it is closed, and a stage-2
+    one with another learning rate takes two more steps over the same model. Against
+    torch.optim.AdamW on the whole model (the same pre-hook, a new AdamW at the switch)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    counted = []
+    for m in (model, whole):
+        m.fc1.weight.register_hook(lambda g: g / 2)
+    model.fc2.weight.register_post_accumulate_grad_hook(lambda p: counted.append(isinstance(p.grad, DTensor)))
+    model.fc1.bias.register_post_accumulate_grad_hook(lambda p: counted.append("removed")).remove()
+
+    def build(stage: int, lr: float):
+        return shardopt.ShardedAdamW(model.parameters(), lr=lr, weight_decay=0.1, stage=stage, bucket_cap_mb=1e-4,
+                                     device_mesh=mesh["dp"])
+
+    model(*batch(dp, 0)).backward()  # before the optimizer: the first step's gradient, as in torch
+    opt = build(1, 1e-2)
+    norms = [float(opt.clip_grad_norm_(CLIP))]
+    opt.step()
+    opt.zero_grad()
+    opt.close()
+    norms += _clipped_steps(model, build(2, 2e-2), dp, (1, 2))
+    ref_norms = []
+    for steps, lr in (((0,), 1e-2), ((1, 2), 2e-2)):
+        ref = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=0.1)
+        for step in steps:
+            ref.zero_grad()
+            whole(*global_batch(2, step)).backward()
+            ref_norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)))
+            ref.step()
+    theirs = dict(whole.named_parameters())
+    worst = max(((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max().item()
+                for n, p in model.named_parameters())
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms, "counted": counted}
+
+
+def test_user_hooks_on_dtensor_parameters_and_a_second_optimizer_train_as_torch(pools):
+    """Gradient hooks on a DTensor parameter registered before the optimizer run (a pre-hook that
+    changes the gradient counts in the update), a gradient left by a backward pass before the
+    optimizer is the first step's, and a second ShardedAdamW built after the first was closed takes
+    the DTensor gradients: both optimizers keep the model's parameter objects, their hooks and
+    their gradients."""
+    for r, got in enumerate(pools(4).run(dtensor_hooks_and_rebuild_case)):
+        assert got["counted"] == [True] * 3, (r, got["counted"])  # once per backward pass, p.grad the DTensor's
+        for a, b in zip(got["norms"], got["ref_norms"], strict=True):
+            assert abs(a - b) <= 1e-5 * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-6, (r, got["worst"])
+
+
+def dtensor_hand_grads_case() -> dict:
+    """Stage 1, DTensor TP on dp 2 x tp 2: gradients assigned by hand (``p.grad = g``, alike on
+    every rank; a DTensor parameter's as a DTensor in its placements). Step 1 with no backward
+    pass; step 2 after a backward pass, whose gradient the assigned one replaces. Against
+    torch.optim.AdamW on the whole model given the same gradients."""
+    import zlib
+
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=1, bucket_cap_mb=1e-4,
+                                device_mesh=mesh["dp"])
+    ref = torch.optim.AdamW(whole.parameters(), lr=1e-2, weight_decay=0.1)
+    theirs = dict(whole.named_parameters())
+
+    def given(name: str, step: int) -> torch.Tensor:
+        seed = zlib.crc32(f"{name} {step}".encode())
+        return torch.randn(theirs[name].shape, generator=torch.Generator().manual_seed(seed))
+
+    norms, ref_norms, worst = [], [], []
+    for step, backward in ((0, False), (1, True)):
+        opt.zero_grad()
+        if backward:
+            opt.backward(model(*batch(dp, step)))
+        for n, p in model.named_parameters():
+            p.grad = distribute_tensor(given(n, step), mesh["tp"], p.placements) if isinstance(p, DTensor) else \
+                given(n, step)
+        norms.append(float(opt.clip_grad_norm_(CLIP)))
+        opt.step()
+        for n, q in theirs.items():
+            q.grad = given(n, step)
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(whole.parameters(), CLIP)))
+        ref.step()
+        worst.append({n: ((p.full_tensor() if isinstance(p, DTensor) else p).detach() - theirs[n].detach()).abs().max()
+                      .item() for n, p in model.named_parameters()})
+    return {"worst": worst, "norms": norms, "ref_norms": ref_norms}
+
+
+def test_gradients_assigned_by_hand_to_dtensor_parameters_in_stage_1_are_the_steps(pools):
+    """Stage 1 keeps a DTensor parameter's gradient in its view of the flat gradient: a gradient
+    assigned by hand is the step's gradient, with no backward pass as after one (it replaces the
+    backward's, as ``p.grad = g`` does in torch), as for a plain parameter."""
+    for r, got in enumerate(pools(4).run(dtensor_hand_grads_case)):
+        for step, (worst, a, b) in enumerate(zip(got["worst"], got["norms"], got["ref_norms"], strict=True)):
+            assert max(worst.values()) <= 1e-6, (r, step, worst)
+            assert abs(a - b) <= 1e-5 * b, (r, step, got["norms"], got["ref_norms"])
+
+
 def _sequence_parallel(model, tp, norm: bool = True) -> None:
     """torch's sequence-parallel plan: each tensor-parallel rank runs the LayerNorm on its part of
     the sequence (dimension 1), fc1 gathers the sequence, fc2's output is replicated. ``norm``

@@ -5,11 +5,10 @@ A DTensor parameter's values on this rank are its *local tensor*, a plain tensor
 shards and updates local tensors over its data-parallel ranks exactly as it does plain
 parameters. Each DTensor parameter gets a *stand-in*: a plain ``nn.Parameter`` that the records,
 the flat buffer, the reducer and the update see in its place (``ParamRecord.param``). Once the
-stand-in is a view of the flat buffer, the DTensor parameter is rebuilt over that same view
-(``DTensor.from_local`` with its mesh, placements, shape and stride, put in place by
-``torch.utils.swap_tensors``, so the model keeps the very same parameter object, still a DTensor
-with its placements): the forward pass reads the flat buffer, the weight all-gather after a step
-writes it. Autograd accumulates the gradient into the DTensor parameter's ``.grad``; the
+stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same view as its
+local tensor (``rewrap``; the model keeps the very same parameter object, a DTensor with its mesh,
+placements, shape and stride, its gradient hooks and its gradient accumulator): the forward pass
+reads the flat buffer, the weight all-gather after a step writes it. Autograd accumulates the gradient into the DTensor parameter's ``.grad``; the
 optimizer's hook on the DTensor parameter (``ParamRecord.leaf``) moves its local tensor into the
 stand-in's ``.grad`` as autograd would have accumulated it there (``move_grad``), and the rest of
 the gradient's life is a plain parameter's. So a DTensor parameter's ``.grad`` is None after
@@ -22,8 +21,20 @@ DTensor parameters]).
 
 Each DTensor parameter's mesh (1-D: the tensor-parallel ranks) is a model axis (see
 comm._model_axes): a Shard placement is a part of the model, a Replicate placement (and a plain
-parameter beside DTensor ones) a copy counted once in the norm. A parameter object that something
-holds a weak reference to cannot be swapped: ``stand_ins`` says which, before anything changes.
+parameter beside DTensor ones) a copy counted once in the norm.
+
+[Note: rebuilding over the flat buffer]
+``rewrap`` sets the DTensor's local tensor (its ``_local_tensor``), as torch's FSDP2 does to put a
+sharded parameter over its own storage (``FSDPParam.reset_sharded_param``): the mesh, placements,
+global shape and stride (the DTensor's spec) stay, and so does everything autograd keeps on the
+parameter. Swapping in a new DTensor (``torch.utils.swap_tensors`` with ``DTensor.from_local``
+over the view) would not keep the hooks: torch holds a tensor's hook dicts (``register_hook``,
+``register_post_accumulate_grad_hook``) on the Python object, which the swap keeps, and wires them
+into the autograd data of the tensor they were first made on, which the swap hands to the other
+object. After such a swap a hook registered on the parameter before it (the user's, or an earlier
+optimizer's, even one removed since) no longer runs, nor does any registered after it: a second
+optimizer over the same model would never see its DTensor gradients. A view of the local tensor
+taken before (``p.to_local()``) keeps the old storage, as it would after a swap.
 
 [Note: a gradient in another placement]
 Autograd may give a DTensor parameter a gradient whose placements are not the parameter's: a
@@ -51,7 +62,10 @@ it would have to tell a sum already taken from gradients added after it (a backw
 ``clip_grad_norm_``). In the hook every rank of the mesh holds the whole gradient, in the order
 autograd produces them, the order DTensor's own collectives in the backward pass already rely on.
 A gradient assigned by hand (``p.grad = g``, moved at ``clip_grad_norm_``/``step``) is brought to
-the placements there: assign it on every rank of the mesh alike.
+the placements there: assign it on every rank of the mesh alike. It replaces what the stand-in
+held (``move_grad(..., replace=True)``), as ``p.grad = g`` replaces a plain parameter's gradient:
+in stage 1 the stand-in's ``.grad`` is its view of the flat gradient, where an addition would be
+taken for no gradient at all before a backward pass, and for the backward's after one.
 """
 from __future__ import annotations
 
@@ -148,24 +162,26 @@ def stand_in(p: Tensor) -> torch.nn.Parameter:
 
 
 def rewrap(p: Tensor, view: Tensor) -> None:
-    """Make DTensor parameter ``p`` (the same object) hold ``view`` as its local tensor, with its
-    mesh, placements, shape and stride. Raises RuntimeError when something holds a weak reference
-    to ``p`` (torch cannot swap it then). Local."""
-    from torch.distributed.tensor import DTensor
-
-    with torch.no_grad():
-        new = torch.nn.Parameter(DTensor.from_local(view, mesh_of(p), p.placements, run_check=False,  # type: ignore[attr-defined]
-                                                    shape=p.shape, stride=p.stride()),
-                                 requires_grad=p.requires_grad)
-    torch.utils.swap_tensors(p, new)
+    """Make DTensor parameter ``p`` (the same object, with its gradient hooks and accumulator) hold
+    ``view`` as its local tensor: ``view`` has the shape and dtype of its local tensor now (see
+    [Note: rebuilding over the flat buffer]). Local."""
+    local = p.detach().to_local()  # type: ignore[attr-defined]
+    if tuple(view.shape) != tuple(local.shape) or view.dtype != local.dtype:
+        raise AssertionError(f"a DTensor parameter with a local tensor of {tuple(local.shape)} {local.dtype} "
+                             f"rebuilt over a view of {tuple(view.shape)} {view.dtype}")
+    p._local_tensor = view  # type: ignore[attr-defined]
 
 
-def move_grad(p: Tensor, into: Tensor) -> None:
+def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
     """Move DTensor parameter ``p``'s ``.grad`` (its local tensor, in ``p``'s placements) into
-    stand-in ``into``'s ``.grad``, as autograd accumulates: assigned when ``into.grad`` is None,
-    else added in place (a stage-2 placeholder keeps it as its pending part). ``p.grad`` becomes
-    None. Local, but for a gradient in other placements than ``p``'s (a Partial one): every rank of
-    ``p``'s mesh, in the same order (see [Note: a gradient in another placement])."""
+    stand-in ``into``'s ``.grad``: from the optimizer's hook, as autograd accumulates (assigned when
+    ``into.grad`` is None, else added in place; a stage-2 placeholder keeps it as its pending part);
+    with ``replace`` (a gradient assigned by hand, ``p.grad = g``), assigned in place of whatever
+    ``into.grad`` holds, as assigning ``p.grad`` replaces the gradient in torch: the stand-in then
+    holds a gradient assigned by hand, which the reducer takes as a plain parameter's (see
+    [Note: DTensor parameters]). ``p.grad`` becomes None. Local, but for a gradient in other
+    placements than ``p``'s (a Partial one): every rank of ``p``'s mesh, in the same order (see
+    [Note: a gradient in another placement])."""
     g: Any = p.grad
     if g is None:
         return
@@ -177,7 +193,7 @@ def move_grad(p: Tensor, into: Tensor) -> None:
         local = g.to_local()
     else:
         local = g
-    if into.grad is None:
+    if replace or into.grad is None:
         into.grad = local
     else:
         into.grad.add_(local)

@@ -401,10 +401,15 @@ class GradReducer:
 
     def take_dtensor_grads(self) -> None:
         """Move the ``.grad`` of each DTensor parameter into its stand-in (a gradient no hook moved:
-        assigned by hand). See core._dtensor [Note: DTensor parameters]. Local."""
+        assigned by hand), in place of what the stand-in held, as a plain parameter's ``p.grad = g``
+        replaces its gradient: the round or the step then takes it as one assigned by hand. See
+        core._dtensor [Note: DTensor parameters]. A parameter swapped for another tensor since (its
+        gradient accumulator is not the one held: ``model.to(...)``, which took the hooks away) keeps
+        its ``.grad``: the step reports it on every rank (see update._binding). Local."""
         for r in self.dtensor_records:
-            if r.dtensor is not None and r.dtensor.grad is not None:
-                move_grad(r.dtensor, r.param)
+            dt = r.dtensor
+            if dt is not None and dt.grad is not None and get_gradient_edge(dt).node is r.accumulator:
+                move_grad(dt, r.param, replace=True)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget all gradients (also any accumulated under ``no_sync``). With ``set_to_none`` the
