@@ -292,16 +292,18 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
 
-        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without model axes
-        (no ``model_parallel_group=``, no DTensor parameters) ``g`` is a gradient of your own and is
-        multiplied by the loss scale, as the loss is. Beside model axes it is the gradient a pipeline
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without axes of
+        ``model_parallel_group=`` (plain data parallelism, or DTensor parameters alone, whose
+        tensor-parallel ranks run one backward pass together) ``g`` is a gradient of your own and is
+        multiplied by the loss scale, as the loss is. Beside them it is the gradient a pipeline
         stage received from the next stage, which that stage's ``opt.backward(loss)`` scaled already,
         so it is not multiplied again, as ``loss.backward(g)`` without the optimizer does (see
         step._usage_checks [Note: the loss scale a gradient carries]). Other keywords go to
         ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
-        carried = gradient is not None and bool(self._parts.axes)
+        # Only model_parallel_group= can hold pipeline stages: a DTensor mesh is a tensor-parallel axis
+        carried = gradient is not None and bool(self._parts.user_axes)
         how = Backward.CARRIED if carried else Backward.SCALED
         for b in self._buffers:
             b.reducer.backward = how

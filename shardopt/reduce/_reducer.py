@@ -51,8 +51,8 @@ class Backward(enum.Enum):
     decided from these at the step (see step._usage_checks [Note: the loss scale a gradient carries])."""
 
     PLAIN = "plain"  # outside opt.backward: loss.backward(), t.backward(g) (a pipeline stage's received gradient)
-    SCALED = "scaled"  # opt.backward(loss), or opt.backward(t, gradient=g) without model axes: multiplied by the loss scale
-    CARRIED = "carried"  # opt.backward(t, gradient=g) beside model axes: not multiplied; g carries the scale of the stage it came from
+    SCALED = "scaled"  # opt.backward(loss), or opt.backward(t, gradient=g) without model_parallel_group= axes: multiplied by the loss scale
+    CARRIED = "carried"  # opt.backward(t, gradient=g) beside model_parallel_group= axes: not multiplied; g carries the scale of the stage it came from
 
 
 class GradReducer:
