@@ -131,8 +131,8 @@ class GradReducer:
         """clip_grad_norm_ or step runs a round of its own (see _rounds [Note: gradients assigned by
         hand]): follow what was zeroed or replaced since the last round, as a backward pass does at
         its start (a tensor in place of a placeholder is that parameter's whole gradient). With no
-        backward pass since the last step, the gradients carry no loss scale: counted as an
-        unscaled backward pass. Local."""
+        backward pass since the last step (nor gradients an earlier optimizer left, counted by
+        ``inherit``), the gradients carry no loss scale: counted as an unscaled backward pass. Local."""
         if self.scaled_backwards == 0 and self.carried_backwards == 0 and self.unscaled_backwards == 0:
             self.unscaled_backwards += 1
         start = time.perf_counter()
