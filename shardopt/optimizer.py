@@ -166,9 +166,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks()
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
+        self._scaler = make_scaler(loss_scale, {p.dtype for p, _ in flat})
         with self._comm.during(f"{type(self).__name__}'s construction"):
-            # what earlier optimizers left in p.grad, as torch would hold it (see reduce._left_grads)
-            take_left([p for p, _ in flat], self._comm, self._names)
+            # what earlier optimizers left in p.grad, as torch would hold it, at this one's loss scale (see reduce._left_grads)
+            left_made = take_left([p for p, _ in flat], self._comm, self._names, self._scaler.scale)
         parts = self._parts
         error: TypeError | ValueError | None = None
         try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
@@ -191,6 +192,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # id(param) -> its record (core._records): the one index by parameter, for hooks that get a parameter
         self._record_of = {id(k): r for b in self._buffers for r in b.records for k in (r.param, r.leaf)}
         self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
+        for b in self._buffers:  # in each: one buffer without counts would take them as assigned by hand
+            for made in left_made:
+                b.reducer.inherit(made)
         # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
         self._held = HeldTotal([b.reducer.held for b in self._buffers])
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
@@ -201,7 +205,6 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
         self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
-        self._scaler = make_scaler(loss_scale, {b.dtype for b in self._buffers})
         self._step = 0
         self._clip_coef = 1.0  # what clip_grad_norm_ asked the next step to multiply the gradient by
         self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
@@ -234,8 +237,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def _leave_gradients(self) -> None:
         """Leave ``p.grad`` as torch would hold it, for the next optimizer over the parameters (see
         reduce._left_grads [Note: gradients left to the next optimizer]). Local; no communication."""
+        scaler, checks = self.__dict__.get("_scaler"), self.__dict__.get("_checks")
+        scale = scaler.scale if scaler is not None else 1.0
         for b in self.__dict__.get("_buffers", ()):  # __dict__: see Lifetime._remove_hooks
-            b.reducer.release()
+            b.reducer.release(scale, checks.grad_scale if checks is not None else scale)
 
     def __del__(self) -> None:
         # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
@@ -292,16 +297,18 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def backward(self, loss: Tensor, gradient: Tensor | None = None, **kwargs: Any) -> None:
         """``loss.backward()`` with the loss multiplied by the current loss scale. Every rank.
 
-        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without model axes
-        (no ``model_parallel_group=``, no DTensor parameters) ``g`` is a gradient of your own and is
-        multiplied by the loss scale, as the loss is. Beside model axes it is the gradient a pipeline
+        ``gradient=g``: ``loss.backward(g)`` from a tensor that is not a loss. Without axes of
+        ``model_parallel_group=`` (plain data parallelism, or DTensor parameters alone, whose
+        tensor-parallel ranks run one backward pass together) ``g`` is a gradient of your own and is
+        multiplied by the loss scale, as the loss is. Beside them it is the gradient a pipeline
         stage received from the next stage, which that stage's ``opt.backward(loss)`` scaled already,
         so it is not multiplied again, as ``loss.backward(g)`` without the optimizer does (see
         step._usage_checks [Note: the loss scale a gradient carries]). Other keywords go to
         ``Tensor.backward``."""
         self._check_open()
         scale = self._scaler.scale
-        carried = gradient is not None and bool(self._parts.axes)
+        # Only model_parallel_group= can hold pipeline stages: a DTensor mesh is a tensor-parallel axis
+        carried = gradient is not None and bool(self._parts.user_axes)
         how = Backward.CARRIED if carried else Backward.SCALED
         for b in self._buffers:
             b.reducer.backward = how

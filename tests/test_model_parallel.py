@@ -814,6 +814,51 @@ def test_gradients_assigned_by_hand_to_dtensor_parameters_in_stage_1_are_the_ste
             assert abs(a - b) <= 1e-5 * b, (r, step, got["norms"], got["ref_norms"])
 
 
+def dtensor_gradient_backward_case(how: str) -> dict:
+    """fp16 DTensor tensor-parallel model (2 x 2, no model_parallel_group=): ``opt.backward(t,
+    gradient=g)`` from a gradient of one's own (the output's, by hand), alone or beside
+    ``opt.backward(loss)`` of another loss. No other stage made ``g``, so it is scaled as a loss is."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = Whole(0, torch.float16)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=2, device_mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    norms = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(dp, step)
+            share = 0.5 if how == "beside a loss" else 1.0
+            if how == "beside a loss":
+                opt.backward(model(x, y) * 0.5)
+            out = model.fc2(model.hidden(x))
+            g = share * 2 * (out.detach().float() - y) / y.numel()  # d mse / d out
+            opt.backward(out, gradient=g.to(out.dtype))
+            norms.append(float(opt.clip_grad_norm_(1e9)))
+            opt.step()
+    ref, ref_norms = reference(2, 2, clip=1e9, init_dtype=torch.float16)
+    theirs = dict(ref.named_parameters())
+    full = [(p.full_tensor() if isinstance(p, DTensor) else p, theirs[n]) for n, p in model.named_parameters()]
+    worst = max((p.detach().float() - q.detach()).abs().max().item() for p, q in full)
+    return {"norms": norms, "ref_norms": ref_norms, "worst": worst, "skipped": opt.skipped_steps,
+            "warned": [str(w.message)[:80] for w in caught if "loss scale" in str(w.message)]}
+
+
+@pytest.mark.parametrize("how", ["beside a loss", "alone"])
+def test_fp16_dtensor_tp_backward_from_a_gradient_of_ones_own_is_scaled(pools, how):
+    """A DTensor mesh is a tensor-parallel axis, never a pipeline's: ``g`` is scaled as a loss is,
+    as without model axes, so the norm and the weights are the fp32 reference's, with no warning."""
+    for r, got in enumerate(pools(4).run(dtensor_gradient_backward_case, how)):
+        for a, b in zip(got["norms"], got["ref_norms"]):  # fp16 gradients against fp32 ones
+            assert abs(a - b) <= 1e-3 * b, (r, how, got["norms"], got["ref_norms"])
+        assert got["worst"] <= 1e-3, (r, how, got["worst"])
+        assert got["skipped"] == 0 and got["warned"] == [], (r, how, got)
+
+
 def _sequence_parallel(model, tp, norm: bool = True) -> None:
     """torch's sequence-parallel plan: each tensor-parallel rank runs the LayerNorm on its part of
     the sequence (dimension 1), fc1 gathers the sequence, fc2's output is replicated. ``norm``

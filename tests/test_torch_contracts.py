@@ -683,6 +683,123 @@ def test_a_new_optimizer_takes_the_micro_batches_the_old_one_summed(pools):
                 assert abs(out["norm"] - out["ref"]) <= tol * out["ref"], (stage, dtype_name, out)
 
 
+LEFT_SCALE_HOWS = ("keep", "close", "drop", "no_sync", "stepped", "backward", "plain")
+
+
+class _Fp32Master:
+    """torch.optim.AdamW on fp32 copies of a 16-bit model's weights, stepped on the model's own
+    16-bit gradients, made from the loss multiplied by ``scale`` and averaged over the ranks as DDP
+    does, then divided by it in fp32: loss scaling by hand, as torch.amp.GradScaler does it."""
+
+    def __init__(self, model: nn.Module, scale: float) -> None:
+        self.model, self.scale = model, scale
+        self.master = [p.detach().float().clone() for p in model.parameters()]
+        self.opt = torch.optim.AdamW(self.master, **HP)
+
+    def backward(self, step: int, average: bool = True) -> None:
+        """Add the gradient of this rank's batch of ``step`` to the model's: averaged over the ranks
+        first, as DDP averages each backward pass (``average=False``: as under ``no_sync``)."""
+        before = [p.grad for p in self.model.parameters()]
+        self.model.zero_grad()
+        (self.model(batch(dist.get_rank(), step)) * self.scale).backward()
+        if average:
+            ddp_average(self.model)
+        for p, g in zip(self.model.parameters(), before):
+            if g is not None:
+                p.grad = g if p.grad is None else g + p.grad
+
+    def step(self, new: bool = False) -> float:
+        """Step on the model's gradients (averaged); ``new``: a new AdamW, from zero moments. Returns their norm."""
+        if new:
+            self.opt = torch.optim.AdamW(self.master, **HP)
+        ddp_average(self.model)
+        for m, p in zip(self.master, self.model.parameters()):
+            m.grad = None if p.grad is None else p.grad.float() / self.scale
+        norm = torch.nn.utils.clip_grad_norm_(self.master, 1e9).item()
+        self.opt.step()
+        with torch.no_grad():
+            for m, p in zip(self.master, self.model.parameters()):
+                p.copy_(m)
+        return norm
+
+
+def fp16_left_case(first: int, second: int, how: str) -> dict:
+    """fp16 weights, dynamic loss scaling from 2**10 (this model's gradients overflow at 2**16): an
+    overflow halves the old optimizer's loss scale to 2**9 (the new one starts at 2**10), its ``opt.backward(loss)`` leaves gradients at that scale,
+    and a new optimizer is built over the parameters: the old one kept, closed or dropped; with a
+    micro-batch summed under ``no_sync``; after the old one stepped on them (not zeroed: the new one
+    steps on them again); with the new one's ``opt.backward(loss)`` added, at its own scale; or a
+    plain backward pass added after ``close()``, which mixes scales. The new one's norm and two
+    steps against torch.optim.AdamW on fp32 master weights and the same fp16 gradients scaled by hand."""
+    rank = dist.get_rank()
+    model = make_model(seed=24, dtype=torch.float16)
+    ref = _Fp32Master(make_model(seed=24, dtype=torch.float16), 2.0**10)
+    opt = shardopt.ShardedAdamW(model.parameters(), **HP, stage=first, loss_scale=shardopt.DynamicScaler(2.0**10))
+    opt.backward(model(batch(rank, 0)) * float("inf"))
+    opt.step()
+    out: dict = {"old scale": opt.loss_scale, "skipped": opt.step_was_skipped}
+    opt.zero_grad()
+    opt.backward(model(batch(rank, 1)))
+    ref.backward(1)
+    if how == "no_sync":
+        with opt.no_sync():
+            opt.backward(model(batch(rank, 2)))
+        ref.backward(2, average=False)
+    if how == "stepped":
+        opt.step()
+        ref.step()
+    if how in ("close", "plain"):
+        opt.close()
+    if how == "plain":
+        model(batch(rank, 2)).backward()
+    if how == "drop":
+        opt = None
+        gc.collect()
+    new = shardopt.ShardedAdamW(model.parameters(), **HP, stage=second, loss_scale=shardopt.DynamicScaler(2.0**10))
+    if how == "backward":
+        new.backward(model(batch(rank, 3)))
+        ref.backward(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["error"] = error_of(lambda: new.clip_grad_norm_(1e9))
+        if out["error"] is not None:
+            return out
+        out["norm"] = new.clip_grad_norm_(1e9).item()
+        new.step()
+        out["ref norm"] = ref.step(new=True)
+        new.zero_grad()
+        new.backward(model(batch(rank, 4)))
+        new.step()
+    ref.model.zero_grad()
+    ref.backward(4)
+    ref.step()
+    out["worst"] = param_diff(model, ref.model)
+    out["warned"] = [str(w.message)[:80] for w in caught]
+    out["new skipped"] = new.skipped_steps
+    return out
+
+
+@pytest.mark.parametrize("how", LEFT_SCALE_HOWS)
+def test_a_new_optimizer_takes_fp16_gradients_the_old_one_left_at_their_loss_scale(pools, how):
+    """The gradients an fp16 optimizer left carry its loss scale: the new optimizer brings them to
+    its own and divides it out once, so its norm and steps are torch's on the unscaled gradients,
+    with its own opt.backward(loss) added at its scale; a plain backward pass added to scaled
+    gradients raises on every rank, as beside opt.backward(loss) in one optimizer."""
+    pool = pools(2)
+    for first in (1, 2):
+        for second in (1, 2):
+            for out in pool.run(fp16_left_case, first, second, how):
+                assert out["old scale"] == 2.0**9 and out["skipped"], (first, second, how, out)
+                if how == "plain":
+                    assert out["error"] is not None and out["error"][0] == "RuntimeError", (first, second, out)
+                    assert "some backward passes ran through opt.backward(loss)" in out["error"][1], out
+                    continue
+                assert out["error"] is None, (first, second, how, out)
+                assert abs(out["norm"] - out["ref norm"]) <= 1e-2 * out["ref norm"], (first, second, how, out)
+                assert out["worst"] <= 3e-3, (first, second, how, out)
+                assert out["warned"] == [] and out["new skipped"] == 0, (first, second, how, out)
+
+
 # -- 11: backward from a parameter itself -------------------------------------------------------------
 def leaf_backward_case(stage: int) -> float:
     model, ref = make_model(seed=12), make_model(seed=12)

@@ -22,7 +22,7 @@ from torch import Tensor
 from shardopt.comm._collectives import Comm, InFlight, Pending
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
-from shardopt.reduce._left_grads import LeftGrads
+from shardopt.reduce._left_grads import LeftGrads, LeftScale
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
 
@@ -153,11 +153,11 @@ class FlatGrads(_Store):
     def round_sum(self) -> None:
         """Nothing to round: stage 1 sums in the gradient itself."""
 
-    def left(self, accum: Tensor | None) -> LeftGrads:
+    def left(self, accum: Tensor | None, made: LeftScale) -> LeftGrads:
         """What the placeholders out hold once the optimizer stops training (see _left_grads): in
         stage 1 only 16-bit gradients summed in ``accum`` under no_sync, whose views were emptied
-        into that sum. Local."""
-        return LeftGrads(self.comm, self.flat.layout, self.flat.dtype, None, accum)
+        into that sum; ``made``: how they were made. Local."""
+        return LeftGrads(self.comm, self.flat.layout, self.flat.dtype, None, accum, made)
 
     def local_grad(self) -> ShardView:
         return self._shard
@@ -348,12 +348,13 @@ class ShardGrads(_Store):
         self._to(ShardSum.FRESH)  # the next round overwrites every element of grad_shard
         self.accum_shard = None
 
-    def left(self, accum: Tensor | None) -> LeftGrads:
+    def left(self, accum: Tensor | None, made: LeftScale) -> LeftGrads:
         """What the placeholders hold once the optimizer stops training (see _left_grads): the
         averaged gradient's shard (the fp32 sum of several rounds where it is the gradient; none
-        after zero_grad until a round lands), and ``accum``, the fp32 sums under no_sync. Local."""
+        after zero_grad until a round lands), and ``accum``, the fp32 sums under no_sync; ``made``:
+        how they were made. Local."""
         shard = None if self.sum is ShardSum.FRESH else self.accum_shard if self.sum is ShardSum.SUMMED else self.grad_shard
-        return LeftGrads(self.comm, self.flat.layout, self.flat.dtype, shard, accum)
+        return LeftGrads(self.comm, self.flat.layout, self.flat.dtype, shard, accum, made)
 
     def local_grad(self) -> Tensor:
         """The gradient shard; after several rounds not yet rounded (``round_sum``), a rounded copy

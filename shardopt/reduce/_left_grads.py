@@ -29,19 +29,80 @@ leaves it alone as torch does; where another rank had a gradient that averaged t
 rank's zeros still make it trained). The new optimizer then takes these tensors as gradients there
 when it was built: averaged over the ranks again, which changes nothing for a gradient that is
 alike on every rank.
+
+[Note: the loss scale of left gradients]
+With fp16 loss scaling the gradients an optimizer leaves carry the scale its ``opt.backward(loss)``
+applied, and the step of the optimizer that made them would have divided it out; a new optimizer
+takes a gradient it finds in ``p.grad`` as assigned by hand, carrying none. So what is left says
+how it was made (:class:`LeftScale`: that loss scale and the backward passes since the old
+optimizer's last step, by how they were started, see step._usage_checks [Note: the loss scale a
+gradient carries]): the placeholders through their ``LeftGrads``, stage 1's views of the flat
+gradient by a weak tag on the tensor (``tag_left``, dropped once taken). At the construction
+``take_left`` brings each such gradient to the new optimizer's loss scale (multiplied by the ratio
+of the scales, powers of two for dynamic scaling: exact unless it overflows, which then skips the
+step as any overflow does) and returns how it was made, which the new optimizer's reducers count
+as the backward passes since its last step. So a new ``opt.backward(loss)`` adds at the same scale,
+the step divides it out once, and a plain ``loss.backward()`` added to scaled left gradients
+raises at the step, as it does beside ``opt.backward(loss)`` in one optimizer. On this rank a left
+gradient carries the old scale where ``opt.backward`` made it (``scaled`` or ``carried``), and
+none where only plain backward passes did; the old optimizer's step counted none since (it took
+them and was not zeroed): the scale that step divided out. A pipeline stage whose gradients came
+only from a plain ``act.backward(g)`` takes its scale from the other stages at the step: if the
+loss scale changed with the new optimizer, those are taken at the wrong one (run
+``opt.backward(act, gradient=g)`` there).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence, cast
 
 import torch
 from torch import Tensor
+from torch.utils.weak import WeakTensorKeyDictionary
 
 from shardopt.comm._collectives import Comm
 from shardopt.core._flat import ShardView
 from shardopt.core._layout import FlatLayout
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder
+
+
+@dataclass(frozen=True)
+class LeftScale:
+    """How the gradients one optimizer left on this rank were made (see [Note: the loss scale of
+    left gradients])."""
+
+    scale: float  # the loss scale opt.backward applied when they were made
+    scaled: int  # backward passes since that optimizer's last step through opt.backward(loss) (see reduce._reducer.Backward)
+    carried: int  # ... through opt.backward(t, gradient=g) beside model_parallel_group= axes
+    unscaled: int  # ... outside opt.backward, or gradients assigned by hand
+
+    @classmethod
+    def of(cls, scaled: int, carried: int, unscaled: int, scale: float, stepped_at: float) -> LeftScale:
+        """From an optimizer's backward passes since its last step and its loss scale now
+        (``scale``); ``stepped_at``: the scale its last step divided out, which the gradients carry
+        when no backward pass ran since (that step took them)."""
+        if scaled or carried or unscaled:
+            return cls(scale, scaled, carried, unscaled)
+        return cls(stepped_at, int(stepped_at != 1.0), 0, int(stepped_at == 1.0))
+
+    def carries(self) -> float:
+        """The loss scale the gradients are at on this rank. A question."""
+        return self.scale if self.scaled or self.carried else 1.0
+
+    def added_to(self) -> LeftScale:
+        """The same, with a backward pass outside any optimizer added since it was left."""
+        return replace(self, unscaled=self.unscaled + 1)
+
+
+# Stage 1's views of the flat gradient that an optimizer left in p.grad: how they were made, and
+# the tensor's version then (a later change in place is a backward pass added or a zeroing).
+_TAGGED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+
+
+def tag_left(grad: Tensor, made: LeftScale) -> None:
+    """Say how ``grad``, a gradient an optimizer leaves in ``p.grad`` as it is, was made (see [Note:
+    the loss scale of left gradients]). Local."""
+    _TAGGED[grad] = (made, grad._version)
 
 
 @dataclass(eq=False)
@@ -54,6 +115,7 @@ class LeftGrads:
     dtype: torch.dtype  # the gradients' (the parameters') dtype
     shard: Tensor | None  # 1D: this rank's shard of the averaged gradient, grad dtype or an fp32 sum; None: no reduction since zero_grad
     accum: Tensor | None  # 1D fp32, the whole buffer: this rank's 16-bit gradients summed under no_sync; None: none
+    made: LeftScale  # how they were made: the loss scale they carry (see [Note: the loss scale of left gradients])
 
     def key(self) -> tuple[int, int, int, bool]:
         """What the ranks must agree on before gathering: the buffer's size, shard size and ranks,
@@ -96,21 +158,24 @@ class LeftGrads:
         return grad if present else None
 
 
-def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str]) -> None:
+def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str], scale: float) -> list[LeftScale]:
     """Replace each placeholder an earlier optimizer left in ``p.grad`` of ``params`` by the
-    gradient torch would hold there (see [Note: gradients left to the next optimizer]); ``names``:
-    how messages name a parameter, by ``id``. Every rank of ``comm``, at the construction of the
-    optimizer over ``params`` (the same parameters in the same order on every rank), after the
-    previous owners were released; raises RuntimeError on every rank when the ranks hold such
-    placeholders for different parameters. One small all-gather; one all-gather per bucket of each
-    buffer whose shard is gathered."""
+    gradient torch would hold there (see [Note: gradients left to the next optimizer]), and bring
+    every gradient an earlier optimizer left to ``scale``, the loss scale of the optimizer being
+    built (see [Note: the loss scale of left gradients]); returns how the gradients it found were
+    made, once each, for that optimizer to count. ``names``: how messages name a parameter, by
+    ``id``. Every rank of ``comm``, at the construction of the optimizer over ``params`` (the same
+    parameters in the same order on every rank), after the previous owners were released; raises
+    RuntimeError on every rank when the ranks hold such placeholders for different parameters. One
+    small all-gather; one all-gather per bucket of each buffer whose shard is gathered."""
+    made = [m for p in params if (m := _take_view(p, scale)) is not None]
     found = [(i, p, cast(GradPlaceholder, p.grad)) for i, p in enumerate(params) if is_placeholder(p.grad)]
     mine = [(i, None if ph.left is None else ph.left[0].key()) for i, _, ph in found]
     if not comm.same_everywhere(mine):
         every = comm.all_gather_objects(mine)
         _raise_difference(every, [names.get(id(p), f"#{i}") for i, p in enumerate(params)])
     if not found:
-        return
+        return list(dict.fromkeys(made))
     lost = [names.get(id(p), f"#{i}") for i, p, ph in found if ph.left is None]
     if lost:  # alike on every rank: the keys were compared
         raise RuntimeError(
@@ -125,7 +190,40 @@ def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str]) -> No
                 wholes[id(left)] = left.gather()
     for _, p, ph in found:
         left, index, used = cast(tuple, ph.left)
-        p.grad = left.grad_of(index, ph, used, wholes[id(left)])
+        how = left.made.added_to() if ph.pending is not None else left.made
+        zeroed = ph.zeroed and ph.pending is None  # zeros: at every scale
+        p.grad = _at_scale(left.grad_of(index, ph, used, wholes[id(left)]), how, scale)
+        if p.grad is not None and not zeroed:
+            made.append(how)
+    return list(dict.fromkeys(made))
+
+
+def _take_view(p: Tensor, scale: float) -> LeftScale | None:
+    """A stage-1 view an earlier optimizer left in ``p.grad`` (tagged by ``tag_left``): bring it to
+    ``scale`` and say how it was made; None for any other ``p.grad`` or a zero one. Local."""
+    g = p.grad
+    if g is None or is_placeholder(g):
+        return None
+    tag = _TAGGED.get(g)
+    if tag is None:
+        return None
+    del _TAGGED[g]
+    how, version = tag
+    if g._version != version:  # changed in place since: zeroed, or a backward pass outside any optimizer added to it
+        if not bool(g.any()):
+            return None
+        how = how.added_to()
+    p.grad = _at_scale(g, how, scale)
+    return how
+
+
+def _at_scale(grad: Tensor | None, how: LeftScale, scale: float) -> Tensor | None:
+    """``grad``, made as ``how`` says, brought to the loss scale ``scale``: a new tensor (computed in
+    fp32, rounded once to its dtype; a view of the old optimizer's buffer stays as it was), or
+    ``grad`` itself where it is at that scale."""
+    if grad is None or how.carries() == scale:
+        return grad
+    return (grad.float() * (scale / how.carries())).to(grad.dtype)
 
 
 def _raise_difference(every: list[list[tuple[int, tuple | None]]], names: list[str]) -> None:

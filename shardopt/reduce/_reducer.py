@@ -42,6 +42,7 @@ from shardopt.core._records import (BucketRecord, BucketState, GradSlot, Holds, 
 from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
 from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
 from shardopt.reduce._held_bytes import HeldBytes
+from shardopt.reduce._left_grads import LeftScale, tag_left
 
 __all__ = ["Backward", "GradReducer", "ParamState"]
 
@@ -51,8 +52,8 @@ class Backward(enum.Enum):
     decided from these at the step (see step._usage_checks [Note: the loss scale a gradient carries])."""
 
     PLAIN = "plain"  # outside opt.backward: loss.backward(), t.backward(g) (a pipeline stage's received gradient)
-    SCALED = "scaled"  # opt.backward(loss), or opt.backward(t, gradient=g) without model axes: multiplied by the loss scale
-    CARRIED = "carried"  # opt.backward(t, gradient=g) beside model axes: not multiplied; g carries the scale of the stage it came from
+    SCALED = "scaled"  # opt.backward(loss), or opt.backward(t, gradient=g) without model_parallel_group= axes: multiplied by the loss scale
+    CARRIED = "carried"  # opt.backward(t, gradient=g) beside model_parallel_group= axes: not multiplied; g carries the scale of the stage it came from
 
 
 class GradReducer:
@@ -130,8 +131,8 @@ class GradReducer:
         """clip_grad_norm_ or step runs a round of its own (see _rounds [Note: gradients assigned by
         hand]): follow what was zeroed or replaced since the last round, as a backward pass does at
         its start (a tensor in place of a placeholder is that parameter's whole gradient). With no
-        backward pass since the last step, the gradients carry no loss scale: counted as an
-        unscaled backward pass. Local."""
+        backward pass since the last step (nor gradients an earlier optimizer left, counted by
+        ``inherit``), the gradients carry no loss scale: counted as an unscaled backward pass. Local."""
         if self.scaled_backwards == 0 and self.carried_backwards == 0 and self.unscaled_backwards == 0:
             self.unscaled_backwards += 1
         start = time.perf_counter()
@@ -449,26 +450,39 @@ class GradReducer:
         self.accum = None
         self.stepped()
 
-    def release(self) -> None:
+    def release(self, scale: float, stepped_at: float) -> None:
         """This optimizer no longer trains the parameters (closed, superseded by a new one, or
         collected): leave ``p.grad`` as torch would hold it, for a new optimizer to step on (see
         _left_grads [Note: gradients left to the next optimizer]). A placeholder in ``p.grad`` is
         handed what holds the values it stands for. Stage 1: a parameter's view of the flat gradient
         stays ``p.grad`` where it holds a gradient (the parameter had one on this rank since its last
         zeroing, or the view is not zero: another rank's, averaged), else it stood for None and
-        ``p.grad`` becomes None, so that a new optimizer does not take zeros for a gradient. Local;
-        the first call acts."""
+        ``p.grad`` becomes None, so that a new optimizer does not take zeros for a gradient. Either
+        says how the gradients were made (_left_grads [Note: the loss scale of left gradients]):
+        ``scale``, the loss scale ``opt.backward`` applies now; ``stepped_at``, the one the last step
+        divided out. Local; the first call acts."""
         if self.released:
             return
         self.released = True
+        made = LeftScale.of(self.scaled_backwards, self.carried_backwards, self.unscaled_backwards, scale, stepped_at)
         left = None
         for r in self.records:
             g = r.param.grad
             if is_placeholder(g):
-                left = left or self.store.left(self.accum)
+                left = left or self.store.left(self.accum, made)
                 cast(GradPlaceholder, g).leave(left, r.index, r.used)
             elif self.store.keeps_views and not r.used and r.holds() is Holds.VIEW and not bool(cast(Tensor, g).any()):
                 r.param.grad = None
+            elif self.store.keeps_views and r.holds() is Holds.VIEW:
+                tag_left(cast(Tensor, g), made)
+
+    def inherit(self, made: LeftScale) -> None:
+        """Gradients an earlier optimizer left in ``p.grad``, brought to this optimizer's loss scale
+        at its construction, count as the backward passes that made them (see _left_grads [Note:
+        the loss scale of left gradients]): ``made`` says how. Local."""
+        self.scaled_backwards += made.scaled
+        self.carried_backwards += made.carried
+        self.unscaled_backwards += made.unscaled
 
     def stepped(self) -> None:
         """Forget how the backward passes since the last step were scaled and the time spent looking

@@ -13,13 +13,14 @@ scale the gradients carry). See docs/design.md, "Ordinary torch usage is followe
 starts from a gradient cannot be told from one that starts from a loss: a pipeline stage runs
 ``act.backward(g)`` (or ``opt.backward(act, gradient=g)``, which does not multiply again) from the
 gradient ``g`` the next stage sent back, and ``g`` carries whatever scale the next stage's backward
-applied. Only beside model axes can ``g`` come from another stage: without them
-``opt.backward(t, gradient=g)`` takes ``g`` as a gradient of one's own, carrying no scale, and
+applied. Only beside the axes of ``model_parallel_group=`` can ``g`` come from another stage (a
+DTensor mesh is a tensor-parallel axis, whose ranks run one backward pass together, never a
+pipeline's): without them ``opt.backward(t, gradient=g)`` takes ``g`` as a gradient of one's own, carrying no scale, and
 multiplies it as it multiplies a loss (counted as through ``opt.backward(loss)``; beside
 ``opt.backward(loss)`` in one step it would otherwise be divided by a scale it never had). So each
 rank counts its backward passes since the last step by how they were started
 (``reduce._reducer.Backward``: through ``opt.backward(loss)``, through ``opt.backward(t,
-gradient=g)`` beside model axes, or neither; gradients assigned by hand count as neither), the counts are summed
+gradient=g)`` beside ``model_parallel_group=`` axes, or neither; gradients assigned by hand count as neither), the counts are summed
 over the data-parallel group in the step's message and then over the model axes (``Scaling``,
 see comm._model_axes [Note: the whole model's agreement]), and every rank of the model decides
 alike: if some rank of the model ran ``opt.backward(loss)``, every gradient of the model carries
