@@ -346,16 +346,21 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the averaged gradient to ``max_norm`` (over all ranks and shards); returns the total
         norm of the unscaled gradient, as ``torch.nn.utils.clip_grad_norm_`` would. The clipping is
-        applied inside the next ``step``. Every rank."""
+        applied inside the next ``step``; a second call before it sees the gradient the first one
+        clipped, as torch's does. Every rank."""
         self._check_open()
         norm_type = float(norm_type)
         if not norm_type > 0:
             raise ValueError(f"norm_type must be > 0 (or inf), got {norm_type=}")
         with self._comm.during("clip_grad_norm_()"):
             found_inf, norm = self._agree_on_gradients(norm_type, "clip_grad_norm_")
-        norm /= self._checks.grad_scale
+        # the gradient this call sees is the stored one times what an earlier call since the last
+        # step asked the step to multiply it by: its norm is the stored one's times that, and a
+        # further clip multiplies in (torch clips p.grad in place, so a second call clips the
+        # clipped gradient and returns its norm)
+        norm = norm / self._checks.grad_scale * self._clip_coef
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
-        self._clip_coef = coef
+        self._clip_coef *= coef
         return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
     @torch.compiler.disable

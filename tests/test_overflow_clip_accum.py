@@ -96,7 +96,10 @@ def _avg_grads(model, world, step):
     return [g / world for g in grads]
 
 
-def clip_case(stage: int, norm_type: float) -> tuple[float, float]:
+def clip_case(stage: int, norm_type: float, max_norms: tuple[float, ...] = (0.05,)) -> tuple[float, float]:
+    """Each step clipped with ``opt.clip_grad_norm_`` once per entry of ``max_norms`` (torch clips
+    ``p.grad`` in place each time), against torch's clip on the averaged gradient: the worst relative
+    difference of the returned norms and the worst weight difference after three steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model(seed=6)
     ref = copy.deepcopy(model)
@@ -106,14 +109,15 @@ def clip_case(stage: int, norm_type: float) -> tuple[float, float]:
     for step in range(3):
         opt.zero_grad()
         opt.backward(model(batch(rank, step)))
-        norm = opt.clip_grad_norm_(0.05, norm_type=norm_type)
+        norms = [opt.clip_grad_norm_(m, norm_type=norm_type) for m in max_norms]
         opt.step()
         trainable = [p for p in ref.parameters() if p.requires_grad]
         for p, g in zip(ref.parameters(), _avg_grads(ref, world, step)):
             p.grad = g if p.requires_grad else None
-        ref_norm = torch.nn.utils.clip_grad_norm_(trainable, 0.05, norm_type=norm_type)
+        ref_norms = [torch.nn.utils.clip_grad_norm_(trainable, m, norm_type=norm_type) for m in max_norms]
         ref_opt.step()
-        worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()) / ref_norm.item())
+        for norm, ref_norm in zip(norms, ref_norms):
+            worst_norm = max(worst_norm, abs(norm.item() - ref_norm.item()) / ref_norm.item())
     worst = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     return worst_norm, worst
 
@@ -124,6 +128,17 @@ def test_clip_grad_norm_matches_torch(pools):
         for norm_type in (2.0, math.inf):
             for rel_norm, worst in pool.run(clip_case, stage, norm_type):
                 assert rel_norm <= 1e-5 and worst <= 2e-6, (stage, norm_type, rel_norm, worst)
+
+
+def test_clip_grad_norm_twice_before_a_step_clips_the_clipped_gradient_as_torch(pools):
+    """A norm read after clipping (``clip_grad_norm_(inf)``, a common way to log it) returns the
+    clipped gradient's norm and keeps the clip; a tighter second clip multiplies in: as torch's
+    clip_grad_norm_ twice over p.grad."""
+    pool = pools(2)
+    for stage in (1, 2):
+        for max_norms in ((0.05, math.inf), (0.05, 0.02), (math.inf, 0.05, 1e3)):
+            for rel_norm, worst in pool.run(clip_case, stage, 2.0, max_norms):
+                assert rel_norm <= 1e-5 and worst <= 2e-6, (stage, max_norms, rel_norm, worst)
 
 
 def accumulation_case(stage: int, micro: int) -> float:
