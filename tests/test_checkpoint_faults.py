@@ -602,6 +602,159 @@ def test_an_oserror_on_one_rank_is_raised_on_every_rank_and_a_fallback_loop_resu
     assert got[0]["trained"] == got[1]["trained"]  # the ranks stepped together after the fallback
 
 
+# -- out of memory on one rank, and OSErrors inside DCP ------------------------------------------
+def _resume_loop(root: str, model, opt) -> list[list[str]]:
+    """docs/checkpoints.md's resume loop: newest first, skipping a checkpoint that raises OSError or
+    ValueError. What each try gave."""
+    tried = []
+    for found in reversed(shardopt.list_checkpoints(root)):
+        try:
+            extra = shardopt.load_checkpoint(found, model, opt)
+            tried.append([os.path.basename(found), f"loaded {extra}"])
+            break
+        except (OSError, ValueError) as e:  # raised on every rank alike
+            tried.append([os.path.basename(found), f"{type(e).__name__}: {e}"])
+    return tried
+
+
+def _error(e: BaseException, start: float) -> dict:
+    return {"class": type(e).__name__, "message": str(e), "errno": getattr(e, "errno", None),
+            "oserror": isinstance(e, OSError), "seconds": time.perf_counter() - start}
+
+
+def out_of_memory_case(rank: int, root: str, victim: int, kind: str) -> dict:
+    """A save whose ``victim`` runs out of memory making the fp32 copies it writes (as a GPU rank
+    whose neighbours' memory is fuller: ``kind`` torch.OutOfMemoryError or MemoryError). Then the
+    same save again, the resume loop, and a step on every rank."""
+    import shardopt.checkpoint as ck
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    _train(model, opt, range(1))
+    shardopt.save_checkpoint(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+    saved = _state(model, opt)
+    _train(model, opt, range(1, 2))
+    blocks_to_save = ck._blocks_to_save
+
+    def out_of_memory(*args, **kwargs):
+        if rank == victim:
+            raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else MemoryError)("out of memory (test)")
+        return blocks_to_save(*args, **kwargs)
+
+    ck._blocks_to_save = out_of_memory
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "step_2"), model, opt)
+        out["save"] = {"class": "no error"}
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        out["save"] = _error(e, start)
+    ck._blocks_to_save = blocks_to_save
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    out["tried"] = _resume_loop(root, model, opt)
+    out["as_saved"] = _state(model, opt) == saved
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+@pytest.mark.parametrize("victim,kind", [(1, "OutOfMemoryError"), (0, "MemoryError")])
+def test_out_of_memory_on_one_rank_in_a_save_is_raised_on_every_rank_and_the_last_checkpoint_loads(
+        tmp_path, victim, kind):
+    """The fp32 copies a save writes were made between the call's agreements: the rank out of memory
+    raised alone, the other waited in DCP's exchange of plans until the timeout and then said that a
+    rank had died, and every later call, the resume loop's load of the older checkpoint included,
+    said the ranks could no longer agree. Every rank must raise it at once (the others naming the
+    rank), and the loop then load the older checkpoint, equal to what was saved, on every rank."""
+    root = str(tmp_path)
+    codes = _spawn(out_of_memory_case, root, victim, kind, timeout=60)
+    assert codes == [0, 0], codes
+    got = _results(root)
+    assert all("traceback" not in r for r in got), got
+    for rank, r in enumerate(got):
+        assert r["save"]["class"] == kind and "out of memory (test)" in r["save"]["message"], (rank, r["save"])
+        assert ("on rank " + str(victim)) in r["save"]["message"] or rank == victim, (rank, r["save"])
+        assert r["save"]["seconds"] < 10, (rank, r["save"])  # at once: not the 20 s timeout
+        assert r["listed"] == ["step_1"], (rank, r)  # nothing of the failed save
+        assert r["tried"] == [["step_1", "loaded {'step': 1}"]], (rank, r["tried"])
+        assert r["as_saved"], rank
+    assert got[0]["trained"] == got[1]["trained"]
+
+
+def dcp_oserror_case(rank: int, root: str) -> dict:
+    """Rank 1's file I/O inside DCP fails: a full disk writing its shard (ENOSPC), an EIO reading the
+    newest checkpoint. docs/checkpoints.md's resume loop must skip it and load the older one."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    saved = {}
+    for step in (1, 2):
+        _train(model, opt, range(step - 1, step))
+        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
+        saved[step] = _state(model, opt)
+    write_data, read_data = dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data
+
+    def disk_full(self, plan, planner):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.path, "__1_0.distcp"))
+        return write_data(self, plan, planner)
+
+    def unreadable(self, plan, planner):
+        if rank == 1 and os.path.basename(str(self.path)) == "step_2":
+            raise OSError(errno.EIO, "Input/output error", os.path.join(self.path, "__1_0.distcp"))
+        return read_data(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data = disk_full, unreadable
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "step_3"), model, opt)
+        out["save"] = {"class": "no error"}
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        out["save"] = _error(e, start)
+    dcp.FileSystemWriter.write_data = write_data
+    model = make_model(seed=9)  # a restarted run
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    try:
+        out["tried"] = _resume_loop(root, model, opt)
+    except Exception as e:  # noqa: BLE001 - escaped the loop
+        out["escaped"] = f"{type(e).__name__}: {e}"
+        return out
+    out["as_saved"] = _state(model, opt) == saved[1]
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+def test_an_oserror_inside_dcp_is_an_oserror_on_every_rank_and_the_resume_loop_skips_it(tmp_path):
+    """DCP's failures came back as RuntimeError whatever they were, so the documented resume loop
+    (``except (OSError, ValueError)``) let an EIO of one rank escape instead of falling back, and a
+    full disk could not be told apart from a bug. Every rank must raise an OSError with the failing
+    rank's errno, naming the rank."""
+    import errno
+
+    root = str(tmp_path)
+    codes = _spawn(dcp_oserror_case, root, timeout=120)
+    assert codes == [0, 0], codes
+    got = _results(root)
+    assert all("traceback" not in r and "escaped" not in r for r in got), got
+    for rank, r in enumerate(got):
+        save = r["save"]
+        assert save["oserror"] and save["errno"] == errno.ENOSPC and "rank 1: OSError" in save["message"], (rank, save)
+        assert [name for name, _ in r["tried"]] == ["step_2", "step_1"], (rank, r["tried"])
+        assert r["tried"][0][1].startswith("OSError: ") and "rank 1: OSError: [Errno 5]" in r["tried"][0][1], (rank, r)
+        assert r["tried"][1][1] == "loaded {'step': 1}", (rank, r)
+        assert r["as_saved"], rank
+        assert r["listed"] == ["step_1", "step_2"], (rank, r["listed"])  # the failed save left nothing
+    assert got[0]["trained"] == got[1]["trained"]
+
+
 # -- a rank whose step raises: the other names the step ------------------------------------------
 def one_rank_fails_in_step_case(rank: int, root: str) -> dict:
     model = make_model(seed=4)
