@@ -33,6 +33,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import re
 import time
 import traceback
 
@@ -377,6 +378,7 @@ def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoin
                 got = json.load(f)
             msg = got.get("error", str(got))
             assert "save_checkpoint()" in msg and "died" in msg, (name, rank, msg)
+            assert victim in _named_as_ended(msg), (name, rank, msg)  # which rank died (others may have exited since)
             assert "a backward or forward pass" not in msg and "Connection" not in msg.split("(gloo")[0], \
                 (name, rank, msg)
             assert got["seconds"] < 30, (name, rank, got)
@@ -400,6 +402,16 @@ def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoin
 # with gloo's bare "Connection reset by peer" from the weight gather, and the ranks of the model's
 # other parts returning from load_checkpoint as if it had succeeded (to fail at their next forward
 # pass). Every survivor must raise, within seconds, naming the call and saying that a rank died.
+def _named_as_ended(msg: str) -> set[int]:
+    """The ranks (of the job) that ``msg`` says the processes of have ended: "the process of rank 2
+    has ended", "the processes of ranks 1 (global rank 3), 2 have ended" (a group's numbers, then the
+    job's)."""
+    found = re.search(r"the process(?:es)? of ranks? (.*?) ha(?:s|ve) ended", msg)
+    if found is None:
+        return set()
+    return {int(glob_ or group) for group, glob_ in re.findall(r"(\d+)(?: \(global rank (\d+)\))?", found.group(1))}
+
+
 def _names_a_death(msg: str, call: str) -> bool:
     """Whether ``msg`` names ``call`` and a rank's death in shardopt's words (torch's own follow in
     parentheses, after them)."""
@@ -522,6 +534,7 @@ def test_a_rank_killed_in_a_load_after_the_read_is_named_on_every_rank(tmp_path,
     survivors = [r for r in range(world) if r != victim]
     for rank, got in zip(survivors, _results_of(root, survivors)):
         assert _names_a_death(got.get("error", str(got)), "load_checkpoint()"), (rank, got)
+        assert victim in _named_as_ended(got["error"]), (rank, got)
         assert got["seconds"] < 30, (rank, got)
 
 
