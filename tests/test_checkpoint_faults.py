@@ -635,6 +635,34 @@ def _error(e: BaseException, start: float) -> dict:
             "oserror": isinstance(e, OSError), "seconds": time.perf_counter() - start}
 
 
+def test_a_peer_error_is_raised_as_its_nearest_built_in_class_with_its_errno():
+    """What the other ranks raise for one rank's error (``agree``, DCP's failures): Python's own
+    class hierarchy decides, so a caller's ``except OSError`` / ``except ValueError`` /
+    ``except torch.OutOfMemoryError`` and its checks of ``e.errno`` behave on every rank as on the
+    rank that failed."""
+    import errno
+    import shutil
+
+    from shardopt.checkpoint._files import described, restated
+
+    class Mine(ValueError):
+        pass
+
+    cases = [(PermissionError(errno.EACCES, "denied"), PermissionError, errno.EACCES),
+             (OSError(errno.ENOSPC, "No space left on device"), OSError, errno.ENOSPC),
+             (OSError(errno.ENOENT, "gone"), FileNotFoundError, errno.ENOENT),
+             (shutil.Error("copy failed"), OSError, None),
+             (Mine("bad"), ValueError, None), (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), ValueError, None),
+             (torch.OutOfMemoryError("CUDA out of memory"), torch.OutOfMemoryError, None),
+             (MemoryError(), MemoryError, None), (KeyError("k"), RuntimeError, None)]
+    for error, cls, code in cases:
+        got = restated(described(error), "on rank 1: ...")
+        assert type(got) is cls and str(got) == "on rank 1: ...", (error, got)
+        assert getattr(got, "errno", None) == code, (error, got)
+        if isinstance(error, OSError):
+            assert got.errno == error.errno
+
+
 def out_of_memory_case(rank: int, root: str, victim: int, kind: str) -> dict:
     """A save whose ``victim`` runs out of memory making the fp32 copies it writes (as a GPU rank
     whose neighbours' memory is fuller: ``kind`` torch.OutOfMemoryError or MemoryError). Then the
