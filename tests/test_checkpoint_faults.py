@@ -33,6 +33,7 @@ import glob
 import json
 import multiprocessing as mp
 import os
+import re
 import time
 import traceback
 
@@ -377,6 +378,7 @@ def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoin
                 got = json.load(f)
             msg = got.get("error", str(got))
             assert "save_checkpoint()" in msg and "died" in msg, (name, rank, msg)
+            assert victim in _named_as_ended(msg), (name, rank, msg)  # which rank died (others may have exited since)
             assert "a backward or forward pass" not in msg and "Connection" not in msg.split("(gloo")[0], \
                 (name, rank, msg)
             assert got["seconds"] < 30, (name, rank, got)
@@ -400,6 +402,16 @@ def test_a_rank_killed_in_a_tensor_parallel_save_is_named_and_the_last_checkpoin
 # with gloo's bare "Connection reset by peer" from the weight gather, and the ranks of the model's
 # other parts returning from load_checkpoint as if it had succeeded (to fail at their next forward
 # pass). Every survivor must raise, within seconds, naming the call and saying that a rank died.
+def _named_as_ended(msg: str) -> set[int]:
+    """The ranks (of the job) that ``msg`` says the processes of have ended: "the process of rank 2
+    has ended", "the processes of ranks 1 (global rank 3), 2 have ended" (a group's numbers, then the
+    job's)."""
+    found = re.search(r"the process(?:es)? of ranks? (.*?) ha(?:s|ve) ended", msg)
+    if found is None:
+        return set()
+    return {int(glob_ or group) for group, glob_ in re.findall(r"(\d+)(?: \(global rank (\d+)\))?", found.group(1))}
+
+
 def _names_a_death(msg: str, call: str) -> bool:
     """Whether ``msg`` names ``call`` and a rank's death in shardopt's words (torch's own follow in
     parentheses, after them)."""
@@ -522,6 +534,7 @@ def test_a_rank_killed_in_a_load_after_the_read_is_named_on_every_rank(tmp_path,
     survivors = [r for r in range(world) if r != victim]
     for rank, got in zip(survivors, _results_of(root, survivors)):
         assert _names_a_death(got.get("error", str(got)), "load_checkpoint()"), (rank, got)
+        assert victim in _named_as_ended(got["error"]), (rank, got)
         assert got["seconds"] < 30, (rank, got)
 
 
@@ -600,6 +613,187 @@ def test_an_oserror_on_one_rank_is_raised_on_every_rank_and_a_fallback_loop_resu
         assert r["listed"] == ["step_1", "step_2"], (rank, r["listed"])  # the refused save wrote nothing
     assert "on rank 1" in got[0]["save"] and "on rank 1" in got[0]["tried"][0][1], got[0]
     assert got[0]["trained"] == got[1]["trained"]  # the ranks stepped together after the fallback
+
+
+# -- out of memory on one rank, and OSErrors inside DCP ------------------------------------------
+def _resume_loop(root: str, model, opt) -> list[list[str]]:
+    """docs/checkpoints.md's resume loop: newest first, skipping a checkpoint that raises OSError or
+    ValueError. What each try gave."""
+    tried = []
+    for found in reversed(shardopt.list_checkpoints(root)):
+        try:
+            extra = shardopt.load_checkpoint(found, model, opt)
+            tried.append([os.path.basename(found), f"loaded {extra}"])
+            break
+        except (OSError, ValueError) as e:  # raised on every rank alike
+            tried.append([os.path.basename(found), f"{type(e).__name__}: {e}"])
+    return tried
+
+
+def _error(e: BaseException, start: float) -> dict:
+    return {"class": type(e).__name__, "message": str(e), "errno": getattr(e, "errno", None),
+            "oserror": isinstance(e, OSError), "seconds": time.perf_counter() - start}
+
+
+def test_a_peer_error_is_raised_as_its_nearest_built_in_class_with_its_errno():
+    """What the other ranks raise for one rank's error (``agree``, DCP's failures): Python's own
+    class hierarchy decides, so a caller's ``except OSError`` / ``except ValueError`` /
+    ``except torch.OutOfMemoryError`` and its checks of ``e.errno`` behave on every rank as on the
+    rank that failed."""
+    import errno
+    import shutil
+
+    from shardopt.checkpoint._files import described, restated
+
+    class Mine(ValueError):
+        pass
+
+    cases = [(PermissionError(errno.EACCES, "denied"), PermissionError, errno.EACCES),
+             (OSError(errno.ENOSPC, "No space left on device"), OSError, errno.ENOSPC),
+             (OSError(errno.ENOENT, "gone"), FileNotFoundError, errno.ENOENT),
+             (shutil.Error("copy failed"), OSError, None),
+             (Mine("bad"), ValueError, None), (UnicodeDecodeError("utf-8", b"\xff", 0, 1, "bad"), ValueError, None),
+             (torch.OutOfMemoryError("CUDA out of memory"), torch.OutOfMemoryError, None),
+             (MemoryError(), MemoryError, None), (KeyError("k"), RuntimeError, None)]
+    for error, cls, code in cases:
+        got = restated(described(error), "on rank 1: ...")
+        assert type(got) is cls and str(got) == "on rank 1: ...", (error, got)
+        assert getattr(got, "errno", None) == code, (error, got)
+        if isinstance(error, OSError):
+            assert got.errno == error.errno
+
+
+def out_of_memory_case(rank: int, root: str, victim: int, kind: str) -> dict:
+    """A save whose ``victim`` runs out of memory making the fp32 copies it writes (as a GPU rank
+    whose neighbours' memory is fuller: ``kind`` torch.OutOfMemoryError or MemoryError). Then the
+    same save again, the resume loop, and a step on every rank."""
+    import shardopt.checkpoint as ck
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    _train(model, opt, range(1))
+    shardopt.save_checkpoint(os.path.join(root, "step_1"), model, opt, extra={"step": 1})
+    saved = _state(model, opt)
+    _train(model, opt, range(1, 2))
+    blocks_to_save = ck._blocks_to_save
+
+    def out_of_memory(*args, **kwargs):
+        if rank == victim:
+            raise (torch.OutOfMemoryError if kind == "OutOfMemoryError" else MemoryError)("out of memory (test)")
+        return blocks_to_save(*args, **kwargs)
+
+    ck._blocks_to_save = out_of_memory
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "step_2"), model, opt)
+        out["save"] = {"class": "no error"}
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        out["save"] = _error(e, start)
+    ck._blocks_to_save = blocks_to_save
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    out["tried"] = _resume_loop(root, model, opt)
+    out["as_saved"] = _state(model, opt) == saved
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+@pytest.mark.parametrize("victim,kind", [(1, "OutOfMemoryError"), (0, "MemoryError")])
+def test_out_of_memory_on_one_rank_in_a_save_is_raised_on_every_rank_and_the_last_checkpoint_loads(
+        tmp_path, victim, kind):
+    """The fp32 copies a save writes were made between the call's agreements: the rank out of memory
+    raised alone, the other waited in DCP's exchange of plans until the timeout and then said that a
+    rank had died, and every later call, the resume loop's load of the older checkpoint included,
+    said the ranks could no longer agree. Every rank must raise it at once (the others naming the
+    rank), and the loop then load the older checkpoint, equal to what was saved, on every rank."""
+    root = str(tmp_path)
+    codes = _spawn(out_of_memory_case, root, victim, kind, timeout=60)
+    assert codes == [0, 0], codes
+    got = _results(root)
+    assert all("traceback" not in r for r in got), got
+    for rank, r in enumerate(got):
+        assert r["save"]["class"] == kind and "out of memory (test)" in r["save"]["message"], (rank, r["save"])
+        assert ("on rank " + str(victim)) in r["save"]["message"] or rank == victim, (rank, r["save"])
+        assert r["save"]["seconds"] < 10, (rank, r["save"])  # at once: not the 20 s timeout
+        assert r["listed"] == ["step_1"], (rank, r)  # nothing of the failed save
+        assert r["tried"] == [["step_1", "loaded {'step': 1}"]], (rank, r["tried"])
+        assert r["as_saved"], rank
+    assert got[0]["trained"] == got[1]["trained"]
+
+
+def dcp_oserror_case(rank: int, root: str) -> dict:
+    """Rank 1's file I/O inside DCP fails: a full disk writing its shard (ENOSPC), an EIO reading the
+    newest checkpoint. docs/checkpoints.md's resume loop must skip it and load the older one."""
+    import errno
+
+    import torch.distributed.checkpoint as dcp
+
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    saved = {}
+    for step in (1, 2):
+        _train(model, opt, range(step - 1, step))
+        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
+        saved[step] = _state(model, opt)
+    write_data, read_data = dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data
+
+    def disk_full(self, plan, planner):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, "No space left on device", os.path.join(self.path, "__1_0.distcp"))
+        return write_data(self, plan, planner)
+
+    def unreadable(self, plan, planner):
+        if rank == 1 and os.path.basename(str(self.path)) == "step_2":
+            raise OSError(errno.EIO, "Input/output error", os.path.join(self.path, "__1_0.distcp"))
+        return read_data(self, plan, planner)
+
+    dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data = disk_full, unreadable
+    out: dict = {}
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(os.path.join(root, "step_3"), model, opt)
+        out["save"] = {"class": "no error"}
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        out["save"] = _error(e, start)
+    dcp.FileSystemWriter.write_data = write_data
+    model = make_model(seed=9)  # a restarted run
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    try:
+        out["tried"] = _resume_loop(root, model, opt)
+    except Exception as e:  # noqa: BLE001 - escaped the loop
+        out["escaped"] = f"{type(e).__name__}: {e}"
+        return out
+    out["as_saved"] = _state(model, opt) == saved[1]
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    return out
+
+
+@pytest.mark.launch  # processes of its own
+def test_an_oserror_inside_dcp_is_an_oserror_on_every_rank_and_the_resume_loop_skips_it(tmp_path):
+    """DCP's failures came back as RuntimeError whatever they were, so the documented resume loop
+    (``except (OSError, ValueError)``) let an EIO of one rank escape instead of falling back, and a
+    full disk could not be told apart from a bug. Every rank must raise an OSError with the failing
+    rank's errno, naming the rank."""
+    import errno
+
+    root = str(tmp_path)
+    codes = _spawn(dcp_oserror_case, root, timeout=120)
+    assert codes == [0, 0], codes
+    got = _results(root)
+    assert all("traceback" not in r and "escaped" not in r for r in got), got
+    for rank, r in enumerate(got):
+        save = r["save"]
+        assert save["oserror"] and save["errno"] == errno.ENOSPC and "rank 1: OSError" in save["message"], (rank, save)
+        assert [name for name, _ in r["tried"]] == ["step_2", "step_1"], (rank, r["tried"])
+        assert r["tried"][0][1].startswith("OSError: ") and "rank 1: OSError: [Errno 5]" in r["tried"][0][1], (rank, r)
+        assert r["tried"][1][1] == "loaded {'step': 1}", (rank, r)
+        assert r["as_saved"], rank
+        assert r["listed"] == ["step_1", "step_2"], (rank, r["listed"])  # the failed save left nothing
+    assert got[0]["trained"] == got[1]["trained"]
 
 
 # -- a rank whose step raises: the other names the step ------------------------------------------

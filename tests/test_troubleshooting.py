@@ -95,13 +95,23 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
         "problems[0] from ParamBinding.changes, collected in _binding.py",
     ("shardopt/checkpoint/__init__.py", "_write", "raise"):
-        "re-raises write_blocks's RuntimeError, collected in _dcp.py (_reraise)",
+        "re-raises write_blocks's error (_dcp.py _reraise's, listed below) or agree's (_files.py), on every rank",
+    ("shardopt/checkpoint/_files.py", "agree", "restated"):
+        "another rank's error as 'on rank …: …: …' (its class's name and message), of the class _files.restated "
+        "gives it: the entry 'An error that names another rank'",
+    ("shardopt/checkpoint/_dcp.py", "_reraise", "restated"):
+        "DCP's failures as 'writing checkpoint … failed: rank …: …: …' or 'reading checkpoint …', of the class "
+        "_files.restated gives the first OSError among them (else the first): the entry 'Writing or reading "
+        "the checkpoint failed'",
+    ("shardopt/checkpoint/_dcp.py", "write_blocks", "raise"):
+        "re-raises this rank's own torch.OutOfMemoryError from DCP outside its steps (not a collective's failure)",
     ("shardopt/checkpoint/_dcp.py", "write_blocks", "CollectiveFailed"):
         "torch's own error from a collective of DCP's, restated by Comm.collective_failed (collected there)",
     ("shardopt/checkpoint/_dcp.py", "read_blocks", "CollectiveFailed"):
         "torch's own error from a collective of DCP's, restated by Comm.collective_failed (collected there)",
     ("shardopt/checkpoint/_dcp.py", "read_blocks", "raise"):
-        "re-raises torch's own error from DCP in the converter, which runs without ranks (no collectives)",
+        "re-raises this rank's own torch.OutOfMemoryError from DCP outside its steps, or torch's own error from "
+        "DCP in the converter, which runs without ranks (no collectives)",
     ("shardopt/integrations/accelerate.py", "ShardedAcceleratedOptimizer.__getattr__", "AttributeError"):
         "the attribute name only, as Python's own AttributeError for a missing attribute",
     ("shardopt/kernels/fused.py", "with_fallback.run", "raise"):

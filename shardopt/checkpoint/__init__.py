@@ -344,13 +344,19 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
 
 # [Note: every rank raises]
 # A checkpoint call runs from one agreement (``_files.agree``) to the next, and the work between
-# two is local: reading or writing files, checking the model, restoring the state. Whatever one
-# rank raises there (a model that does not match, a PermissionError or an EIO from one file, a bug)
-# is caught, whatever its class, and taken to the next agreement, so that every rank raises it
-# (its own, or "on rank r: ..." as the same class) and leaves the call at the same point. So a
+# two is local: reading or writing files, checking the model, building the fp32 copies a save
+# writes, restoring the state. Whatever one rank raises there (a model that does not match, a
+# PermissionError or an EIO from one file, a MemoryError or torch.OutOfMemoryError, a bug) is
+# caught, whatever its class (any Exception), and taken to the next agreement, so that every rank
+# raises it (its own, or "on rank r: ..." as ``_files.restated`` makes it: the same class where
+# it is a built-in one, an OSError with its errno) and leaves the call at the same point. So a
 # caller that catches it (a resume loop that falls back to an older checkpoint) finds every rank
 # out of the call and ready for the next; a rank that left alone would meet the next call's
-# messages with the others still in this one's. A failure of the collectives themselves (a rank
+# messages with the others still in this one's, or leave them waiting in DCP's exchanges until
+# the group's timeout. DCP's save and load come right after an agreement, with nothing of ours
+# between: DCP gathers what a rank raises in its own steps (an EIO reading a file, a full disk)
+# and raises it on every rank, which ``_dcp._reraise`` restates alike on every rank (an OSError,
+# with its errno, where some rank's was one). A failure of the collectives themselves (a rank
 # died in DCP's exchanges, the weight gather, the default store) cannot be agreed on: the rank
 # raises at once, naming the call and saying that another rank died (``Comm.collective_failed``),
 # and gives up on the others (``agree`` then raises its error without a message). A load ends in
@@ -399,9 +405,15 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
     agree(comm, error)
     from shardopt.checkpoint._dcp import CollectiveFailed, write_blocks  # DCP, imported when a checkpoint is written
 
+    blocks: list[Block] = []
+    try:  # fp32 copies of the master weights and moments (out of memory: agreed before DCP's exchanges)
+        blocks, error = _blocks_to_save(entries, opt._comm), None
+    except Exception as e:  # noqa: BLE001 - see [Note: every rank raises]
+        error = e
     try:
-        write_blocks(tmp, _blocks_to_save(entries, opt._comm), comm.group)
-    except RuntimeError as e:
+        agree(comm, error)
+        write_blocks(tmp, blocks, comm.group)  # what a rank raises in DCP's steps, DCP raises on every rank
+    except Exception as e:  # the save failed on every rank: nothing of it is kept
         if comm.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, CollectiveFailed):  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
@@ -569,8 +581,9 @@ def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: 
     except Exception as err:  # noqa: BLE001 - whatever it is, every rank raises it (see [Note: every rank raises])
         error = err
     agree(job, error)
+    _read_blocks(path, plan, job)  # what a rank raises in DCP's steps, DCP raises on every rank
     try:
-        _fill(path, plan, entries, opt, job)
+        _fill(plan, entries, opt)
         error = None
     except Exception as err:  # noqa: BLE001 - see [Note: every rank raises]
         error = err
@@ -632,16 +645,23 @@ def _plan(manifest: dict, entries: list[_Entry], opt: ShardedOptimizer | None) -
     return plan
 
 
-def _fill(path: str, plan: _ReadPlan, entries: list[_Entry], opt: ShardedOptimizer | None, job: Comm) -> None:
-    """Read the checkpoint at ``path`` as ``plan`` says, into the model and, if given, ``opt``'s
-    moments and this rank's shard of its master weights and weights. Every rank of ``job``."""
+def _read_blocks(path: str, plan: _ReadPlan, job: Comm) -> None:
+    """Read the checkpoint at ``path`` as ``plan`` says: into the model's non-sharded tensors and
+    ``plan``'s staging. Every rank of ``job``; raises on every rank alike (DCP's own agreement),
+    or where a rank died in DCP's exchanges, as ``Comm.collective_failed``."""
     from shardopt.checkpoint._dcp import CollectiveFailed, read_blocks  # DCP, imported when a checkpoint is read
 
-    with torch.no_grad():
-        try:
+    try:
+        with torch.no_grad():
             read_blocks(path, plan.blocks, job.group)
-        except CollectiveFailed as failed:  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
-            job.collective_failed(failed.cause, "DCP's exchange of the checkpoint's read plans")
+    except CollectiveFailed as failed:  # a rank died (or hangs) in DCP's exchanges: say so, naming the call
+        job.collective_failed(failed.cause, "DCP's exchange of the checkpoint's read plans")
+
+
+def _fill(plan: _ReadPlan, entries: list[_Entry], opt: ShardedOptimizer | None) -> None:
+    """Write what ``_read_blocks`` read as ``plan`` said into ``opt``'s moments and this rank's
+    shard of its master weights and weights, if given. Local."""
+    with torch.no_grad():
         for vmax, v in plan.without_max:
             vmax.copy_(v)
         for b in opt._buffers if opt is not None else []:

@@ -64,6 +64,8 @@ from torch.distributed.checkpoint.planner import (
 )
 
 from shardopt.checkpoint._blocks import Block, Box
+from shardopt.checkpoint._files import described, restated
+
 
 class _BlockSavePlanner(dcp.DefaultSavePlanner):
     """Writes exactly the given blocks; DCP's default global planning then checks that all
@@ -72,10 +74,11 @@ class _BlockSavePlanner(dcp.DefaultSavePlanner):
     def __init__(self, blocks: list[Block]) -> None:
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._blocks = {(b.key, tuple(b.offsets)): b for b in blocks}
-        if len(self._blocks) != len(blocks):
-            raise AssertionError("a rank's checkpoint blocks hold two blocks with the same key and offsets")
+        self._repeated = len(self._blocks) != len(blocks)
 
     def create_local_plan(self) -> SavePlan:
+        if self._repeated:  # raised here, in DCP's local step, DCP raises it on every rank
+            raise AssertionError("a rank's checkpoint blocks hold two blocks with the same key and offsets")
         items = []
         for b in self._blocks.values():
             t = b.tensor.detach()
@@ -176,10 +179,18 @@ class CollectiveFailed(RuntimeError):
 
 
 def _reraise(what: str, path: str, e: BaseException) -> None:
+    """Raise DCP's ``CheckpointException`` ``e`` (the same on every rank: every failing rank's
+    exception) as one error that names each failing rank, of the class ``_files.restated`` gives the
+    first OSError among them (an EIO, a full disk: a caller's ``except OSError`` sees one on every
+    rank, with its errno), else the first failing rank's. The same on every rank."""
     failures = getattr(e, "failures", None) or {}  # rank -> (exception, traceback frames)
     errors = {r: x[0] if isinstance(x, tuple) else x for r, x in failures.items()}
     detail = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, x in sorted(errors.items())) or str(e)
-    raise RuntimeError(f"{what} {path} failed: {detail}") from e
+    message = f"{what} {path} failed: {detail}"
+    if not errors:
+        raise RuntimeError(message) from e
+    first = next((r for r in sorted(errors) if isinstance(errors[r], OSError)), min(errors))
+    raise restated(described(errors[first]), message) from e
 
 
 def write_blocks(path: str, blocks: list[Block], group: object) -> None:
@@ -190,6 +201,8 @@ def write_blocks(path: str, blocks: list[Block], group: object) -> None:
         dcp.save({}, storage_writer=writer, planner=_BlockSavePlanner(blocks), process_group=group)
     except dcp.CheckpointException as e:  # a BaseException: raised on every rank when any rank failed
         _reraise("writing checkpoint", path, e)
+    except torch.OutOfMemoryError:  # this rank's own, outside DCP's steps: not a collective of DCP's
+        raise
     except RuntimeError as e:  # torch's own, from a collective of DCP's: see CollectiveFailed
         raise CollectiveFailed(e) from e
 
@@ -204,6 +217,8 @@ def read_blocks(path: str, blocks: list[Block], group: object = None, *, no_dist
                      process_group=group, no_dist=no_dist)
     except dcp.CheckpointException as e:
         _reraise("reading checkpoint", path, e)
+    except torch.OutOfMemoryError:  # see write_blocks
+        raise
     except RuntimeError as e:  # torch's own, from a collective of DCP's: see CollectiveFailed
         if no_dist:
             raise

@@ -68,6 +68,8 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from shardopt.core._compat import default_store
 
 if TYPE_CHECKING:
@@ -82,15 +84,41 @@ _HASHED = (MANIFEST, DCP_METADATA, EXTRA)  # small files whose content the marke
 _TEMP = re.compile(r"\.(tmp|old)-[0-9a-f]+$")
 
 
-# what a peer's error is raised as here, by its class's name (any other: RuntimeError)
+# what a peer's error is raised as here: the nearest of these classes its class derives from (any
+# other: RuntimeError); an OSError keeps its errno (see ``restated``)
 _ERRORS = {cls.__name__: cls for cls in (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError,
-                                         NotADirectoryError, OSError, ValueError, TypeError, RuntimeError,
-                                         TimeoutError)}
+                                         NotADirectoryError, OSError, ValueError, TypeError, TimeoutError,
+                                         torch.OutOfMemoryError, RuntimeError, MemoryError)}
+
+
+def described(error: BaseException) -> tuple[str, str, int | None]:
+    """What a peer needs to raise ``error`` again (``restated``): the name of the nearest class of
+    ``_ERRORS`` it is an instance of (else ``"RuntimeError"``), ``"Class: message"``, and its errno
+    (an OSError's; else None). Picklable. Local."""
+    kind = next((c.__name__ for c in type(error).__mro__ if _ERRORS.get(c.__name__) is c), "RuntimeError")
+    errno = error.errno if isinstance(error, OSError) and isinstance(error.errno, int) else None
+    return kind, f"{type(error).__name__}: {error}", errno
+
+
+def restated(info: tuple[str, str, int | None], message: str) -> Exception:
+    """The exception to raise here for another rank's error ``info`` (``described``) with ``message``:
+    of its class, and an OSError with its errno (a plain OSError of a known errno as its subclass:
+    ``ENOSPC`` stays ``OSError``, ``EACCES`` becomes ``PermissionError``), so that a caller's
+    ``except OSError`` and checks of ``e.errno`` see on every rank what the failing rank saw. Local."""
+    kind, _, errno = info
+    cls = _ERRORS.get(kind, RuntimeError)
+    if cls is OSError and errno is not None:
+        cls = type(OSError(errno, ""))  # Python's own subclass for that errno, if it has one
+    error = cls(message)
+    if isinstance(error, OSError):
+        error.errno = errno
+    return error
 
 
 def agree(comm: Comm, error: BaseException | None, payload: Any = None) -> list:
     """Every rank's ``payload``, unless some rank had an error: then every rank raises (its own
-    error, or the first peer's, naming that rank, as the same class where it is one of ``_ERRORS``).
+    error, or the first peer's, naming that rank, as ``restated`` makes it: of the nearest class of
+    ``_ERRORS``, an OSError with its errno).
 
     One small all-gather through ``comm`` (a ``shardopt.comm._collectives.Comm``); all ranks must call
     it. A rank's local error thus never leaves its peers waiting in the next collective. A rank
@@ -98,13 +126,13 @@ def agree(comm: Comm, error: BaseException | None, payload: Any = None) -> list:
     raises its error without a message: it can no longer agree with them."""
     if error is not None and comm.gave_up():
         raise error
-    info = None if error is None else (type(error).__name__, str(error))
+    info = None if error is None else described(error)
     gathered = comm.all_gather_objects((payload, info))
     if error is not None:
         raise error
     for r, (_, e) in enumerate(gathered):
         if e is not None:
-            raise _ERRORS.get(e[0], RuntimeError)(f"on rank {r}: {e[0]}: {e[1]}")
+            raise restated(e, f"on rank {r}: {e[1]}")
     return [p for p, _ in gathered]
 
 

@@ -33,7 +33,10 @@ connection reads that line, raises naming its own call and the other's, and mark
 too. One window is left, as in any agreement by messages with a deadline: a late rank's message
 can complete on its side in the instant the other's deadline passes; the late rank then goes on
 into the call alone until its next control message (a checkpoint call's next agreement) fails on
-the closed connection.
+the closed connection. Where no rank gave up, the rank at the other end died; each rank leaves
+where its process is in the default store when it makes a control group (boot id, pid namespace,
+pid), so that a survivor on the same machine names the ranks whose process has ended
+(``Comm.ended_peers``), looked up at once, before the survivors that raise end too.
 
 How a bucket is reduced and gathered is the comm's bucket path (``Comm.path``), a strategy of
 ``comm/_bucket_paths.py`` (see its [Note: the bucket paths]).
@@ -57,6 +60,7 @@ import atexit
 import contextlib
 import datetime
 import hashlib
+import os
 import pickle
 import time
 from dataclasses import dataclass
@@ -219,6 +223,8 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
     if ranks in _CONTROL:
         return _CONTROL[ranks]
     timeout, store = group_timeout(parent), default_store()
+    if store is not None:  # where this rank's process is, for the others' message if it dies (ended_ranks)
+        leave_line(_PROCESS_KEY.format(dist.get_rank()), _this_process())
     wait = timeout if connect is None else datetime.timedelta(seconds=connect)
     n = _MADE[ranks] = _MADE.get(ranks, -1) + 1  # alike on every rank of the group: they make it at the same point
     name = f"shardopt-control/{'_'.join(map(str, ranks))}/{n}/"
@@ -244,6 +250,56 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
         raise TimeoutError(why) from None
     found = _CONTROL[ranks] = ControlGroup(made, world, timeout, store=store, key=name + "gave-up")
     return found
+
+
+_PROCESS_KEY = "shardopt-process/{}"  # by global rank, in the default store: where that rank's process is
+
+
+def _this_process() -> str:
+    """This process as another process on the same machine can look it up: the kernel's boot id,
+    the pid namespace and the pid; "" without Linux's ``/proc``. Local."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        namespace = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+    return f"{boot} {namespace} {os.getpid()}"
+
+
+def _here(line: str) -> str:
+    """The pid in ``line`` (``_this_process``) where that process runs on this machine, in this pid
+    namespace (its ``/proc`` entry is this one's to read); else "". Local."""
+    here, there = _this_process().rsplit(" ", 1)[0], line.rsplit(" ", 1)
+    return there[1] if here and len(there) == 2 and there[0] == here and there[1].isdigit() else ""
+
+
+def _has_ended(pid: str) -> bool:
+    """Whether the process ``pid`` of this machine is gone or a zombie (ended, not yet reaped by
+    its launcher). Local."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[:1]  # the field after the command's name
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return state in (["Z"], ["X"])
+
+
+def ended_ranks(ranks: Sequence[int], wait: float = 0.0) -> list[int]:
+    """Those of the global ``ranks`` whose process is known to have ended, looked for during up to
+    ``wait`` seconds (a process that closed its connections may take a moment to end): each rank
+    leaves where its process is in the default store when it makes a control group, and a process
+    of this machine can be looked up. None where there is no store, it cannot be reached (its host
+    was the rank that died), or the ranks run elsewhere. Local."""
+    pids = {r: pid for r in ranks if (pid := _here(read_line(_PROCESS_KEY.format(r)) or ""))}
+    until = time.monotonic() + wait
+    while True:
+        ended = [r for r, pid in pids.items() if _has_ended(pid)]
+        if ended or not pids or time.monotonic() >= until:
+            return ended
+        time.sleep(0.05)
 
 
 def leave_line(key: str, text: str) -> None:
@@ -371,9 +427,10 @@ class Comm:
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}",
                          notice=f"rank {self.rank} gave up waiting {waited:g} s for the other ranks in {self.where}")
             raise ControlTimeout(text, waited) from None
+        ended = self.ended_peers(0)  # before the others, raising as this rank does, end too
         notice = cast(ControlGroup, self.control).notice(_NOTICE_WAIT)
         # No line in the store: no rank gave up on this one, so the rank whose connection closed ended
-        why = notice or _PEER_DIED
+        why = notice or _PEER_DIED + (ended or self.ended_peers(_NOTICE_WAIT / 2))
         text = (f"rank {self.rank} of {self.world_size}: {self.where} cannot reach the other ranks: {why}. This rank "
                 f"can no longer agree with them: restart every rank and resume from the last complete checkpoint "
                 f"(gloo: {_first_line(error)})")
@@ -390,16 +447,31 @@ class Comm:
         source = source or self.backend
         if says_timed_out(error):
             text = (f"rank {self.rank} of {self.world_size}: {self.where} waited for the other ranks in {what} until "
-                    "the process group's timeout: another rank is stuck in other work or died. This rank can no "
-                    "longer agree with them: restart every rank and resume from the last complete checkpoint "
-                    f"({source}: {_first_line(error)})")
+                    f"the process group's timeout: another rank is stuck in other work or died{self.ended_peers(0)}. "
+                    "This rank can no longer agree with them: restart every rank and resume from the last complete "
+                    f"checkpoint ({source}: {_first_line(error)})")
             self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
             raise TimeoutError(text) from None
-        text = (f"rank {self.rank} of {self.world_size}: {self.where} lost the other ranks in {what}: {_PEER_DIED}. "
-                "This rank can no longer agree with them: restart every rank and resume from the last complete "
-                f"checkpoint ({source}: {_first_line(error)})")
+        text = (f"rank {self.rank} of {self.world_size}: {self.where} lost the other ranks in {what}: {_PEER_DIED}"
+                f"{self.ended_peers(_NOTICE_WAIT)}. This rank can no longer agree with them: restart every rank and "
+                f"resume from the last complete checkpoint ({source}: {_first_line(error)})")
         self.give_up(f"shardopt can no longer agree with the other ranks on this rank: {text}")
         raise RuntimeError(text) from None
+
+    def ended_peers(self, wait: float) -> str:
+        """``"; the process of rank 2 has ended"`` for the other ranks of the group whose process is known
+        to have ended (``ended_ranks``: on this machine), looked for during up to ``wait`` seconds
+        (a process that closed its connections may take a moment to end); "" where none is known.
+        Ranks are the group's, with the default group's where they differ. Local."""
+        me = self._global[self.rank]
+        ended = ended_ranks([g for g in self._global if g != me], wait)
+        if not ended:
+            return ""
+        whole = self._global == list(range(world_size()))
+        names = [f"{self._global.index(g)}" if whole else f"{self._global.index(g)} (global rank {g})" for g in ended]
+        if len(names) == 1:
+            return f"; the process of rank {names[0]} has ended"
+        return f"; the processes of ranks {', '.join(names)} have ended"
 
     def _control_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's ``t`` (a CPU tensor of the same shape everywhere): each rank's row of a
