@@ -36,6 +36,15 @@ optimizer's, even one removed since) no longer runs, nor does any registered aft
 optimizer over the same model would never see its DTensor gradients. A view of the local tensor
 taken before (``p.to_local()``) keeps the old storage, as it would after a swap.
 
+The local tensor set is not the view of the flat buffer itself but an alias of the same memory at
+offset 0 of a storage of its own (a slice of the flat buffer's storage, ``UntypedStorage[a:b]``,
+which holds the buffer's storage alive), as every DTensor's local tensor is: a DTensor wrapper
+carries the storage offset its local tensor had when it was made (0 for parallelize_module's), and
+``torch.compile`` (its fake-tensor conversion of the parameter) fails where the two disagree
+(a view of the flat buffer sits at its offset in it). The alias has its own
+version counter, as the ``.data`` of the stand-in would have: writes through the flat buffer (the
+all-gather after a step) move no counter of the parameter's.
+
 [Note: a gradient in another placement]
 Autograd may give a DTensor parameter a gradient whose placements are not the parameter's: a
 Replicate parameter applied where the activations are split across the mesh (the LayerNorm of
@@ -169,7 +178,15 @@ def rewrap(p: Tensor, view: Tensor) -> None:
     if tuple(view.shape) != tuple(local.shape) or view.dtype != local.dtype:
         raise AssertionError(f"a DTensor parameter with a local tensor of {tuple(local.shape)} {local.dtype} "
                              f"rebuilt over a view of {tuple(view.shape)} {view.dtype}")
-    p._local_tensor = view  # type: ignore[attr-defined]
+    # an alias of view's memory at offset 0 of a storage of its own (a slice of the flat buffer's
+    # storage, which it keeps alive), as a DTensor's local tensor is (see [Note: rebuilding over
+    # the flat buffer])
+    size = view.numel() * view.element_size()
+    start = view.storage_offset() * view.element_size()
+    memory = view.untyped_storage()[start:start + size]
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=view.dtype, device=view.device).set_(memory, 0, view.shape, view.stride())
+    p._local_tensor = alias  # type: ignore[attr-defined]
 
 
 def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
