@@ -762,6 +762,92 @@ def test_user_hooks_on_dtensor_parameters_and_a_second_optimizer_train_as_torch(
         assert got["worst"] <= 1e-6, (r, got["worst"])
 
 
+def _dtensor_against_whole(model, whole) -> float:
+    """The largest difference between the DTensor model's parameters and the whole model's."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(whole.named_parameters())
+    return max(((p.full_tensor() if isinstance(p, DTensor) else p).detach().float() - theirs[n].detach().float())
+               .abs().max().item() for n, p in model.named_parameters())
+
+
+def _whole_steps(whole, steps, lr: float = 1e-2) -> None:
+    """torch.optim.AdamW on the whole model with the global batch of each of ``steps``."""
+    ref = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=0.1)
+    for step in steps:
+        ref.zero_grad()
+        whole(*global_batch(2, step)).backward()
+        ref.step()
+
+
+def dtensor_compiled_case() -> float:
+    """torch.compile of a DTensor TP model (dp 2 x tp 2) trained by a ShardedAdamW built before the
+    compile: 2 steps, against torch.optim.AdamW on the whole model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, device_mesh=mesh["dp"])
+    compiled = torch.compile(model)
+    for step in (0, 1):
+        opt.zero_grad()
+        compiled(*batch(dp, step)).backward()
+        opt.step()
+    _whole_steps(whole, (0, 1))
+    return _dtensor_against_whole(model, whole)
+
+
+def test_a_compiled_dtensor_model_trains_as_torch(pools):
+    """torch.compile(model) of a DTensor model whose parameters the optimizer rebuilt over its
+    flat buffer: their local tensors fakify as parallelize_module's do."""
+    for r, worst in enumerate(pools(4).run(dtensor_compiled_case)):
+        assert worst <= 1e-6, (r, worst)
+
+
+def dtensor_converted_after_close_case(stage: int, first_step: bool) -> float:
+    """DTensor TP (dp 2 x tp 2): a ShardedAdamW is built (and takes a step or not), closed, the
+    model converted with ``model.to(torch.float32)`` (which swaps every DTensor parameter), and a
+    new ShardedAdamW takes 2 steps. Against torch.optim.AdamW on the whole model (a new one at the
+    switch)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+    def build():
+        return shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage,
+                                     bucket_cap_mb=1e-4, device_mesh=mesh["dp"])
+
+    opt = build()
+    if first_step:
+        opt.backward(model(*batch(dp, 0)))
+        opt.step()
+        _whole_steps(whole, (0,))
+    opt.zero_grad()
+    opt.close()
+    model.to(torch.float32)
+    opt = build()
+    for step in (1, 2):
+        opt.zero_grad()
+        opt.backward(model(*batch(dp, step)))
+        opt.step()
+    _whole_steps(whole, (1, 2))
+    return _dtensor_against_whole(model, whole)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_a_dtensor_model_converted_after_close_trains_as_torch_under_a_new_optimizer(pools, stage, first_step):
+    """model.to(...) swaps DTensor parameters a closed optimizer had hooked; the new optimizer's
+    gradient hooks run on them."""
+    for r, worst in enumerate(pools(4).run(dtensor_converted_after_close_case, stage, first_step)):
+        assert worst <= 1e-6, (r, worst)
+
+
 def dtensor_hand_grads_case() -> dict:
     """Stage 1, DTensor TP on dp 2 x tp 2: gradients assigned by hand (``p.grad = g``, alike on
     every rank; a DTensor parameter's as a DTensor in its placements). Step 1 with no backward
