@@ -19,7 +19,7 @@ from shardopt.step._agreement import agree_on_building, agree_on_params, check_c
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
-from shardopt.core._dtensor import is_dtensor
+from shardopt.core._dtensor import is_dtensor, move_grad
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt.comm._gather_wait import GatherWatch, in_flight, landed
 from shardopt.comm._gathers import WeightGathers
@@ -168,6 +168,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
         self._scaler = make_scaler(loss_scale, {p.dtype for p, _ in flat})
         with self._comm.during(f"{type(self).__name__}'s construction"):
+            for s, _ in flat:  # a DTensor parameter's gradient is its stand-in's from here on (see core._dtensor)
+                dt = self._parts.dtensor_of.get(id(s))
+                if dt is not None:
+                    move_grad(dt, s)
             # what earlier optimizers left in p.grad, as torch would hold it, at this one's loss scale (see reduce._left_grads)
             left_made = take_left([p for p, _ in flat], self._comm, self._names, self._scaler.scale)
         parts = self._parts

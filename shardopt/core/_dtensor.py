@@ -204,13 +204,31 @@ def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
         return
     p.grad = None
     if is_dtensor(g):
-        if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
-            with torch.no_grad():
+        with torch.no_grad():  # the local tensor itself (a gradient left by an earlier optimizer: see leave_grad)
+            if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
                 g = g.redistribute(mesh_of(p), p.placements)  # type: ignore[attr-defined]
-        local = g.to_local()
+            local = g.to_local()
     else:
         local = g
     if replace or into.grad is None:
         into.grad = local
     else:
         into.grad.add_(local)
+
+
+def leave_grad(p: Tensor, into: Tensor) -> None:
+    """Stand-in ``into``'s optimizer no longer trains DTensor parameter ``p``: put what it leaves in
+    ``into.grad`` (a view of its flat gradient, or a stage-2 placeholder, see reduce._left_grads) in
+    ``p.grad``, as a DTensor in ``p``'s placements whose local tensor is that very tensor (what marks
+    it as left stays with it), where torch holds a DTensor parameter's gradient: ``model.zero_grad()``
+    drops it, a backward pass adds to it, and the next optimizer over ``p`` takes it at its
+    construction (``move_grad``) as a plain parameter's. A ``p.grad`` assigned by hand since the last
+    move stays: it replaces the gradient. ``into.grad`` becomes None. Local."""
+    from torch.distributed.tensor import DTensor
+
+    held = into.grad
+    into.grad = None
+    if held is None or p.grad is not None:
+        return
+    # DTensor's own constructor: from_local would wrap a view of ``held``, not ``held``
+    p.grad = DTensor(held, p._spec, requires_grad=False)  # type: ignore[attr-defined]
