@@ -5,7 +5,7 @@ A DTensor parameter's values on this rank are its *local tensor*, a plain tensor
 shards and updates local tensors over its data-parallel ranks exactly as it does plain
 parameters. Each DTensor parameter gets a *stand-in*: a plain ``nn.Parameter`` that the records,
 the flat buffer, the reducer and the update see in its place (``ParamRecord.param``). Once the
-stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same view as its
+stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same memory as its
 local tensor (``rewrap``; the model keeps the very same parameter object, a DTensor with its mesh,
 placements, shape and stride, its gradient hooks and its gradient accumulator): the forward pass
 reads the flat buffer, the weight all-gather after a step writes it. Autograd accumulates the gradient into the DTensor parameter's ``.grad``; the
@@ -13,7 +13,10 @@ optimizer's hook on the DTensor parameter (``ParamRecord.leaf``) moves its local
 stand-in's ``.grad`` as autograd would have accumulated it there (``move_grad``), and the rest of
 the gradient's life is a plain parameter's. So a DTensor parameter's ``.grad`` is None after
 backward: the optimizer holds it (in stage 2 as shards), as it holds a plain parameter's in
-stage 2; clip with ``opt.clip_grad_norm_``.
+stage 2; clip with ``opt.clip_grad_norm_``. Once the optimizer stops training the parameter
+(closed, superseded, collected), what its stand-in's ``.grad`` held goes to the DTensor
+parameter's ``.grad`` (``leave_grad``), and the next optimizer's construction moves it into its own
+stand-in (``move_grad``), where reduce._left_grads takes it as a plain parameter's.
 
 Writes from outside (``load_state_dict``, ``copy_``, a write into ``to_local()``) are noticed
 through the model's DTensor parameter, not its stand-in (see update._binding [Note: writes into

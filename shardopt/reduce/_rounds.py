@@ -157,7 +157,7 @@ def _rewire_hooks(leaf: torch.Tensor) -> None:
     parameter's autograd data as it is now."""
     hooks = getattr(leaf, "_post_accumulate_grad_hooks", None)
     if hooks is not None:
-        leaf._post_accumulate_grad_hooks = hooks  # type: ignore[attr-defined]
+        leaf._post_accumulate_grad_hooks = hooks
 
 
 class Rounds:
