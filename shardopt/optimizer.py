@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, cast
@@ -249,8 +250,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def __del__(self) -> None:
         # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
         # for the next optimizer to gather; its hooks stay until the next safe point (see _ownership).
+        # Not while the interpreter shuts down: no optimizer can take them then, and a DTensor
+        # parameter's gradient made then (core._dtensor.leave_grad) may meet a tensor torch is
+        # clearing, which aborts the process.
         with contextlib.suppress(Exception):
-            if self.__dict__.get("_closed", "") is None:
+            if self.__dict__.get("_closed", "") is None and not sys.is_finalizing():
                 self._leave_gradients()
         super().__del__()
 
