@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import sys
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, cast
@@ -19,7 +20,7 @@ from shardopt.step._agreement import agree_on_building, agree_on_params, check_c
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
-from shardopt.core._dtensor import is_dtensor
+from shardopt.core._dtensor import is_dtensor, move_grad
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
 from shardopt.comm._gather_wait import GatherWatch, in_flight, landed
 from shardopt.comm._gathers import WeightGathers
@@ -168,6 +169,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
         self._scaler = make_scaler(loss_scale, {p.dtype for p, _ in flat})
         with self._comm.during(f"{type(self).__name__}'s construction"):
+            for s, _ in flat:  # a DTensor parameter's gradient is its stand-in's from here on (see core._dtensor)
+                dt = self._parts.dtensor_of.get(id(s))
+                if dt is not None:
+                    move_grad(dt, s)
             # what earlier optimizers left in p.grad, as torch would hold it, at this one's loss scale (see reduce._left_grads)
             left_made = take_left([p for p, _ in flat], self._comm, self._names, self._scaler.scale)
         parts = self._parts
@@ -245,8 +250,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     def __del__(self) -> None:
         # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
         # for the next optimizer to gather; its hooks stay until the next safe point (see _ownership).
+        # Not while the interpreter shuts down: no optimizer can take them then, and a DTensor
+        # parameter's gradient made then (core._dtensor.leave_grad) may meet a tensor torch is
+        # clearing, which aborts the process.
         with contextlib.suppress(Exception):
-            if self.__dict__.get("_closed", "") is None:
+            if self.__dict__.get("_closed", "") is None and not sys.is_finalizing():
                 self._leave_gradients()
         super().__del__()
 

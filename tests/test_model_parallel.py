@@ -762,6 +762,164 @@ def test_user_hooks_on_dtensor_parameters_and_a_second_optimizer_train_as_torch(
         assert got["worst"] <= 1e-6, (r, got["worst"])
 
 
+def _dtensor_against_whole(model, whole) -> float:
+    """The largest difference between the DTensor model's parameters and the whole model's."""
+    from torch.distributed.tensor import DTensor
+
+    theirs = dict(whole.named_parameters())
+    return max(((p.full_tensor() if isinstance(p, DTensor) else p).detach().float() - theirs[n].detach().float())
+               .abs().max().item() for n, p in model.named_parameters())
+
+
+def _whole_steps(whole, steps, lr: float = 1e-2) -> None:
+    """torch.optim.AdamW on the whole model with the global batch of each of ``steps``."""
+    ref = torch.optim.AdamW(whole.parameters(), lr=lr, weight_decay=0.1)
+    for step in steps:
+        ref.zero_grad()
+        whole(*global_batch(2, step)).backward()
+        ref.step()
+
+
+def dtensor_compiled_case() -> float:
+    """torch.compile of a DTensor TP model (dp 2 x tp 2) trained by a ShardedAdamW built before the
+    compile: 2 steps, against torch.optim.AdamW on the whole model."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, device_mesh=mesh["dp"])
+    compiled = torch.compile(model)
+    for step in (0, 1):
+        opt.zero_grad()
+        compiled(*batch(dp, step)).backward()
+        opt.step()
+    _whole_steps(whole, (0, 1))
+    return _dtensor_against_whole(model, whole)
+
+
+def test_a_compiled_dtensor_model_trains_as_torch(pools):
+    """torch.compile(model) of a DTensor model whose parameters the optimizer rebuilt over its
+    flat buffer: their local tensors fakify as parallelize_module's do."""
+    for r, worst in enumerate(pools(4).run(dtensor_compiled_case)):
+        assert worst <= 1e-6, (r, worst)
+
+
+def dtensor_converted_after_close_case(stage: int, first_step: bool) -> float:
+    """DTensor TP (dp 2 x tp 2): a ShardedAdamW is built (and takes a step or not), closed, the
+    model converted with ``model.to(torch.float32)`` (which swaps every DTensor parameter), and a
+    new ShardedAdamW takes 2 steps. Against torch.optim.AdamW on the whole model (a new one at the
+    switch)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0), Whole(0)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+
+    def build():
+        return shardopt.ShardedAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage,
+                                     bucket_cap_mb=1e-4, device_mesh=mesh["dp"])
+
+    opt = build()
+    if first_step:
+        opt.backward(model(*batch(dp, 0)))
+        opt.step()
+        _whole_steps(whole, (0,))
+    opt.zero_grad()
+    opt.close()
+    model.to(torch.float32)
+    opt = build()
+    for step in (1, 2):
+        opt.zero_grad()
+        opt.backward(model(*batch(dp, step)))
+        opt.step()
+    _whole_steps(whole, (1, 2))
+    return _dtensor_against_whole(model, whole)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("first_step", [False, True])
+def test_a_dtensor_model_converted_after_close_trains_as_torch_under_a_new_optimizer(pools, stage, first_step):
+    """model.to(...) swaps DTensor parameters a closed optimizer had hooked; the new optimizer's
+    gradient hooks run on them."""
+    for r, worst in enumerate(pools(4).run(dtensor_converted_after_close_case, stage, first_step)):
+        assert worst <= 1e-6, (r, worst)
+
+
+def dtensor_left_grads_case(dtype_name: str, first: int, second: int, fate: str) -> dict:
+    """DTensor TP (dp 2 x tp 2), 16-bit or fp32 weights: a ShardedAdamW of stage ``first`` runs a
+    backward pass (no step), is closed (``close``; ``zero``: closed, then ``model.zero_grad()``),
+    kept or dropped, and one of stage ``second`` built over the model steps on what it left, then
+    takes one more step. Against torch.optim.AdamW (eps=0.1, so that a loss scale left in a
+    gradient moves the step) on an fp32 master of the whole model, global batch; a new AdamW at the
+    switch."""
+    import gc
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16}[dtype_name]
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp = mesh["dp"].get_local_rank()
+    model, whole = Whole(0, dtype), Whole(0, dtype)
+    parallelize_module(model, mesh["tp"], {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+    master = [p.detach().float().clone().requires_grad_() for p in whole.parameters()]
+    hp = dict(lr=1e-2, weight_decay=0.1, eps=0.1)
+
+    def build(stage: int):
+        return shardopt.ShardedAdamW(model.parameters(), stage=stage, bucket_cap_mb=1e-4, device_mesh=mesh["dp"], **hp)
+
+    def ref_grad(step: int | None) -> None:
+        whole.zero_grad()
+        if step is not None:
+            whole(*global_batch(2, step)).backward()
+        for m, p in zip(master, whole.parameters()):
+            m.grad = None if p.grad is None else p.grad.float()
+
+    opt = build(first)
+    opt.backward(model(*batch(dp, 1)))
+    ref_grad(None if fate == "zero" else 1)
+    if fate in ("close", "zero"):
+        opt.close()
+    if fate == "zero":
+        model.zero_grad()
+    kept = opt if fate == "keep" else None
+    del opt
+    gc.collect()
+    opt = build(second)
+    ref = torch.optim.AdamW(master, **hp)
+    norms, ref_norms = [], []
+    for step in (None, 2):
+        if step is not None:
+            opt.zero_grad()
+            opt.backward(model(*batch(dp, step)))
+            ref_grad(step)
+        norms.append(float(opt.clip_grad_norm_(1e9)))
+        ref_norms.append(float(torch.nn.utils.clip_grad_norm_(master, 1e9)))
+        opt.step()
+        ref.step()
+        with torch.no_grad():  # the whole model's weights: the master's, rounded as the optimizer rounds them
+            for m, p in zip(master, whole.parameters()):
+                p.copy_(m)
+    del kept
+    return {"worst": _dtensor_against_whole(model, whole), "norms": norms, "ref_norms": ref_norms}
+
+
+@pytest.mark.parametrize("dtype_name,first,second,fate", [
+    ("fp32", 1, 1, "close"), ("fp32", 2, 2, "drop"), ("fp32", 1, 2, "keep"), ("fp32", 2, 1, "close"),
+    ("fp32", 2, 2, "zero"), ("fp16", 2, 2, "close"), ("fp16", 1, 2, "keep"), ("fp16", 1, 1, "drop")])
+def test_gradients_of_dtensor_parameters_left_by_an_optimizer_are_the_next_ones(pools, dtype_name, first, second,
+                                                                                 fate):
+    """A DTensor parameter's gradient an optimizer leaves is in its p.grad, as a DTensor: the next
+    optimizer over the model steps on it (at its own loss scale), and model.zero_grad() drops it."""
+    rel, tol = (1e-5, 1e-6) if dtype_name == "fp32" else (1e-3, 2e-3)
+    for r, got in enumerate(pools(4).run(dtensor_left_grads_case, dtype_name, first, second, fate)):
+        for a, b in zip(got["norms"], got["ref_norms"], strict=True):
+            assert abs(a - b) <= rel * b, (r, got["norms"], got["ref_norms"])
+        assert got["worst"] <= tol, (r, got["worst"])
+
+
 def dtensor_hand_grads_case() -> dict:
     """Stage 1, DTensor TP on dp 2 x tp 2: gradients assigned by hand (``p.grad = g``, alike on
     every rank; a DTensor parameter's as a DTensor in its placements). Step 1 with no backward

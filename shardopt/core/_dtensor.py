@@ -5,7 +5,7 @@ A DTensor parameter's values on this rank are its *local tensor*, a plain tensor
 shards and updates local tensors over its data-parallel ranks exactly as it does plain
 parameters. Each DTensor parameter gets a *stand-in*: a plain ``nn.Parameter`` that the records,
 the flat buffer, the reducer and the update see in its place (``ParamRecord.param``). Once the
-stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same view as its
+stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same memory as its
 local tensor (``rewrap``; the model keeps the very same parameter object, a DTensor with its mesh,
 placements, shape and stride, its gradient hooks and its gradient accumulator): the forward pass
 reads the flat buffer, the weight all-gather after a step writes it. Autograd accumulates the gradient into the DTensor parameter's ``.grad``; the
@@ -13,7 +13,10 @@ optimizer's hook on the DTensor parameter (``ParamRecord.leaf``) moves its local
 stand-in's ``.grad`` as autograd would have accumulated it there (``move_grad``), and the rest of
 the gradient's life is a plain parameter's. So a DTensor parameter's ``.grad`` is None after
 backward: the optimizer holds it (in stage 2 as shards), as it holds a plain parameter's in
-stage 2; clip with ``opt.clip_grad_norm_``.
+stage 2; clip with ``opt.clip_grad_norm_``. Once the optimizer stops training the parameter
+(closed, superseded, collected), what its stand-in's ``.grad`` held goes to the DTensor
+parameter's ``.grad`` (``leave_grad``), and the next optimizer's construction moves it into its own
+stand-in (``move_grad``), where reduce._left_grads takes it as a plain parameter's.
 
 Writes from outside (``load_state_dict``, ``copy_``, a write into ``to_local()``) are noticed
 through the model's DTensor parameter, not its stand-in (see update._binding [Note: writes into
@@ -35,6 +38,15 @@ object. After such a swap a hook registered on the parameter before it (the user
 optimizer's, even one removed since) no longer runs, nor does any registered after it: a second
 optimizer over the same model would never see its DTensor gradients. A view of the local tensor
 taken before (``p.to_local()``) keeps the old storage, as it would after a swap.
+
+The local tensor set is not the view of the flat buffer itself but an alias of the same memory at
+offset 0 of a storage of its own (a slice of the flat buffer's storage, ``UntypedStorage[a:b]``,
+which holds the buffer's storage alive), as every DTensor's local tensor is: a DTensor wrapper
+carries the storage offset its local tensor had when it was made (0 for parallelize_module's), and
+``torch.compile`` (its fake-tensor conversion of the parameter) fails where the two disagree
+(a view of the flat buffer sits at its offset in it). The alias has its own
+version counter, as the ``.data`` of the stand-in would have: writes through the flat buffer (the
+all-gather after a step) move no counter of the parameter's.
 
 [Note: a gradient in another placement]
 Autograd may give a DTensor parameter a gradient whose placements are not the parameter's: a
@@ -169,7 +181,15 @@ def rewrap(p: Tensor, view: Tensor) -> None:
     if tuple(view.shape) != tuple(local.shape) or view.dtype != local.dtype:
         raise AssertionError(f"a DTensor parameter with a local tensor of {tuple(local.shape)} {local.dtype} "
                              f"rebuilt over a view of {tuple(view.shape)} {view.dtype}")
-    p._local_tensor = view  # type: ignore[attr-defined]
+    # an alias of view's memory at offset 0 of a storage of its own (a slice of the flat buffer's
+    # storage, which it keeps alive), as a DTensor's local tensor is (see [Note: rebuilding over
+    # the flat buffer])
+    size = view.numel() * view.element_size()
+    start = view.storage_offset() * view.element_size()
+    memory = view.untyped_storage()[start:start + size]
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=view.dtype, device=view.device).set_(memory, 0, view.shape, view.stride())
+    p._local_tensor = alias  # type: ignore[attr-defined]
 
 
 def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
@@ -187,13 +207,31 @@ def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
         return
     p.grad = None
     if is_dtensor(g):
-        if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
-            with torch.no_grad():
+        with torch.no_grad():  # the local tensor itself (a gradient left by an earlier optimizer: see leave_grad)
+            if tuple(g.placements) != tuple(p.placements):  # type: ignore[attr-defined]
                 g = g.redistribute(mesh_of(p), p.placements)  # type: ignore[attr-defined]
-        local = g.to_local()
+            local = g.to_local()
     else:
         local = g
     if replace or into.grad is None:
         into.grad = local
     else:
         into.grad.add_(local)
+
+
+def leave_grad(p: Tensor, into: Tensor) -> None:
+    """Stand-in ``into``'s optimizer no longer trains DTensor parameter ``p``: put what it leaves in
+    ``into.grad`` (a view of its flat gradient, or a stage-2 placeholder, see reduce._left_grads) in
+    ``p.grad``, as a DTensor in ``p``'s placements whose local tensor is that very tensor (what marks
+    it as left stays with it), where torch holds a DTensor parameter's gradient: ``model.zero_grad()``
+    drops it, a backward pass adds to it, and the next optimizer over ``p`` takes it at its
+    construction (``move_grad``) as a plain parameter's. A ``p.grad`` assigned by hand since the last
+    move stays: it replaces the gradient. ``into.grad`` becomes None. Local."""
+    from torch.distributed.tensor import DTensor
+
+    held = into.grad
+    into.grad = None
+    if held is None or p.grad is not None:
+        return
+    # DTensor's own constructor: from_local would wrap a view of ``held``, not ``held``
+    p.grad = DTensor(held, p._spec, requires_grad=False)  # type: ignore[attr-defined]

@@ -34,7 +34,7 @@ from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
 from shardopt.comm._collectives import Comm
-from shardopt.core._dtensor import move_grad
+from shardopt.core._dtensor import leave_grad, move_grad
 from shardopt.core._compat import will_execute_each
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import (BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach, column,
@@ -475,6 +475,9 @@ class GradReducer:
                 r.param.grad = None
             elif self.store.keeps_views and r.holds() is Holds.VIEW:
                 tag_left(cast(Tensor, g), made)
+        for r in self.dtensor_records:  # where torch holds a DTensor parameter's gradient (see core._dtensor)
+            if r.dtensor is not None:
+                leave_grad(r.dtensor, r.param)
 
     def inherit(self, made: LeftScale) -> None:
         """Gradients an earlier optimizer left in ``p.grad``, brought to this optimizer's loss scale

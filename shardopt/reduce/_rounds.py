@@ -145,6 +145,21 @@ def _dropped(ref: weakref.ref[Rounds], opened: int, ran: list[bool]) -> None:
         rounds._to(RoundState.LOST)  # OPEN -> LOST: the backward pass raised; settle() finishes the round
 
 
+def _rewire_hooks(leaf: torch.Tensor) -> None:
+    """Make ``leaf``'s post-accumulate-grad hooks run from its autograd data now. Local.
+
+    torch keeps a tensor's hook dict on the Python object and wires it into the autograd data of
+    the tensor it was made on, once, when the first hook is registered. A swap
+    (``torch.utils.swap_tensors``, which ``model.to(...)`` does to every DTensor parameter) keeps
+    the dict on the object and hands the autograd data to the other one; a hook registered after
+    it, into the same dict, would never run, nor would those still in it, even where every hook of
+    an earlier optimizer was removed (its ``close()``). Setting the dict again wires it into the
+    parameter's autograd data as it is now."""
+    hooks = getattr(leaf, "_post_accumulate_grad_hooks", None)
+    if hooks is not None:
+        leaf._post_accumulate_grad_hooks = hooks
+
+
 class Rounds:
     """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
 
@@ -159,6 +174,7 @@ class Rounds:
             b.placed(i)
         for k, r in enumerate(self.reducers):
             for rec in r.records:
+                _rewire_hooks(rec.leaf)
                 rec.hooked(owned_hook(rec.leaf.register_post_accumulate_grad_hook(self._make_hook(k, rec.index)),
                                       weakref.ref(self)))
         self.order: list[BucketRecord] | None = None  # the agreed launch order, from rank 0 in round 1
