@@ -1343,14 +1343,15 @@ def test_experts_that_share_a_name_on_different_ranks_save_apart_and_resume_exac
 
 
 def duplicate_block_case(path: str) -> str:
-    """Two ranks hand DCP a block with the same key and offsets: DCP would keep one."""
+    """Two ranks hand DCP a block with the same key and offsets: DCP would keep one. A ValueError
+    on every rank (the class the rank that found it raised)."""
     from shardopt.checkpoint._blocks import whole
     from shardopt.checkpoint._dcp import write_blocks
 
     mine = torch.full((3,), float(dist.get_rank()))
     try:
         write_blocks(path, [whole("model.w", mine)], None)
-    except RuntimeError as e:
+    except ValueError as e:
         return str(e)
     return "no error"
 
