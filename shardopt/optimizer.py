@@ -22,7 +22,7 @@ from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._dtensor import is_dtensor, move_grad
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
-from shardopt.comm._gather_wait import GatherWatch, in_flight, landed
+from shardopt.comm._gather_wait import GatherWatch, in_flight, landed, outside_read_guard
 from shardopt.comm._gathers import WeightGathers
 from shardopt.reduce._held_bytes import HeldTotal
 from shardopt.view import OptimizerView
@@ -435,9 +435,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # See ShardedBuffer.update: each bucket's all-gather runs while the next bucket is updated.
         start = time.perf_counter()
         try:
-            for b in self._buffers:
-                for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
-                    self._gathers.started(bucket, pending)
+            # another optimizer's read guard, if its gathers are in flight, is not this update's concern
+            # (see _gather_wait [Note: the optimizer's own update])
+            with outside_read_guard():
+                for b in self._buffers:
+                    for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
+                        self._gathers.started(bucket, pending)
         finally:
             if self.config.overlap_param_gather:  # the read guard, see _gather_wait [Note: reads of a weight in flight]
                 in_flight()

@@ -10,13 +10,16 @@ whose cost grows with the number of buckets, and a dropped optimizer kept alive 
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import gc
 import io
+import os
 import pickle
 import threading
 import time
+import warnings
 import weakref
 
 import pytest
@@ -550,7 +553,7 @@ def test_fullgraph_compiles_with_overlapped_gathers(pools):
     pool = pools(2)
     for r in pool.run(fullgraph_case, True, "in_place"):  # nothing can wait inside: a clear error
         assert "error" in r and "opt.finish_param_gather() before calling" in r["error"] \
-            and "torch.compile(model, fullgraph=True)" in r["error"], r
+            and "torch.compile(model, fullgraph=True)" in r["error"] and "a module runs inside" in r["error"], r
     for how in ("in_place_finished", "wrapper", "ema"):
         plain = pool.run(fullgraph_case, False, how)
         over = pool.run(fullgraph_case, True, how)
@@ -559,6 +562,168 @@ def test_fullgraph_compiles_with_overlapped_gathers(pools):
             assert _same(a["losses"], b["losses"]) and _same(a["params"], b["params"]), how
             assert _same(a["ema"], b["ema"]), how
 
+
+
+def _augment(idx: torch.Tensor) -> torch.Tensor:
+    return (idx * 3 + 1) % 2048
+
+
+def compiled_reads_case(overlap: bool) -> dict:
+    """Right after each step(): a function compiled with ``fullgraph=True`` that reads no weight
+    (an augmentation of the integer batch), then, after the loop, one that reads them (an EMA)."""
+    torch._dynamo.reset()
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    augment = torch.compile(_augment, backend="aot_eager", fullgraph=True)
+    lerp = torch.compile(_lerp, backend="aot_eager", fullgraph=True)
+    ema = [p.detach().clone() for p in model.parameters()]
+    losses, pending = [], []
+    idx = batch(rank, 0, vocab=2048, n=8, t=16)
+    for step in range(3):
+        opt.zero_grad()
+        loss = model(idx)
+        losses.append(loss.detach())
+        opt.backward(loss)
+        with slow_sender():
+            opt.step()
+        pending.append(len(opt._gathers.handles()))
+        idx = augment(batch(rank, step + 1, vocab=2048, n=8, t=16))  # the gathers still in flight
+    try:
+        lerp(ema, list(model.parameters()))
+        error = ""
+    except RuntimeError as e:  # dynamo's errors are RuntimeErrors
+        error = f"{type(e).__name__}: {e}"
+    opt.finish_param_gather()
+    return {"losses": losses, "pending": pending, "error": error,
+            "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_a_fullgraph_function_reading_no_weight_runs_right_after_an_overlapped_step(pools):
+    pool = pools(2)
+    plain = pool.run(compiled_reads_case, False)
+    over = pool.run(compiled_reads_case, True)
+    for rank, (a, b) in enumerate(zip(plain, over)):
+        assert a["error"] == "", a["error"]
+        assert _same(a["losses"], b["losses"]) and _same(a["params"], b["params"])
+        if rank == 0:  # the slow sender's pieces were on their way when the augmentation ran
+            assert all(n > 0 for n in b["pending"]), b["pending"]
+        # the one that reads the weights is refused, saying so
+        assert "takes a tensor of the weights' dtype" in b["error"] and "opt.finish_param_gather()" in b["error"], \
+            b["error"]
+
+
+def compiled_part_case(overlap: bool, how: str) -> dict:
+    """A compiled part of the training: the body compiled apart (``torch.compile(model.body)``, with
+    or without ``fullgraph=True``) while the embedding and the head stay eager; or the whole model
+    compiled with ``fullgraph=True`` beside another model whose optimizer's gathers are in flight
+    when it runs."""
+    torch._dynamo.reset()
+    rank = dist.get_rank()
+    torch.manual_seed(21)
+    model = ReadModel(tied=False)
+    torch.manual_seed(22)
+    other = ReadModel(tied=False)
+    if how.startswith("body"):
+        model.body = torch.compile(model.body, backend="aot_eager", fullgraph=how == "body_fullgraph")
+    forward = torch.compile(model, backend="aot_eager", fullgraph=True) if how == "beside_another" else model
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    other_opt = shardopt.ShardedAdamW(other.parameters(), lr=1e-2, bucket_cap_mb=0.25, overlap_param_gather=overlap)
+    losses = []
+    for step in range(3):
+        opt.zero_grad()
+        other_opt.zero_grad()
+        loss = forward(batch(rank, step, vocab=2048, n=8, t=16))
+        opt.backward(loss)
+        other_loss = other(batch(rank, step + 50, vocab=2048, n=8, t=16))
+        other_opt.backward(other_loss)
+        with slow_sender():
+            opt.step()
+            other_opt.step()
+        losses += [loss.detach(), other_loss.detach()]
+    opt.finish_param_gather()
+    other_opt.finish_param_gather()
+    return {"losses": losses, "params": [p.detach().clone() for p in [*model.parameters(), *other.parameters()]]}
+
+
+def test_a_compiled_part_of_the_model_trains_with_overlapped_gathers(pools):
+    pool = pools(2)
+    for how in ("body", "body_fullgraph", "beside_another"):
+        plain = pool.run(compiled_part_case, False, how)
+        over = pool.run(compiled_part_case, True, how)
+        for a, b in zip(plain, over):
+            assert _same(a["losses"], b["losses"]) and _same(a["params"], b["params"]), how
+
+
+def second_optimizer_case(overlap_first: bool) -> dict:
+    """Two models, each with its optimizer, stepped one after the other (``for opt in optimizers:
+    opt.step()``): the second, not overlapped, compiles its fused kernels while the first one's
+    gathers are in flight."""
+    kernel = os.environ.get("SHARDOPT_KERNEL")
+    os.environ["SHARDOPT_KERNEL"] = "auto"  # the default: fused kernels, compiled
+    try:
+        rank = dist.get_rank()
+        torch.manual_seed(21)
+        first = ReadModel(tied=False)
+        torch.manual_seed(22)
+        second = torch.nn.Sequential(torch.nn.Linear(24, 24), torch.nn.Tanh(), torch.nn.Linear(24, 24))
+        first_opt = shardopt.ShardedAdamW(first.parameters(), lr=1e-2, bucket_cap_mb=0.25,
+                                          overlap_param_gather=overlap_first)
+        second_opt = shardopt.ShardedAdamW(second.parameters(), lr=1e-2)
+        x = torch.randn(8, 24, generator=torch.Generator().manual_seed(rank))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(3):
+                first_opt.zero_grad()
+                second_opt.zero_grad()
+                first_opt.backward(first(batch(rank, step, vocab=2048, n=8, t=16)))
+                second_opt.backward(second(x).square().mean())
+                with slow_sender():
+                    first_opt.step()
+                second_opt.clip_grad_norm_(1.0)
+                second_opt.step()
+        first_opt.finish_param_gather()
+    finally:
+        if kernel is None:
+            del os.environ["SHARDOPT_KERNEL"]
+        else:
+            os.environ["SHARDOPT_KERNEL"] = kernel
+    return {"kernels": sorted({b.kernels.name for b in second_opt._buffers}),
+            "warnings": [str(w.message) for w in caught if "shardopt" in str(w.message)],
+            "params": [p.detach().clone() for p in second.parameters()]}
+
+
+def test_a_second_optimizer_keeps_its_compiled_update_beside_an_overlapped_one(pools):
+    pool = pools(2)
+    plain = pool.run(second_optimizer_case, False)
+    over = pool.run(second_optimizer_case, True)
+    for a, b in zip(plain, over):
+        assert a["kernels"] == ["fused"] and a["warnings"] == [], a
+        assert b["kernels"] == ["fused"] and b["warnings"] == [], b
+        assert _same(a["params"], b["params"])
+
+
+def exit_hooks_case(overlap: bool) -> int:
+    """The callbacks at interpreter exit added by building (and stepping) ten optimizers, each
+    superseding the last."""
+    rank = dist.get_rank()
+    before = atexit._ncallbacks()
+    model = torch.nn.Linear(8, 8)
+    for _ in range(10):
+        opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, overlap_param_gather=overlap)
+        opt.backward(model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).square().mean())
+        opt.step()
+    opt.finish_param_gather()
+    return atexit._ncallbacks() - before
+
+
+def test_overlapped_optimizers_add_one_exit_callback_in_all(pools):
+    pool = pools(2)
+    plain = pool.run(exit_hooks_case, False)
+    over = pool.run(exit_hooks_case, True)
+    for a, b in zip(plain, over):
+        assert b <= a + 1, (a, b)
 
 # -- TorchScript blocks -------------------------------------------------------------------------------
 class Block(torch.nn.Module):

@@ -13,8 +13,8 @@ module of a forward over some of the optimizer's parameters (the outermost one, 
 model) also waits, once its forward is over, for the gathers of every parameter under it that
 the forward did not use (they have had the whole forward to land), so that nothing is left in
 flight into the backward pass. A module whose submodules run where no Python hook reaches them
-waits, before it runs, for every bucket under it: torch.compile's wrapper (see [Note: compiled
-models]) and a TorchScript module (``torch.jit.script``/``trace``, whose submodules run inside
+waits, before it runs: torch.compile's wrapper for every gather in flight, of every optimizer
+(see [Note: compiled models]), and a TorchScript module for every bucket under it (``torch.jit.script``/``trace``, whose submodules run inside
 the TorchScript interpreter). Each module that owns parameters (but a TorchScript one, which takes
 no such hook) also gets a state-dict pre-hook and a load-state-dict pre-hook that wait for every
 gather, so ``model.state_dict()`` and ``model.load_state_dict()`` are right from any thread: those
@@ -24,7 +24,7 @@ flight. Every other read or write of a weight still in flight waits through the 
 ([Note: reads of a weight in flight]). The handles are kept (see core._ownership [Note: hooks of a
 freed optimizer]) and removed when the optimizer is released. At interpreter exit the gathers
 still in flight are waited for, so no collective is left running when torch tears the process
-group down.
+group down (one callback for every optimizer of the process, registered once).
 
 [Note: hooks on the user's modules]
 The user pickles their model (``torch.save(model)``), deep-copies it (an EMA copy, a reference
@@ -89,7 +89,8 @@ at each tensor argument (a dict lookup by ``id``, ``data_ptr()`` and one compari
 buffer: about 2 microseconds each). In the usual loop that is the forward up to the module that
 waits for the last bucket (the outermost module's forward hook waits for any bucket the forward
 did not use), after which the mode is gone: the backward pass, the next ``step()`` and whatever
-runs until then pay nothing, and the optimizer's own update in ``step()`` never runs under it.
+runs until then pay nothing, and the optimizer's own update in ``step()`` never runs under it
+(see [Note: the optimizer's own update]).
 Shardopt's own work when a gather lands (its profiler range, the check of its parameters'
 version counters, see step._usage_checks) runs with torch functions off (comm._gathers), and
 looks at that bucket's parameters only, so a landing costs the same whatever the number of
@@ -100,6 +101,17 @@ module hook is registered, every module call takes the slower path of ``Module._
 (about 1.5 microseconds a call on a CPU). The hooks stay registered for the optimizer's life all
 the same: dynamo guards on the lengths of the hook dicts, so adding and removing them at every
 step would recompile a compiled model at every step.
+
+[Note: the optimizer's own update]
+The update of ``step()`` reads and writes the optimizer's own buffers only, which the gathers of
+no other optimizer touch, so no read guard has a reason to see it. Yet the guard of another
+optimizer can be on the stack when it runs: ``for opt in optimizers: opt.step()`` with the first
+overlapped (two models, or one model split between two optimizers). ``step()`` takes this
+thread's guard off the stack for its update (``outside_read_guard``) and puts it back at the
+bottom after, and every fused kernel runs with torch functions off (kernels.fused [Note: modes
+around a kernel]), also in ``clip_grad_norm_`` and in the gradient check before the update:
+traced, the guard's wait would be a graph break inside the kernel's ``fullgraph=True`` compile,
+which fails, and the optimizer would take the reference kernel for good.
 
 [Note: other threads]
 A ``TorchFunctionMode`` is thread-local: the guard covers the thread that called ``step()``.
@@ -116,30 +128,48 @@ raises there on every rank.
 
 [Note: compiled models]
 Dynamo traces module hooks and the modes on the stack into the compiled code. The hooks and the
-mode therefore do their work only when run eagerly: ``torch.compile(model)`` runs the hooks of
-its wrapper eagerly, before the compiled code starts, and the wrapper waits there for every bucket
-under it, so the compiled forward starts with the model's gathers landed (and, where the optimizer
-trains nothing else, no mode). Where a hook or the mode is traced with gathers in flight (a module
-compiled in place with ``module.compile()``, whose hooks all run traced; a compiled function that
-reads weights right after ``step()``), it calls ``_finish_all``, which dynamo does not trace and
-which waits for every gather: one graph break, and the weights are right; the compiled code does
-not change from one step to the next. Under ``fullgraph=True`` a graph break is an error, and
-nothing else can wait there: no Python runs between the call of a compiled function and its
-compiled code but torch's, and an operator put into the graph to wait would not be ordered before
-the graph's reads of the weights (custom operators and ``leaf_function`` are ordered only by their
-data). Dynamo's error then carries ``_finish_all``'s reason, which says what to do: call
-``opt.finish_param_gather()`` first, or compile the model with ``torch.compile(model,
-fullgraph=True)`` (whose wrapper waits eagerly, as above). A module compiled in place is never
-seen eagerly, so it has no state-dict hooks; its ``state_dict()`` in the stepping thread waits
-through the mode, and in another thread after ``opt.finish_param_gather()``.
+mode therefore do their work only when run eagerly, and what they run eagerly is never compiled
+(``torch.compiler.disable``): a module called eagerly inside compiled code after a graph break
+(a submodule compiled apart, ``torch.compile(model.body)``, runs its hooks inside the wrapper's
+compile context) would otherwise have dynamo compile the hooks' own frames, which look at the
+optimizer's sets of modules. ``torch.compile(module)`` runs the hooks of its wrapper eagerly,
+before the compiled code starts, and the wrapper waits there for every gather in flight, of
+every optimizer, so its compiled code starts with nothing in flight and no mode, and nothing
+traced waits: the whole model compiled, a part of it compiled apart and called from an eager
+forward (the rest of that forward's buckets land before the part runs, not during it), or a
+model compiled beside another one whose optimizer's gathers are in flight, all with
+``fullgraph=True`` too. Where a hook or the mode is traced with gathers in flight, it calls
+``_finish_all``, which dynamo does not trace and which waits for every gather: one graph break,
+and the weights are right; the compiled code does not change from one step to the next. A traced
+hook waits at every module call (a module compiled in place with ``module.compile()``, whose
+hooks all run traced, or a module called from a compiled function); the traced mode waits at a
+call with a tensor argument of the dtype of some overlapped optimizer's weights (``_weight_dtypes``,
+on which dynamo guards, as on each input's dtype). It cannot look at a tensor's memory there (the
+traced tensors are fakes), and a tensor of another dtype is not a weight (nor a view of one but
+the kind below), so a
+compiled function that reads no weight (an augmentation of the integer batch, a metric) runs
+without waiting; one that takes a tensor of the weights' dtype waits, be it a weight or not. A
+view of the weights as another dtype (``p.view(torch.int16)``) made before ``step()`` and handed
+to compiled code right after it is not seen, like a NumPy array made before ``step()``. Under
+``fullgraph=True`` a graph break is an error, and nothing else can wait there: no Python runs
+between the call of a compiled function and its compiled code but torch's, and an operator put
+into the graph to wait would not be ordered before the graph's reads of the weights (custom
+operators and ``leaf_function`` are ordered only by their data). Dynamo's error then carries the
+reason of the wait (``_FULLGRAPH_MODULE`` for a hook, ``_FULLGRAPH_READ`` for the mode), which
+says what to do: call ``opt.finish_param_gather()`` first, or, for a module, compile it with
+``torch.compile(model, fullgraph=True)`` (whose wrapper waits eagerly, as above). A module
+compiled in place is never seen eagerly, so it has no state-dict hooks; its ``state_dict()`` in
+the stepping thread waits through the mode, and in another thread after
+``opt.finish_param_gather()``.
 """
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import Tensor
@@ -160,6 +190,8 @@ _watches: weakref.WeakSet = weakref.WeakSet()  # the GatherWatch of every optimi
 # The WeightGathers with a gather in flight, as of the last step() or landing. Held weakly: an
 # optimizer dropped with gathers in flight is freed at once (its __del__ waits for them).
 _flying: tuple[weakref.ref, ...] = ()
+_exit_hook = False  # _finish_at_exit is registered with atexit (once per process)
+_weight_dtypes: frozenset[torch.dtype] = frozenset()  # the dtypes of every watch's flat buffers (read when traced)
 
 
 class _Local(threading.local):
@@ -182,14 +214,19 @@ _NO_WAIT = frozenset({
 # wait for every bucket of it in flight, not only for the tensor's own elements.
 _STORAGE = frozenset({Tensor.untyped_storage, Tensor.storage})
 
-# Why the wait is not traced; dynamo puts it into its error under fullgraph=True (see [Note: compiled models]).
-_FULLGRAPH = (
-    "shardopt: the weights that step() updated are still being gathered into the model "
-    "(overlap_param_gather=True) and this compiled code reads them; waiting for them is a graph break, "
-    "which fullgraph=True refuses. Call opt.finish_param_gather() before calling a function or a module "
-    "compiled in place (module.compile) with fullgraph=True right after step(), compile the model as "
-    "torch.compile(model, fullgraph=True), whose wrapper waits before its compiled code starts, or leave "
-    "overlap_param_gather off")
+# Why a wait is not traced; dynamo puts it into its error under fullgraph=True (see [Note: compiled models]).
+_FULLGRAPH_MODULE = (
+    "shardopt: a module runs inside code compiled with fullgraph=True (a module compiled in place with "
+    "module.compile, or called from a compiled function) while the weights that step() updated are still being "
+    "gathered (overlap_param_gather=True); its wait for them is a graph break, which fullgraph=True refuses. "
+    "Compile the module as torch.compile(model, fullgraph=True) instead, whose wrapper waits for every gather "
+    "before its compiled code starts, call opt.finish_param_gather() before calling it right after step(), or "
+    "leave overlap_param_gather off")
+_FULLGRAPH_READ = (
+    "shardopt: code compiled with fullgraph=True and called right after step() takes a tensor of the weights' "
+    "dtype (a weight, or a tensor that may view the weights) while the weights that step() updated are still "
+    "being gathered (overlap_param_gather=True); waiting for them is a graph break, which fullgraph=True refuses. "
+    "Call opt.finish_param_gather() before calling it, or leave overlap_param_gather off")
 
 
 class InFlightReads(TorchFunctionMode):
@@ -202,12 +239,26 @@ class InFlightReads(TorchFunctionMode):
             kwargs = {}
         if _in_flight:
             if torch.compiler.is_compiling():  # see [Note: compiled models]
-                _finish_all()
+                if _of_weight_dtype(args) or _of_weight_dtype(kwargs):
+                    _finish_all_for_read()
             elif func in _STORAGE:
                 _wait_for_storage(args[0])
             elif func not in _NO_WAIT:
                 _wait_for(args, kwargs)
         return func(*args, **kwargs)
+
+
+def _of_weight_dtype(x: Any) -> bool:
+    """Whether a tensor among ``x`` (lists, tuples and dicts opened) has the dtype of some weights
+    an optimizer gathers with overlap: traced, in place of the look at its memory (see [Note:
+    compiled models])."""
+    if isinstance(x, Tensor):
+        return x.dtype in _weight_dtypes
+    if isinstance(x, (list, tuple)):
+        return any(_of_weight_dtype(y) for y in x)
+    if isinstance(x, dict):
+        return any(_of_weight_dtype(y) for y in x.values())
+    return False
 
 
 def _wait_for(args: tuple, kwargs: dict) -> None:
@@ -265,6 +316,26 @@ def in_flight() -> None:
     _note_left(False)
 
 
+@contextlib.contextmanager
+def outside_read_guard() -> Iterator[None]:
+    """This thread's read guard off the mode stack while step() updates its own buffers (see
+    [Note: the optimizer's own update]), back at the bottom afterwards if gathers are still in
+    flight. Local."""
+    mode = _local.mode
+    if mode is None or not remove_function_mode(mode):
+        yield
+        return
+    try:
+        yield
+    finally:
+        if _local.mode is mode:  # not replaced meanwhile
+            if _in_flight:
+                insert_function_mode(mode)
+            else:  # the last gather landed meanwhile
+                _local.mode = None
+                _note_left(False)
+
+
 def landed() -> None:
     """A gather was waited for (or an optimizer built): whether any is still in flight; once none
     is, this thread's read guard leaves the mode stack. Local; outside compiled code."""
@@ -293,11 +364,16 @@ def _note_left(left: bool) -> None:
     _left = bool(_left_in)
 
 
-@torch.compiler.disable(reason=_FULLGRAPH)
 def _finish_all() -> None:
+    """Wait for every gather in flight, of every optimizer. Local; outside compiled code."""
     for w in list(_watches):
         w.gathers.finish()
     landed()
+
+
+# Where traced code must wait: never traced, so a graph break (see [Note: compiled models])
+_finish_all_for_module = torch.compiler.disable(_finish_all, reason=_FULLGRAPH_MODULE)
+_finish_all_for_read = torch.compiler.disable(_finish_all, reason=_FULLGRAPH_READ)
 
 
 class _Outer(threading.local):
@@ -313,8 +389,10 @@ class GatherWatch:
     the hooks hold it weakly. Local."""
 
     def __init__(self, gathers: WeightGathers) -> None:
-        global _looking
+        global _looking, _exit_hook, _weight_dtypes
         self.gathers = gathers
+        if not gathers.dtypes <= _weight_dtypes:  # a new object only when it changes: dynamo guards on it
+            _weight_dtypes = _weight_dtypes | gathers.dtypes
         self.looking = True  # until its first overlapped step: every module call is looked at
         _looking = True
         self._seen: weakref.WeakSet = weakref.WeakSet()  # modules looked at (with everything under them)
@@ -327,7 +405,9 @@ class GatherWatch:
         self._handles = [  # every hook of this watch, for remove()
             owned_hook(hooks.register_module_forward_pre_hook(functools.partial(_before_call, ref)), ref),
             owned_hook(hooks.register_module_forward_hook(functools.partial(_after_call, ref)), ref)]
-        atexit.register(_finish_at_exit, ref)
+        if not _exit_hook:  # one for every watch: it waits for the gathers of each one alive then
+            atexit.register(_finish_at_exit)
+            _exit_hook = True
 
     def remove(self) -> None:
         """Remove every hook of this watch (the optimizer is released). Local."""
@@ -346,7 +426,11 @@ class GatherWatch:
         gathers = self.gathers
         if not gathers:
             return
-        if _runs_unhooked(module):
+        unhooked = _runs_unhooked(module)
+        if unhooked == "compiled":  # its compiled code starts with nothing in flight (see [Note: compiled models])
+            _finish_all()
+            return
+        if unhooked:
             for b in self._buckets_under(module):  # its submodules run where no hook of ours reaches
                 gathers.wait(b)
         else:
@@ -396,16 +480,18 @@ class GatherWatch:
                               owned_hook(m.register_load_state_dict_pre_hook(wait_all), self._ref)]
 
 
-_UNHOOKED: dict[type, bool] = {}  # by module class: whether _runs_unhooked (looked up at every module call)
+_UNHOOKED: dict[type, str] = {}  # by module class: _runs_unhooked (looked up at every module call)
 
 
-def _runs_unhooked(module: torch.nn.Module) -> bool:
-    """Whether the submodules of ``module`` run where no Python hook reaches them: torch.compile's
-    wrapper (before its compiled code) and a TorchScript module (see [Note: overlapped gather])."""
+def _runs_unhooked(module: torch.nn.Module) -> str:
+    """Whether the submodules of ``module`` run where no Python hook reaches them: "compiled" for
+    torch.compile's wrapper (before its compiled code), "script" for a TorchScript module (see
+    [Note: overlapped gather]), "" otherwise."""
     kind = type(module)
     unhooked = _UNHOOKED.get(kind)
     if unhooked is None:
-        unhooked = _UNHOOKED[kind] = compiled_inner(module) is not None or isinstance(module, torch.jit.ScriptModule)
+        unhooked = _UNHOOKED[kind] = ("compiled" if compiled_inner(module) is not None else
+                                      "script" if isinstance(module, torch.jit.ScriptModule) else "")
     return unhooked
 
 
@@ -415,8 +501,14 @@ def _before_call(ref: weakref.ref, module: torch.nn.Module, args: Any) -> None:
         return
     if torch.compiler.is_compiling():  # see [Note: compiled models]
         if _in_flight:
-            _finish_all()
+            _finish_all_for_module()
         return
+    _before_eagerly(ref, module)
+
+
+@torch.compiler.disable
+def _before_eagerly(ref: weakref.ref, module: torch.nn.Module) -> None:
+    """The eager work of _before_call: never compiled as frames of their own (see [Note: compiled models])."""
     if _local.mode is not None:
         landed()  # the last gather may have landed inside the mode's own call, or its optimizer is gone
     watch = ref()
@@ -428,6 +520,11 @@ def _after_call(ref: weakref.ref, module: torch.nn.Module, args: Any, output: An
     """The global forward hook of the GatherWatch behind ``ref``."""
     if not _in_flight or torch.compiler.is_compiling():  # traced: its pre-hook waited for every gather
         return
+    _after_eagerly(ref, module)
+
+
+@torch.compiler.disable
+def _after_eagerly(ref: weakref.ref, module: torch.nn.Module) -> None:
     watch = ref()
     if watch is not None:
         watch.after(module)
@@ -445,17 +542,21 @@ class _WaitAll:
     def __call__(self, module: torch.nn.Module, *args: Any) -> None:
         if torch.compiler.is_compiling():  # see [Note: compiled models]
             if _in_flight:
-                _finish_all()
+                _finish_all_for_module()
             return
-        watch = self.watch()
-        if watch is not None and watch.gathers:
-            watch.gathers.finish()
+        _finish_eagerly(self.watch)
 
     def __reduce__(self) -> tuple:
         return getattr, ("", "format")  # pickled and deep-copied: a builtin that takes anything and does nothing
 
 
-def _finish_at_exit(ref: weakref.ref) -> None:
+@torch.compiler.disable
+def _finish_eagerly(ref: weakref.ref) -> None:
     watch = ref()
-    if watch is not None:
+    if watch is not None and watch.gathers:
         watch.gathers.finish()
+
+
+def _finish_at_exit() -> None:
+    for w in list(_watches):
+        w.gathers.finish()

@@ -35,6 +35,7 @@ class WeightGathers:
         # Each flat buffer's bytes (first, one past the last) and element size, by buffer index: the
         # memory the gathers write, for touching(). A flat buffer is allocated once and never moves.
         self._memory = [(f.data_ptr(), f.data_ptr() + f.numel() * f.element_size(), f.element_size()) for f in flats]
+        self.dtypes = frozenset(f.dtype for f in flats)  # the weights' dtypes (see _gather_wait [Note: compiled models])
         self._lock = threading.RLock()  # held while a gather is waited for (RLock: a landing may look again)
 
     def started(self, bucket: BucketRecord, pending: Pending) -> None:

@@ -108,7 +108,7 @@ def _compiled() -> tuple[Callable, Callable]:
 
     def scoped(fn: Callable) -> Callable:
         def run(*args: object) -> object:
-            with _cpu_codegen.fused_kernels():
+            with _cpu_codegen.fused_kernels(), torch._C.DisableTorchFunction():  # see fused [Note: modes around a kernel]
                 return fn(*args)
         return run
     return scoped(compiled[0]), scoped(compiled[1])

@@ -57,6 +57,14 @@ import torch
 
 from shardopt.kernels import _cpu_codegen, reference
 
+# [Note: modes around a kernel]
+# A fused kernel runs with torch functions off (torch._C.DisableTorchFunction): the torch function
+# modes on the stack when step() or clip_grad_norm_ calls it are not traced into its graph. They
+# are the caller's (a user's mode entered around the loop, or the read guard another optimizer's
+# overlapped step left in this thread, see comm._gather_wait), and a kernel reads and writes the
+# optimizer's own buffers only, which no such mode has a reason to see: traced, a mode would make
+# the kernel's compile depend on it (the read guard's wait is a graph break, which the kernel's
+# fullgraph=True compile refuses), and the reference kernel would be taken for good.
 _started = contextvars.ContextVar("shardopt_fused_started", default=False)  # see [Note: compile failure]
 
 
@@ -125,7 +133,8 @@ def _compiled(name: str, form: tuple) -> Callable:
 
 
 def _run(kernel: Callable, args: tuple, kwargs: dict):  # noqa: ANN202 - the kernel's own result
-    with _cpu_codegen.fused_kernels():  # see [Note: wide tiling], [Note: wide bytes]
+    # torch functions off: see [Note: modes around a kernel]
+    with _cpu_codegen.fused_kernels(), torch._C.DisableTorchFunction():  # see [Note: wide tiling], [Note: wide bytes]
         return kernel(*args, **kwargs)
 
 
