@@ -173,17 +173,32 @@ def reaches_into_torch(root: str) -> list[str]:
 def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
     """No live object's class is swapped (``type(p) is nn.Parameter`` holds, dynamo's guards see what
     torch made) and no torch hook dict is read or changed: hooks go through RemovableHandles. The
-    scan finds both kinds where they are (a copy of the package with one of each added)."""
+    scan finds both kinds where they are (a copy of the package with one of each added). One
+    exception, by name: ``reduce._rounds._rewire_hooks`` assigns a parameter's post-accumulate-grad
+    hook dict to itself, unchanged, which is how torch wires it into the parameter's autograd data
+    again after a ``torch.utils.swap_tensors`` (``model.to`` of a DTensor parameter) left it wired to
+    the swapped-out tensor; no public call does that."""
+    import inspect
     import os
     import shutil
 
+    from shardopt.reduce._rounds import _rewire_hooks
+
     root = os.path.join(os.path.dirname(__file__), "..")
-    assert reaches_into_torch(root) == []
+    first = inspect.getsourcelines(_rewire_hooks)[1]
+    rewire = range(first, first + len(inspect.getsourcelines(_rewire_hooks)[0]))
+
+    def outside_rewire(where: str) -> list[str]:
+        return [f for f in reaches_into_torch(where)
+                if not (f.startswith(os.path.join("shardopt", "reduce", "_rounds.py") + ":")
+                        and int(f.split(":")[1]) in rewire)]
+
+    assert outside_rewire(root) == []
     shutil.copytree(os.path.join(root, "shardopt"), tmp_path / "shardopt", ignore=shutil.ignore_patterns("__pycache__"))
     bad = tmp_path / "shardopt" / "core" / "_ownership.py"
     bad.write_text(bad.read_text() + "\n\ndef _bad(p, m):\n    p.__class__ = object\n"
                    "    getattr(m, '_forward_pre_hooks').clear()\n    m._post_accumulate_grad_hooks.pop(0)\n")
-    assert len(reaches_into_torch(str(tmp_path))) == 3
+    assert len(outside_rewire(str(tmp_path))) == 3
 
 
 def test_without_the_mode_stack_functions_overlap_is_refused_and_the_rest_trains(monkeypatch):
