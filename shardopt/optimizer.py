@@ -212,6 +212,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
         self._step = 0
         self._clip_coef = 1.0  # what clip_grad_norm_ asked the next step to multiply the gradient by
+        self._clip_zeroings = self._clip_rounds = 0  # the reducers' zeroings and rounds when it asked (see _pending_clip)
         self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
         self.step_was_skipped = False
         self.skipped_steps = 0
@@ -366,9 +367,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # step asked the step to multiply it by: its norm is the stored one's times that, and a
         # further clip multiplies in (torch clips p.grad in place, so a second call clips the
         # clipped gradient and returns its norm)
-        norm = norm / self._checks.grad_scale * self._clip_coef
+        norm = norm / self._checks.grad_scale * self._pending_clip()
         coef = 1.0 if found_inf else min(1.0, float(max_norm) / (norm + 1e-6))
         self._clip_coef *= coef
+        self._clip_zeroings, self._clip_rounds = self._zeroings(), self._rounds.total_rounds
         return torch.tensor(norm)  # inf or nan when a gradient is, as torch's
 
     @torch.compiler.disable
@@ -394,13 +396,16 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # Always the step's own all-reduce, also after clip_grad_norm_: user code between the two
         # (model.zero_grad(), a weight write, another backward) may have changed something on one
         # rank only, and a rank-local test deciding whether to look again would let one rank issue
-        # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for.
+        # a collective alone. The clip coefficient stays the one clip_grad_norm_ returned for,
+        # unless the gradients it scaled were zeroed since.
         coef, self._clip_coef = self._clip_coef, 1.0
         # writes into opt.state reach the shard before the update reads it (see checkpoint._torch_state)
         self._checks.report_late(self.state.take_writes())
         try:
             with record_function(STEP_AGREEMENT):
                 found_inf = self._agree_on_gradients(None)[0]
+            if coef != 1.0 and self._clip_dropped():
+                coef = 1.0  # what the clip scaled was zeroed since (see _pending_clip)
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
             # the first step taken beside model axes, before its update (see step._copies): a skipped
@@ -410,6 +415,23 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             return self._apply_step(found_inf, coef, loss)
         finally:
             self._end_notice()
+
+    def _zeroings(self) -> int:
+        return sum(b.reducer.zeroings for b in self._buffers)
+
+    def _clip_dropped(self) -> bool:
+        return self._zeroings() != self._clip_zeroings and self._rounds.total_rounds != self._clip_rounds
+
+    def _pending_clip(self) -> float:
+        """The coefficient clip_grad_norm_ asked for since the last step, or 1 where gradients were
+        zeroed or replaced since it asked (``model.zero_grad()``, ``p.grad = None``) and a backward
+        pass made new ones: what it clipped is gone, as in torch, where the clip scaled the discarded
+        ``p.grad`` and the new gradient is not clipped. (Some gradients dropped and no backward
+        since: the clip stays, on those still there, as torch's.) Every rank (the ranks zero alike,
+        or the step raises)."""
+        if self._clip_coef != 1.0 and self._clip_dropped():
+            self._clip_coef = 1.0
+        return self._clip_coef
 
     def _apply_step(self, found_inf: bool, coef: float, loss: Any) -> Any:
         """The step once every rank agreed: skip it (``found_inf``), or update this rank's shard with

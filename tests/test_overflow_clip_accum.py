@@ -141,6 +141,45 @@ def test_clip_grad_norm_twice_before_a_step_clips_the_clipped_gradient_as_torch(
                 assert rel_norm <= 1e-5 and worst <= 2e-6, (stage, max_norms, rel_norm, worst)
 
 
+def clip_then_zeroed_case(stage: int, how: str) -> tuple[float, float, float]:
+    """A clip to 0.05, then the gradients zeroed (``how``) and a new backward pass: the step and a
+    norm read before it see the new gradient, unclipped, as torch's (its clip scaled the gradient
+    that zeroing dropped). Against torch on the new averaged gradient alone."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=6)
+    ref = copy.deepcopy(model)
+    opt = shardopt.ShardedAdamW(param_groups(model), lr=1e-2, stage=stage, bucket_cap_mb=1e-4)
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=1e-2)
+    opt.backward(model(batch(rank, 0)))
+    clipped = opt.clip_grad_norm_(0.05).item()
+    if how == "model.zero_grad()":
+        model.zero_grad()
+    else:
+        for p in model.parameters():
+            p.grad = None
+    opt.backward(model(batch(rank, 1)))
+    norm = opt.clip_grad_norm_(1e9).item()
+    opt.step()
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    for p, g in zip(ref.parameters(), _avg_grads(ref, world, 1)):
+        p.grad = g if p.requires_grad else None
+    ref_norm = torch.nn.utils.clip_grad_norm_(trainable, 1e9).item()
+    ref_opt.step()
+    worst = max((a.detach() - b.detach()).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    return clipped, abs(norm - ref_norm) / ref_norm, worst
+
+
+def test_a_clip_is_dropped_with_the_gradients_it_scaled(pools):
+    """model.zero_grad() or p.grad = None after clip_grad_norm_ drops the gradient the clip scaled:
+    the next backward's gradient is stepped unclipped, and a norm read is its own, as in torch."""
+    pool = pools(2)
+    for stage in (1, 2):
+        for how in ("model.zero_grad()", "p.grad = None"):
+            for clipped, rel_norm, worst in pool.run(clip_then_zeroed_case, stage, how):
+                assert clipped > 0.05 * 2, (stage, how, clipped)  # the clip did scale the first gradient
+                assert rel_norm <= 1e-5 and worst <= 2e-6, (stage, how, rel_norm, worst)
+
+
 def accumulation_case(stage: int, micro: int) -> float:
     """k micro-batches per rank under no_sync == one big batch in one process."""
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -84,6 +84,7 @@ class GradReducer:
         self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
         self.backward = Backward.PLAIN  # set by the optimizer while opt.backward runs
         self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, apply_zeroing) since the step, seconds
+        self.zeroings = 0  # times gradients were found zeroed or replaced since construction (apply_zeroing, follow_views)
         for r in self.records:
             # p.grad holds it: stage 2 after a round, either stage while a 16-bit gradient is summed
             # in the fp32 accumulation buffer under no_sync.
@@ -165,6 +166,7 @@ class GradReducer:
         changed = self.store.changed_views(self.records)
         for r in changed:
             self._put(r, r.param.grad)
+        self.zeroings += bool(changed)
         return bool(changed)
 
     def _untouched(self) -> bool:
@@ -207,6 +209,7 @@ class GradReducer:
             for r in cleared:
                 self.flat.param_view(self.accum, r.index).zero_()
         self.store.clear(cleared, at_step)
+        self.zeroings += 1
         return True
 
     def arrive_fresh(self, r: ParamRecord) -> bool:
@@ -248,6 +251,8 @@ class GradReducer:
         r.got_gradient()
         grad = pending_of(param.grad)
         own = grad is None or self.store.is_storage(r, grad)  # no new tensor
+        if not own and self.store.keeps_views:  # stage 1: p.grad was set to None or replaced since its view held it
+            self.zeroings += 1
         self.held.produced(r, 0 if own or grad is None else grad.numel() * grad.element_size(),
                            keep=not sync and self.accumulate_dtype is None)
         if not sync:
