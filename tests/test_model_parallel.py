@@ -852,7 +852,8 @@ def dtensor_left_grads_case(dtype_name: str, first: int, second: int, fate: str)
     """DTensor TP (dp 2 x tp 2), 16-bit or fp32 weights: a ShardedAdamW of stage ``first`` runs a
     backward pass (no step), is closed (``close``; ``zero``: closed, then ``model.zero_grad()``),
     kept or dropped, and one of stage ``second`` built over the model steps on what it left, then
-    takes one more step. Against torch.optim.AdamW (eps=0.1, so that a loss scale left in a
+    takes one more step (``third``: closed, then one of stage ``second`` built and closed with no
+    backward pass, and one of stage ``first`` takes what the two left). Against torch.optim.AdamW (eps=0.1, so that a loss scale left in a
     gradient moves the step) on an fp32 master of the whole model, global batch; a new AdamW at the
     switch."""
     import gc
@@ -880,14 +881,16 @@ def dtensor_left_grads_case(dtype_name: str, first: int, second: int, fate: str)
     opt = build(first)
     opt.backward(model(*batch(dp, 1)))
     ref_grad(None if fate == "zero" else 1)
-    if fate in ("close", "zero"):
+    if fate in ("close", "zero", "third"):
         opt.close()
     if fate == "zero":
         model.zero_grad()
     kept = opt if fate == "keep" else None
     del opt
     gc.collect()
-    opt = build(second)
+    if fate == "third":  # handed on twice: the middle optimizer takes them and leaves them untouched
+        build(second).close()
+    opt = build(first if fate == "third" else second)
     ref = torch.optim.AdamW(master, **hp)
     norms, ref_norms = [], []
     for step in (None, 2):
@@ -908,11 +911,13 @@ def dtensor_left_grads_case(dtype_name: str, first: int, second: int, fate: str)
 
 @pytest.mark.parametrize("dtype_name,first,second,fate", [
     ("fp32", 1, 1, "close"), ("fp32", 2, 2, "drop"), ("fp32", 1, 2, "keep"), ("fp32", 2, 1, "close"),
-    ("fp32", 2, 2, "zero"), ("fp16", 2, 2, "close"), ("fp16", 1, 2, "keep"), ("fp16", 1, 1, "drop")])
+    ("fp32", 2, 2, "zero"), ("fp16", 2, 2, "close"), ("fp16", 1, 2, "keep"), ("fp16", 1, 1, "drop"),
+    ("fp16", 1, 1, "third"), ("fp16", 2, 1, "third")])
 def test_gradients_of_dtensor_parameters_left_by_an_optimizer_are_the_next_ones(pools, dtype_name, first, second,
                                                                                  fate):
     """A DTensor parameter's gradient an optimizer leaves is in its p.grad, as a DTensor: the next
-    optimizer over the model steps on it (at its own loss scale), and model.zero_grad() drops it."""
+    optimizer over the model steps on it (at its own loss scale, also after one that took it and
+    left it untouched), and model.zero_grad() drops it."""
     rel, tol = (1e-5, 1e-6) if dtype_name == "fp32" else (1e-3, 2e-3)
     for r, got in enumerate(pools(4).run(dtensor_left_grads_case, dtype_name, first, second, fate)):
         for a, b in zip(got["norms"], got["ref_norms"], strict=True):

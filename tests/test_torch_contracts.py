@@ -723,13 +723,15 @@ class _Fp32Master:
         return norm
 
 
-def fp16_left_case(first: int, second: int, how: str) -> dict:
+def fp16_left_case(first: int, second: int, how: str, third: int | None = None) -> dict:
     """fp16 weights, dynamic loss scaling from 2**10 (this model's gradients overflow at 2**16): an
     overflow halves the old optimizer's loss scale to 2**9 (the new one starts at 2**10), its ``opt.backward(loss)`` leaves gradients at that scale,
     and a new optimizer is built over the parameters: the old one kept, closed or dropped; with a
     micro-batch summed under ``no_sync``; after the old one stepped on them (not zeroed: the new one
     steps on them again); with the new one's ``opt.backward(loss)`` added, at its own scale; or a
-    plain backward pass added after ``close()``, which mixes scales. The new one's norm and two
+    plain backward pass added after ``close()``, which mixes scales. With ``third`` (how: close or
+    drop) they are handed on twice: the new one runs no backward pass and is closed or dropped in
+    turn, and a third one (stage ``third``, loss scale 2**11) takes them. The last one's norm and two
     steps against torch.optim.AdamW on fp32 master weights and the same fp16 gradients scaled by hand."""
     rank = dist.get_rank()
     model = make_model(seed=24, dtype=torch.float16)
@@ -756,6 +758,13 @@ def fp16_left_case(first: int, second: int, how: str) -> dict:
         opt = None
         gc.collect()
     new = shardopt.ShardedAdamW(model.parameters(), **HP, stage=second, loss_scale=shardopt.DynamicScaler(2.0**10))
+    if third is not None:  # handed on again, untouched by the middle optimizer
+        if how == "close":
+            new.close()
+        else:
+            del new
+            gc.collect()
+        new = shardopt.ShardedAdamW(model.parameters(), **HP, stage=third, loss_scale=shardopt.DynamicScaler(2.0**11))
     if how == "backward":
         new.backward(model(batch(rank, 3)))
         ref.backward(3)
@@ -798,6 +807,22 @@ def test_a_new_optimizer_takes_fp16_gradients_the_old_one_left_at_their_loss_sca
                 assert abs(out["norm"] - out["ref norm"]) <= 1e-2 * out["ref norm"], (first, second, how, out)
                 assert out["worst"] <= 3e-3, (first, second, how, out)
                 assert out["warned"] == [] and out["new skipped"] == 0, (first, second, how, out)
+
+
+@pytest.mark.parametrize("stages", [(1, 1, 1), (2, 1, 2), (1, 2, 1), (2, 2, 2)])
+def test_fp16_gradients_handed_on_twice_keep_their_loss_scale(pools, stages):
+    """Gradients an fp16 optimizer left, taken by a new one that runs no backward pass and is
+    closed or dropped in turn, still carry their loss scale when a third one takes them: its norm
+    and steps are torch's on the unscaled gradients, without a warning."""
+    pool = pools(2)
+    first, second, third = stages
+    for how in ("close", "drop"):
+        for out in pool.run(fp16_left_case, first, second, how, third):
+            assert out["old scale"] == 2.0**9 and out["skipped"], (stages, how, out)
+            assert out["error"] is None, (stages, how, out)
+            assert abs(out["norm"] - out["ref norm"]) <= 1e-2 * out["ref norm"], (stages, how, out)
+            assert out["worst"] <= 3e-3, (stages, how, out)
+            assert out["warned"] == [] and out["new skipped"] == 0, (stages, how, out)
 
 
 # -- 11: backward from a parameter itself -------------------------------------------------------------

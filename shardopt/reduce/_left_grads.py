@@ -37,13 +37,18 @@ takes a gradient it finds in ``p.grad`` as assigned by hand, carrying none. So w
 how it was made (:class:`LeftScale`: that loss scale and the backward passes since the old
 optimizer's last step, by how they were started, see step._usage_checks [Note: the loss scale a
 gradient carries]): the placeholders through their ``LeftGrads``, stage 1's views of the flat
-gradient by a weak tag on the tensor (``tag_left``, dropped once taken). At the construction
-``take_left`` brings each such gradient to the new optimizer's loss scale (multiplied by the ratio
-of the scales, powers of two for dynamic scaling: exact unless it overflows, which then skips the
-step as any overflow does) and returns how it was made, which the new optimizer's reducers count
-as the backward passes since its last step. So a new ``opt.backward(loss)`` adds at the same scale,
-the step divides it out once, and a plain ``loss.backward()`` added to scaled left gradients
-raises at the step, as it does beside ``opt.backward(loss)`` in one optimizer. On this rank a left
+gradient by a weak tag on the tensor (``tag_left``). At the construction ``take_left`` brings
+each such gradient to the new optimizer's loss scale (multiplied by the ratio of the scales, powers
+of two for dynamic scaling: exact unless it overflows, which then skips the step as any overflow
+does) and returns how it was made, which the new optimizer's reducers count as the backward passes
+since its last step. The tensor it puts in ``p.grad`` is tagged again, at the new scale: the new
+optimizer holds it as a gradient there when it was built, neither its view nor its placeholder,
+and where it is still there when that one stops training (closed or dropped before a backward
+pass, clip or step took it), a third optimizer finds the scale it carries; a gradient assigned by
+hand carries no tag, and a change in place since (a zeroing, a backward pass outside any
+optimizer) shows in its version. So a new ``opt.backward(loss)`` adds at the same scale, the step
+divides it out once, and a plain ``loss.backward()`` added to scaled left gradients raises at the
+step, as it does beside ``opt.backward(loss)`` in one optimizer. On this rank a left
 gradient carries the old scale where ``opt.backward`` made it (``scaled`` or ``carried``), and
 none where only plain backward passes did; the old optimizer's step counted none since (it took
 them and was not zeroed): the scale that step divided out. A pipeline stage whose gradients came
@@ -94,14 +99,16 @@ class LeftScale:
         return replace(self, unscaled=self.unscaled + 1)
 
 
-# Stage 1's views of the flat gradient that an optimizer left in p.grad: how they were made, and
-# the tensor's version then (a later change in place is a backward pass added or a zeroing).
+# Stage 1's views of the flat gradient that an optimizer left in p.grad, and the gradients take_left
+# put there: how they were made, and the tensor's version then (a later change in place is a
+# backward pass added or a zeroing).
 _TAGGED: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
 
 
 def tag_left(grad: Tensor, made: LeftScale) -> None:
-    """Say how ``grad``, a gradient an optimizer leaves in ``p.grad`` as it is, was made (see [Note:
-    the loss scale of left gradients]). Local."""
+    """Say how ``grad``, a gradient an optimizer leaves in ``p.grad`` as it is (or ``take_left``
+    puts there), was made and the loss scale it is at (see [Note: the loss scale of left
+    gradients]). Local."""
     _TAGGED[grad] = (made, grad._version)
 
 
@@ -162,9 +169,9 @@ def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str], scale
     """Replace each placeholder an earlier optimizer left in ``p.grad`` of ``params`` by the
     gradient torch would hold there (see [Note: gradients left to the next optimizer]), and bring
     every gradient an earlier optimizer left to ``scale``, the loss scale of the optimizer being
-    built (see [Note: the loss scale of left gradients]); returns how the gradients it found were
-    made, once each, for that optimizer to count. ``names``: how messages name a parameter, by
-    ``id``. Every rank of ``comm``, at the construction of the optimizer over ``params`` (the same
+    built, tagging each (see [Note: the loss scale of left gradients]); returns how the gradients
+    it found were made, once each, for that optimizer to count. ``names``: how messages name a
+    parameter, by ``id``. Every rank of ``comm``, at the construction of the optimizer over ``params`` (the same
     parameters in the same order on every rank), after the previous owners were released; raises
     RuntimeError on every rank when the ranks hold such placeholders for different parameters. One
     small all-gather; one all-gather per bucket of each buffer whose shard is gathered."""
@@ -194,13 +201,15 @@ def take_left(params: Sequence[Tensor], comm: Comm, names: dict[int, str], scale
         zeroed = ph.zeroed and ph.pending is None  # zeros: at every scale
         p.grad = _at_scale(left.grad_of(index, ph, used, wholes[id(left)]), how, scale)
         if p.grad is not None and not zeroed:
+            tag_left(p.grad, replace(how, scale=scale))
             made.append(how)
     return list(dict.fromkeys(made))
 
 
 def _take_view(p: Tensor, scale: float) -> LeftScale | None:
-    """A stage-1 view an earlier optimizer left in ``p.grad`` (tagged by ``tag_left``): bring it to
-    ``scale`` and say how it was made; None for any other ``p.grad`` or a zero one. Local."""
+    """A gradient an earlier optimizer left in ``p.grad`` as a tensor (tagged by ``tag_left``: a
+    stage-1 view, or what it took from one before it): bring it to ``scale``, tagged at it, and say
+    how it was made; None for any other ``p.grad`` or a zero one. Local."""
     g = p.grad
     if g is None or is_placeholder(g):
         return None
@@ -213,7 +222,9 @@ def _take_view(p: Tensor, scale: float) -> LeftScale | None:
         if not bool(g.any()):
             return None
         how = how.added_to()
-    p.grad = _at_scale(g, how, scale)
+    g = cast(Tensor, _at_scale(g, how, scale))
+    p.grad = g
+    tag_left(g, replace(how, scale=scale))
     return how
 
 

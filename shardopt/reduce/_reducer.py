@@ -462,7 +462,8 @@ class GradReducer:
         handed what holds the values it stands for. Stage 1: a parameter's view of the flat gradient
         stays ``p.grad`` where it holds a gradient (the parameter had one on this rank since its last
         zeroing, or the view is not zero: another rank's, averaged), else it stood for None and
-        ``p.grad`` becomes None, so that a new optimizer does not take zeros for a gradient. Either
+        ``p.grad`` becomes None, so that a new optimizer does not take zeros for a gradient. A
+        gradient an earlier optimizer left, still there untaken, stays with ``take_left``'s tag. Either
         says how the gradients were made (_left_grads [Note: the loss scale of left gradients]):
         ``scale``, the loss scale ``opt.backward`` applies now; ``stepped_at``, the one the last step
         divided out. Local; the first call acts."""
