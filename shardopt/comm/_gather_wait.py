@@ -272,11 +272,7 @@ def _wait_for(args: tuple, kwargs: dict) -> None:
 
 def _wait_touching(x: Any) -> None:
     if isinstance(x, Tensor):
-        for ref in _flying:
-            gathers = ref()
-            if gathers is not None:
-                for bucket in gathers.touching(x):
-                    gathers.wait(bucket)
+        _wait_buckets(lambda gathers: gathers.touching(x))
     elif isinstance(x, (list, tuple)):
         for y in x:
             _wait_touching(y)
@@ -287,11 +283,16 @@ def _wait_touching(x: Any) -> None:
 
 def _wait_for_storage(t: Any) -> None:
     if isinstance(t, Tensor):
-        for ref in _flying:
-            gathers = ref()
-            if gathers is not None:
-                for bucket in gathers.touching_storage(t):
-                    gathers.wait(bucket)
+        _wait_buckets(lambda gathers: gathers.touching_storage(t))
+
+
+def _wait_buckets(named: Callable[[Any], list]) -> None:
+    """Wait, in every optimizer's gathers in flight, for the buckets ``named(gathers)`` lists."""
+    for ref in _flying:
+        gathers = ref()
+        if gathers is not None:
+            for bucket in named(gathers):
+                gathers.wait(bucket)
 
 
 def in_flight() -> None:
