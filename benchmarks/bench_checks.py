@@ -12,7 +12,7 @@ cost three things on top of a step; each is measured here, in the same run, on r
   (this includes the digest of every group's lr/betas/eps/weight_decay that finds a hyperparameter
   changed on one rank only);
 * the numbers they add to the step's one all-reduce (the call header, the usage flags and that
-  digest): an all-reduce of ``shardopt.step._step_message.StepMessage.NUMEL`` numbers against one of the 2
+  digest): an all-reduce of ``shardopt.comm._messages.StepMessage.NUMEL`` numbers against one of the 2
   (overflow flag, squared norm) it would carry without them (both latency-bound: the difference is
   mostly noise). A second all-reduce, of two bitmaps with one number per parameter, runs only in
   steps where some rank lacks a gradient for some parameter or a weight was written from outside;
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 import shardopt  # noqa: E402
 from gpt import GPT, GPTConfig  # noqa: E402
-from shardopt.step._step_message import StepMessage  # noqa: E402
+from shardopt.comm._messages import StepMessage  # noqa: E402
 
 
 def timed(fn, repeats: int) -> float:

@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.utils.hooks import RemovableHandle
 
-from shardopt.step._agreement import agree_on_building, agree_on_params, check_calls, joined_ranks, the_call
+from shardopt.comm._messages import check_calls, joined_ranks, the_call
+from shardopt.step._agreement import agree_on_building, agree_on_params
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from shardopt.step._agreement import call_header, hyper_code, hyperparameters
-from shardopt.step._step_message import StepMessage
+from shardopt.comm._messages import StepMessage, call_header
+from shardopt.step._agreement import hyper_code, hyperparameters
 from shardopt.step._usage_checks import Findings, UsageChecks
 
 

@@ -62,33 +62,33 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
     ("shardopt/comm/_pending.py", "Pending.wait_landed", "TimeoutError"):
         "Comm.timed_out's text, collected where Comm.control_failed raises it",
     ("shardopt/comm/_collectives.py", "Comm._control", "RuntimeError"):
-        "the text given to Comm.give_up: Comm.control_failed's or _step_agreement.enter's error, collected there",
+        "the text given to Comm.give_up: Comm.control_failed's or _messages.enter's error, collected there",
     ("shardopt/checkpoint/_adamw.py", "settle", "RuntimeError"):
-        "rounds.fail(str(e)) with the text of _step_agreement.enter's error (check_calls in _agreement.py, or its "
+        "rounds.fail(str(e)) with the text of _messages.enter's error (check_calls in comm/_messages.py, or its "
         "TimeoutError), collected there",
     ("shardopt/checkpoint/_files.py", "commit", "raise"):
         "re-raises the OSError of a rename that failed for another reason than another process having made it",
-    ("shardopt/comm/_collectives.py", "control_group", "raise"):
+    ("shardopt/comm/_control.py", "control_group", "raise"):
         "re-raises torch's own error from making the gloo group when it is not a timeout",
     ("shardopt/checkpoint/_adamw.py", "settle", "raise"):
-        "re-raises _step_agreement.enter's RuntimeError (check_calls, _agreement.py) or TimeoutError, collected there",
+        "re-raises _messages.enter's RuntimeError (check_calls, comm/_messages.py) or TimeoutError, collected there",
     ("shardopt/reduce/_reducer.py", "GradReducer._refuse", "RuntimeError"):
         "the message its callers pass (GradReducer.arrive, GradReducer._late), collected at those calls, "
         "plus '; the step was not taken'",
     ("shardopt/reduce/_rounds.py", "Rounds.settle", "RuntimeError"):
-        "why_broken, the text given to Rounds.fail: a check_calls message (_agreement.py) or 'a round of "
+        "why_broken, the text given to Rounds.fail: a check_calls message (comm/_messages.py) or 'a round of "
         "gradient reductions failed on this rank: …' (Rounds.finish_round), both collected",
     ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "RuntimeError"):
-        "fail(str(e)) with the text of check_calls's RuntimeError, collected in _agreement.py",
+        "fail(str(e)) with the text of check_calls's RuntimeError, collected in comm/_messages.py",
     ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "raise"):
-        "re-raises check_calls's RuntimeError, collected in _agreement.py",
+        "re-raises check_calls's RuntimeError, collected in comm/_messages.py",
     ("shardopt/reduce/_rounds.py", "Rounds.finish_round", "raise"):
         "re-raises what a bucket's collective raised: the TimeoutError of _collectives.py, check_calls's "
-        "RuntimeError (_agreement.py), or torch's own error",
+        "RuntimeError (comm/_messages.py), or torch's own error",
     ("shardopt/step/_step_agreement.py", "StepAgreement.exchange", "RuntimeError"):
-        "rounds.fail(str(e)) with the text of check_calls's RuntimeError, collected in _agreement.py",
+        "rounds.fail(str(e)) with the text of check_calls's RuntimeError, collected in comm/_messages.py",
     ("shardopt/step/_step_agreement.py", "StepAgreement.exchange", "raise"):
-        "re-raises check_calls's RuntimeError, collected in _agreement.py",
+        "re-raises check_calls's RuntimeError, collected in comm/_messages.py",
     ("shardopt/step/_usage_checks.py", "UsageChecks._raise_if", "RuntimeError"):
         "the first problem of some rank, collected where it is reported (_usage_checks.py, _binding.py, "
         "_reducer.py), with 'on rank …:' in front on the others",

@@ -42,9 +42,9 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         list_checkpoints, read_manifest, temp_path, verify_data, write_json)
 from shardopt.checkpoint._hyper import TENSORS, jsonable, restore_group, tensor_kinds
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
+from shardopt.comm._messages import enter, entry_deadline
 from shardopt.core._dtensor import is_dtensor, local_box, local_of, replicated
 from shardopt.core._layout import Range, ShardPiece
-from shardopt.step._step_agreement import enter, entry_deadline
 from shardopt._version import __version__
 
 if TYPE_CHECKING:

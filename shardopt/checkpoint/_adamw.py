@@ -18,8 +18,8 @@ from torch import Tensor
 from shardopt.checkpoint._files import agree
 from shardopt.checkpoint._hyper import restore_group
 from shardopt.checkpoint._torch_state import ParamStateView
+from shardopt.comm._messages import enter
 from shardopt.core._layout import Range
-from shardopt.step._step_agreement import enter
 
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
@@ -32,7 +32,7 @@ def adamw_defaults() -> dict[str, Any]:
 
 
 def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> None:
-    """Check that every rank is in ``call`` (``_step_agreement.enter``, waiting ``timeout`` seconds
+    """Check that every rank is in ``call`` (``_messages.enter``, waiting ``timeout`` seconds
     for them: by default the optimizer's timeout, else ``ENTRY_TIMEOUT``), wait for weight
     all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
     into the model from outside as master weights; refuse an optimizer whose ranks fell out of

@@ -42,7 +42,7 @@ tensor put in place of the placeholder replaces what the shard held, as assignin
 replaces torch's gradient) and reduces it like any other: averaged over the ranks. Such
 gradients carry no loss scale. Whether a rank runs that round is its own decision: a rank that
 runs it while another goes straight to its step meets that step with the round's tag, and both
-raise (see _agreement [Note: ranks in different calls]); assign gradients by hand on every rank
+raise (see comm._messages [Note: ranks in different calls]); assign gradients by hand on every rank
 alike.
 
 The order spans every flat buffer (one per dtype): with two buffers and rank-dependent routing
@@ -90,15 +90,14 @@ from typing import Callable, Sequence, cast
 
 import torch
 
-from shardopt.step._agreement import call_header, check_calls
 from shardopt.comm._collectives import Comm, Pending
+from shardopt.comm._messages import StepMessage, call_header, check_calls
 from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
 from shardopt.core._dtensor import move_grad
 from shardopt.reduce._forward_order import ForwardOrder
 from shardopt.core._ownership import owned_hook
 from shardopt.core import _ranges
 from shardopt.core._records import BucketRecord, ParamRecord
-from shardopt.step._step_message import StepMessage
 
 MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
 
@@ -164,7 +163,7 @@ class Rounds:
     """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
 
     Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
-    that clip_grad_norm_ and step start with (see _agreement [Note: ranks in different calls])."""
+    that clip_grad_norm_ and step start with (see comm._messages [Note: ranks in different calls])."""
 
     def __init__(self, reducers: Sequence, comm: Comm, record_of: dict[int, ParamRecord]) -> None:
         self.reducers, self.comm = list(reducers), comm

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence
 import torch
 
 from shardopt.comm._collectives import global_rank, group_ranks
+from shardopt.comm._messages import HYPER_LEN
 from shardopt.core._config import trainable_params
-from shardopt.step._step_message import CALL_LEN, HYPER_LEN
 from shardopt.step._loss_scale import make_scaler
 
 if TYPE_CHECKING:
@@ -27,101 +27,6 @@ if TYPE_CHECKING:
         config: ShardConfig
         param_groups: list[dict[str, Any]]
         _parts: ModelParts
-
-# [Note: ranks in different calls]
-# clip_grad_norm_ and step each start with the same small all-reduce, and so does every round of
-# gradient reductions (its tag; see _rounds [Note: a round that did not end]) and every call that
-# every rank must make alike (a checkpoint's save or load, a full state dict's gathering, a state
-# dict's loading). One rank in clip_grad_norm_ (say, to log the norm on rank 0 only) would pair with
-# another rank's step, a rank that skipped a step with the others' step, a rank saving under
-# ``if rank == 0:`` with the others' next backward pass: the norm, the clipping, the gradients or
-# the checkpoint would silently mix, or gloo would abort the process on buffers of different
-# sizes. Each rank adds a header to that all-reduce: one slot per call, 1 in its own call's slot
-# and 0 elsewhere, then whether it lost a round since the last step (a backward pass that raised
-# there) as (a, -a). Summed, each slot counts the ranks in that call; maxed, it says whether any
-# rank is in it (and max(a), max(-a) tell whether the ranks agree on a). So every rank sees the
-# same difference, names the other call, and raises.
-CALLS = ("clip_grad_norm_", "step", "backward", "save_checkpoint", "load_checkpoint", "full_state_dict",
-         "load_full_state_dict", "load_state_dict", "consolidate_state_dict",
-         "refresh_master_weights", "joined")  # one slot each in the header, in this order
-# "joined" is no call: the slot of a rank that ran out of inputs inside torch.distributed.algorithms.Join
-# and shadows the others' calls (see optimizer [Note: uneven inputs]); it counts the joined ranks.
-_CALL_NAMES = {"clip_grad_norm_": "clip_grad_norm_()", "step": "step()", "backward": "a backward pass",
-               "save_checkpoint": "save_checkpoint()", "load_checkpoint": "load_checkpoint()",
-               "full_state_dict": "full_state_dict()",
-               "load_full_state_dict": "load_full_state_dict()", "load_state_dict": "load_state_dict()",
-               "consolidate_state_dict": "consolidate_state_dict()",
-               "refresh_master_weights": "refresh_master_weights()", "joined": "a Join's shadow of the calls"}
-if len(CALLS) + 2 != CALL_LEN:  # checked at import, also under python -O
-    raise AssertionError(f"_step_message.CALL_LEN is {CALL_LEN}: one slot per call ({len(CALLS)}), then (a, -a)")
-
-
-def call_header(call: str, lost_round: bool) -> list[float]:
-    """This rank's header (see [Note: ranks in different calls]); ``call`` "joined" for a rank that
-    shadows the others' calls inside a Join (it adds to no call and says nothing of lost rounds)."""
-    a = 0.0 if call == "joined" else float(lost_round)
-    return [float(c == call) for c in CALLS] + [a, -a]
-
-
-def _every_rank_calls(call: str) -> bool:
-    return call not in ("clip_grad_norm_", "step", "backward", "joined")
-
-
-def joined_ranks(header: Sequence[float]) -> int:
-    """How many ranks shadow the others' calls inside a Join, from a summed header."""
-    return int(header[CALLS.index("joined")])
-
-
-def the_call(header: Sequence[float]) -> str | None:
-    """The call the ranks that are not joined are in, from a summed header; None when they are in
-    several (every rank raises at its own check then)."""
-    calls = [c for c, n in zip(CALLS, header) if n > 0 and c != "joined"]
-    return calls[0] if len(calls) == 1 else None
-
-
-def check_calls(header: Sequence[float], call: str, lost_round: bool, world_size: int, maxed: bool) -> None:
-    """Raise RuntimeError unless ``header`` (every rank's ``call_header``, summed or maxed) shows
-    every rank in ``call`` with the same ``lost_round``; ranks that joined inside a Join (summed
-    headers only) shadow ``clip_grad_norm_``, ``step`` and backward passes, not the calls every rank
-    makes. Every rank, with the same ``header``."""
-    a = float(lost_round)
-    slots = dict(zip(CALLS, header[:len(CALLS)]))
-    joined = 0 if maxed else int(slots["joined"])
-    n = 1 if maxed else world_size - joined
-    others = [c for c in CALLS if c not in (call, "joined") and slots[c] > 0]
-    same_call = slots[call] == n and not others
-    same_loss = header[-2] == n * a and header[-1] == -n * a
-    if joined and same_call and _every_rank_calls(call):
-        raise RuntimeError(f"{_CALL_NAMES[call]} ran inside torch.distributed.algorithms.Join while {joined} of "
-                           f"{world_size} ranks had run out of inputs and joined: it must be called on every rank, "
-                           f"and joined ranks only shadow training steps; call {call}() after the Join block")
-    if same_call and same_loss:
-        return
-    lost = ""
-    if not same_loss:
-        who = "this rank's backward pass" if lost_round else (
-            "the backward pass of another rank" if maxed else f"the backward pass of {int(header[-2])} of {world_size} ranks")
-        lost = (f"{who} raised after its gradient reductions had started, and training went on there, so the ranks "
-                "no longer hold the same gradients; let such an exception end training on every rank, or catch it on "
-                "every rank alike (then zero_grad() and go on)")
-    if same_call:
-        raise RuntimeError(f"ranks fell out of step: {lost}")
-    other = _CALL_NAMES[others[0]] if others else "another call"
-    alone = next((c for c in (call, *others) if _every_rank_calls(c)), None)
-    if alone is not None:
-        hint = (f"{alone}() must be called on every rank of the optimizer's group, at the same point (each rank writes "
-                f"or reads its own shard): call it on every rank, not under `if rank == 0:`")
-    elif {call, *others} == {"clip_grad_norm_", "step"}:
-        hint = ("call clip_grad_norm_ and step on every rank, in the same order (to log the norm on one rank, call "
-                "clip_grad_norm_ everywhere and log its result there)")
-    else:
-        hint = ("a rank skipped step() or ran more backward passes than the others, e.g. it caught an exception "
-                "from its backward pass and went on to the next batch, or it alone called opt.zero_grad() between "
-                "backward and step, which drops the averaged gradients there, or it alone assigned gradients by "
-                "hand (p.grad = g, reduced by a round of their own at the step); call backward, clip_grad_norm_, "
-                "zero_grad and step, and assign gradients, alike on every rank")
-    raise RuntimeError(f"ranks are in different optimizer calls: this rank is in {_CALL_NAMES[call]}, another rank "
-                       f"in {other}; {hint}" + (f". Also, {lost}" if lost else ""))
 
 def settings(opt: _Built, comm: Comm, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
     """What must be equal on every rank besides the parameters: the sharding settings, every

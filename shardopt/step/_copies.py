@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from shardopt.core._flat import ShardView
     from shardopt.core._layout import Range
     from shardopt.core._records import ParamRecord
-    from shardopt.step._usage_checks import CheckedBuffer
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
 _CHUNK = 1 << 22  # elements fingerprinted at a time: bounds the int64 temporaries (32 MiB)
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the integer its bits are read as
@@ -138,7 +138,7 @@ class DeclaredCopies:
     trained parameters in param-group order, ``buffers`` (indexed by ``ParamRecord.bucket.buffer``),
     ``param_groups``, ``parts`` (who holds what), ``comm`` (the data-parallel group)."""
 
-    def __init__(self, records: Sequence[ParamRecord], buffers: Sequence[CheckedBuffer],
+    def __init__(self, records: Sequence[ParamRecord], buffers: Sequence[ShardedBuffer],
                  param_groups: Sequence[dict[str, Any]], parts: ModelParts, comm: Comm) -> None:
         self.records, self.buffers, self.param_groups = list(records), list(buffers), param_groups
         self.parts, self.comm = parts, comm

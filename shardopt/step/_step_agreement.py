@@ -10,79 +10,29 @@ from __future__ import annotations
 
 import math
 import time
-from typing import TYPE_CHECKING, Protocol, Sequence, cast
+from typing import TYPE_CHECKING, Sequence, cast
 
 import torch
 from torch import Tensor
 
-from shardopt.step._agreement import (CALLS, adopt_hyperparameters, call_header, check_calls,
-                                      check_hyperparameters_agree, hyper_code, hyperparameters, joined_ranks)
-from shardopt.comm._collectives import Comm, ControlGone, ControlTimeout
+from shardopt.comm._collectives import Comm
+from shardopt.comm._messages import CALLS, CHECKS_LEN, HYPER_LEN, StepMessage, call_header, check_calls, joined_ranks
 from shardopt.comm._model_axes import ModelAxes
-from shardopt.step._step_message import CHECKS_LEN, HYPER_LEN, StepMessage
+from shardopt.step._agreement import (adopt_hyperparameters, check_hyperparameters_agree, hyper_code,
+                                      hyperparameters)
 from shardopt.step._usage_checks import Scaling
 
 if TYPE_CHECKING:
-    from shardopt.step._usage_checks import CheckedBuffer, Findings, UsageChecks
-
-    class _Rounds(Protocol):
-        """What the step reads of the optimizer's reduce._rounds.Rounds (a floor up: named by use)."""
-
-        lost_round: bool
-
-        def fail(self, why: str) -> None: ...
-        def before_step(self) -> None: ...
-
-
-ENTRY_TIMEOUT = 60.0  # seconds, by default, that a rank waits for the others to enter a call every rank makes
-
-
-def entry_deadline(timeout: float | None) -> float | None:
-    """Seconds a rank waits for the others to enter a call: ``timeout``, ``ENTRY_TIMEOUT`` when
-    None; None (the comm's timeout, else the group's own, as a step waits) for ``math.inf``."""
-    if timeout is None:
-        return ENTRY_TIMEOUT
-    return None if math.isinf(timeout) else timeout
-
-
-def enter(comm: Comm, call: str, *, lost_round: bool = False, deadline: float | None = None) -> None:
-    """Agree that every rank of ``comm``'s group is in ``call`` (a name of ``_agreement.CALLS``
-    that every rank must make alike, e.g. ``"save_checkpoint"``): one all-reduce of the step's
-    shape on the control group, before anything else of the call. Raises RuntimeError on every
-    rank when some rank is in another call (it meets this message with its own); TimeoutError on
-    this rank when no answer came within ``deadline`` seconds (``ENTRY_TIMEOUT`` when None;
-    ``math.inf``: as long as a step waits, the comm's timeout or else the group's own): the
-    other ranks are elsewhere (in a collective of their own, or in other work); RuntimeError on
-    this rank when another rank had already given up waiting for it in a call like this one. After
-    either of the last two, this rank's control group can no longer be used (see _collectives
-    [Note: shardopt's own control group]). Every rank."""
-    header = StepMessage.tag(call_header(call, lost_round)).pack(torch.device("cpu"))
-    advice = (f"{call}() must be called on every rank of the optimizer's group, at the same point (each rank writes "
-              f"or reads its own shard), not under `if rank == 0:`; where one rank legitimately arrives later (it "
-              f"does work of its own first), pass a larger timeout= to {call}() or to the optimizer")
-    with comm.during(f"{call}()"):
-        try:
-            comm.control_all_reduce(header, deadline=entry_deadline(deadline)).wait()
-        except ControlTimeout as e:
-            why = (f"rank {comm.rank} of {comm.world_size}: {call}() waited {e.waited:g} s for the other ranks to "
-                   f"call it too. {advice}")
-            comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
-                         "(the last complete checkpoint is intact)")
-            raise TimeoutError(why) from None
-        except ControlGone as e:  # a rank gave up waiting for this one (it left a line saying so), or died
-            why = (f"rank {comm.rank} of {comm.world_size}: {call}() could not meet the other ranks: {e.why}. "
-                   + (advice if e.noticed else "Restart every rank and resume from the last complete checkpoint"))
-            comm.give_up(f"shardopt can no longer agree with the other ranks on this rank: {why}. Restart every rank "
-                         "(the last complete checkpoint is intact)")
-            raise RuntimeError(why) from None
-    check_calls(StepMessage.reduced(header).call, call, lost_round, comm.world_size, maxed=False)
+    from shardopt.reduce._rounds import Rounds
+    from shardopt.step._usage_checks import Findings, UsageChecks
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
 
 class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""
 
-    def __init__(self, buffers: Sequence[CheckedBuffer], rounds: _Rounds, checks: UsageChecks, comm: Comm,
+    def __init__(self, buffers: Sequence[ShardedBuffer], rounds: Rounds, checks: UsageChecks, comm: Comm,
                  axes: ModelAxes) -> None:
         self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
         self.axes = axes  # the ranks with the rest of the model (see _model_axes); empty without
@@ -104,7 +54,7 @@ class StepAgreement:
                  caller: str, join: bool = False) -> tuple[bool, float]:
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): finish this
         rank's round, all-reduce the step message, check that every rank is in ``caller`` (see
-        _agreement [Note: ranks in different calls]) with the same hyperparameters, and apply the
+        comm._messages [Note: ranks in different calls]) with the same hyperparameters, and apply the
         usage checks' reduced flags (``loss_scale``: the scale the gradients carry). ``join``: inside
         a Join, where the message is always summed (see [Note: the step message inside a Join]).
         Every rank; the weight gathers of the last step must have landed."""

@@ -35,7 +35,7 @@ import logging
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
@@ -47,44 +47,9 @@ from shardopt.core._records import flagged
 if TYPE_CHECKING:
     import weakref
 
-    from torch import Tensor
 
-    from shardopt.core._flat import FlatParams, ShardView
     from shardopt.core._records import ParamRecord
-
-    # What the checks read of a sharded buffer, its reducer and its binding, which live floors up
-    # (update._sharded_buffer, reduce._reducer, update._binding): setup.cfg's contracts let no
-    # lower folder import them, not even for types, so they are named by what is used of them.
-    class _Reducer(Protocol):
-        problems: list[str]
-        scaled_backwards: int
-        carried_backwards: int
-        unscaled_backwards: int
-
-        def local_grad(self) -> Tensor | ShardView: ...
-
-        def follow_views(self) -> bool: ...
-        def apply_zeroing(self, *, at_step: bool = False) -> bool: ...
-
-    class _Binding(Protocol):
-        def follow(self) -> tuple[list[ParamRecord], list[str]]: ...
-        def changes(self) -> tuple[list[ParamRecord], list[ParamRecord], list[str]]: ...
-        def raced(self, records: Sequence[ParamRecord]) -> list[ParamRecord]: ...
-
-    class CheckedBuffer(Protocol):
-        @property
-        def records(self) -> Sequence[ParamRecord]: ...
-        @property
-        def flat(self) -> FlatParams: ...
-        @property
-        def comm(self) -> Comm: ...
-        @property
-        def reducer(self) -> _Reducer: ...
-        @property
-        def binding(self) -> _Binding: ...
-        def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]: ...
-        def take_model_weights(self, records: Sequence[ParamRecord]) -> None: ...
-        def refresh_master(self, records: Sequence[ParamRecord]) -> None: ...
+    from shardopt.update._sharded_buffer import ShardedBuffer
 
 log = logging.getLogger("shardopt")
 
@@ -135,10 +100,10 @@ class Followed:
 
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
-    flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer, a floor up):
-    their records, reducer and binding are read."""
+    flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer): their
+    records, reducer and binding are read."""
 
-    def __init__(self, buffers: Sequence[CheckedBuffer], untracked: Sequence[torch.nn.Parameter],
+    def __init__(self, buffers: Sequence[ShardedBuffer], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
@@ -212,7 +177,7 @@ class UsageChecks:
         by the next check on every rank. Local."""
         self.late_problems += problems
 
-    def note_gathered(self, b: CheckedBuffer, records: Sequence[ParamRecord]) -> None:
+    def note_gathered(self, b: ShardedBuffer, records: Sequence[ParamRecord]) -> None:
         """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
         from outside before it did lost that write to it. Noted for the next check. Local."""
         for r in b.binding.raced(records):
