@@ -10,7 +10,12 @@ on a copy of the model whose gradients are averaged with ``dist.all_reduce`` (wh
 - offload: ``offload="cpu"`` against the same optimizer without offload, bit for bit;
 - collectives: one profiled stage-2 step makes one ``reduce_scatter_tensor`` and one
   ``all_gather_into_tensor`` per bucket and no other bucket collective (comm._bucket_paths [Note:
-  the bucket paths]).
+  the bucket paths]);
+- waits: with ``timeout=`` set, no data wait (a bucket's reduction, a weight gather) passes a
+  timeout to NCCL, which would block the CPU thread until the collective finished, while every
+  control message keeps its deadline; on gloo, whose waits block the host anyway, the data waits
+  keep it (comm._pending [Note: deadlines of data waits]). A wrapper around ``Work.wait`` counts
+  them.
 
 Skipped where fewer GPUs than a case needs are visible, as torch's own ``skip_if_lt_x_gpu``. So that
 the cases stay runnable where no GPU is (CI), the same ranks also run every case on gloo and the
@@ -69,11 +74,17 @@ def test_nccl_makes_one_reduce_scatter_and_one_all_gather_per_bucket():
     assert out.count("collectives ok") == 2, out[-2000:]
 
 
+@skip_if_lt_x_gpu(2)
+def test_nccl_data_waits_pass_no_timeout_and_control_messages_keep_theirs():
+    out = _launch("waits", 2)
+    assert out.count("waits ok") == 2, out[-2000:]
+
+
 def test_the_cases_run_on_gloo():
     """The cases above on gloo and the CPU, 4 ranks: the ranks' code stays runnable without GPUs."""
     out = _launch("all", 4, "gloo")
     assert out.count("parity ok") == 2 * 4 and out.count("hybrid ok") == 4 and out.count("offload ok") == 4, out[-2000:]
-    assert out.count("collectives ok") == 4, out[-2000:]
+    assert out.count("collectives ok") == 4 and out.count("waits ok") == 4, out[-2000:]
 
 
 # -- the ranks ---------------------------------------------------------------------------------
@@ -148,9 +159,39 @@ def _worker(case: str, backend: str) -> None:
         assert counts["c10d::_reduce_scatter_base_"] == counts["c10d::_allgather_base_"] == buckets > 1, counts
         assert not {"c10d::alltoall_base_", "c10d::broadcast_", "c10d::reduce_scatter_"} & set(counts), counts
         print(f"rank {rank}: collectives ok ({buckets} buckets)", flush=True)
+    if case in ("waits", "all"):
+        seen: list[tuple[bool, bool]] = []  # (a control message's wait, a timeout passed), per Work.wait
+        wait = dist.Work.wait
+
+        def counted(work, *args, **kwargs):
+            waiter = sys._getframe(1).f_locals.get("self")  # the handle waiting (comm._pending.Pending)
+            seen.append((bool(getattr(waiter, "control", False)), bool(args) or "timeout" in kwargs))
+            return wait(work, *args, **kwargs)
+
+        def count(on_device: bool) -> tuple[list[bool], list[bool]]:
+            seen.clear()
+            dist.Work.wait = counted
+            try:
+                model, opt = build(stage=2, timeout=60)
+                if on_device and backend == "gloo":  # the rule for a device's stream, with gloo's works
+                    opt._comm.host_waits = False
+                    seen.clear()  # construction's own waits (rank 0's weights) ran under gloo's rule
+                train(model, opt, range(2))
+                opt.clip_grad_norm_(1.0)
+            finally:
+                dist.Work.wait = wait
+            return [timed for control, timed in seen if not control], [timed for control, timed in seen if control]
+
+        data, control = count(backend == "nccl")
+        assert data and control and all(control), seen
+        assert not any(data) if backend == "nccl" else all(data), (backend, seen)
+        if backend == "gloo":  # no data wait passes a timeout where they are a device stream's
+            data, control = count(True)
+            assert data and control and all(control) and not any(data), seen
+        print(f"rank {rank}: waits ok ({len(data)} data waits, {len(control)} control messages)", flush=True)
     dist.destroy_process_group()
 
 
-if __name__ == "__main__" and sys.argv[1:2] in (["parity"], ["hybrid"], ["offload"], ["collectives"], ["all"]):
+if __name__ == "__main__" and sys.argv[1:2] in (["parity"], ["hybrid"], ["offload"], ["collectives"], ["waits"], ["all"]):
     sys.path.insert(0, HERE)
     _worker(sys.argv[1], sys.argv[2])

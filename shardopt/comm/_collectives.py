@@ -28,6 +28,7 @@ import contextlib
 import datetime
 import hashlib
 import pickle
+import time
 from typing import Any, Callable, Iterator, NoReturn, Sequence, cast
 
 import torch
@@ -47,6 +48,7 @@ from shardopt.core._compat import mesh_flattener
 from shardopt.core._layout import Range
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup; None means the default group
+_HOST_BACKENDS = ("gloo", "mpi")  # backends whose collectives run on the host: their waits block it anyway
 
 
 def group_ranks(group: ProcessGroup) -> list[int]:
@@ -94,6 +96,21 @@ def _flat_group(mesh: Any) -> ProcessGroup:
     return groups[tuple(mine.tolist())]
 
 
+def _reached(device: torch.device, deadline: float) -> bool:
+    """Whether the work queued so far on ``device``'s current stream (the data collectives waited
+    on it, see _pending [Note: deadlines of data waits]) finished within ``deadline`` seconds,
+    polled without blocking the host in the device's own wait. Local."""
+    event = torch.Event(device=device)
+    event.record()
+    until, pause = time.monotonic() + deadline, 2e-5
+    while not event.query():
+        if time.monotonic() >= until:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-3)
+    return True
+
+
 class Comm:
     """A process group with its rank and size, and the collectives shardopt needs."""
 
@@ -125,6 +142,9 @@ class Comm:
             raise ValueError(f"device_mesh: a shard group of {self.shard_size} ranks does not tile the "
                              f"{self.world_size} data-parallel ranks")
         self.backend: str = str(dist.get_backend(process_group))
+        # gloo (and MPI) collectives are waited on the host; a device backend's on its stream (see
+        # _pending [Note: deadlines of data waits])
+        self.host_waits = self.backend in _HOST_BACKENDS
         self.path: NativePath = bucket_path(self.backend)(self)  # how buckets are reduced and gathered
         self.stats = CommStats()
         self.timeout: float | None = None  # seconds before a waiting rank raises TimeoutError; None: the group's own
@@ -158,6 +178,9 @@ class Comm:
             return Pending(stats=self.stats, comm=self)
         if deadline is None:
             deadline = self.timeout if self.timeout is not None else self.control.timeout.total_seconds()
+        if t.device.type != "cpu" and not _reached(t.device, deadline):
+            limit = "the optimizer's timeout=" if self.timeout is not None else "the process group's timeout"
+            raise TimeoutError(self.timed_out(deadline, limit))  # see _pending [Note: deadlines of data waits]
         host = t if t.device.type == "cpu" else t.cpu()
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the members as RedOpType

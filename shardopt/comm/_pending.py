@@ -18,6 +18,7 @@ class Waiter(Protocol):
     """What a handle asks of the comm that issued it (``_collectives.Comm``)."""
 
     timeout: float | None  # seconds before a waiting rank raises TimeoutError; None: the group's own
+    host_waits: bool  # its data collectives are waited on the host (gloo); else on the device's stream (NCCL)
 
     def timed_out(self, waited: float, limit: str = ...) -> str: ...
 
@@ -74,6 +75,8 @@ class Pending(Gather):
             raise AssertionError("a collective handle was waited twice")
         start = time.perf_counter()
         timeout = self.deadline if self.deadline is not None else self.comm.timeout if self.comm is not None else None
+        if not self.control and self.comm is not None and not self.comm.host_waits:
+            timeout = None  # a device's data wait is the stream's, never the host's (see [Note: deadlines of data waits])
         # A control message's own gloo timeout is ``deadline``: gloo decides, this wait is a backstop.
         wait = None if timeout is None else timeout + (_GRACE if self.control else 0.0)
         limit = {} if wait is None else {"timeout": datetime.timedelta(seconds=wait)}
@@ -101,6 +104,21 @@ class Pending(Gather):
             return None
         return follow_up
 
+
+# [Note: deadlines of data waits]
+# A data collective (a bucket's reduction, a weight gather) is waited with the optimizer's
+# ``timeout`` only where the wait blocks the host anyway: gloo, whose collectives run on the CPU.
+# On NCCL, ``Work.wait()`` without a timeout makes the current stream wait for the collective and
+# returns at once, so backward passes and forwards go on issuing work while the collective runs;
+# with a timeout it blocks the CPU thread until the collective has finished
+# (``ProcessGroupNCCL.cpp``: "In case of blockingWait or a timeout value is specified by the user,
+# we block the CPU thread"), which would turn the overlap off whenever ``timeout=`` is set. So on
+# a device the data waits pass none, and the deadline is kept at the step's one sync instead: the
+# step's message is copied to the host only once the device's stream reached it, polled up to the
+# message's deadline (``Comm.control_all_reduce``); a collective that never completes (a peer in
+# another call or gone) holds the stream there, and the rank raises naming the call, as a gloo
+# wait would. The process group's own timeout and NCCL's watchdog stay the backstop for a rank
+# that never reaches a step.
 
 _GRACE = 2.0  # seconds a control message is waited for beyond its own gloo timeout, which ends it first
 
