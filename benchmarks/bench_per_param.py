@@ -20,7 +20,10 @@ What each row does:
 Each time is the median over ``--steps`` iterations after ``--warmup``, rank 0, milliseconds; the
 ratio is to ``ddp`` in the same round. ``--baseline DIR`` (a checkout of an earlier shardopt) adds
 configurations named ``NAME@base``, which run NAME with that checkout's shardopt, in the same rounds.
-With two sizes or more, a last table splits each configuration's time (medians over the rounds)
+shardopt's rows also report its own control messages per step (round tags, the step's message;
+``opt.last_step_comm.control_messages``) and the time rank 0 was blocked on them
+(``control_seconds``), which includes waiting for the other rank to reach the same point.
+With two sizes or more, a table splits each configuration's time (medians over the rounds)
 into a cost per tensor (the slope between the smallest and the largest size, microseconds: the
 hooks and the bookkeeping per parameter) and a cost per step (what is left at the smallest size,
 milliseconds: the collectives and the work that does not grow with the tensors).
@@ -74,7 +77,7 @@ def worker(args: argparse.Namespace) -> None:
         net = model
         opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=int(args.config.split("@")[0][-1]))
     x = torch.randn(16, generator=torch.Generator().manual_seed(rank))
-    times = []
+    times, control = [], []
     for i in range(args.warmup + args.steps):
         loss = net(x)
         start = time.perf_counter()
@@ -83,13 +86,24 @@ def worker(args: argparse.Namespace) -> None:
         opt.zero_grad(set_to_none=True)
         if i >= args.warmup:
             times.append(time.perf_counter() - start)
+            stats = getattr(opt, "last_step_comm", None)  # shardopt's: this step's own control messages
+            if stats is not None and hasattr(stats, "control_messages"):
+                control.append((stats.control_messages, stats.control_seconds))
     if rank == 0:
-        print(json.dumps({"ms": statistics.median(times) * 1e3}))
+        result = {"ms": statistics.median(times) * 1e3}
+        if control:
+            result["messages"] = statistics.median(n for n, _ in control)
+            result["control_ms"] = statistics.median(s for _, s in control) * 1e3
+        print(json.dumps(result))
     dist.destroy_process_group()
 
 
+CONTROL: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (messages, ms blocked on them) per step, per run
+
+
 def run_config(config: str, tensors: int, args: argparse.Namespace) -> float | str:
-    """Median ms of ``config`` at ``tensors`` tensors, or what went wrong."""
+    """Median ms of ``config`` at ``tensors`` tensors, or what went wrong; shardopt's control
+    messages per step and the time blocked on them go to ``CONTROL``."""
     from _launch import run
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__,
@@ -102,7 +116,10 @@ def run_config(config: str, tensors: int, args: argparse.Namespace) -> float | s
         return f"failed (exit {code}): {err.strip().splitlines()[-1] if err.strip() else ''}"
     for line in reversed(out.splitlines()):
         if line.startswith("{"):
-            return float(json.loads(line)["ms"])
+            got = json.loads(line)
+            if "messages" in got:
+                CONTROL.setdefault((config, tensors), []).append((got["messages"], got["control_ms"]))
+            return float(got["ms"])
     return "no result printed"
 
 
@@ -167,6 +184,13 @@ def main() -> None:
             lines.append(f"| {n} | {rnd + 1} | " + " | ".join(cells) + " | " + " | ".join(ratios) + " |")
     if len(sizes) > 1:
         lines += ["", *per_tensor(configs, sizes, times)]
+    if CONTROL:
+        lines += ["", "| configuration | tensors | control messages per step | ms blocked on them per step (median of "
+                  "each run) | share of the step |", "|---|---:|---:|---:|---:|"]
+        for (c, n), runs in sorted(CONTROL.items()):
+            ms = [m for _, m in runs]
+            share = statistics.median(ms) / statistics.median(times[c, n]) if (c, n) in times else float("nan")
+            lines.append(f"| {c} | {n} | {runs[0][0]:g} | {' / '.join(f'{m:.2f}' for m in ms)} | {share:.0%} |")
     table = "\n".join(lines)
     print(table)
     if args.out:

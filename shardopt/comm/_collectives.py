@@ -191,6 +191,8 @@ class Comm:
         except RuntimeError as e:  # gloo reports in wait(); an error here would mean the same
             self.control_failed(e, deadline)
 
+        self.stats.control_messages += 1
+
         def copy_back() -> None:  # the reduced host copy written back into t
             t.copy_(host)
 

@@ -36,7 +36,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from shardopt.comm._collectives import Comm, ProcessGroup, global_rank, group_ranks, is_process_group
+from shardopt.comm._collectives import Comm, CommStats, ProcessGroup, global_rank, group_ranks, is_process_group
 
 
 @dataclass
@@ -100,9 +100,10 @@ class ModelAxes:
             self.axes.append(ModelAxis(name, group, ranks))
         self._check_grid(data)
 
-    def connect(self, timeout: float | None) -> list[ModelAxis]:
+    def connect(self, timeout: float | None, stats: CommStats | None = None) -> list[ModelAxis]:
         """Make each axis's control group, waiting at most ``timeout`` seconds (None: the group's
-        own timeout) for its other ranks to connect; its messages then wait as long. Returns the
+        own timeout) for its other ranks to connect; its messages then wait as long, counted in
+        ``stats`` (the optimizer's, so that its counters show every message of a step). Returns the
         axes whose ranks did not all connect, from the first (this rank cannot agree with them: the
         caller raises). Every rank of every axis, at the same point (after the optimizer's own
         ranks agreed)."""
@@ -112,6 +113,8 @@ class ModelAxes:
             except TimeoutError:
                 return self.axes[i:]
             a.comm.timeout = timeout
+            if stats is not None:
+                a.comm.stats = stats
         return []
 
     def name_of(self, group: ProcessGroup) -> str:

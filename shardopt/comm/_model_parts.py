@@ -103,7 +103,7 @@ class ModelParts:
         its other ranks. An axis whose ranks did not all connect raises on this rank, naming what
         the others built instead (see [Note: ranks that built the optimizer differently]). Every
         rank, at the same point: after the data-parallel ranks agreed on the settings."""
-        failed = self.axes.connect(self.timeout)
+        failed = self.axes.connect(self.timeout, self.comm.stats)
         if failed:
             self._not_connected(failed[0])
         # this rank's place among the ranks that hold one copy of the model on the axes a checkpoint

@@ -36,11 +36,13 @@ class CommStats:
     cross_bytes: int = 0  # hybrid sharding: bytes fed into the cross-replica all-reduces of gradient pieces
     collectives: int = 0  # collective calls issued (a gloo all-gather counts one per sending rank)
     wait_seconds: float = 0.0  # time spent blocked in wait() on those collectives
+    control_messages: int = 0  # of the collectives, shardopt's own small all-reduces on its control group
+    control_seconds: float = 0.0  # of wait_seconds, the time blocked on those messages
 
     def reset(self) -> None:
         """Zero the counters in place (handles in flight keep adding their wait time here)."""
-        self.reduce_bytes = self.gather_bytes = self.cross_bytes = self.collectives = 0
-        self.wait_seconds = 0.0
+        self.reduce_bytes = self.gather_bytes = self.cross_bytes = self.collectives = self.control_messages = 0
+        self.wait_seconds = self.control_seconds = 0.0
 
 
 @dataclass
@@ -95,6 +97,8 @@ class Pending(Gather):
                 self.comm.collective_failed(e, self.what)
         if self.stats is not None:
             self.stats.wait_seconds += time.perf_counter() - start
+            if self.control:
+                self.stats.control_seconds += time.perf_counter() - start
         self.done = True
         self.works.clear()
         follow_up = self.then() if self.then is not None else None
