@@ -8,7 +8,10 @@ them through); stage 1 all-reduces each bucket in place. No all-to-all, no broad
 reduce-scatter of a list of pieces. On the rank-order path (gloo's default) a bucket is two
 all-to-alls of the other ranks' pieces and one broadcast per rank. The two paths train to the same bits at two
 ranks. Catches a bucket cut into several collectives, unequal pieces, and a path that does not
-run the calls it names (comm._bucket_paths [Note: the bucket paths]).
+run the calls it names (comm._bucket_paths [Note: the bucket paths]). shardopt's own messages (the
+round's tag, the step's) are all-to-alls of a (ranks, numbers) table on its control group (comm._control
+[Note: a message is an exchange]), told apart by that 2-D shape (a bucket's tensors are flat) and
+counted on their own: exactly the round's tag and the step's message.
 """
 from __future__ import annotations
 
@@ -55,17 +58,26 @@ def _step(stage: int) -> dict:
         opt.step()
     layout = opt.inspect().buffers[0].layout
     opt.close()
-    ops = [(e.name, [s for s in e.input_shapes if s]) for e in prof.events() if e.name.startswith("c10d::")]
+    every = [(e.name, [s for s in e.input_shapes if s]) for e in prof.events() if e.name.startswith("c10d::")]
+    ops = [op for op in every if not _message(op)]
     gloo = [(e.name, e.input_shapes) for e in prof.events() if e.name.startswith("gloo:")]  # with the tensors' shapes
     return {"counts": Counter(name for name, _ in ops), "ops": ops, "gloo": gloo, "world": world, "rank": dist.get_rank(),
+            "messages": len(every) - len(ops),
             "buckets": [b.global_range.size for b in layout.buckets],
             "equal": all(len({p.size for p in layout.bucket_pieces(b.index)}) == 1 for b in layout.buckets)}
+
+
+def _message(op: tuple[str, list]) -> bool:
+    """A control message: an all-to-all of a (ranks, numbers) table (a bucket's tensors are flat)."""
+    name, shapes = op
+    return name == "c10d::alltoall_base_" and bool(shapes) and len(shapes[0]) == 2 and shapes[0][0] == dist.get_world_size()
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_a_stage2_step_makes_one_reduce_scatter_and_one_all_gather_per_bucket(pools, world_size):
     for r in pools(world_size).run(step_case, 2, "native"):
         buckets, counts = r["buckets"], r["counts"]
+        assert r["messages"] == 2, r["messages"]  # the round's tag and the step's message
         assert len(buckets) > 2 and r["equal"], buckets
         assert counts["c10d::_reduce_scatter_base_"] == len(buckets), counts
         assert counts["c10d::_allgather_base_"] == len(buckets), counts

@@ -1,9 +1,11 @@
 """Tier 2 (2 and 4 ranks) and one launch of 16: shardopt's own messages in a training step, counted.
 
 Beside its bucket collectives (the gradient reductions and the weight gathers, on the optimizer's
-process group) shardopt sends small fp32 all-reduces of its own, a few dozen numbers each, on a
-gloo group of its own over the same ranks (comm._collectives [Note: shardopt's own control
-group]): its control plane. In a step of gradient accumulation they are
+process group) shardopt sends small messages of its own, a few dozen numbers each, on a gloo group
+of its own over the same ranks (comm._control [Note: shardopt's own control group]): its control
+plane. Each is one collective, an exchange (an all-to-all of every rank's numbers, combined on
+each rank, see comm._control [Note: a message is an exchange]). In a step of gradient
+accumulation they are
 
 * one round tag per backward pass that reduces (reduce._rounds [Note: a round that did not end]):
   which call the rank is in and whether it lost a round; none for a backward under ``no_sync()``,
@@ -19,14 +21,15 @@ is a regression the loss curve never shows; this counts them.
 How: torch's profiler records every gloo collective on the rank (``gloo:all_reduce``,
 ``gloo:all_to_all``, ``gloo:broadcast``, ``gloo:all_gather``) with its tensor's shape, one
 ``profile()`` per phase of the step (each no_sync backward, the reducing backward, the clip, the
-step, zero_grad). A small message is an all-reduce of fewer than ``SMALL`` elements: the model's
-buckets are made far larger, and the test checks it. Which group each ran on comes from torch's
+step, zero_grad). A small message is a collective of fewer than ``SMALL`` elements (but some),
+whatever its kind: the model's buckets are made far larger, and the test checks it. Which group each ran on comes from torch's
 count of collectives per process group (``_get_sequence_number_for_group``): in every phase the
-groups other than the optimizer's must have run exactly the small all-reduces, and the
+groups other than the optimizer's must have run exactly the small messages, and the
 optimizer's group exactly the rest. The same counter on plain DDP with ``torch.optim.AdamW``
 (the reference) sees DDP's bucket all-reduce and no small message; on shardopt it must see the
 bucket collectives too, so a counter that sees nothing cannot pass. The expected counts are the
-description above, not numbers read from shardopt.
+description above, not numbers read from shardopt; the counter shardopt keeps
+(``opt.last_step_comm.control_messages``) must agree with the profiler's.
 
 Both bucket paths (comm._bucket_paths [Note: the bucket paths]) and both stages run at 2 and 4
 ranks (the ``pools`` fixture); the 16-rank case is a real ``torchrun`` on loopback, one stage and
@@ -38,6 +41,7 @@ onto shardopt's control group.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Callable
 
@@ -50,7 +54,7 @@ from torch.profiler import ProfilerActivity, profile
 import shardopt
 from launch import torchrun, write_result
 
-SMALL = 1024  # elements: an all-reduce of fewer is a small message; every bucket here is far larger (checked)
+SMALL = 1024  # elements: a collective of fewer is a small message; every bucket here is far larger (checked)
 MICRO = 3  # micro-batches a step: the first MICRO - 1 under no_sync()
 WIDTH = 128  # the model's layers: WIDTH x WIDTH, so a bucket holds tens of thousands of elements
 
@@ -85,9 +89,9 @@ def _count(phase: Callable[[], object]) -> dict[str, int]:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         phase()
     after = _collectives_by_group()
-    gloo = [(e.name, e.input_shapes[0][0] if e.input_shapes and e.input_shapes[0] else 0)
+    gloo = [(e.name, math.prod(e.input_shapes[0]) if e.input_shapes and e.input_shapes[0] else 0)
             for e in prof.events() if e.name.startswith("gloo:")]
-    small = sum(1 for name, numel in gloo if name == "gloo:all_reduce" and numel < SMALL)
+    small = sum(1 for _, numel in gloo if 0 < numel < SMALL)  # a bucket path's empty piece is no message
     return {"small": small, "bucket": len(gloo) - small, "data_group": after[world] - before[world],
             "other_groups": sum(n - before.get(g, 0) for g, n in after.items() if g is not world)}
 
@@ -132,9 +136,16 @@ def shardopt_case(stage: int, path: str | None) -> dict:
     try:
         model = _model()
         opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3, stage=stage, bucket_cap_mb=0.08)
+        kept: list[int] = []  # shardopt's own count of its messages, after each step
+
+        def step() -> None:
+            opt.step()
+            kept.append(opt.last_step_comm.control_messages)
+
         try:
-            counted = _steps(model, opt.no_sync, lambda: opt.clip_grad_norm_(1.0), opt.step, opt.zero_grad)
+            counted = _steps(model, opt.no_sync, lambda: opt.clip_grad_norm_(1.0), step, opt.zero_grad)
             counted["buckets"] = [b.global_range.size for b in opt.inspect().buffers[0].layout.buckets]
+            counted["kept"] = kept[-2:]  # the two counted steps: with the clip, without
         finally:
             opt.close()
         return counted
@@ -171,6 +182,7 @@ def _check_shardopt(r: dict, where: str) -> None:
         assert phases["backward"]["bucket"] > 0 and phases["step"]["bucket"] > 0, (where, clipped, phases)
         assert all(phases[n]["bucket"] == 0 for n in NO_SYNC), (where, clipped, phases)  # no_sync reduces nothing
         assert phases["zero_grad"]["bucket"] == 0, (where, clipped, phases)
+    assert r["kept"] == [3, 2], (where, r["kept"])  # opt.last_step_comm says what the profiler saw
 
 
 @pytest.mark.parametrize("path", ["native", "rank-order"])

@@ -96,6 +96,20 @@ def _flat_group(mesh: Any) -> ProcessGroup:
     return groups[tuple(mine.tolist())]
 
 
+EXCHANGE_BYTES = 1 << 20  # a message whose copies to every rank total at most this many bytes is an exchange
+
+
+def _combined(rows: Tensor, op: str) -> Tensor:
+    """Every rank's row of an exchange (see _control [Note: a message is an exchange]) combined:
+    the largest, or the sum, floating point summed in fp64 in one fixed order (the same rows give
+    the same bits on every rank) and rounded once to the rows' dtype. Local."""
+    if op == "max":
+        return rows.amax(0)
+    if rows.is_floating_point():
+        return rows.double().sum(0).to(rows.dtype)
+    return rows.sum(0)
+
+
 def _reached(device: torch.device, deadline: float) -> bool:
     """Whether the work queued so far on ``device``'s current stream (the data collectives waited
     on it, see _pending [Note: deadlines of data waits]) finished within ``deadline`` seconds,
@@ -182,23 +196,48 @@ class Comm:
             limit = "the optimizer's timeout=" if self.timeout is not None else "the process group's timeout"
             raise TimeoutError(self.timed_out(deadline, limit))  # see _pending [Note: deadlines of data waits]
         host = t if t.device.type == "cpu" else t.cpu()
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the members as RedOpType
-        opts.timeout = datetime.timedelta(seconds=deadline)
+        rows = self._exchanged(host)
+        work, sent = self._send_control(host, rows, op, deadline)
+
+        def land() -> None:  # every rank's rows combined in rank order, the reduced host copy written back into t
+            if rows is not None:
+                host.copy_(_combined(rows, op).view_as(host))
+            if host is not t:
+                t.copy_(host)
+
+        return Pending(self._count([work]), keep_alive=[host, rows, sent], stats=self.stats, then=land, comm=self,
+                       deadline=deadline, control=True)
+
+    def _exchanged(self, host: Tensor) -> Tensor | None:
+        """The table that receives every rank's copy of ``host`` (one row per rank, in rank order)
+        when ``host`` travels as an exchange, else None (an all-reduce; see _control [Note: a
+        message is an exchange]). Alike on every rank: the messages have one size everywhere. Local."""
+        if host.numel() * host.element_size() * self.world_size > EXCHANGE_BYTES:
+            return None
+        return torch.empty((self.world_size, host.numel()), dtype=host.dtype)
+
+    def _send_control(self, host: Tensor, rows: Tensor | None, op: str, deadline: float) -> tuple[Any, Tensor]:
+        """Issue one control message of ``host`` (a CPU tensor): an exchange of it into ``rows``
+        (``_exchanged``), or an all-reduce (SUM or ``"max"``) in place; gloo's own timeout on it is
+        ``deadline`` seconds. Returns its work and the tensor it sends (kept alive until it
+        landed); raises as ``control_failed`` when the group refuses it. Every rank."""
         group = self._control()  # raises why, once this rank gave up on it
         try:
-            work = group.allreduce([host], opts)
+            if rows is not None:
+                each = dist.AllToAllOptions()
+                each.timeout = datetime.timedelta(seconds=deadline)
+                sent = host.reshape(1, -1).expand(self.world_size, -1).contiguous()
+                work = group.alltoall_base(rows, sent, [], [], each)
+            else:
+                sent = host
+                opts = dist.AllreduceOptions()
+                opts.reduceOp = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM  # type: ignore[assignment]  # torch's stub types the members as RedOpType
+                opts.timeout = datetime.timedelta(seconds=deadline)
+                work = group.allreduce([host], opts)
         except RuntimeError as e:  # gloo reports in wait(); an error here would mean the same
             self.control_failed(e, deadline)
-
         self.stats.control_messages += 1
-
-        def copy_back() -> None:  # the reduced host copy written back into t
-            t.copy_(host)
-
-        back = None if host is t else copy_back
-        return Pending(self._count([work]), keep_alive=[host], stats=self.stats, then=back, comm=self,
-                       deadline=deadline, control=True)
+        return work, sent
 
     def timed_out(self, waited: float, limit: str = "the optimizer's timeout=") -> str:
         """Why a collective this rank waited ``waited`` seconds for (``limit``: whose timeout that
@@ -267,8 +306,16 @@ class Comm:
         return f"; the processes of ranks {', '.join(names)} have ended"
 
     def _control_gather(self, t: Tensor) -> list[Tensor]:
-        """Every rank's ``t`` (a CPU tensor of the same shape everywhere): each rank's row of a
-        summed table, zeros elsewhere, through ``control_all_reduce`` (rare, small messages)."""
+        """Every rank's ``t`` (a CPU tensor of the same shape everywhere), on the control group
+        (rare, small messages): the rows of one exchange, or else each rank's row of a summed
+        table, zeros elsewhere."""
+        rows = self._exchanged(t)
+        if rows is not None:
+            deadline = self.timeout if self.timeout is not None else cast(ControlGroup, self.control).timeout.total_seconds()
+            work, sent = self._send_control(t, rows, "sum", deadline)
+            Pending(self._count([work]), keep_alive=[t, rows, sent], stats=self.stats, comm=self, deadline=deadline,
+                    control=True).wait()
+            return [row.view_as(t) for row in rows]
         table = torch.zeros((self.world_size, *t.shape), dtype=t.dtype)
         table[self.rank] = t
         self.control_all_reduce(table).wait()

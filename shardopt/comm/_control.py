@@ -40,6 +40,24 @@ the closed connection. Where no rank gave up, the rank at the other end died; ea
 where its process is in the default store when it makes a control group (boot id, pid namespace,
 pid), so that a survivor on the same machine names the ranks whose process has ended
 (``Comm.ended_peers``), looked up at once, before the survivors that raise end too.
+
+[Note: a message is an exchange]
+A control message is one collective on the control group. A small one (its copies to every rank
+at most ``_collectives.EXCHANGE_BYTES``, 1 MiB: every message that opens a call, the round tags,
+the model axes' follow-ups, the objects of error paths) is an *exchange*: an all-to-all in which
+each rank sends its numbers to every rank, and each rank then combines the N rows it received in
+rank order (the sum in fp64, rounded once; the max) — the same rows, the same order, so the same
+bits on every rank, as every decision taken from a message needs. gloo's all-reduce is a ring:
+2 (N - 1) hops one after the other, each a round trip of the network's latency, whatever the size
+(gloo's ``allreduce`` chooses its ring algorithm when none is asked for, and ProcessGroupGloo asks
+for none). The exchange is one hop: every rank posts its N - 1 sends and receives at once, and
+what grows with N is each rank's N - 1 small sends (a few microseconds each) and N copies of the
+message (at 1,024 ranks, 160 KB in and out per message). A larger message (the usage checks'
+bitmaps, a parameter per element) is an all-reduce, where bandwidth, not latency, is what counts.
+Both have the same failure semantics: gloo ends either at its deadline (its ``timeout`` option)
+and closes the group's connections on the rank that gave up, so that a late rank's message fails
+at once on a closed connection rather than pairing with it (see [Note: shardopt's own control
+group]). Every rank picks the same kind for a message: its size is the same on every rank.
 """
 from __future__ import annotations
 
