@@ -44,9 +44,23 @@ def kill_tree(pid: int) -> None:
         pass
 
 
+GLOO_EXIT_RACE = "terminate called without an active exception"  # gloo's abort at interpreter exit
+EXIT_RACE_RUNS = 3  # a launch gloo aborted at exit runs again, this many runs in all (docs/troubleshooting.md)
+
+
 def run(cmd: list[str], timeout: float, **kw) -> tuple[int | None, str, str]:
     """(exit code, stdout, stderr) of ``cmd``; exit code None when it outlived ``timeout`` seconds
-    and was killed with everything it started."""
+    and was killed with everything it started. A launch that gloo aborted as a process exited (a
+    race in torch's teardown, plain DDP's too; see docs/troubleshooting.md, "Messages from torch at
+    exit") runs again, ``EXIT_RACE_RUNS`` runs at most; the last one's result is returned."""
+    for _ in range(EXIT_RACE_RUNS):
+        code, out, err = _run_once(cmd, timeout, **kw)
+        if code is None or code == 0 or GLOO_EXIT_RACE not in err:
+            break
+    return code, out, err
+
+
+def _run_once(cmd: list[str], timeout: float, **kw) -> tuple[int | None, str, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **kw)
     try:

@@ -58,6 +58,9 @@ SOURCES = (
      "on gloo, and how GPT-2 small's buckets split over 8, 64 and 1024 ranks."),
     ("per_param.md", "Host cost per parameter tensor",
      "`backward() + step() + zero_grad()` on many 16-element tensors against DDP and torch's ZeRO."),
+    ("messages.md", "Control messages",
+     "One of shardopt's own messages as it is sent (an exchange) against gloo's ring all-reduce, 2 to 16 ranks "
+     "on loopback."),
     ("step_muon.md", "Muon training step",
      "ShardedMuon at stage 1 and 2 against DDP with torch.optim.Muon and fused AdamW on every rank."),
     ("accumulation.md", "Gradient accumulation", "`no_sync` micro-batches against DDP's."),
