@@ -87,3 +87,11 @@ def run_for_json(cmd: list[str], out: str, timeout: float, **kw) -> object | str
         res = json.load(f)
     os.remove(out)
     return res
+
+
+def emit(table: str, out: str = "") -> None:
+    """Print a driver's ``table`` and, where ``out`` names a file, write it there too."""
+    print(table)
+    if out:
+        with open(out, "w") as f:
+            f.write(table + "\n")

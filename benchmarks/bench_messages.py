@@ -82,7 +82,7 @@ def main() -> None:
     if args.worker:
         worker(args.repeats)
         return
-    from _launch import run
+    from _launch import emit, run
 
     lines = ["| ranks | all-reduce us | exchange us | exchange / all-reduce |", "|---:|---:|---:|---:|"]
     for n in (int(r) for r in args.ranks.split(",")):
@@ -98,11 +98,7 @@ def main() -> None:
             lines.append(f"| {n} | {got['all-reduce']:.0f} | {got['exchange']:.0f} | "
                          f"{got['exchange'] / got['all-reduce']:.2f}x |")
         print(lines[-1], file=sys.stderr, flush=True)
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

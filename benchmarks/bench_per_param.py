@@ -161,6 +161,8 @@ def main() -> None:
         args.tensors = int(args.tensors)
         worker(args)
         return
+    from _launch import emit
+
     configs = args.configs.split(",")
     sizes = [int(t) for t in args.tensors.split(",")]
     times: dict[tuple[str, int], list[float]] = {}
@@ -191,11 +193,7 @@ def main() -> None:
             ms = [m for _, m in runs]
             share = statistics.median(ms) / statistics.median(times[c, n]) if (c, n) in times else float("nan")
             lines.append(f"| {c} | {n} | {runs[0][0]:g} | {' / '.join(f'{m:.2f}' for m in ms)} | {share:.0%} |")
-    table = "\n".join(lines)
-    print(table)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(table + "\n")
+    emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":
