@@ -146,3 +146,26 @@ def train_case_reference() -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(31, 32), nn.Linear(32, 31), nn.Linear(31, 32))
     return [p.detach() for p in model.parameters()]
+
+
+def noncontiguous_case(exchange_bytes: int) -> tuple:
+    """``control_all_reduce`` of a strided view, as an exchange (the default for small messages)
+    and as an all-reduce (``EXCHANGE_BYTES`` 0): (the view's sum, the columns outside it)."""
+    import shardopt.comm._collectives as collectives
+
+    previous, collectives.EXCHANGE_BYTES = collectives.EXCHANGE_BYTES, exchange_bytes
+    try:
+        comm = collectives.Comm(None)
+        base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + 100 * dist.get_rank()
+        comm.control_all_reduce(base[:, ::2]).wait()
+        return base[:, ::2].clone(), base[:, 1::2].clone()
+    finally:
+        collectives.EXCHANGE_BYTES = previous
+
+
+def test_a_strided_view_is_reduced_in_place_and_nothing_beside_it_changes(pools):
+    for exchange_bytes in (1 << 20, 0):
+        for rank, (reduced, beside) in enumerate(pools(2).run(noncontiguous_case, exchange_bytes)):
+            whole = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+            assert torch.equal(reduced, 2 * whole[:, ::2] + 100), (exchange_bytes, rank, reduced)  # ranks 0 and 1
+            assert torch.equal(beside, whole[:, 1::2] + 100 * rank), (exchange_bytes, rank, beside)  # untouched

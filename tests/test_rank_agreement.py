@@ -379,3 +379,27 @@ def test_a_rank_that_skips_step_times_out_with_the_call_named(pools):
     error, seconds = pools(2).run(skipped_step_case)[0]
     assert error and "step() waited 3 s" in error and "rank 0 of 2" in error, error
     assert 2.5 <= seconds < 10, seconds
+
+
+def staggered_step_case() -> tuple:
+    """Ranks reach step() 0, 2.5 and 9 s late with timeout=3: gloo gives each rank's part of the
+    message its own 3 s, so rank 0, whose wait for rank 1 ended at 2.5 s, waits on for rank 2 past
+    the deadline. Rank 2 never steps (it returns at 9 s)."""
+    _, opt = _after_one_backward(timeout=3.0)
+    time.sleep((0.0, 2.5, 9.0)[dist.get_rank()])
+    if dist.get_rank() == 2:
+        return None, 0.0
+    return _timed(opt.step, TimeoutError)
+
+
+def test_a_message_stretched_by_ranks_arriving_one_after_another_says_how_long_it_waited(pools):
+    """The error states the time this rank actually waited, not the deadline it was given (rank 0
+    waits about 5 s in all on a 3 s deadline: comm._control [Note: shardopt's own control group])."""
+    import re
+
+    results = pools(3).run(staggered_step_case)
+    for rank, (error, seconds) in enumerate(results[:2]):
+        assert error and f"rank {rank} of 3: step() waited" in error, (rank, error)
+        said = float(re.search(r"step\(\) waited ([\d.]+) s", error).group(1))
+        assert abs(said - seconds) <= 0.6, (rank, said, seconds, error)
+    assert results[0][1] >= 3.5, results[0]  # rank 0's message was stretched past its deadline

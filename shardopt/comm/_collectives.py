@@ -195,7 +195,8 @@ class Comm:
         if t.device.type != "cpu" and not _reached(t.device, deadline):
             limit = "the optimizer's timeout=" if self.timeout is not None else "the process group's timeout"
             raise TimeoutError(self.timed_out(deadline, limit))  # see _pending [Note: deadlines of data waits]
-        host = t if t.device.type == "cpu" else t.cpu()
+        # a contiguous host copy, unless t is one: the all-reduce writes its memory as one block
+        host = t if t.device.type == "cpu" and t.is_contiguous() else t.to("cpu").contiguous()
         rows = self._exchanged(host)
         work, sent = self._send_control(host, rows, op, deadline)
 

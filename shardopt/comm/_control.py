@@ -22,9 +22,13 @@ other which call they are in. The group is gloo whatever the data's backend (NCC
 cannot be waited with a deadline and resumed); the messages are a few hundred bytes, copied to
 the host.
 
-A message waits at most its deadline (a call's entry: the call's; else the optimizer's
-``timeout``; else the group's), and gloo gets that same deadline as the message's own timeout
-(``AllreduceOptions.timeout``), so gloo alone decides whether it arrived. When it did not, gloo
+A message waits for each rank's part at most its deadline (a call's entry: the call's; else the
+optimizer's ``timeout``; else the group's): gloo gets that deadline as the message's own timeout
+(its ``timeout`` option), so gloo alone decides whether it arrived. gloo applies it to each wait
+for a rank's part in turn, so ranks that arrive one after another, each within the deadline of
+the one before, stretch a message past it (the error then says how long it waited in all, from
+when it was issued); a deadline of the whole message would need the message to be ended from
+outside gloo while gloo still waits, which would leave it in flight. When it did not arrive, gloo
 ends the message in its worker thread and closes the group's connections on this rank: nothing is
 left in flight. So a rank that raises can exit (torch's teardown joins the group's worker
 threads, and a thread still waiting would keep the process, and the job, alive until the group's

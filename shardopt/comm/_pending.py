@@ -59,6 +59,7 @@ class Pending(Gather):
     deadline: float | None = None  # seconds to wait before giving up; None: the comm's timeout
     control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
     what: str = "a collective of the optimizer's group"  # what the message of a failure names (Comm.collective_failed)
+    issued: float = field(default_factory=time.monotonic)  # when it was issued: gloo's own wait starts there
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
@@ -87,7 +88,11 @@ class Pending(Gather):
                 w.wait(**limit)
             except RuntimeError as e:
                 if self.control:  # a control message has its comm and its deadline
-                    cast(Waiter, self.comm).control_failed(e, cast(float, timeout))  # raises
+                    # how long it waited in all: ranks that arrive one after another, each within gloo's
+                    # timeout of a part of the message, stretch it past the deadline (see _control
+                    # [Note: shardopt's own control group])
+                    waited = max(cast(float, timeout), round(time.monotonic() - self.issued, 1))
+                    cast(Waiter, self.comm).control_failed(e, waited)  # raises
                 if timeout is not None and says_timed_out(e):  # a timeout: the comm's
                     raise TimeoutError(cast(Waiter, self.comm).timed_out(timeout)) from None
                 if self.comm is None:
