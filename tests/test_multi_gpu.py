@@ -25,11 +25,12 @@ same code, only the backend and the device differ.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from launch import run_launcher
 
 pytestmark = pytest.mark.launch
 
@@ -45,7 +46,7 @@ def _launch(case: str, nproc: int, backend: str = "nccl") -> str:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", __file__, case,
            backend]
     env = dict(os.environ, SHARDOPT_COLLECTIVES="native")  # NCCL's default; gloo takes it too here
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(HERE), env=env)
+    run = run_launcher(cmd, timeout=600, env=env)  # run again where gloo aborted it at exit
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     return run.stdout
 
