@@ -10,7 +10,10 @@ then (seen with plain DDP too); such a run, with every gather waited for, is run
 Also catches a control message left in flight by a call that gave up: the process that raised
 never exited (torch's teardown joined the worker thread still waiting on it), so torchrun saw no
 failed worker and the job hung until the group's timeout.
-This file is also the worker: ``python tests/test_exit.py [save-on-rank-0 PATH]`` under torchrun.
+Also catches a control group freed among the last objects of interpreter teardown: a script that
+keeps its optimizer at top level and destroys the process group at its end aborted at exit in
+about half of 3-rank launches; now none may (comm._control ``_let_go``).
+This file is also the worker: ``python tests/test_exit.py [save-on-rank-0 PATH | hold]`` under torchrun.
 """
 from __future__ import annotations
 
@@ -73,6 +76,36 @@ def test_a_call_that_gave_up_on_rank_0_ends_the_job(tmp_path):
     assert time.time() - called < 2 + 60, (seconds, out[-4000:])
 
 
+def test_a_script_that_holds_its_optimizer_to_the_end_exits_without_an_abort():
+    """A script's usual end: the optimizer still held at top level, ``dist.destroy_process_group()``
+    as its last line. Three 3-rank launches, none run again: every one must exit 0 without gloo's
+    abort (before the control groups were let go at exit, most did not)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+           os.path.abspath(__file__), "hold"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_KERNEL="reference")
+    for run in range(3):
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        assert proc.returncode == 0 and GLOO_EXIT_RACE not in proc.stderr, (run, proc.stderr[-3000:])
+
+
+def _hold() -> None:
+    """The worker of that test: the optimizer and the model at top level of the script (globals
+    here), one clipped step, the process group destroyed, the interpreter left to end."""
+    import torch.distributed as dist
+
+    import shardopt
+    from models import batch, make_model
+
+    dist.init_process_group("gloo")
+    model = make_model(seed=1)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-3)
+    opt.backward(model(batch(dist.get_rank(), 0)))
+    opt.clip_grad_norm_(1.0)
+    opt.step()
+    dist.destroy_process_group()
+    globals().update(model=model, opt=opt)  # held until the interpreter ends, as a script's top level holds them
+
+
 def _save_on_rank_0(path: str) -> None:
     import torch.distributed as dist
 
@@ -116,5 +149,7 @@ if __name__ == "__main__":
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     if sys.argv[1:2] == ["save-on-rank-0"]:
         _save_on_rank_0(sys.argv[2])
+    elif sys.argv[1:2] == ["hold"]:
+        _hold()
     else:
         _worker()

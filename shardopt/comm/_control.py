@@ -66,6 +66,7 @@ group]). Every rank picks the same kind for a message: its size is the same on e
 from __future__ import annotations
 
 import atexit
+import weakref
 import datetime
 import os
 import time
@@ -111,7 +112,7 @@ def _first_line(error: BaseException) -> str:
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
-@dataclass
+@dataclass(eq=False)  # one object per group, hashed by identity (held in _MADE_GROUPS)
 class ControlGroup:
     """shardopt's gloo group over one set of ranks (see [Note: shardopt's own control group])."""
 
@@ -153,8 +154,22 @@ class ControlGroup:
 
 _CONTROL: dict[tuple[int, ...], ControlGroup] = {}  # by the global ranks it spans, under one default group
 _MADE: dict[tuple[int, ...], int] = {}  # control groups made for each set of ranks, in this process
-# Freed while the interpreter still runs, as any group is, not among the last objects torn down.
-atexit.register(_CONTROL.clear)
+_MADE_GROUPS: weakref.WeakSet[ControlGroup] = weakref.WeakSet()  # every one still held (by a comm), for _let_go
+
+
+@atexit.register
+def _let_go() -> None:
+    """At interpreter exit, drop every reference shardopt holds to a control group, its default
+    group and its store, also those of optimizers the script still holds: a gloo group freed
+    among the last objects of interpreter teardown (an optimizer at a script's top level holds
+    one through its comm) aborts the process there ("terminate called without an active
+    exception") in about half of 3-rank launches, after the work was done. Freed here, while the
+    interpreter runs, as torch frees its own groups. A message sent after this raises. Local."""
+    for control in [*_CONTROL.values(), *_MADE_GROUPS]:
+        control.group = control.world = control.store = None
+        control.broken = control.broken or "the interpreter is exiting: shardopt let go of its control group"
+    _CONTROL.clear()
+    _MADE_GROUPS.clear()
 
 
 def control_group(group: ProcessGroup, connect: float | None = None) -> ControlGroup:
@@ -204,6 +219,7 @@ def control_group(group: ProcessGroup, connect: float | None = None) -> ControlG
                                               f"rank: {why}. Restart every rank")
         raise TimeoutError(why) from None
     found = _CONTROL[ranks] = ControlGroup(made, world, timeout, store=store, key=name + "gave-up")
+    _MADE_GROUPS.add(found)
     return found
 
 
