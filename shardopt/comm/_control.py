@@ -135,6 +135,12 @@ class ControlGroup:
             except (RuntimeError, OSError, ValueError):
                 pass  # the store's host is gone too: the others give the reason without the line
 
+    def let_go(self) -> None:
+        """Drop this rank's references to the group, its default group and its store (at
+        interpreter exit, ``_let_go``): every later use raises. Local."""
+        self.group = self.world = self.store = None
+        self.broken = self.broken or "the interpreter is exiting: shardopt let go of its control group"
+
     def notice(self, wait: float) -> str:
         """The line a rank that gave up on the group left (``give_up``), looked for during up to
         ``wait`` seconds; "" when there is none. Local."""
@@ -166,8 +172,7 @@ def _let_go() -> None:
     exception") in about half of 3-rank launches, after the work was done. Freed here, while the
     interpreter runs, as torch frees its own groups. A message sent after this raises. Local."""
     for control in [*_CONTROL.values(), *_MADE_GROUPS]:
-        control.group = control.world = control.store = None
-        control.broken = control.broken or "the interpreter is exiting: shardopt let go of its control group"
+        control.let_go()
     _CONTROL.clear()
     _MADE_GROUPS.clear()
 
