@@ -545,13 +545,7 @@ def fallback_case(rank: int, root: str) -> dict:
     the older checkpoint, and every rank trains on."""
     import shardopt.checkpoint as ck
 
-    model = make_model(seed=4)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
-    saved = {}
-    for step in (1, 2):
-        _train(model, opt, range(step - 1, step))
-        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
-        saved[step] = _state(model, opt)
+    model, opt, saved = _two_checkpoints(root)
     out: dict = {}
     check = ck.check_replaceable
 
@@ -585,11 +579,7 @@ def fallback_case(rank: int, root: str) -> dict:
             break
         except Exception as e:  # noqa: BLE001 - the test reads what it was
             out["tried"].append([os.path.basename(found), f"{type(e).__name__}: {e}"])
-    out["as_saved"] = _state(model, opt) == saved[1]
-    _train(model, opt, range(1, 2))
-    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
-    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
-    return out
+    return _after_resume(out, root, model, opt, saved[1])
 
 
 @pytest.mark.launch  # processes of its own
@@ -616,6 +606,16 @@ def test_an_oserror_on_one_rank_is_raised_on_every_rank_and_a_fallback_loop_resu
 
 
 # -- out of memory on one rank, and OSErrors inside DCP ------------------------------------------
+def _after_resume(out: dict, root: str, model, opt, saved: object) -> dict:
+    """``out`` with what the resumed run shows: whether it holds the state saved at step 1, its
+    weights after one more step, and the checkpoints left under ``root``."""
+    out["as_saved"] = _state(model, opt) == saved
+    _train(model, opt, range(1, 2))
+    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
+    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
+    return out
+
+
 def _resume_loop(root: str, model, opt) -> list[list[str]]:
     """docs/checkpoints.md's resume loop: newest first, skipping a checkpoint that raises OSError or
     ValueError. What each try gave."""
@@ -628,6 +628,29 @@ def _resume_loop(root: str, model, opt) -> list[list[str]]:
         except (OSError, ValueError) as e:  # raised on every rank alike
             tried.append([os.path.basename(found), f"{type(e).__name__}: {e}"])
     return tried
+
+
+def _two_checkpoints(root: str) -> tuple:
+    """A model and its optimizer (timeout 20 s) trained two steps, each saved under ``root`` as
+    ``step_1``, ``step_2``: (model, optimizer, the state after each step)."""
+    model = make_model(seed=4)
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
+    saved = {}
+    for step in (1, 2):
+        _train(model, opt, range(step - 1, step))
+        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
+        saved[step] = _state(model, opt)
+    return model, opt, saved
+
+
+def _saved(path: str, model, opt) -> dict:
+    """What ``save_checkpoint(path, model, opt)`` gave: ``{"class": "no error"}`` or its error (``_error``)."""
+    start = time.perf_counter()
+    try:
+        shardopt.save_checkpoint(path, model, opt)
+        return {"class": "no error"}
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        return _error(e, start)
 
 
 def _error(e: BaseException, start: float) -> dict:
@@ -683,13 +706,7 @@ def out_of_memory_case(rank: int, root: str, victim: int, kind: str) -> dict:
         return blocks_to_save(*args, **kwargs)
 
     ck._blocks_to_save = out_of_memory
-    out: dict = {}
-    start = time.perf_counter()
-    try:
-        shardopt.save_checkpoint(os.path.join(root, "step_2"), model, opt)
-        out["save"] = {"class": "no error"}
-    except Exception as e:  # noqa: BLE001 - the test reads what it was
-        out["save"] = _error(e, start)
+    out: dict = {"save": _saved(os.path.join(root, "step_2"), model, opt)}
     ck._blocks_to_save = blocks_to_save
     out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
     out["tried"] = _resume_loop(root, model, opt)
@@ -730,13 +747,7 @@ def dcp_oserror_case(rank: int, root: str) -> dict:
 
     import torch.distributed.checkpoint as dcp
 
-    model = make_model(seed=4)
-    opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
-    saved = {}
-    for step in (1, 2):
-        _train(model, opt, range(step - 1, step))
-        shardopt.save_checkpoint(os.path.join(root, f"step_{step}"), model, opt, extra={"step": step})
-        saved[step] = _state(model, opt)
+    model, opt, saved = _two_checkpoints(root)
     write_data, read_data = dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data
 
     def disk_full(self, plan, planner):
@@ -750,13 +761,7 @@ def dcp_oserror_case(rank: int, root: str) -> dict:
         return read_data(self, plan, planner)
 
     dcp.FileSystemWriter.write_data, dcp.FileSystemReader.read_data = disk_full, unreadable
-    out: dict = {}
-    start = time.perf_counter()
-    try:
-        shardopt.save_checkpoint(os.path.join(root, "step_3"), model, opt)
-        out["save"] = {"class": "no error"}
-    except Exception as e:  # noqa: BLE001 - the test reads what it was
-        out["save"] = _error(e, start)
+    out: dict = {"save": _saved(os.path.join(root, "step_3"), model, opt)}
     dcp.FileSystemWriter.write_data = write_data
     model = make_model(seed=9)  # a restarted run
     opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, timeout=20)
@@ -765,11 +770,7 @@ def dcp_oserror_case(rank: int, root: str) -> dict:
     except Exception as e:  # noqa: BLE001 - escaped the loop
         out["escaped"] = f"{type(e).__name__}: {e}"
         return out
-    out["as_saved"] = _state(model, opt) == saved[1]
-    _train(model, opt, range(1, 2))
-    out["trained"] = {k: v.tolist() for k, v in model.state_dict().items()}
-    out["listed"] = [os.path.basename(p) for p in shardopt.list_checkpoints(root)]
-    return out
+    return _after_resume(out, root, model, opt, saved[1])
 
 
 @pytest.mark.launch  # processes of its own
