@@ -14,7 +14,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: setup.cfg pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e '.[test,hf,lightning]'
+	$(PY) -m pip install -q -e '.[test,hf,lightning,ft]'
 	@touch $@
 
 demo: setup

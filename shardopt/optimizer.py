@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import threading
 import time
 import weakref
 from typing import Any, Callable, Iterable, Iterator, cast
@@ -17,7 +18,7 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.utils.hooks import RemovableHandle
 
 from shardopt.comm._messages import check_calls, joined_ranks, the_call
-from shardopt.step._agreement import agree_on_building, agree_on_params
+from shardopt.step._agreement import agree_on_building, agree_on_params, hyperparameters
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
@@ -77,6 +78,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     replicates across the groups (hybrid sharding; see ``_collectives`` [Note: hybrid sharding]);
     a 1-D mesh, like ``process_group``, shards over all its ranks. Pass one or the other.
 
+    ``replicas``: a ``torchft.Manager`` (one per replica group): this optimizer shards over its
+    group's ranks (``process_group``) and averages each piece over the replica groups in torchft's
+    quorum; wrap it in ``torchft.optim.OptimizerWrapper`` (quorum in ``zero_grad``, commit vote
+    before ``step``) and register its state with ``shardopt.fault_tolerance.register`` (see
+    ``comm._replicas`` [Note: replicas through torchft] and docs/fault-tolerance.md).
+
     ``offload="cpu"``: this rank's master weights, moments and a copy of its gradient shard live
     in host memory and are updated there, bucket by bucket, by the fused CPU kernels; the
     weights and gradient buckets stay on the accelerator (see ``shardopt.update._offload``).
@@ -130,6 +137,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         process_group: ProcessGroup = None,
         device_mesh: Any = None,
         model_parallel_group: Any = None,
+        replicas: Any = None,
         bucket_cap_mb: float = 25.0,
         accumulate_dtype: torch.dtype | None = torch.float32,
         reduce_dtype: torch.dtype | None = None,
@@ -148,12 +156,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                                   max_consecutive_skips=max_consecutive_skips, offload=offload,
                                   offload_fraction=offload_fraction)
         make_scaler(loss_scale, set())  # validate before any communication
+        if replicas is not None:
+            _check_replicas(overlap_param_gather, model_parallel_group)
         self._built = False
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)
         super().__init__(params, self._defaults(lr, tuple(betas), eps, weight_decay, flags))
         # timeout= covers construction too: every wait for the other ranks here, connects included
-        self._comm = Comm(process_group, device_mesh, connect=self.config.timeout)
+        self._comm = Comm(process_group, device_mesh, connect=self.config.timeout, replicas=replicas)
         self._comm.timeout = self.config.timeout
         self._names = param_names(self.param_groups)  # how messages name each parameter
         # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
@@ -212,6 +222,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
         self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
         self._step = 0
+        # held by step() and by what reads or writes the state from another thread (torchft's
+        # healing, see shardopt.fault_tolerance): a reader sees the state between two steps
+        self._state_lock = threading.RLock()
         self._clip_coef = 1.0  # what clip_grad_norm_ asked the next step to multiply the gradient by
         self._clip_zeroings = self._clip_rounds = 0  # the reducers' zeroings and rounds when it asked (see _pending_clip)
         self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
@@ -229,6 +242,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._noticed: Any = None  # None: no Join notice sent this step; else its work handle (or False)
         self._joined = False  # this rank shadows the others' calls (inside _shadow_step)
         self._rounds.on_open = lambda: ref()._notice_join()  # type: ignore[union-attr]
+        self._rounds.hyperparameters = lambda: hyperparameters(ref().param_groups)  # type: ignore[union-attr]
         # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
                                     lambda: ref()._step)  # type: ignore[union-attr]
@@ -380,7 +394,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """Update this rank's shard and all-gather the new weights; skipped on every rank when any
         gradient is inf/NaN. Every rank."""
         self._check_open()
-        with self._comm.during("step()"), record_function(STEP):  # see core._ranges [Note: profiler ranges]
+        with self._comm.during("step()"), record_function(STEP), self._state_lock:  # see core._ranges [Note: profiler ranges]
             return self._take_step(closure)
 
     def _take_step(self, closure: Callable[[], Any] | None) -> Any:
@@ -677,3 +691,15 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._held.reset()
         if self._buffers[0].flat.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)
+
+
+def _check_replicas(overlap_param_gather: bool, model_parallel_group: Any) -> None:
+    """Refuse what ``replicas=`` (torchft's Manager) does not support, before any communication."""
+    if overlap_param_gather:
+        raise ValueError("replicas= (torchft) with overlap_param_gather=True: a replica group that heals reads a live "
+                         "group's weights from another thread between two steps, so each step must finish its "
+                         "gathers; leave overlap_param_gather off")
+    if model_parallel_group is not None:
+        raise ValueError("replicas= (torchft) beside model_parallel_group= (tensor, pipeline or expert parallelism) "
+                         "is not supported: a replica group would have to heal every model axis together; use "
+                         "replicas= with data parallelism inside each replica group")

@@ -2,7 +2,7 @@
 same world size and layout (``save_checkpoint`` and ``consolidate_state_dict`` change world size)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from torch import Tensor
@@ -24,19 +24,26 @@ def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     problems = opt.state.take_writes()  # writes into opt.state, as the state dict reads it
     if problems:
         raise RuntimeError(problems[0])
+    return _shard_state(opt, lambda t: t.clone(), torch_keys=True)
+
+
+def _shard_state(opt: ShardedOptimizer, copy: Callable[[Tensor], Tensor], *, torch_keys: bool) -> dict[str, Any]:
+    """The rank state dict of ``opt`` as it is now, each tensor ``copy``'d; ``torch_keys``: with
+    torch's per-parameter "state" (else only the entries of ``opt.state`` under other keys). Local."""
     index = param_indices(opt.param_groups)
     groups = []
     for g in opt.param_groups:
         # a param group's own process_group is this run's object, not state (and cannot be pickled)
         groups.append({**{k: v for k, v in g.items() if k not in ("params", "process_group")},
                        "params": [index[id(p)] for p in g["params"]]})
-    buffers = [{k: v.clone() for k, v in b.moments.tensors().items()} for b in opt._buffers]
+    buffers = [{k: copy(v) for k, v in b.moments.tensors().items()} for b in opt._buffers]
     state: dict[Any, Any] = {}
-    for b, moments in zip(opt._buffers, buffers):
-        for r in b.records:
-            if opt.state.has_entry(b, r, opt._step):
-                state[index[id(r.leaf)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
-    state = {k: state[k] for k in sorted(state)}
+    if torch_keys:
+        for b, moments in zip(opt._buffers, buffers):
+            for r in b.records:
+                if opt.state.has_entry(b, r, opt._step):
+                    state[index[id(r.leaf)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
+        state = {k: state[k] for k in sorted(state)}
     state.update(opt.state.other_entries())  # entries of other keys, as torch
     return {
         "format": STATE_FORMAT,
@@ -55,12 +62,60 @@ def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
              "bucket_pieces": [bucket.piece_numel for bucket in b.layout.buckets],
              "param_shapes": [span.shape for span in b.layout.params],
-             **{k: v.clone() for k, v in b.master.state_tensors().items()},
+             **{k: copy(v) for k, v in b.master.state_tensors().items()},
              **moments, "lag": [r.lag for r in b.records]}
             for b, moments in zip(opt._buffers, buffers)
         ],
         "state": state,
     }
+
+
+HEAL_FORMAT = "shardopt.heal_shard.v1"
+
+
+def heal_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
+    """What a replica group that heals takes from this rank (torchft, see shardopt.fault_tolerance):
+    its rank state dict (this rank's shard of master weights and moments, counters, groups, scaler)
+    and the weights of its flat buffers, copied into host memory under the optimizer's state lock,
+    so from any thread and between two steps. No communication; takes in nothing written since
+    the last step (a read only). Local."""
+    with opt._state_lock:
+        def host(t: Tensor) -> Tensor:
+            return t.detach().to("cpu", copy=True)
+        sd = _shard_state(opt, host, torch_keys=False)
+        sd["format"] = HEAL_FORMAT
+        sd["weights"] = [host(b.flat.data) for b in opt._buffers]
+    return sd
+
+
+def load_heal_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
+    """Take ``heal_state_dict``'s output from the same rank of a live replica group, in place into
+    this optimizer's flat buffers (weights, master weights, moments) and counters, under the state
+    lock. No communication: every rank of the group loads its own. Raises ``ValueError`` for another
+    shard count or layout, before changing anything. Local."""
+    if not isinstance(sd, dict) or sd.get("format") != HEAL_FORMAT:
+        raise ValueError(f"a replica group heals from shardopt.fault_tolerance's state (format {HEAL_FORMAT!r}), "
+                         f"got {type(sd).__name__} {sd.get('format') if isinstance(sd, dict) else ''!r}: register "
+                         "the optimizer with shardopt.fault_tolerance.register(manager, optimizer) on every group")
+    try:
+        check_rank_state_dict(opt, sd)
+    except ValueError as e:
+        raise ValueError(f"this replica group cannot heal from the live group: {e}. Replica groups under torchft must "
+                         f"have the same shard count, model and settings; a group of another shard count restarts "
+                         f"from a checkpoint (shardopt.load_checkpoint reshards) instead") from None
+    with opt._state_lock:
+        for saved, weights, b in zip(sd["buffers"], sd["weights"], opt._buffers):
+            b.flat.data.copy_(weights)  # every piece of the weights; this rank's own is rewritten from its master next
+            b.moments.load_tensors(saved)
+            b.load_master(saved)
+        for g, saved in zip(opt.param_groups, sd["param_groups"]):
+            restore_group(g, saved)
+        for k, v in sd.get("state", {}).items():
+            if not isinstance(k, int):
+                opt.state[k] = v
+        lags = {id(b): saved["lag"] for saved, b in zip(sd["buffers"], opt._buffers)}
+        opt._resume(step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
+                    skipped_steps=int(sd["skipped_steps"]), seed=sd.get("seed"), loss_scaler=sd["loss_scaler"])
 
 
 # [Note: torch's keys in the rank state dict]

@@ -14,6 +14,7 @@ from shardopt.comm._collectives import Comm
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._config import ShardConfig
 from shardopt.core._records import ParamRecord
+from shardopt.reduce._rounds import Rounds
 from shardopt.step._loss_scale import LossScaler
 from shardopt.step._usage_checks import UsageChecks
 from shardopt.update._sharded_buffer import ShardedBuffer
@@ -34,6 +35,8 @@ class ShardedOptimizer(Protocol):
     _checks: UsageChecks
     _step: int
     _consolidated: dict[str, Any] | None
+    _rounds: Rounds
+    _state_lock: Any  # threading.RLock: held by step() and by reads of the state from another thread
 
     def finish_param_gather(self) -> None: ...
 

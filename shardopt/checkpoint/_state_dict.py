@@ -83,6 +83,7 @@ class OptimizerStateDict:
             self.skipped_steps = int(skipped_steps)
         if loss_scaler is not None:
             self._scaler.load_state_dict(loss_scaler)
+        self._rounds.resumed(self._step + self.skipped_steps)  # what the round tags say from here (see reduce._rounds)
         if seed is not None and int(seed) != self.config.seed:
             self.config = dataclasses.replace(self.config, seed=int(seed))
         for b in self._buffers:

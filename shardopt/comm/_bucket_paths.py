@@ -64,7 +64,7 @@ class PathComm(Waiter, Protocol):
     shard_rank: int
     _shard_global: list[int]
     hybrid: bool
-    replicas: int
+    cross: Any  # how pieces cross the replicas (_replicas): its size() is the replicas a sum is divided by
     stats: CommStats
 
     def _count(self, works: list, *, reduced: int = 0, gathered: int = 0, crossed: int = 0) -> list: ...
@@ -247,7 +247,7 @@ class RankOrderPath(NativePath):
 
             def land() -> None:
                 held.nbytes -= acc.nbytes
-                out.copy_(acc.div_(n * c.replicas))
+                out.copy_(acc.div_(n * c.cross.size()))
 
             return c._cross(acc, avg=False, then=land)
 

@@ -42,6 +42,7 @@ from shardopt.comm._control import _NOTICE_WAIT, _PEER_DIED, ControlGroup, _firs
 from shardopt.comm._control import ControlGone as ControlGone  # importable from here too
 from shardopt.comm._control import ControlTimeout as ControlTimeout
 from shardopt.comm._control import leave_line as leave_line
+from shardopt.comm._replicas import ManagedReplicas, MeshReplicas
 from shardopt.comm._control import read_line as read_line
 from shardopt.comm._pending import says_timed_out
 from shardopt.core._compat import mesh_flattener
@@ -129,7 +130,7 @@ class Comm:
     """A process group with its rank and size, and the collectives shardopt needs."""
 
     def __init__(self, process_group: ProcessGroup = None, device_mesh: Any = None, *,
-                 connect: float | None = None) -> None:
+                 connect: float | None = None, replicas: Any = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "shardopt needs torch.distributed initialised: launch with torchrun and call "
@@ -151,7 +152,15 @@ class Comm:
         self.replicate_group = replicate_group
         self.replica: int = dist.get_rank(replicate_group) if replicate_group is not None else 0
         self.replicas: int = self.world_size // self.shard_size
-        self.hybrid = replicate_group is not None  # pieces are all-reduced across replicas too
+        # how pieces cross the replicas: the mesh's replicate group, or torchft's Manager (see _replicas)
+        self.cross: MeshReplicas | ManagedReplicas = MeshReplicas(replicate_group, self.replicas)
+        if replicas is not None:
+            if device_mesh is not None:
+                raise ValueError("replicas= (torchft's Manager) is the replicate dimension itself: pass the replica "
+                                 "group's own ranks as process_group= (or none: the default group), not device_mesh=")
+            self.cross = ManagedReplicas(replicas)
+        self.managed = self.cross.managed  # the replicas are torchft's quorum (see _replicas [Note: replicas through torchft])
+        self.hybrid = replicate_group is not None or self.managed  # pieces are all-reduced across replicas too
         if self.replicas * self.shard_size != self.world_size or self.replica < 0 or self.shard_rank < 0:
             raise ValueError(f"device_mesh: a shard group of {self.shard_size} ranks does not tile the "
                              f"{self.world_size} data-parallel ranks")
@@ -399,7 +408,8 @@ class Comm:
         """(bytes this rank sent inside its shard group, bytes it sent across replicas) for the
         collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
         all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
-        s, r = self.shard_size, self.replicas
+        s = self.shard_size
+        r = self.cross.last_size() if isinstance(self.cross, ManagedReplicas) else self.replicas
         passes = 2 if stage == 1 and not self.hybrid and self.path.whole_all_reduce else 1  # all-reduce
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r
@@ -414,8 +424,7 @@ class Comm:
             if then is not None:
                 then()
             return Pending(stats=self.stats, comm=self, overlap=True)
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-        work = dist.all_reduce(t, op=op, group=self.replicate_group, async_op=True)
+        work = self.cross.all_reduce(t, avg)
         return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
                        overlap=True, what="a cross-replica gradient reduction")
 

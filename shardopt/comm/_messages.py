@@ -21,13 +21,16 @@ import torch
 from torch import Tensor
 
 from shardopt.comm._control import ControlGone, ControlTimeout
+from shardopt.comm._digest import HYPER_LEN as HYPER_LEN  # the hyper field's length, importable from here too
+from shardopt.comm._digest import digest_code as digest_code
+from shardopt.comm._digest import digests_agree as digests_agree
+from shardopt.comm._digest import steps_code as steps_code
 
 if TYPE_CHECKING:
     from shardopt.comm._collectives import Comm
 
 CALL_LEN = 13  # call_header: one slot per call (CALLS), a lost round as (a, -a)
 CHECKS_LEN = 8  # _usage_checks.UsageChecks.flags
-HYPER_LEN = 16  # _agreement.hyper_code: a 32-bit digest of the hyperparameters in 4-bit chunks, twice
 
 
 @dataclass
@@ -57,10 +60,11 @@ class StepMessage:
         return torch.cat(parts)
 
     @classmethod
-    def tag(cls, call: Sequence[float]) -> StepMessage:
+    def tag(cls, call: Sequence[float], hyper: Sequence[float] | None = None) -> StepMessage:
         """A message that carries only a call header: each backward pass's round tag, which has the
-        step's shape so that a rank in a backward pass meets a rank in a step."""
-        return cls(0.0, 0.0, call, [0.0] * CHECKS_LEN, [0.0] * HYPER_LEN)
+        step's shape so that a rank in a backward pass meets a rank in a step (``hyper``: the
+        round tag's ``steps_code``; none for a call's entry)."""
+        return cls(0.0, 0.0, call, [0.0] * CHECKS_LEN, list(hyper) if hyper is not None else [0.0] * HYPER_LEN)
 
     @classmethod
     def reduced(cls, t: Tensor) -> StepMessage:

@@ -91,7 +91,8 @@ from typing import Callable, Sequence, cast
 import torch
 
 from shardopt.comm._collectives import Comm, Pending
-from shardopt.comm._messages import StepMessage, call_header, check_calls
+from shardopt.comm._replicas import ManagedReplicas
+from shardopt.comm._messages import StepMessage, call_header, check_calls, digests_agree, joined_ranks, steps_code
 from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
 from shardopt.core._dtensor import move_grad
 from shardopt.reduce._forward_order import ForwardOrder
@@ -194,6 +195,10 @@ class Rounds:
         self.nested = False  # the hook running now is in a backward pass nested in that one
         self.steady_task: int | None = None  # the open round's graph task, while its hooks may take the usual path
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
+        self.steps_taken = 0  # steps the state has taken, skipped ones included: what the tags say (see _messages.steps_code)
+        # the hyperparameters the coming step uses, which replica groups under torchft compare (see
+        # comm._replicas [Note: replicas through torchft]); the optimizer's, set by it
+        self.hyperparameters: Callable[[], object] = lambda: ()
         self._reset()
 
     def _reset(self) -> None:
@@ -319,6 +324,11 @@ class Rounds:
     def stepped(self) -> None:
         self.lost_round = False
         self.rounds_since_step = 0
+        self.steps_taken += 1
+
+    def resumed(self, steps: int) -> None:
+        """A loaded state has taken ``steps`` steps, skipped ones included. Local."""
+        self.steps_taken = int(steps)
 
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True, reached: ParamRecord | None = None) -> None:
@@ -333,7 +343,8 @@ class Rounds:
         if self.comm.world_size > 1:
             self._tag_lost = self.lost_round  # what this tag says, for its check
             # on the host: the control group is gloo (no device sync inside a backward hook)
-            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost)).pack(torch.device("cpu"))
+            self._tag_sum = StepMessage.tag(call_header("backward", self._tag_lost),
+                                            steps_code(self.steps_taken)).pack(torch.device("cpu"))
             self._tag_pending = self.comm.all_reduce_sum(self._tag_sum)
         if self.order is None:
             self._agree_order()
@@ -366,7 +377,10 @@ class Rounds:
         for r in self.reducers:
             r.note_forward_use()
         self._gradless = any(rec.gradless for r in self.reducers for rec in r.records)  # the first round counts nothing ahead
-        guess = self._forward.bucket_order(self.buckets)
+        # beside torchft's replica groups the order must be every group's, whatever each group's
+        # first forward saw: the reverse of the layout (see comm._replicas [Note: replicas through torchft])
+        guess = (sorted(self.buckets, key=lambda b: (b.buffer, b.index), reverse=True) if self.comm.managed
+                 else self._forward.bucket_order(self.buckets))
         order = torch.tensor([b.position for b in guess], dtype=torch.int64)
         if self.comm.world_size > 1:
             order = order.to(self._device)
@@ -406,8 +420,19 @@ class Rounds:
             return
         pending, self._tag_pending = self._tag_pending, None
         pending.wait()
+        got = StepMessage.reduced(cast(torch.Tensor, self._tag_sum))
         try:
-            check_calls(StepMessage.reduced(cast(torch.Tensor, self._tag_sum)).call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+            check_calls(got.call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+            if not digests_agree(got.hyper, self.comm.world_size - joined_ranks(got.call), False):
+                raise RuntimeError(
+                    f"the ranks of this optimizer's group hold states of different steps ({self.steps_taken} steps "
+                    "taken on this rank, another number on some other rank), so their shards are no longer one "
+                    "state; this backward pass stops before its gradients are reduced. Beside torchft this is a "
+                    "replica group that healed on some of its ranks only (the live group's rank it healed from "
+                    "failed): let the group restart, it heals again from a live group. Otherwise some rank loaded "
+                    "another checkpoint or state dict than the others")
+            if self.comm.managed:  # every replica group in the quorum holds the same state (see comm._replicas)
+                cast(ManagedReplicas, self.comm.cross).agree(self.steps_taken, self.hyperparameters())
         except RuntimeError as e:
             self.fail(str(e))
             raise

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Callable, NoReturn, Protocol, Sequence
 import torch
 
 from shardopt.comm._collectives import global_rank, group_ranks
-from shardopt.comm._messages import HYPER_LEN
+from shardopt.comm._messages import digest_code, digests_agree
 from shardopt.core._config import trainable_params
 from shardopt.step._loss_scale import make_scaler
 
@@ -152,9 +152,6 @@ def raise_first_difference(every: list[list], rank: int, who: str = "ShardedAdam
 # then exchange their values (only on that error path) to name the group, the key and both values.
 HYPER_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "momentum", "nesterov",
               "ns_coefficients", "ns_steps", "adjust_lr_fn")  # AdamW's, then Muon's
-HYPER_CHUNKS = HYPER_LEN // 2  # 4-bit chunks of the 32-bit digest
-
-
 def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, Any]]:
     """(group index, key, value as plain floats) of every hyperparameter the update reads. Local."""
     def plain(v: Any) -> Any:
@@ -166,18 +163,13 @@ def hyperparameters(param_groups: list[dict[str, Any]]) -> list[tuple[int, str, 
 
 def hyper_code(values: list[tuple[int, str, Any]], maxed: bool) -> list[float]:
     """This rank's ``StepMessage.hyper`` (see [Note: hyperparameters that differ across ranks])."""
-    digest = zlib.crc32(repr(values).encode())
-    chunks = [float((digest >> (4 * j)) & 15) for j in range(HYPER_CHUNKS)]
-    return chunks + [-d if maxed else d * d for d in chunks]
+    return digest_code(zlib.crc32(repr(values).encode()), maxed)
 
 
 def hyperparameters_agree(reduced: Sequence[float], ranks: int, maxed: bool) -> bool:
     """Whether ``reduced`` (``ranks`` ranks' ``hyper_code``, summed or maxed) shows the same digest
     from every one of them. A question, from the reduced message alone."""
-    chunks, second = reduced[:HYPER_CHUNKS], reduced[HYPER_CHUNKS:]
-    if maxed:
-        return all(d == -e for d, e in zip(chunks, second))
-    return all(ranks * e == d * d for d, e in zip(chunks, second))
+    return digests_agree(reduced, ranks, maxed)
 
 
 def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int, str, Any]] | None, comm: Comm,

@@ -283,7 +283,9 @@ class UsageChecks:
             trained, written = self._exchange_bitmaps(found)
             for b, flags in zip(self.buffers, trained):
                 for r, t in zip(b.records, flags):
-                    r.mark_trained(t)
+                    # beside torchft's replica groups every parameter takes every step: which ones had
+                    # gradients is not exchanged between groups (see comm._replicas [Note: replicas through torchft])
+                    r.mark_trained(t or self.comm.managed)
         else:  # the usual step: every parameter has a gradient everywhere, nothing was written
             written = [[] for _ in self.buffers]
             for b in self.buffers:
