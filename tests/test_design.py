@@ -141,7 +141,8 @@ def test_the_design_layers_table_is_the_contract_in_its_order():
 REPO_DIRS = ("shardopt", "tests", "benchmarks", "examples", "tools", "docs", ".ci")  # a path starting so is from the repo root
 # CamelCase names of torch, inductor and the frameworks that design.md names and shardopt neither defines nor
 # imports under that name (it reaches them as attributes: dist.ProcessGroupGloo, inductor's cpp module, ...)
-EXTERNAL = {"DeviceMesh", "ProcessGroupGloo", "ZeroRedundancyOptimizer", "CppVecOverrides", "CppVecKernel",
+EXTERNAL = {"DeviceMesh", "ProcessGroupGloo", "ZeroRedundancyOptimizer", "CppVecOverrides", "CppVecKernel", "Manager",
+            "OptimizerWrapper", "LighthouseServer",
             "TilingSelect", "VecConvert"}
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _PATH = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*/?")

@@ -104,15 +104,15 @@ class ManagedReplicas:
         participants = int(self.manager.num_participants())
         if digests_agree(code.tolist(), participants, False):
             return
-        error = RuntimeError(
+        why = (
             f"the {participants} replica groups in torchft's quorum do not hold the same training state: their "
             f"steps taken ({int(steps)} here) or their hyperparameters (learning rates, weight decay, betas) differ, "
             "so averaging their gradients would update different states. Step an lr scheduler only on a committed "
             "step (in a step post hook: optimizer.register_step_post_hook(lambda *_: scheduler.step())), change "
             "hyperparameters alike in every group, and let no group train in a quorum of its own (give the "
             "Lighthouse a join_timeout_ms longer than a step); this step is committed in no group")
-        self.manager.report_error(error)
-        raise error
+        self.manager.report_error(RuntimeError(why))
+        raise RuntimeError(why)
 
     def all_reduce(self, t: Tensor, avg: bool) -> Any:
         """``t`` summed (or averaged over the quorum) by ``Manager.allreduce``, in place; a failure
