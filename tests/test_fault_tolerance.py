@@ -104,10 +104,7 @@ def _worker() -> None:
         opt = shardopt.ShardedAdamW(model.parameters(), lr=1e-2, replicas=manager, stage=2, bucket_cap_mb=1e-3,
                                     loss_scale=None if overflow_step < 0 else "dynamic")
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
-        if os.environ.get("FT_SCHEDULER_ON_EVERY_STEP") == "1":  # the mistake: stepped also when not committed
-            opt.register_step_pre_hook(lambda *a: None)
-        else:  # stepped with each step the optimizer takes: each committed step
-            opt.register_step_post_hook(lambda *a: sched.step())
+        opt.register_step_post_hook(lambda *a: sched.step())  # with each step the optimizer takes: each committed one
     shardopt.fault_tolerance.register(manager, opt, scheduler=sched)
     wrapped = OptimizerWrapper(manager, opt)
 
@@ -146,6 +143,9 @@ def _worker() -> None:
         time.sleep(pause)
         before = manager.current_step()
         wrapped.zero_grad()
+        if group == 0 and before == int(os.environ.get("FT_HALVE_LR_AT", "-1")):  # one group's own decision
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
         loss = _loss(model, group, before, rank, overflow=before == overflow_step and group == OVERFLOW_GROUP)
         opt.backward(loss)  # scaled by the loss scale where there is one
         participating = manager.is_participating()
@@ -156,8 +156,6 @@ def _worker() -> None:
         die("backward")
         wrapped.step()
         sched_lr = opt.param_groups[0]["lr"]
-        if os.environ.get("FT_SCHEDULER_ON_EVERY_STEP") == "1" and manager.current_step() != before:
-            sched.step()
         log[-1].update({"after": manager.current_step(), "lr": sched_lr, "skipped": bool(opt.step_was_skipped)})
         _write_log(out, group, rank, log)
     from shardopt.checkpoint._rank_state import heal_state_dict
@@ -238,10 +236,11 @@ class _Group:
 
 
 def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, timeout: float = 240,
-         extra_env: dict[str, str] | None = None) -> dict:
+         extra_env: dict[str, str] | None = None, until_error: str = "") -> dict:
     assert int((extra_env or {}).get("FT_STEPS", STEPS)) == STEPS, "set FT_STEPS with monkeypatch for both sides"
     """Run ``groups`` replica groups to ``STEPS`` committed steps; ``kills``: "group:rank:step:where"
-    for the first incarnations (one per entry, each a separate group's). Returns what was logged."""
+    for the first incarnations. ``until_error``: stop once some rank's output says it, and return
+    which (group, rank) incarnations said it (under "said"). Returns the starts of each group."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
@@ -258,6 +257,11 @@ def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, time
             g.start(kill_of.get(g.index, ""))
         deadline = time.monotonic() + timeout
         while True:
+            if until_error:
+                said = _said(tmp, until_error)
+                if said:
+                    time.sleep(2)  # the others raise too, at their own pace
+                    return {"starts": [g.starts for g in running], "said": _said(tmp, until_error)}
             states = [g.poll() for g in running]
             for g, state in zip(running, states):
                 if state == "failed":
@@ -275,6 +279,17 @@ def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, time
             g.stop()
         lighthouse.shutdown()
     return {"starts": [g.starts for g in running]}
+
+
+def _said(tmp: str, text: str) -> list[str]:
+    """The output files (err-g{group}-r{rank}-{start}.txt) that contain ``text``."""
+    out = []
+    for name in sorted(os.listdir(tmp)):
+        if name.startswith("err-"):
+            with open(os.path.join(tmp, name)) as f:
+                if text in f.read():
+                    out.append(name[4:-4])
+    return out
 
 
 def _errors(tmp: str, g: _Group) -> str:
@@ -439,6 +454,19 @@ def test_the_healer_dies_while_a_group_heals_from_it_and_a_third_group_heals_bot
     # raised and came back as often as it took; group 2 never stopped
     assert info["starts"][0] >= 2 and info["starts"][1] >= 2 and info["starts"][2] == 1, info
     _check_against_reference(str(tmp_path), 3)
+
+
+def test_a_learning_rate_changed_in_one_group_only_raises_in_every_group(tmp_path):
+    # As a ReduceLROnPlateau stepped on each group's own loss would: group 0 halves its learning
+    # rate at step 3, alike on its ranks (so no check inside the group sees it). Averaging both
+    # groups' gradients into updates with different rates would part their states for good: every
+    # rank of both groups raises, naming the fix, before the step's reductions.
+    info = _run(str(tmp_path), 2, kills=[], extra_env={"FT_HALVE_LR_AT": "3"},
+                until_error="do not hold the same training state")
+    ranks = {name.rsplit("-", 1)[0] for name in info["said"]}
+    assert ranks == {"g0-r0", "g0-r1", "g1-r0", "g1-r1"}, info
+    steps = {e["before"] for _, _, e in _logs(str(tmp_path)) if e.get("after") == e["before"] + 1}
+    assert max(steps) == 2, steps  # steps 0..2 committed; step 3, with the rates apart, nowhere
 
 
 if __name__ == "__main__":
