@@ -61,6 +61,9 @@ SOURCES = (
     ("messages.md", "Control messages",
      "One of shardopt's own messages as it is sent (an exchange) against gloo's ring all-reduce, 2 to 16 ranks "
      "on loopback."),
+    ("ft.md", "Fault tolerance with torchft",
+     "The same 4 ranks as a 2-D mesh and as 2 torchft replica groups, alternating, and what a returning group "
+     "receives when it heals."),
     ("step_muon.md", "Muon training step",
      "ShardedMuon at stage 1 and 2 against DDP with torch.optim.Muon and fused AdamW on every rank."),
     ("accumulation.md", "Gradient accumulation", "`no_sync` micro-batches against DDP's."),
