@@ -53,13 +53,15 @@ def register(manager: Any, optimizer: ShardedAdamW, *, scheduler: Any = None, mo
     if not optimizer._comm.managed or optimizer._comm.cross.manager is not manager:  # type: ignore[union-attr]
         raise ValueError("the optimizer was not built with replicas=manager for this manager: build it with "
                          "ShardedAdamW(..., replicas=manager), so that it averages over torchft's quorum")
+    replicas = optimizer._comm.cross
+    if replicas.registered:  # type: ignore[union-attr]
+        raise ValueError(f"register was already called for this optimizer (under key {key!r}): call it once per "
+                         "optimizer, on every rank of every replica group")
     rng: dict[str, Any] = {}
 
     def keep_rng(*_: Any) -> None:  # after every step that ran (a committed one)
         rng.update(_rng_state())
 
-    optimizer.register_step_post_hook(keep_rng)
-    keep_rng()
 
     def state_dict() -> dict[str, Any]:
         out: dict[str, Any] = {"optimizer": heal_state_dict(optimizer), "rng": dict(rng)}
@@ -79,7 +81,8 @@ def register(manager: Any, optimizer: ShardedAdamW, *, scheduler: Any = None, mo
                 f"{healed_to}: that group healed on some of its ranks only (it will raise and restart itself), so "
                 "this state is refused before anything changes; let this group restart, it heals again from a live "
                 "group. (Each committed step is one optimizer.step(): step the optimizer through "
-                "torchft.optim.OptimizerWrapper only.)")
+                "torchft.optim.OptimizerWrapper only; after shardopt.load_checkpoint, restore torchft's step too: "
+                "manager.load_state_dict(...), saved beside it from manager.state_dict().)")
         load_heal_state_dict(optimizer, sent)  # checked first: raises before anything changes
         if scheduler is not None and "scheduler" in sd:
             scheduler.load_state_dict(sd["scheduler"])
@@ -92,7 +95,10 @@ def register(manager: Any, optimizer: ShardedAdamW, *, scheduler: Any = None, mo
         _set_rng_state(sd.get("rng", {}))
         rng.update(sd.get("rng", {}))
 
-    manager.register_state_dict_fn(key, load_state_dict, state_dict)
+    manager.register_state_dict_fn(key, load_state_dict, state_dict)  # raises (torchft's) for a key taken
+    optimizer.register_step_post_hook(keep_rng)
+    keep_rng()
+    replicas.registered = True  # type: ignore[union-attr]  # the rounds check it (comm._replicas)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -421,6 +421,15 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 found_inf = self._agree_on_gradients(None)[0]
             if coef != 1.0 and self._clip_dropped():
                 coef = 1.0  # what the clip scaled was zeroed since (see _pending_clip)
+            agreed = self._rounds.agreed_hyper  # beside torchft: what the replica groups compared (see comm._replicas)
+            if agreed is not None and agreed != hyperparameters(self.param_groups):
+                raise RuntimeError(
+                    "a hyperparameter (learning rate, weight decay, betas) changed between this step's backward pass "
+                    "and step(): the replica groups under torchft compared the values of the backward pass, so the "
+                    "new ones may differ between groups and part their states. Set hyperparameters before the "
+                    "backward pass (an lr scheduler in a step post hook: "
+                    "optimizer.register_step_post_hook(lambda *_: scheduler.step())); this group applies nothing "
+                    "and restarts from a live group")
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
             # the first step taken beside model axes, before its update (see step._copies): a skipped

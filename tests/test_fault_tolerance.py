@@ -90,9 +90,10 @@ def _worker() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
     model = _model()
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=5)), load_state_dict=None, state_dict=None,
-                      min_replica_size=1, replica_id=f"group{group}", rank=rank, world_size=SHARD,
+                      min_replica_size=1, replica_id=f"group{group}", rank=rank, world_size=dist.get_world_size(),
                       store_addr="127.0.0.1", store_port=int(os.environ["MASTER_PORT"]),
-                      lighthouse_addr=os.environ["FT_LIGHTHOUSE"], hostname="127.0.0.1", init_sync=False,
+                      lighthouse_addr=os.environ["FT_LIGHTHOUSE"], hostname="127.0.0.1",
+                      init_sync=os.environ.get("FT_INIT_SYNC") == "1",
                       timeout=timedelta(seconds=5), quorum_timeout=timedelta(seconds=30),
                       connect_timeout=timedelta(seconds=10))
     if muon:
@@ -105,7 +106,8 @@ def _worker() -> None:
                                     loss_scale=None if overflow_step < 0 else "dynamic")
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5)
         opt.register_step_post_hook(lambda *a: sched.step())  # with each step the optimizer takes: each committed one
-    shardopt.fault_tolerance.register(manager, opt, scheduler=sched)
+    for _ in range(int(os.environ.get("FT_REGISTER", "1"))):  # 0 and 2: the mistakes
+        shardopt.fault_tolerance.register(manager, opt, scheduler=sched)
     wrapped = OptimizerWrapper(manager, opt)
 
     where, kill_step = None, 0
@@ -148,6 +150,9 @@ def _worker() -> None:
                 g["lr"] *= 0.5
         loss = _loss(model, group, before, rank, overflow=before == overflow_step and group == OVERFLOW_GROUP)
         opt.backward(loss)  # scaled by the loss scale where there is one
+        if group == 0 and before == int(os.environ.get("FT_HALVE_LR_AFTER_BACKWARD_AT", "-1")):
+            for g in opt.param_groups:
+                g["lr"] *= 0.5
         participating = manager.is_participating()
         # whether this group's batch went into this step's average, written before anything can die
         log.append({"before": before, "participating": participating, "participants": manager.num_participants(),
@@ -194,8 +199,8 @@ def _free_port() -> int:
 class _Group:
     """One replica group's ranks, started (again) as torchelastic would: a fresh store each time."""
 
-    def __init__(self, index: int, env: dict[str, str]) -> None:
-        self.index, self.env, self.procs, self.starts = index, env, [], 0
+    def __init__(self, index: int, env: dict[str, str], ranks: int = SHARD) -> None:
+        self.index, self.env, self.procs, self.starts, self.ranks = index, env, [], 0, ranks
 
     def start(self, kill: str = "") -> None:
         port = _free_port()
@@ -206,9 +211,9 @@ class _Group:
             stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.env["SHARDOPT_TEST_OUT"],
                                                               f"err-g{self.index}-r{r}-{self.starts}.txt"), "w"),
             env={**self.env, "FT_GROUP": str(self.index), "RANK": str(r), "LOCAL_RANK": str(r),
-                 "WORLD_SIZE": str(SHARD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                 "WORLD_SIZE": str(self.ranks), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                  "FT_KILL": kill if self.starts == 1 else ""})
-            for r in range(SHARD)]
+            for r in range(self.ranks)]
 
     def poll(self) -> str:
         """'running', 'done' (every rank exited 0) or 'failed' (a rank died: the rest are ended)."""
@@ -226,7 +231,7 @@ class _Group:
         out = self.env["SHARDOPT_TEST_OUT"]
         pids = {str(p.pid) for p in self.procs}
         return sum(1 for n in os.listdir(out) if n.startswith(f"ready-g{self.index}-") and
-                   n.rsplit("-", 1)[1] in pids) == SHARD
+                   n.rsplit("-", 1)[1] in pids) == self.ranks
 
     def stop(self) -> None:
         for p in self.procs:
@@ -236,7 +241,7 @@ class _Group:
 
 
 def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, timeout: float = 240,
-         extra_env: dict[str, str] | None = None, until_error: str = "") -> dict:
+         extra_env: dict[str, str] | None = None, until_error: str = "", ranks: list[int] | None = None) -> dict:
     assert int((extra_env or {}).get("FT_STEPS", STEPS)) == STEPS, "set FT_STEPS with monkeypatch for both sides"
     """Run ``groups`` replica groups to ``STEPS`` committed steps; ``kills``: "group:rank:step:where"
     for the first incarnations. ``until_error``: stop once some rank's output says it, and return
@@ -246,7 +251,7 @@ def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, time
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)
     env = dict(os.environ, OMP_NUM_THREADS="1", SHARDOPT_TEST_OUT=tmp, FT_LIGHTHOUSE=lighthouse.address(),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), **(extra_env or {}))
-    running = [_Group(g, env) for g in range(groups)]
+    running = [_Group(g, env, (ranks or [SHARD] * groups)[g]) for g in range(groups)]
     kill_of: dict[int, str] = {}
     for k in kills:
         kill_of[int(k.split(":")[0])] = ";".join(filter(None, [kill_of.get(int(k.split(":")[0]), ""), k]))
@@ -467,6 +472,59 @@ def test_a_learning_rate_changed_in_one_group_only_raises_in_every_group(tmp_pat
     assert ranks == {"g0-r0", "g0-r1", "g1-r0", "g1-r1"}, info
     steps = {e["before"] for _, _, e in _logs(str(tmp_path)) if e.get("after") == e["before"] + 1}
     assert max(steps) == 2, steps  # steps 0..2 committed; step 3, with the rates apart, nowhere
+
+
+def test_groups_of_one_rank_heal_and_equal_adamw(tmp_path, monkeypatch):
+    # one rank per replica group, torchft's most common layout: no round tag inside a group, yet the
+    # groups' check and the heal run all the same
+    monkeypatch.setattr(sys.modules[__name__], "SHARD", 1)
+    info = _run(str(tmp_path), 2, kills=["1:0:5:backward"], ranks=[1, 1])
+    assert info["starts"] == [1, 2], info
+    _check_against_reference(str(tmp_path), 2)
+
+
+def test_groups_of_one_rank_whose_learning_rates_part_raise(tmp_path):
+    info = _run(str(tmp_path), 2, kills=[], extra_env={"FT_HALVE_LR_AT": "3"}, ranks=[1, 1],
+                until_error="do not hold the same training state")
+    assert {name.rsplit("-", 1)[0] for name in info["said"]} == {"g0-r0", "g1-r0"}, info
+
+
+def test_init_sync_starts_every_group_from_one_state_and_they_stay_one(tmp_path):
+    # torchft's default: at step 0 each rank k but one primary's heals from it (torchft picks the
+    # primary per rank: rank k of group k mod 2) and adds zeros, so step 0's pieces average only the
+    # primaries' batches; from step 1 both groups' batches go in. Every group must hold the same
+    # state throughout: the final shards and weights equal bit for bit, and no rank raised.
+    info = _run(str(tmp_path), 2, kills=[], extra_env={"FT_INIT_SYNC": "1"})
+    assert info["starts"] == [1, 1], info
+    steps = {(g, e["before"]) for g, _, e in _logs(str(tmp_path)) if e.get("after") == e["before"] + 1}
+    assert steps == {(g, s) for g in range(2) for s in range(STEPS)}, steps
+    finals = {(g, r): torch.load(os.path.join(tmp_path, f"final-g{g}-r{r}.pt"), weights_only=False)
+              for g in range(2) for r in range(SHARD)}
+    for r in range(SHARD):
+        for x, y in zip(finals[(0, r)]["shard"]["buffers"], finals[(1, r)]["shard"]["buffers"]):
+            assert all(torch.equal(x[k], y[k]) for k in x if isinstance(x[k], torch.Tensor)), r
+        for n, w in finals[(0, r)]["weights"].items():
+            assert torch.equal(w, finals[(1, r)]["weights"][n]), (r, n)
+    assert not _said(str(tmp_path), "Error"), _said(str(tmp_path), "Error")
+
+
+def test_a_learning_rate_changed_between_backward_and_step_raises_before_any_update(tmp_path):
+    # the groups compared the values of the backward pass; a change after it cannot be compared
+    info = _run(str(tmp_path), 2, kills=[], extra_env={"FT_HALVE_LR_AFTER_BACKWARD_AT": "3"},
+                until_error="changed between this step's backward pass and step()")
+    assert {name.rsplit("-", 1)[0] for name in info["said"]} == {"g0-r0", "g0-r1"}, info
+
+
+@pytest.mark.parametrize("times, says", [("0", "never registered with the manager"),
+                                         ("2", "register was already called for this optimizer")])
+def test_register_forgotten_or_called_twice_raises_at_once(tmp_path, times, says):
+    info = _run(str(tmp_path), 2, kills=[], extra_env={"FT_REGISTER": times}, until_error=says)
+    assert {name.rsplit("-", 1)[0] for name in info["said"]} == {"g0-r0", "g0-r1", "g1-r0", "g1-r1"}, info
+
+
+def test_groups_of_different_sizes_raise_clearly(tmp_path):
+    info = _run(str(tmp_path), 2, kills=[], ranks=[2, 1], until_error="do not hold the same training state")
+    assert {"g0-r0", "g1-r0"} <= {name.rsplit("-", 1)[0] for name in info["said"]}, info
 
 
 if __name__ == "__main__":

@@ -53,13 +53,17 @@ class MeshReplicas:
 
 class _ManagedWork:
     """A torchft work handle as shardopt's handles wait on it: ``wait`` swallows a failed peer
-    (the manager records it), and the deadline is the manager's own (its ``timeout``)."""
+    (the manager records it), and the deadline is the manager's own (its ``timeout``); ``then``
+    runs once it was waited (an average's division)."""
 
-    def __init__(self, work: Any) -> None:
-        self._work = work
+    def __init__(self, work: Any, then: Any = None) -> None:
+        self._work, self._then = work, then
 
     def wait(self, timeout: Any = None) -> bool:
-        return bool(self._work.wait())
+        ok = bool(self._work.wait())
+        if self._then is not None:
+            self._then()
+        return ok
 
     def is_completed(self) -> bool:
         inner = getattr(self._work, "_work", None)  # torchft's _ManagedWork wraps the process group's
@@ -75,47 +79,67 @@ class ManagedReplicas:
     def __init__(self, manager: Any) -> None:
         missing = [name for name in ("allreduce", "num_participants", "register_state_dict_fn", "should_commit")
                    if not callable(getattr(manager, name, None))]
-        if missing:
+        if missing or isinstance(manager, type):
             raise TypeError(f"replicas= takes a torchft.Manager (pip install torchft; one per replica group), got "
-                            f"{type(manager).__name__}, which has no {', '.join(missing)}; for a fixed replicate "
-                            "dimension pass device_mesh= (a 2-D mesh: replicate x shard) instead")
+                            f"{manager!r:.80}, which is {'a class, not an instance' if isinstance(manager, type) else 'no Manager: it has no ' + ', '.join(missing)}; "
+                            "for a fixed replicate dimension pass device_mesh= (a 2-D mesh: replicate x shard) instead")
         self.manager = manager
+        self.registered = False  # shardopt.fault_tolerance.register gave the manager this optimizer's state
         self._last = 1
+        self._contributors: int | None = None  # groups whose pieces go into this round's sums (agree)
 
     def size(self) -> int:
-        """Replica groups in this step's quorum (waits for the quorum); the last one read once known."""
-        self._last = max(1, int(self.manager.num_participants()))
+        """Replica groups whose pieces go into this round's sums: counted by the round's ``agree``
+        (a group that heals this step adds zeros, also at torchft's first step with init_sync),
+        else the quorum's size (waits for the quorum)."""
+        n = self._contributors if self._contributors is not None else int(self.manager.num_participants())
+        self._last = max(1, n)
         return self._last
 
     def last_size(self) -> int:
         """The quorum's size when a piece last landed, without waiting (reports). Local."""
         return self._last
 
-    def agree(self, steps: int, hyper: object) -> None:
-        """Check that every replica group in the quorum holds a state of ``steps`` steps and will
-        step with the hyperparameters ``hyper`` (one small all-reduce across groups; see [Note:
-        replicas through torchft]); raise RuntimeError, after recording it with the manager (no
-        group commits this step), where they differ. A group that heals this step sends zeros and
-        is not counted. Every rank of every group, once per round, before its bucket collectives."""
-        code = torch.tensor(digest_code(zlib.crc32(repr((int(steps), hyper)).encode()), False), dtype=torch.float64)
+    def agree(self, steps: int, hyper: object, layout: object, device: torch.device) -> None:
+        """Check that every replica group in the quorum holds a state of ``steps`` steps of the same
+        ``layout`` (shard count, buffer sizes) and will step with the hyperparameters ``hyper`` (one
+        small all-reduce across groups; see [Note: replicas through torchft]), and count the groups
+        whose pieces go into the round's sums; raise RuntimeError, after recording it with the
+        manager (no group commits this step), where they differ. A group that heals this step sends
+        zeros and is not counted. ``device``: the buckets' (the cross-group process group carries
+        their pieces). Every rank of every group, once per round, before its bucket collectives."""
+        if not self.registered:
+            raise RuntimeError(
+                "this optimizer was built with replicas= (torchft) but its state was never registered with the "
+                "manager, so a replica group that comes back could not heal from this one (torchft would stall "
+                "every group): call shardopt.fault_tolerance.register(manager, optimizer) on every rank of every "
+                "group, after building the optimizer and before training")
+        digest = digest_code(zlib.crc32(repr((int(steps), hyper, layout)).encode()), False)
+        code = torch.tensor([*digest, 1.0], dtype=torch.float64, device=device)  # the last: 1 per contributing group
+        self._contributors = None
         _ManagedWork(self.manager.allreduce(code, reduce_op=dist.ReduceOp.SUM)).wait()
         if self.manager.errored() is not None:
             return  # a peer failed: the sums mean nothing, and this step is committed nowhere anyway
-        participants = int(self.manager.num_participants())
-        if digests_agree(code.tolist(), participants, False):
+        summed = code.tolist()
+        contributors = round(summed[-1])
+        if contributors >= 1 and digests_agree(summed[:-1], contributors, False):
+            self._contributors = contributors
             return
         why = (
-            f"the {participants} replica groups in torchft's quorum do not hold the same training state: their "
-            f"steps taken ({int(steps)} here) or their hyperparameters (learning rates, weight decay, betas) differ, "
-            "so averaging their gradients would update different states. Step an lr scheduler only on a committed "
-            "step (in a step post hook: optimizer.register_step_post_hook(lambda *_: scheduler.step())), change "
-            "hyperparameters alike in every group, and let no group train in a quorum of its own (give the "
-            "Lighthouse a join_timeout_ms longer than a step); this step is committed in no group")
+            f"the {contributors} replica groups in torchft's quorum do not hold the same training state: their "
+            f"steps taken ({int(steps)} here), their hyperparameters (learning rates, weight decay, betas), or "
+            "their shard count or model differ, so averaging their gradients would update different states. Step "
+            "an lr scheduler only on a committed step (in a step post hook: "
+            "optimizer.register_step_post_hook(lambda *_: scheduler.step())), change hyperparameters alike in "
+            "every group, run every group with the same model and number of ranks, and let no group train in a "
+            "quorum of its own (give the Lighthouse a join_timeout_ms longer than a step); this step is committed "
+            "in no group")
         self.manager.report_error(RuntimeError(why))
         raise RuntimeError(why)
 
     def all_reduce(self, t: Tensor, avg: bool) -> Any:
-        """``t`` summed (or averaged over the quorum) by ``Manager.allreduce``, in place; a failure
-        is the manager's recorded error, and its step is then not committed. Every rank."""
-        op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
-        return _ManagedWork(self.manager.allreduce(t, reduce_op=op))
+        """``t`` summed (or averaged over the groups that contributed, ``size``) by
+        ``Manager.allreduce``, in place; a failure is the manager's recorded error, and its step is
+        then not committed. Every rank."""
+        work = self.manager.allreduce(t, reduce_op=dist.ReduceOp.SUM)
+        return _ManagedWork(work, (lambda: t.div_(self.size())) if avg else None)

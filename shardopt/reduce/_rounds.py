@@ -199,6 +199,8 @@ class Rounds:
         # the hyperparameters the coming step uses, which replica groups under torchft compare (see
         # comm._replicas [Note: replicas through torchft]); the optimizer's, set by it
         self.hyperparameters: Callable[[], object] = lambda: ()
+        self.agreed_hyper: object = None  # what the last round's check across replica groups compared (torchft)
+        self._agree_due = False  # that check is still to be made in the open round
         self._reset()
 
     def _reset(self) -> None:
@@ -322,13 +324,16 @@ class Rounds:
         self.rounds = 0
 
     def stepped(self) -> None:
+        self.agreed_hyper = None
         self.lost_round = False
         self.rounds_since_step = 0
         self.steps_taken += 1
 
     def resumed(self, steps: int) -> None:
-        """A loaded state has taken ``steps`` steps, skipped ones included. Local."""
+        """A loaded state has taken ``steps`` steps, skipped ones included; its hyperparameters are the
+        loaded ones, not those the last round compared across replica groups. Local."""
         self.steps_taken = int(steps)
+        self.agreed_hyper = None
 
     # -- a round --------------------------------------------------------------------------
     def _open(self, queue: bool = True, reached: ParamRecord | None = None) -> None:
@@ -340,6 +345,7 @@ class Rounds:
         self.on_open()
         if queue:
             queue_at_end_of_backward(_EndOfBackward(self, self.opened))
+        self._agree_due = self.comm.managed  # every replica group holds the same state (see comm._replicas)
         if self.comm.world_size > 1:
             self._tag_lost = self.lost_round  # what this tag says, for its check
             # on the host: the control group is gloo (no device sync inside a backward hook)
@@ -416,26 +422,38 @@ class Rounds:
                     self._complete_oldest()
 
     def _wait_tag(self) -> None:
+        """Before a round's first bucket collective: its tag's answer, then (beside torchft) the check
+        that every replica group in the quorum holds the same state. Every rank."""
+        try:
+            self._check_tag()
+            if self._agree_due:  # a group of one rank sends no tag, but its pieces cross the groups all the same
+                self._agree_due = False
+                self.agreed_hyper = self.hyperparameters()
+                cast(ManagedReplicas, self.comm.cross).agree(self.steps_taken, self.agreed_hyper, self._layout(),
+                                                             self._device)
+        except RuntimeError as e:
+            self.fail(str(e))
+            raise
+
+    def _layout(self) -> tuple:
+        """What replica groups must share to exchange pieces: the shard count and each buffer's size."""
+        return (self.comm.shard_size, tuple((r.flat.layout.numel, str(r.flat.dtype)) for r in self.reducers))
+
+    def _check_tag(self) -> None:
         if self._tag_pending is None:
             return
         pending, self._tag_pending = self._tag_pending, None
         pending.wait()
         got = StepMessage.reduced(cast(torch.Tensor, self._tag_sum))
-        try:
-            check_calls(got.call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
-            if not digests_agree(got.hyper, self.comm.world_size - joined_ranks(got.call), False):
-                raise RuntimeError(
-                    f"the ranks of this optimizer's group hold states of different steps ({self.steps_taken} steps "
-                    "taken on this rank, another number on some other rank), so their shards are no longer one "
-                    "state; this backward pass stops before its gradients are reduced. Beside torchft this is a "
-                    "replica group that healed on some of its ranks only (the live group's rank it healed from "
-                    "failed): let the group restart, it heals again from a live group. Otherwise some rank loaded "
-                    "another checkpoint or state dict than the others")
-            if self.comm.managed:  # every replica group in the quorum holds the same state (see comm._replicas)
-                cast(ManagedReplicas, self.comm.cross).agree(self.steps_taken, self.hyperparameters())
-        except RuntimeError as e:
-            self.fail(str(e))
-            raise
+        check_calls(got.call, "backward", self._tag_lost, self.comm.world_size, maxed=False)
+        if not digests_agree(got.hyper, self.comm.world_size - joined_ranks(got.call), False):
+            raise RuntimeError(
+                f"the ranks of this optimizer's group hold states of different steps ({self.steps_taken} steps "
+                "taken on this rank, another number on some other rank), so their shards are no longer one "
+                "state; this backward pass stops before its gradients are reduced. Beside torchft this is a "
+                "replica group that healed on some of its ranks only (the live group's rank it healed from "
+                "failed): let the group restart, it heals again from a live group. Otherwise some rank loaded "
+                "another checkpoint or state dict than the others")
 
     def _complete_oldest(self) -> None:
         """Wait for the oldest collective in flight. A reduction that starts a follow-up (the
