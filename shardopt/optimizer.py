@@ -18,7 +18,8 @@ from torch.distributed.algorithms.join import Join, JoinHook, Joinable
 from torch.utils.hooks import RemovableHandle
 
 from shardopt.comm._messages import check_calls, joined_ranks, the_call
-from shardopt.step._agreement import agree_on_building, agree_on_params, hyperparameters
+from shardopt.comm._replicas import check_replicas_arguments
+from shardopt.step._agreement import agree_on_building, agree_on_params, check_unchanged_since_compared, hyperparameters
 from shardopt.comm._collectives import Comm, CommStats, ProcessGroup
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
@@ -157,7 +158,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                                   offload_fraction=offload_fraction)
         make_scaler(loss_scale, set())  # validate before any communication
         if replicas is not None:
-            _check_replicas(overlap_param_gather, model_parallel_group)
+            check_replicas_arguments(overlap_param_gather, model_parallel_group)
         self._built = False
         flags = dict(amsgrad=amsgrad, maximize=maximize, foreach=foreach, capturable=capturable,
                      differentiable=differentiable, fused=fused)
@@ -421,15 +422,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 found_inf = self._agree_on_gradients(None)[0]
             if coef != 1.0 and self._clip_dropped():
                 coef = 1.0  # what the clip scaled was zeroed since (see _pending_clip)
-            agreed = self._rounds.agreed_hyper  # beside torchft: what the replica groups compared (see comm._replicas)
-            if agreed is not None and agreed != hyperparameters(self.param_groups):
-                raise RuntimeError(
-                    "a hyperparameter (learning rate, weight decay, betas) changed between this step's backward pass "
-                    "and step(): the replica groups under torchft compared the values of the backward pass, so the "
-                    "new ones may differ between groups and part their states. Set hyperparameters before the "
-                    "backward pass (an lr scheduler in a step post hook: "
-                    "optimizer.register_step_post_hook(lambda *_: scheduler.step())); this group applies nothing "
-                    "and restarts from a live group")
+            # beside torchft: the values the replica groups compared are the ones this step uses
+            check_unchanged_since_compared(self._rounds.agreed_hyper, self.param_groups)
             if self._in_join():  # a joined rank takes the clip coefficient from here (see [Note: uneven inputs])
                 coef = self._agreement.max_follow_up(coef)
             # the first step taken beside model axes, before its update (see step._copies): a skipped
@@ -700,15 +694,3 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._held.reset()
         if self._buffers[0].flat.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)
-
-
-def _check_replicas(overlap_param_gather: bool, model_parallel_group: Any) -> None:
-    """Refuse what ``replicas=`` (torchft's Manager) does not support, before any communication."""
-    if overlap_param_gather:
-        raise ValueError("replicas= (torchft) with overlap_param_gather=True: a replica group that heals reads a live "
-                         "group's weights from another thread between two steps, so each step must finish its "
-                         "gathers; leave overlap_param_gather off")
-    if model_parallel_group is not None:
-        raise ValueError("replicas= (torchft) beside model_parallel_group= (tensor, pipeline or expert parallelism) "
-                         "is not supported: a replica group would have to heal every model axis together; use "
-                         "replicas= with data parallelism inside each replica group")

@@ -34,7 +34,6 @@ import torch
 from torch import nn
 
 pytestmark = pytest.mark.launch
-torchft = pytest.importorskip("torchft", reason="torchft is an optional extra (pip install torchft); make test has it")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = int(os.environ.get("FT_STEPS", "12"))  # a test with many restarts runs longer (its worker reads it too)
@@ -246,6 +245,7 @@ def _run(tmp: str, groups: int, *, kills: list[str], restarts_max: int = 3, time
     """Run ``groups`` replica groups to ``STEPS`` committed steps; ``kills``: "group:rank:step:where"
     for the first incarnations. ``until_error``: stop once some rank's output says it, and return
     which (group, rank) incarnations said it (under "said"). Returns the starts of each group."""
+    pytest.importorskip("torchft", reason="torchft is an optional extra (pip install -e '.[ft]'); make test has it")
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS)

@@ -33,6 +33,18 @@ from shardopt.comm._digest import digest_code, digests_agree
 #   a group had one), because which parameters had gradients is not exchanged between groups.
 
 
+def check_replicas_arguments(overlap_param_gather: bool, model_parallel_group: Any) -> None:
+    """Refuse what ``replicas=`` (torchft's Manager) does not support, before any communication. Local."""
+    if overlap_param_gather:
+        raise ValueError("replicas= (torchft) with overlap_param_gather=True: a replica group that heals reads a live "
+                         "group's weights from another thread between two steps, so each step must finish its "
+                         "gathers; leave overlap_param_gather off")
+    if model_parallel_group is not None:
+        raise ValueError("replicas= (torchft) beside model_parallel_group= (tensor, pipeline or expert parallelism) "
+                         "is not supported: a replica group would have to heal every model axis together; use "
+                         "replicas= with data parallelism inside each replica group")
+
+
 class MeshReplicas:
     """The replicate group of a 2-D mesh: one all-reduce per piece (AVG or SUM), every replica."""
 

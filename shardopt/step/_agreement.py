@@ -172,6 +172,21 @@ def hyperparameters_agree(reduced: Sequence[float], ranks: int, maxed: bool) -> 
     return digests_agree(reduced, ranks, maxed)
 
 
+def check_unchanged_since_compared(compared: object, param_groups: list[dict[str, Any]]) -> None:
+    """Beside torchft: raise RuntimeError when the hyperparameters this step uses are not the ones
+    the replica groups compared before the last round (``compared``; None: nothing compared, or a
+    load since), as an lr written between backward and ``step()`` would be (see comm._replicas
+    [Note: replicas through torchft]). Every rank of the group alike (its ranks agree on them)."""
+    if compared is not None and compared != hyperparameters(param_groups):
+        raise RuntimeError(
+            "a hyperparameter (learning rate, weight decay, betas) changed between this step's backward pass "
+            "and step(): the replica groups under torchft compared the values of the backward pass, so the "
+            "new ones may differ between groups and part their states. Set hyperparameters before the "
+            "backward pass (an lr scheduler in a step post hook: "
+            "optimizer.register_step_post_hook(lambda *_: scheduler.step())); this group applies nothing "
+            "and restarts from a live group")
+
+
 def check_hyperparameters_agree(reduced: Sequence[float], values: list[tuple[int, str, Any]] | None, comm: Comm,
                                 maxed: bool, joined: int = 0) -> None:
     """Raise ValueError, on every rank alike, when ``reduced`` (every rank's ``hyper_code``, summed
