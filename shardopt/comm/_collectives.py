@@ -42,8 +42,8 @@ from shardopt.comm._control import _NOTICE_WAIT, _PEER_DIED, ControlGroup, _firs
 from shardopt.comm._control import ControlGone as ControlGone  # importable from here too
 from shardopt.comm._control import ControlTimeout as ControlTimeout
 from shardopt.comm._control import leave_line as leave_line
-from shardopt.comm._replicas import ManagedReplicas, MeshReplicas
 from shardopt.comm._control import read_line as read_line
+from shardopt.comm._replicas import ManagedReplicas, MeshReplicas
 from shardopt.comm._pending import says_timed_out
 from shardopt.core._compat import mesh_flattener
 from shardopt.core._layout import Range
@@ -408,8 +408,7 @@ class Comm:
         """(bytes this rank sent inside its shard group, bytes it sent across replicas) for the
         collectives counted in ``stats``, as ring algorithms move them: a reduce-scatter or an
         all-gather over S ranks sends (S-1)/S of its size, an all-reduce over R ranks 2 (R-1)/R."""
-        s = self.shard_size
-        r = self.cross.last_size() if isinstance(self.cross, ManagedReplicas) else self.replicas
+        s, r = self.shard_size, self.cross.last_size()
         passes = 2 if stage == 1 and not self.hybrid and self.path.whole_all_reduce else 1  # all-reduce
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r

@@ -57,6 +57,10 @@ class MeshReplicas:
         """Replicas the pieces are averaged over: the mesh's replicate dimension."""
         return self._size
 
+    def last_size(self) -> int:
+        """The same, for reports (it never changes). Local."""
+        return self._size
+
     def all_reduce(self, t: Tensor, avg: bool) -> Any:
         """``t`` summed (or averaged) over the replicas, in place; the work handle. Every replica."""
         op = dist.ReduceOp.AVG if avg else dist.ReduceOp.SUM
