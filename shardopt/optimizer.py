@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Iterator, cast
 
 import torch
 from torch import Tensor
-from torch.distributed.algorithms.join import Join, JoinHook, Joinable
+from torch.distributed.algorithms.join import JoinHook, Joinable
 from torch.utils.hooks import RemovableHandle
 
 from shardopt.comm._messages import check_calls, joined_ranks, the_call
@@ -25,17 +25,15 @@ from shardopt.comm._model_parts import ModelParts
 from shardopt.core._compat import require as require_torch_internals
 from shardopt.core._dtensor import is_dtensor, move_grad
 from shardopt.core._config import ADAMW_FLAGS, ShardConfig, check_hyperparameters, check_param_group, param_names
-from shardopt.comm._gather_wait import GatherWatch, in_flight, landed, outside_read_guard
-from shardopt.comm._gathers import WeightGathers
-from shardopt.reduce._held_bytes import HeldTotal
+from shardopt.group._gather_wait import GatherWatch, WeightGathers, in_flight, landed, outside_read_guard
+from shardopt.group._held_bytes import HeldTotal
 from shardopt.view import OptimizerView
-from shardopt.core._records import BucketRecord
 from shardopt.core._ownership import Lifetime, remove_freed_hooks, take_over
 from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
-from shardopt.reduce._left_grads import take_left
-from shardopt.reduce._reducer import Backward
-from shardopt.reduce._rounds import Rounds
-from shardopt.update._sharded_buffer import build_buffers
+from shardopt.group._left_grads import take_left
+from shardopt.group._intake import Backward
+from shardopt.group._rounds import JoinNotice, Rounds
+from shardopt.group._flat_group import build_buffers
 from shardopt.step._skips import SkipWatch
 from shardopt.checkpoint._state_dict import OptimizerStateDict
 from shardopt.checkpoint._torch_state import ParamStateView
@@ -178,23 +176,25 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # see _ownership [Note: one optimizer per parameter]
         take_over(self, [p for p, _ in trainable], self._parts.stand_ins())
         remove_freed_hooks()
-        landed()  # the read guard of an optimizer collected with gathers in flight goes too (comm._gather_wait)
+        landed()  # the read guard of an optimizer collected with gathers in flight goes too (group._gather_wait)
         self._scaler = make_scaler(loss_scale, {p.dtype for p, _ in flat})
         with self._comm.during(f"{type(self).__name__}'s construction"):
             for s, _ in flat:  # a DTensor parameter's gradient is its stand-in's from here on (see core._dtensor)
                 dt = self._parts.dtensor_of.get(id(s))
                 if dt is not None:
                     move_grad(dt, s)
-            # what earlier optimizers left in p.grad, as torch would hold it, at this one's loss scale (see reduce._left_grads)
+            # what earlier optimizers left in p.grad, as torch would hold it, at this one's loss scale (see group._left_grads)
             left_made = take_left([p for p, _ in flat], self._comm, self._names, self._scaler.scale)
         parts = self._parts
         error: TypeError | ValueError | None = None
+        # The most gradient and buffer bytes held at one moment over every flat group (see _held_bytes).
+        held_total = HeldTotal()
         try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
             self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                           lambda gi: self._rule_of(self.param_groups[gi]),
                                           lambda gi: bool(self.param_groups[gi].get("amsgrad")),
                                           lambda p, gi: parts.counted(p, self.param_groups[gi]),
-                                          parts.dtensor_of, parts.group_comm)
+                                          parts.dtensor_of, parts.group_comm, held_total)
         except (TypeError, ValueError) as e:
             error = e
         with self._comm.during(f"{type(self).__name__}'s construction"):
@@ -208,12 +208,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
         # id(param) -> its record (core._records): the one index by parameter, for hooks that get a parameter
         self._record_of = {id(k): r for b in self._buffers for r in b.records for k in (r.param, r.leaf)}
-        self._rounds = Rounds([b.reducer for b in self._buffers], self._comm, self._record_of)
+        ref = weakref.ref(self)
+        self._rounds = Rounds(self._buffers, self._comm, self._record_of,
+                              join=JoinNotice(ref, self._comm.world_size),
+                              hyperparameters=lambda: hyperparameters(ref().param_groups))  # type: ignore[union-attr]
         for b in self._buffers:  # in each: one buffer without counts would take them as assigned by hand
             for made in left_made:
-                b.reducer.inherit(made)
-        # The most gradient and buffer bytes held at one moment over every buffer (see _held_bytes).
-        self._held = HeldTotal([b.reducer.held for b in self._buffers])
+                b.inherit(made)
+        self._held = held_total
         self._agreement = StepAgreement(self._buffers, self._rounds, self._checks, self._comm, self._parts.axes)
         # The first step checks that copies across the model axes are copies, and parts parts (see step._copies)
         self._copies = DeclaredCopies([self._record_of[id(p)] for p, _ in trainable], self._buffers,
@@ -233,17 +235,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self.skipped_steps = 0
         self._skips = SkipWatch(self.config.max_consecutive_skips)  # see _skips [Note: skips that cannot fix themselves]
         self.last_step_comm = CommStats()  # communication of the last completed step (see step())
-        # Weight all-gathers still in flight, in their buckets' records: see comm._gathers, comm._gather_wait.
-        self._gathers = WeightGathers(self._on_landed(), self._record_of, [b.flat.data for b in self._buffers])
+        # Weight all-gathers still in flight, in their buckets' records: see group._gather_wait.
+        self._gathers = WeightGathers(self._buffers, self._record_of, self.config.overlap_param_gather)
         self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
         self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
-        ref = weakref.ref(self)
         self._ddp_watch: RemovableHandle | None = watch_for_ddp(tracked, stage, ref)  # until the first forward over them, or the first step
         Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
-        self._noticed: Any = None  # None: no Join notice sent this step; else its work handle (or False)
-        self._joined = False  # this rank shadows the others' calls (inside _shadow_step)
-        self._rounds.on_open = lambda: ref()._notice_join()  # type: ignore[union-attr]
-        self._rounds.hyperparameters = lambda: hyperparameters(ref().param_groups)  # type: ignore[union-attr]
         # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
                                     lambda: ref()._step)  # type: ignore[union-attr]
@@ -258,11 +255,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     def _leave_gradients(self) -> None:
         """Leave ``p.grad`` as torch would hold it, for the next optimizer over the parameters (see
-        reduce._left_grads [Note: gradients left to the next optimizer]). Local; no communication."""
+        group._left_grads [Note: gradients left to the next optimizer]). Local; no communication."""
         scaler, checks = self.__dict__.get("_scaler"), self.__dict__.get("_checks")
         scale = scaler.scale if scaler is not None else 1.0
         for b in self.__dict__.get("_buffers", ()):  # __dict__: see Lifetime._remove_hooks
-            b.reducer.release(scale, checks.grad_scale if checks is not None else scale)
+            b.release(scale, checks.grad_scale if checks is not None else scale)
 
     def __del__(self) -> None:
         # Collected while it trains: the placeholders it left in p.grad keep what holds their values,
@@ -335,19 +332,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # Only model_parallel_group= can hold pipeline stages: a DTensor mesh is a tensor-parallel axis
         carried = gradient is not None and bool(self._parts.user_axes)
         how = Backward.CARRIED if carried else Backward.SCALED
-        for b in self._buffers:
-            b.reducer.backward = how
-        try:
-            with self._comm.during("opt.backward()"):
-                if carried:
-                    loss.backward(gradient, **kwargs)
-                elif gradient is not None:
-                    loss.backward(gradient * scale if scale != 1.0 else gradient, **kwargs)
-                else:
-                    (loss * scale if scale != 1.0 else loss).backward(**kwargs)
-        finally:
-            for b in self._buffers:
-                b.reducer.backward = Backward.PLAIN
+        with self._comm.during("opt.backward()"), self._rounds.started(how):
+            if carried:
+                loss.backward(gradient, **kwargs)
+            elif gradient is not None:
+                loss.backward(gradient * scale if scale != 1.0 else gradient, **kwargs)
+            else:
+                (loss * scale if scale != 1.0 else loss).backward(**kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -432,10 +423,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 self._copies.check_once()
             return self._apply_step(found_inf, coef, loss)
         finally:
-            self._end_notice()
+            self._rounds.join.end()
 
     def _zeroings(self) -> int:
-        return sum(b.reducer.zeroings for b in self._buffers)
+        return sum(b.zeroings for b in self._buffers)
 
     def _clip_dropped(self) -> bool:
         return self._zeroings() != self._clip_zeroings and self._rounds.total_rounds != self._clip_rounds
@@ -457,10 +448,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._rounds_at_step = self._rounds.total_rounds
         self.step_was_skipped = found_inf
         self._rounds.stepped()
-        self.last_step_check_seconds = self._checks.seconds + sum(b.reducer.check_seconds for b in self._buffers)
+        self.last_step_check_seconds = self._checks.seconds + sum(b.check_seconds for b in self._buffers)
         self._checks.seconds = 0.0
         for b in self._buffers:
-            b.reducer.stepped()
+            b.stepped()
         if found_inf:
             self.skipped_steps += 1
             attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
@@ -472,15 +463,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._skips.taken()
         self._step += 1
         grad_scale = coef / self._checks.grad_scale
-        # See ShardedBuffer.update: each bucket's all-gather runs while the next bucket is updated.
+        # See FlatGroup.update: each bucket's all-gather runs while the next bucket is updated.
         start = time.perf_counter()
         try:
             # another optimizer's read guard, if its gathers are in flight, is not this update's concern
             # (see _gather_wait [Note: the optimizer's own update])
             with outside_read_guard():
                 for b in self._buffers:
-                    for bucket, pending in b.update(self._step, grad_scale, self.param_groups):
-                        self._gathers.started(bucket, pending)
+                    b.update(self._step, grad_scale, self.param_groups)
         finally:
             if self.config.overlap_param_gather:  # the read guard, see _gather_wait [Note: reads of a weight in flight]
                 in_flight()
@@ -516,18 +506,12 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         return self._comm.data_group
 
     def _in_join(self) -> bool:
-        return self._join_config.enable and self._comm.world_size > 1
+        return self._rounds.join.active()
 
     def _notice_join(self) -> None:
-        """Inside a Join, before this step's first collective: tell it that this rank has inputs. Local
-        decision, once per step; every rank of a Join makes the same calls."""
-        if self._noticed is None and self._in_join() and not self._joined:
-            self._noticed = Join.notify_join_context(self) or False
-
-    def _end_notice(self) -> None:
-        notice, self._noticed = self._noticed, None
-        if notice:
-            notice.wait()
+        """Inside a Join, before this step's first collective: tell it that this rank has inputs
+        (``group._rounds.JoinNotice``). Local decision, once per step."""
+        self._rounds.join.send()
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -539,7 +523,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             return
         self._check_open()
         self.zero_grad()  # what it held from its last own step is no part of the others' steps
-        self._joined = True
+        self._rounds.join.joined = True
         try:
             with self._comm.during("the shadow of the other ranks' step inside a Join"):
                 while True:
@@ -552,7 +536,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                         continue
                     self.finish_param_gather()
                     for b in self._buffers:
-                        b.reducer.round_sum()
+                        b.round_sum()
                     found = self._checks.joined()
                     scale = self._scaler.scale
                     if call == "clip_grad_norm_":  # its norm needs this rank's share; the coefficient comes with the step
@@ -565,7 +549,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                     self._apply_step(found_inf, coef, None)
                     return
         finally:
-            self._joined = False
+            self._rounds.join.joined = False
 
     def _nonfinite_params(self) -> list[str]:
         """Names of the parameters whose averaged gradient has an inf/NaN on some rank of the whole
@@ -576,26 +560,11 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
                 for r, bad in zip(b.records, b.nonfinite_params().tolist()) if bad > 0]
         return self._parts.gather_names(mine)
 
-    def _on_landed(self) -> Callable[[BucketRecord, bool], None]:
-        """What a waited gather tells (overlap_param_gather only): whether any gather is still in
-        flight, and, when it arrived (its wait did not raise), that writes to its parameters while it
-        was in flight are to be checked. Holds no reference to this optimizer, so that dropping it
-        waits for its gathers at once (see __del__)."""
-        if not self.config.overlap_param_gather:
-            return lambda bucket, arrived: None
-        buffers, checks = self._buffers, self._checks
-
-        def on_landed(bucket: BucketRecord, arrived: bool) -> None:
-            landed()
-            if arrived:
-                checks.note_gathered(buffers[bucket.buffer], bucket.params)
-        return on_landed
-
     @torch.compiler.disable  # waits on collectives and changes the torch function mode stack (a graph break)
     def finish_param_gather(self) -> None:
         """Wait until every rank's updated weights are in this rank's model. Local (the collectives were
         issued by step() on every rank), from any thread. With ``overlap_param_gather=True`` a read
-        or write of a weight in the thread that called step() waits by itself (see comm._gather_wait);
+        or write of a weight in the thread that called step() waits by itself (see group._gather_wait);
         this waits for all of them at once, as another thread must before it reads the weights."""
         self._gathers.finish()
         if self.config.overlap_param_gather:
@@ -631,7 +600,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         self._checks.zeroed_after_round |= self._rounds.total_rounds != self._rounds_at_step
         self._rounds.zero_grad()
         for b in self._buffers:
-            b.reducer.zero_grad(set_to_none)
+            b.zero_grad(set_to_none)
         for p in self._untracked:
             if set_to_none:
                 p.grad = None
@@ -690,7 +659,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """Restart the high-water marks of ``memory_report()`` (``peak``, ``buffers``) from what is
         held now; also ``torch.cuda.reset_peak_memory_stats()`` on CUDA. Local."""
         for b in self._buffers:
-            b.reducer.reset_peaks()
+            b.reset_peaks()
         self._held.reset()
         if self._buffers[0].flat.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self._buffers[0].flat.device)

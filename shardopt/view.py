@@ -24,16 +24,16 @@ from shardopt.comm._collectives import Pending
 from shardopt.core._flat import whole
 from shardopt.core._layout import FlatLayout, Range
 from shardopt.core._records import BucketRecord, ParamRecord, ParamState
-from shardopt.reduce._rounds import RoundState
-from shardopt.update._muon_packing import MuonPacking
-from shardopt.update._sharded_buffer import ShardedBuffer
+from shardopt.group._rounds import RoundState
+from shardopt.group._muon_packing import MuonPacking
+from shardopt.group._flat_group import FlatGroup
 
 if TYPE_CHECKING:
     from shardopt.comm._collectives import Comm
-    from shardopt.comm._gathers import WeightGathers
+    from shardopt.group._gather_wait import WeightGathers
     from shardopt.core._config import ShardConfig
-    from shardopt.reduce._held_bytes import HeldTotal
-    from shardopt.reduce._rounds import Rounds
+    from shardopt.group._held_bytes import HeldTotal
+    from shardopt.group._rounds import Rounds
     from shardopt.step._loss_scale import LossScaler
     from shardopt.update._master import FP32Master
     from shardopt.update._split import SplitMaster
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
         attributes, since setup.cfg's contracts let no lower folder import it, not even for types."""
 
         config: ShardConfig
-        _buffers: list[ShardedBuffer]
+        _buffers: list[FlatGroup]
         _comm: Comm
         _step: int
         _scaler: LossScaler
@@ -66,7 +66,7 @@ class BufferView:
 
     __slots__ = ("_ref",)
 
-    def __init__(self, buffer: ShardedBuffer) -> None:
+    def __init__(self, buffer: FlatGroup) -> None:
         self._ref = weakref.ref(buffer)
 
     def __repr__(self) -> str:
@@ -76,7 +76,7 @@ class BufferView:
                 f"shard_numel={self.shard_numel})")
 
     @property
-    def _buf(self) -> ShardedBuffer:
+    def _buf(self) -> FlatGroup:
         return _alive(self._ref)
 
     # -- layout ----------------------------------------------------------------------------
@@ -196,12 +196,12 @@ class BufferView:
     def flat_grad(self) -> Tensor | None:
         """Stage 1: the whole flat gradient (1-D, ``numel`` elements; the ``.grad`` are views of
         it). Stage 2: None."""
-        return self._buf.reducer.flat_grad
+        return self._buf.flat_grad
 
     @property
     def grad_shard(self) -> Tensor | None:
         """Stage 2: this rank's shard of the averaged gradient (1-D, ``shard_numel``). Stage 1: None."""
-        return self._buf.reducer.grad_shard
+        return self._buf.grad_shard
 
     @property
     def local_grad(self) -> Tensor:
@@ -209,19 +209,19 @@ class BufferView:
         2, after several rounds since ``zero_grad``, their fp32 sum rounded, as ``step`` reads it
         (a copy until the step rounds it into ``grad_shard``; reading changes nothing). Stage 1: its
         pieces of ``flat_grad``, a copy unless the shard is one piece."""
-        return whole(self._buf.reducer.local_grad())
+        return whole(self._buf.local_grad())
 
     # -- buckets and rounds -----------------------------------------------------------------
     @property
     def bucket_order(self) -> tuple[int, ...] | None:
         """Buckets in the launch order the ranks agreed on; None until the first backward pass."""
-        order = self._buf.reducer.launch_order()
+        order = self._buf.launch_order()
         return None if order is None else tuple(b.index for b in order)
 
     @property
     def forward_order(self) -> tuple[int, ...]:
         """Buckets in the order the forward pass uses them (the order ``step`` updates and gathers)."""
-        return tuple(b.index for b in self._buf.reducer.forward_order)
+        return tuple(b.index for b in self._buf.forward_order)
 
     @property
     def may_nest(self) -> tuple[bool, ...]:

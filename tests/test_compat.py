@@ -174,7 +174,7 @@ def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
     """No live object's class is swapped (``type(p) is nn.Parameter`` holds, dynamo's guards see what
     torch made) and no torch hook dict is read or changed: hooks go through RemovableHandles. The
     scan finds both kinds where they are (a copy of the package with one of each added). One
-    exception, by name: ``reduce._rounds._rewire_hooks`` assigns a parameter's post-accumulate-grad
+    exception, by name: ``group._rounds._rewire_hooks`` assigns a parameter's post-accumulate-grad
     hook dict to itself, unchanged, which is how torch wires it into the parameter's autograd data
     again after a ``torch.utils.swap_tensors`` (``model.to`` of a DTensor parameter) left it wired to
     the swapped-out tensor; no public call does that."""
@@ -182,7 +182,7 @@ def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
     import os
     import shutil
 
-    from shardopt.reduce._rounds import _rewire_hooks
+    from shardopt.group._rounds import _rewire_hooks
 
     root = os.path.join(os.path.dirname(__file__), "..")
     first = inspect.getsourcelines(_rewire_hooks)[1]
@@ -190,7 +190,7 @@ def test_no_class_swap_and_no_torch_hook_dict_in_the_package(tmp_path) -> None:
 
     def outside_rewire(where: str) -> list[str]:
         return [f for f in reaches_into_torch(where)
-                if not (f.startswith(os.path.join("shardopt", "reduce", "_rounds.py") + ":")
+                if not (f.startswith(os.path.join("shardopt", "group", "_rounds.py") + ":")
                         and int(f.split(":")[1]) in rewire)]
 
     assert outside_rewire(root) == []
@@ -220,7 +220,7 @@ def _stack() -> list:
 
 
 def test_a_mode_inserted_at_the_bottom_lets_every_other_mode_leave_as_its_own():
-    """What the read guard of comm._gather_wait needs from the mode-stack functions: it goes beneath
+    """What the read guard of group._gather_wait needs from the mode-stack functions: it goes beneath
     the modes entered before it (a ``with torch.device`` block, a user's mode), which then leave
     with their own ``__exit__`` (it pops the top one); above ``torch.set_default_device``'s, which
     must be at the bottom when it leaves; and it comes out from wherever it is."""

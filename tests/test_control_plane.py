@@ -7,7 +7,7 @@ plane. Each is one collective, an exchange (an all-to-all of every rank's number
 each rank, see comm._control [Note: a message is an exchange]). In a step of gradient
 accumulation they are
 
-* one round tag per backward pass that reduces (reduce._rounds [Note: a round that did not end]):
+* one round tag per backward pass that reduces (group._rounds [Note: a round that did not end]):
   which call the rank is in and whether it lost a round; none for a backward under ``no_sync()``,
   which reduces nothing;
 * one message for ``clip_grad_norm_`` and one for ``step`` (step._step_agreement): which call,

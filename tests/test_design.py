@@ -8,7 +8,7 @@ fenced diagrams), resolved against the source of ``shardopt/`` with ``ast`` (not
 - a path: a span of path characters that ends in ``.py`` or holds a ``/`` (in a diagram, a word
   that does both). It is a file (a folder when it ends in ``/``) relative to the repository root
   when its first part is ``shardopt``, ``tests``, ``benchmarks``, ``examples``, ``tools``,
-  ``docs`` or ``.ci``, else relative to ``shardopt/`` (``reduce/_reducer.py``); a bare ``.py``
+  ``docs`` or ``.ci``, else relative to ``shardopt/`` (``group/_intake.py``); a bare ``.py``
   name (``hf.py``) is a file of the root or of shardopt/, tests/, benchmarks/, examples/.
 - ``path::name`` (``::name::method``): a function or class of that file; a span that starts with
   ``::`` continues the last file named so.
@@ -21,7 +21,7 @@ fenced diagrams), resolved against the source of ``shardopt/`` with ``ast`` (not
   attribute (a method, a class-body name or dataclass field, an enum member, or ``self.x`` set in a
   method). Dotted names that start anywhere else (``torch.*``, ``p.grad``, ``Tensor._version``) are
   torch's or prose, and not checked.
-- outside the diagrams, a bare CamelCase name (a capital first, some lower case: ``GradReducer``):
+- outside the diagrams, a bare CamelCase name (a capital first, some lower case: ``GradIntake``):
   bound at the top level of some module of shardopt (defined or imported), a Python builtin, or
   one of ``EXTERNAL``, the torch and framework classes design.md names that shardopt does not
   import under that name; an ALL_CAPS name (``MAX_INFLIGHT``, ``WAITING``): a module-level or class-level
@@ -79,7 +79,7 @@ def table_modules(text: str) -> list[str]:
     names = []
     for cell in _first_cells(text, MODULES_HEADING):
         m = re.fullmatch(r"`([A-Za-z0-9_/]+\.py)`", cell)
-        assert m, f"a module row of docs/design.md must name one path relative to shardopt/, like `reduce/_reducer.py`: {cell!r}"
+        assert m, f"a module row of docs/design.md must name one path relative to shardopt/, like `group/_intake.py`: {cell!r}"
         names.append(m.group(1))
     return names
 
@@ -142,7 +142,7 @@ REPO_DIRS = ("shardopt", "tests", "benchmarks", "examples", "tools", "docs", ".c
 # CamelCase names of torch, inductor and the frameworks that design.md names and shardopt neither defines nor
 # imports under that name (it reaches them as attributes: dist.ProcessGroupGloo, inductor's cpp module, ...)
 EXTERNAL = {"DeviceMesh", "ProcessGroupGloo", "ZeroRedundancyOptimizer", "CppVecOverrides", "CppVecKernel", "Manager",
-            "OptimizerWrapper", "LighthouseServer",
+            "OptimizerWrapper", "LighthouseServer", "FSDPParamGroup",
             "TilingSelect", "VecConvert"}
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _PATH = re.compile(r"[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*/?")
@@ -397,28 +397,28 @@ def test_each_module_row_names_what_that_module_defines():
 def test_the_reference_check_flags_stale_names():
     """Each rule can fail: one stale reference of each kind is flagged, by its line, and live ones are not."""
     text = textwrap.dedent("""\
-        `reduce/_reducer.py` `reduce/_gone.py` `tests/test_design.py::test_design_references_resolve`
+        `group/_intake.py` `group/_gone.py` `tests/test_design.py::test_design_references_resolve`
         `Rounds._to` `Rounds._gone` `ParamRecord.place` `shardopt.save_checkpoint` `shardopt.gone`
         `core._layout.bucket_cuts` `core._layout.gone_chunks` `tests/test_design.py::test_gone`
-        `GradReducer` `GoneReducer` `MAX_INFLIGHT` `GONE_CONSTANT` `_shadow_step` `_gone_step`
+        `GradIntake` `GoneReducer` `MAX_INFLIGHT` `GONE_CONSTANT` `_shadow_step` `_gone_step`
         `torch.gone` `p.grad` `Tensor._gone` `DeviceMesh` `None` `at::vec::gone` `optimizer.bin`
         ```
-          GradReducer.arrive (reduce/_reducer.py)   GradReducer.gone (reduce/_gone.py)   inf/NaN
+          GradIntake.take (group/_intake.py)   GradIntake.gone (group/_gone.py)   inf/NaN
         ```
-        `reduce/_grad_store.py` [Note: accumulating in the shard], `reduce/_rounds.py` [Note: accumulating in the
+        `group/_grad_store.py` [Note: accumulating in the shard], `group/_rounds.py` [Note: accumulating in the
         shard], [Note: a note nobody wrote]
         """)
     flagged = [re.match(r"line \d+: (`.*?`): ", p).group(1) for p in stale_references(text)]
-    assert flagged == ["`reduce/_gone.py`", "`Rounds._gone`", "`shardopt.gone`", "`core._layout.gone_chunks`",
+    assert flagged == ["`group/_gone.py`", "`Rounds._gone`", "`shardopt.gone`", "`core._layout.gone_chunks`",
                        "`tests/test_design.py::test_gone`", "`GoneReducer`", "`GONE_CONSTANT`", "`_gone_step`",
-                       "`GradReducer.gone`", "`reduce/_gone.py`",
-                       "`reduce/_rounds.py [Note: accumulating in the shard]`",
+                       "`GradIntake.gone`", "`group/_gone.py`",
+                       "`group/_rounds.py [Note: accumulating in the shard]`",
                        "`[Note: a note nobody wrote]`"], flagged
     rows = textwrap.dedent(f"""\
         {MODULES_HEADING}
         | module | owns |
         |---|---|
-        | `reduce/_grad_store.py` | `FlatGrads` and `ShardGrads`; `ShardedBuffer` |
+        | `group/_grad_store.py` | `FlatGrads` and `ShardGrads`; `FlatGroup` |
         """)
     assert row_problems(rows) == [
-        "`reduce/_grad_store.py` row: `ShardedBuffer` is not defined (or imported) in reduce/_grad_store.py"]
+        "`group/_grad_store.py` row: `FlatGroup` is not defined (or imported) in group/_grad_store.py"]

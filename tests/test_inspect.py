@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.reduce._rounds import RoundState
+from shardopt.group._rounds import RoundState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from shardopt.update._muon_packing import ns_cost, pack_matrices
+from shardopt.group._muon_packing import ns_cost, pack_matrices
 
 
 def gpt_shapes(d: int, layers: int) -> list[tuple[int, int]]:

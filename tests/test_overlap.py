@@ -788,7 +788,7 @@ def landing_cost_case(overlap: bool) -> dict:
     """The forward right after step() with every parameter in a bucket of its own: which torch calls
     a mode of the user's sees, and how many parameter versions the landings read (each landing
     checks its own parameters for writes that raced it, see step._usage_checks)."""
-    import shardopt.update._binding as binding
+    import shardopt.group._binding as binding
 
     rank = dist.get_rank()
     torch.manual_seed(5)

@@ -80,7 +80,7 @@ def test_asking_changes_nothing() -> None:
     model = _model()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, stage=2)
     view = opt.inspect().buffers[0]
-    reducer = opt._buffers[0].reducer
+    reducer = opt._buffers[0]
     asked = []
 
     def ask(grad: torch.Tensor) -> None:  # inside the backward pass, before any parameter's gradient
@@ -183,10 +183,10 @@ def test_record_field_writes_are_found(tmp_path) -> None:
     src = os.path.join(os.path.dirname(__file__), "..", "shardopt")
     shutil.copytree(src, tmp_path / "shardopt", ignore=shutil.ignore_patterns("__pycache__"))
     before = record_field_writes(str(tmp_path))
-    target = tmp_path / "shardopt" / "reduce" / "_reducer.py"
+    target = tmp_path / "shardopt" / "group" / "_intake.py"
     target.write_text(target.read_text() + "\n\ndef _bad(r):\n    r.lag += 1\n    b, r.used = 1, True\n")
     found = [f for f in record_field_writes(str(tmp_path)) if f not in before]
-    assert len(found) == 2 and all("reduce/_reducer.py" in f for f in found), found
+    assert len(found) == 2 and all("group/_intake.py" in f for f in found), found
 
 
 _TRANSITIONS_UNDER_O = """

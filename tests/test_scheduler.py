@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 import shardopt
-from shardopt.reduce._reducer import ParamState
-from shardopt.reduce._rounds import RoundState
+from shardopt.group._intake import ParamState
+from shardopt.group._rounds import RoundState
 
 pytestmark = pytest.mark.usefixtures("one_rank_group")  # see tests/conftest.py
 
@@ -66,7 +66,7 @@ def test_a_backward_pass_that_raises_is_lost_then_finished_by_the_next_call():
 def test_a_launch_that_raised_inside_backward_is_launched_again_when_the_round_is_finished():
     model = _chain()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=ONE_PARAM_MB)
-    store = opt._buffers[0].reducer.store  # instrumented: the first launch raises, as an allocation can
+    store = opt._buffers[0].store  # instrumented: the first launch raises, as an allocation can
     launch, calls = store.launch, []
 
     def flaky(bucket):  # noqa: ANN001, ANN202
@@ -205,19 +205,19 @@ def _train_mixed(stage: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], li
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_usual_hook_takes_what_the_full_path_takes(monkeypatch, stage, dtype):
-    from shardopt.reduce._reducer import GradReducer
+    from shardopt.group._intake import GradIntake
 
-    usual = GradReducer.arrive_fresh
+    usual = GradIntake.take_fresh
     taken = []
 
-    def counted(self: GradReducer, r: object) -> bool:
+    def counted(self: GradIntake, r: object) -> bool:
         taken.append(usual(self, r))
         return taken[-1]
 
-    monkeypatch.setattr(GradReducer, "arrive_fresh", counted)
+    monkeypatch.setattr(GradIntake, "take_fresh", counted)
     fast_weights, fast_reports = _train_mixed(stage, dtype)
     assert sum(taken) >= 10, taken  # (stage 2: not a bucket's first gradient, which allocates its staging)
-    monkeypatch.setattr(GradReducer, "arrive_fresh", lambda self, r: False)  # every hook takes the full path
+    monkeypatch.setattr(GradIntake, "take_fresh", lambda self, r: False)  # every hook takes the full path
     full_weights, full_reports = _train_mixed(stage, dtype)
     for a, b in zip(fast_weights, full_weights):
         assert torch.equal(a, b)
@@ -241,8 +241,8 @@ def _peaks_of_a_late_large_gradient() -> tuple[int, int]:
 
 
 def test_a_gradient_taken_at_once_counts_in_the_peak(monkeypatch):
-    from shardopt.reduce._reducer import GradReducer
+    from shardopt.group._intake import GradIntake
 
     usual = _peaks_of_a_late_large_gradient()
-    monkeypatch.setattr(GradReducer, "arrive_fresh", lambda self, r: False)
+    monkeypatch.setattr(GradIntake, "take_fresh", lambda self, r: False)
     assert usual == _peaks_of_a_late_large_gradient()

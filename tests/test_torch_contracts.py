@@ -411,7 +411,7 @@ def ema_case(read: str) -> tuple[float, list[float]]:
         opt.backward(model(batch(dist.get_rank(), step)))
         opt.step()
         model.zero_grad()  # what frameworks do between step and the next forward: no weight read
-        # weights read outside a forward, the gathers still in flight: each read waits (comm._gather_wait)
+        # weights read outside a forward, the gathers still in flight: each read waits (group._gather_wait)
         if read == "ema":
             ema.update_parameters(model)
         else:  # a parent reading a child's weight outside the child's forward

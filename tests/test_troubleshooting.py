@@ -72,17 +72,17 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "re-raises torch's own error from making the gloo group when it is not a timeout",
     ("shardopt/checkpoint/_adamw.py", "settle", "raise"):
         "re-raises _messages.enter's RuntimeError (check_calls, comm/_messages.py) or TimeoutError, collected there",
-    ("shardopt/reduce/_reducer.py", "GradReducer._refuse", "RuntimeError"):
-        "the message its callers pass (GradReducer.arrive, GradReducer._late), collected at those calls, "
+    ("shardopt/group/_intake.py", "GradIntake._refuse", "RuntimeError"):
+        "the message its callers pass (GradIntake.take, GradIntake._late), collected at those calls, "
         "plus '; the step was not taken'",
-    ("shardopt/reduce/_rounds.py", "Rounds.settle", "RuntimeError"):
+    ("shardopt/group/_rounds.py", "Rounds.settle", "RuntimeError"):
         "why_broken, the text given to Rounds.fail: a check_calls message (comm/_messages.py) or 'a round of "
         "gradient reductions failed on this rank: …' (Rounds.finish_round), both collected",
-    ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "RuntimeError"):
+    ("shardopt/group/_rounds.py", "Rounds._wait_tag", "RuntimeError"):
         "fail(str(e)) with the text of check_calls's RuntimeError, collected in comm/_messages.py",
-    ("shardopt/reduce/_rounds.py", "Rounds._wait_tag", "raise"):
+    ("shardopt/group/_rounds.py", "Rounds._wait_tag", "raise"):
         "re-raises check_calls's RuntimeError, collected in comm/_messages.py",
-    ("shardopt/reduce/_rounds.py", "Rounds.finish_round", "raise"):
+    ("shardopt/group/_rounds.py", "Rounds.finish_round", "raise"):
         "re-raises what a bucket's collective raised: the TimeoutError of _collectives.py, check_calls's "
         "RuntimeError (comm/_messages.py), or torch's own error",
     ("shardopt/step/_step_agreement.py", "StepAgreement.exchange", "RuntimeError"):
@@ -91,7 +91,7 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "re-raises check_calls's RuntimeError, collected in comm/_messages.py",
     ("shardopt/step/_usage_checks.py", "UsageChecks._raise_if", "RuntimeError"):
         "the first problem of some rank, collected where it is reported (_usage_checks.py, _binding.py, "
-        "_reducer.py), with 'on rank …:' in front on the others",
+        "_intake.py, _flat_group.py), with 'on rank …:' in front on the others",
     ("shardopt/step/_usage_checks.py", "UsageChecks.refresh_local", "RuntimeError"):
         "problems[0] from ParamBinding.changes, collected in _binding.py",
     ("shardopt/checkpoint/__init__.py", "_write", "raise"):
@@ -545,11 +545,11 @@ def _find(messages: list[Message], file: str, kind: str, fragment: str) -> Messa
 def test_the_collector_is_not_vacuous() -> None:
     messages = collected().messages
     assert len(messages) >= 120, len(messages)
-    sparse = _find(messages, "shardopt/reduce/_reducer.py", "TypeError", "got a sparse gradient; shardopt needs dense")
+    sparse = _find(messages, "shardopt/group/_intake.py", "TypeError", "got a sparse gradient; shardopt needs dense")
     _find(messages, "shardopt/checkpoint/_files.py", "ValueError", "is corrupt: … does not match the checksum")
     # a module-level constant through .format(), both branches of a conditional
-    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
-    _find(messages, "shardopt/reduce/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by the optimizer under")
+    _find(messages, "shardopt/group/_grad_placeholder.py", "RuntimeError", "so p.grad holds no values (it was read by …)")
+    _find(messages, "shardopt/group/_grad_placeholder.py", "RuntimeError", "is being summed in fp32 by the optimizer under")
     # a warning; a constant formatted with a known keyword; a problem reported at the next step
     _find(messages, "shardopt/step/_usage_checks.py", "UserWarning", "loss.backward() ran without the loss scale")
     _find(messages, "shardopt/step/_usage_checks.py", "RuntimeError", "a second time, into gradients that stage 2 keeps")

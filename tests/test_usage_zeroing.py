@@ -169,7 +169,7 @@ def write_during_overlapped_gather_case(how: str) -> tuple[tuple[str, str] | Non
     """Weights written right after an overlapped step. In the thread that called ``step()``, through
     the parameters (``load_state_dict``) or through a view taken before ``step()``, the write waits
     for the gathers and is kept. From another thread (which no torch mechanism can make wait, see
-    comm._gather_wait [Note: other threads]) the gather may overwrite it, and the next step says so
+    group._gather_wait [Note: other threads]) the gather may overwrite it, and the next step says so
     on every rank."""
     rank = dist.get_rank()
     model = make_model(seed=2)

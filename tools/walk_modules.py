@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 # The gradient's own path: hook -> take -> stage -> reduce-scatter -> land -> update -> gather -> wait.
-PATH = {"reduce/_rounds.py", "reduce/_reducer.py", "reduce/_grad_store.py", "reduce/_grad_placeholder.py",
-        "comm/_collectives.py", "comm/_bucket_paths.py", "optimizer.py", "update/_sharded_buffer.py", "update/_master.py",
-        "update/_moments.py", "kernels/fused.py", "comm/_gathers.py", "comm/_gather_wait.py", "core/_records.py"}
+PATH = {"group/_rounds.py", "group/_intake.py", "group/_grad_store.py", "group/_grad_placeholder.py",
+        "comm/_collectives.py", "comm/_bucket_paths.py", "optimizer.py", "group/_flat_group.py", "update/_master.py",
+        "update/_moments.py", "kernels/fused.py", "group/_gather_wait.py", "core/_records.py"}
 
 
 def traced(fn: Callable[[], object], root: str) -> list[str]:

@@ -50,7 +50,7 @@ from shardopt._version import __version__
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
     from shardopt.core._records import ParamRecord
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 __all__ = ["full_state_dict", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "load_full_state_dict",
            "save_checkpoint"]
@@ -62,7 +62,7 @@ class _Entry:
 
     key: str
     tensor: Tensor  # the model's tensor, detached (a sharded parameter's is a view of the flat buffer); local
-    where: tuple[ShardedBuffer, int] | None  # (ShardedBuffer, index in its layout) for a sharded parameter
+    where: tuple[FlatGroup, int] | None  # (FlatGroup, index in its layout) for a sharded parameter
     shape: tuple[int, ...] = ()  # the whole tensor's: a DTensor's global shape, else the tensor's
     offsets: tuple[int, ...] = ()  # where ``tensor`` starts in it (a DTensor's local piece)
     writes: bool = True  # this rank writes it: False for a copy another rank of a model axis writes
@@ -451,7 +451,7 @@ def _check_loadable(extra: Any) -> None:
                          "(e.g. a numpy RNG state as a list or a tensor)") from None
 
 
-def _pieces(b: ShardedBuffer, rank: int) -> dict[int, ShardPiece]:
+def _pieces(b: FlatGroup, rank: int) -> dict[int, ShardPiece]:
     return {piece.param: piece for piece in b.layout.shard_pieces(rank)}
 
 
@@ -695,7 +695,7 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[t
         restore_group(g, saved)
     step = int(manifest["step"])
 
-    def lag_of(b: ShardedBuffer, r: ParamRecord) -> int:  # a parameter saved without state was left out of every step
+    def lag_of(b: FlatGroup, r: ParamRecord) -> int:  # a parameter saved without state was left out of every step
         saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
         return step - int(saved.get("step", step)) if saved.get("sharded") else step
 

@@ -24,7 +24,7 @@ from shardopt.core._layout import Range
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
     from shardopt.comm._collectives import Comm
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 
 def adamw_defaults() -> dict[str, Any]:
@@ -60,18 +60,18 @@ def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> No
         checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
 
 
-def _locations(opt: ShardedOptimizer) -> dict[int, tuple[ShardedBuffer, int]]:
+def _locations(opt: ShardedOptimizer) -> dict[int, tuple[FlatGroup, int]]:
     return {id(r.leaf): (b, r.index) for b in opt._buffers for r in b.records}  # the model's parameter (core._dtensor)
 
 
-def _param_pieces(b: ShardedBuffer, i: int) -> list[Range]:
+def _param_pieces(b: FlatGroup, i: int) -> list[Range]:
     """Each rank's piece of parameter ``i`` of buffer ``b``, as ranges within the flattened parameter."""
     span = b.layout.params[i].global_range
     pieces = b.layout.bucket_shard_ranges(b.records[i].bucket.index)
     return [span.intersect(p).relative_to(span.start) if span.intersect(p).size else Range(0, 0) for p in pieces]
 
 
-def _keeps_master(opt: ShardedOptimizer, b: ShardedBuffer) -> bool:
+def _keeps_master(opt: ShardedOptimizer, b: FlatGroup) -> bool:
     """Whether buffer ``b`` holds master weights that its 16-bit weights do not already encode."""
     return b.dtype != torch.float32 and opt.config.master_weights in ("fp32", "remainder")
 
@@ -133,7 +133,7 @@ def _gather_state(opt: ShardedOptimizer, to: int, extras: bool) -> dict[str, Any
     return out
 
 
-def _gather(b: ShardedBuffer, i: int, shard: Tensor, comm: Comm) -> Tensor:
+def _gather(b: FlatGroup, i: int, shard: Tensor, comm: Comm) -> Tensor:
     """Parameter ``i``'s slice of the flat fp32 state ``shard`` (this rank's shard), whole on every rank."""
     span = b.layout.params[i].global_range
     pieces = _param_pieces(b, i)

@@ -14,10 +14,10 @@ from shardopt.comm._collectives import Comm
 from shardopt.comm._model_parts import ModelParts
 from shardopt.core._config import ShardConfig
 from shardopt.core._records import ParamRecord
-from shardopt.reduce._rounds import Rounds
+from shardopt.group._rounds import Rounds
 from shardopt.step._loss_scale import LossScaler
 from shardopt.step._usage_checks import UsageChecks
-from shardopt.update._sharded_buffer import ShardedBuffer
+from shardopt.group._flat_group import FlatGroup
 
 
 class ShardedOptimizer(Protocol):
@@ -28,7 +28,7 @@ class ShardedOptimizer(Protocol):
     config: ShardConfig
     state: ParamStateView
     skipped_steps: int
-    _buffers: list[ShardedBuffer]
+    _buffers: list[FlatGroup]
     _comm: Comm
     _parts: ModelParts
     _scaler: LossScaler
@@ -40,7 +40,7 @@ class ShardedOptimizer(Protocol):
 
     def finish_param_gather(self) -> None: ...
 
-    def _resume(self, *, step: int, lag_of: Callable[[ShardedBuffer, ParamRecord], int],
+    def _resume(self, *, step: int, lag_of: Callable[[FlatGroup, ParamRecord], int],
                 skipped_steps: int | None = None, seed: int | None = None,
                 loss_scaler: dict[str, Any] | None = None) -> None: ...
 

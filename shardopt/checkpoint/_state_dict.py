@@ -12,7 +12,7 @@ from shardopt.checkpoint._rank_state import STATE_FORMAT, check_rank_state_dict,
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
     from shardopt.core._records import ParamRecord
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
     class _Hooked(ShardedOptimizer, Protocol):
         """The optimizer with torch.optim's state-dict hooks (its ``torch.optim.Optimizer`` base keeps them)."""
@@ -66,7 +66,7 @@ class OptimizerStateDict:
             sd = sd if out is None else out
         return sd
 
-    def _resume(self: ShardedOptimizer, *, step: int, lag_of: Callable[[ShardedBuffer, ParamRecord], int],
+    def _resume(self: ShardedOptimizer, *, step: int, lag_of: Callable[[FlatGroup, ParamRecord], int],
                 skipped_steps: int | None = None, seed: int | None = None,
                 loss_scaler: dict[str, Any] | None = None) -> None:
         """The one place a load sets the optimizer's counters, after the loaded master weights were
@@ -83,7 +83,7 @@ class OptimizerStateDict:
             self.skipped_steps = int(skipped_steps)
         if loss_scaler is not None:
             self._scaler.load_state_dict(loss_scaler)
-        self._rounds.resumed(self._step + self.skipped_steps)  # what the round tags say from here (see reduce._rounds)
+        self._rounds.resumed(self._step + self.skipped_steps)  # what the round tags say from here (see group._rounds)
         if seed is not None and int(seed) != self.config.seed:
             self.config = dataclasses.replace(self.config, seed=int(seed))
         for b in self._buffers:

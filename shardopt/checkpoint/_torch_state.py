@@ -67,7 +67,7 @@ from shardopt.core._dtensor import is_dtensor, local_of
 if TYPE_CHECKING:
     from shardopt.core._layout import Range
     from shardopt.core._records import ParamRecord
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 
 def _no_delete(name: str, key: Any) -> str:
@@ -81,7 +81,7 @@ class StateEntry(dict):
 
     __slots__ = ("__weakref__", "_found", "_view")
 
-    def __init__(self, view: ParamStateView, found: tuple[ShardedBuffer, ParamRecord], values: dict[str, Any]) -> None:
+    def __init__(self, view: ParamStateView, found: tuple[FlatGroup, ParamRecord], values: dict[str, Any]) -> None:
         super().__init__(values)
         self._view, self._found = view, found
 
@@ -123,7 +123,7 @@ class _Handed:
     it that are no views of the shard, each with the version counter it had when its values were
     last the optimizer's (see [Note: writes into opt.state])."""
 
-    found: tuple[ShardedBuffer, ParamRecord]
+    found: tuple[FlatGroup, ParamRecord]
     entry: StateEntry | None = None
     tensors: dict[str, Tensor] = field(default_factory=dict)
     versions: dict[str, int] = field(default_factory=dict)
@@ -136,12 +136,12 @@ class _Handed:
 class ParamStateView(MutableMapping):
     """``opt.state`` of one optimizer on this rank (see [Note: opt.state of a sharded optimizer]).
 
-    ``buffers``: the optimizer's sharded buffers (update._sharded_buffer.ShardedBuffer: their
+    ``buffers``: the optimizer's sharded buffers (group._flat_group.FlatGroup: their
     records, rule and moments are read, and written through ``Moments.write_piece`` and
     ``ParamRecord.resume``); ``order``: the trained parameters in param-group order; ``steps``:
     the optimizer's steps taken so far. Local; no communication."""
 
-    def __init__(self, buffers: Sequence[ShardedBuffer], order: Sequence[Tensor], steps: Callable[[], int]) -> None:
+    def __init__(self, buffers: Sequence[FlatGroup], order: Sequence[Tensor], steps: Callable[[], int]) -> None:
         self._buffers, self._steps = list(buffers), steps
         # by the model's parameter (a DTensor parameter's, not its stand-in: see core._dtensor)
         self._found = {id(r.leaf): (b, r) for b in self._buffers for r in b.records}
@@ -151,7 +151,7 @@ class ParamStateView(MutableMapping):
         self._problems: list[str] = []  # found writing back, reported by the next take_writes()
         self._param_ranges: dict[int, dict[int, Range]] = {}  # by id of a buffer: its pieces' param ranges
 
-    def _record(self, p: object) -> tuple[ShardedBuffer, ParamRecord] | None:
+    def _record(self, p: object) -> tuple[FlatGroup, ParamRecord] | None:
         found = self._found.get(id(p))
         return found if found is not None and found[1].leaf is p else None
 
@@ -159,12 +159,12 @@ class ParamStateView(MutableMapping):
     def _param_steps(r: ParamRecord, steps: int) -> int:
         return steps - r.lag
 
-    def has_entry(self, b: ShardedBuffer, r: ParamRecord, steps: int) -> bool:
+    def has_entry(self, b: FlatGroup, r: ParamRecord, steps: int) -> bool:
         """Whether parameter ``r`` (of buffer ``b``) has state here after ``steps`` optimizer steps:
         it took a step, and (Muon) this rank owns it. A question, without reading the state."""
         return self._param_steps(r, steps) > 0 and (b.rule != "muon" or r.local is not None)
 
-    def entry(self, b: ShardedBuffer, r: ParamRecord, steps: int) -> dict[str, Tensor]:
+    def entry(self, b: FlatGroup, r: ParamRecord, steps: int) -> dict[str, Tensor]:
         """Parameter ``r``'s (of buffer ``b``) state as torch keeps it, after ``steps`` optimizer
         steps, in new tensors (views of the shard where ``b.moments.live``); empty before its
         first step. A question."""
@@ -187,13 +187,13 @@ class ParamStateView(MutableMapping):
 
     # -- writes into the state (see [Note: writes into opt.state]) ------------------------------
     @staticmethod
-    def _keys(b: ShardedBuffer, r: ParamRecord, here: bool = True) -> set[str]:
+    def _keys(b: FlatGroup, r: ParamRecord, here: bool = True) -> set[str]:
         """The keys parameter ``r``'s entry has once it was stepped; ``here`` False: also those of
         the ranks that hold a piece of it (a whole-parameter value written there is cut to none)."""
         moments = set(b.moments.state_keys) if r.local is not None or not here else set()
         return moments if b.rule == "muon" else moments | {"step"}
 
-    def _piece_of(self, b: ShardedBuffer, r: ParamRecord, key: str, value: Any, shape: tuple[int, ...]) -> Tensor | None:
+    def _piece_of(self, b: FlatGroup, r: ParamRecord, key: str, value: Any, shape: tuple[int, ...]) -> Tensor | None:
         """``value`` written as state tensor ``key`` of ``r``, as this rank's 1-D piece: a tensor of
         the piece's ``shape`` as it is, one of the whole parameter's shape cut to the piece (None
         where this rank holds no piece). Raises ValueError for any other value."""
@@ -227,7 +227,7 @@ class ParamStateView(MutableMapping):
         raise ValueError(f"opt.state[p]['step'] of parameter {r.name} was set to {value!r}: shardopt counts "
                          "each parameter's steps in whole steps; set it to a whole number (a tensor or a number)")
 
-    def _write(self, found: tuple[ShardedBuffer, ParamRecord], key: str, value: Any, shape: tuple[int, ...]) -> None:
+    def _write(self, found: tuple[FlatGroup, ParamRecord], key: str, value: Any, shape: tuple[int, ...]) -> None:
         """Make ``value`` the state of ``key``: a step count, or a piece copied into the shard.
         Raises ValueError where it cannot be. Local."""
         b, r = found
@@ -239,7 +239,7 @@ class ParamStateView(MutableMapping):
             b.moments.write_piece(r.local, key, piece)
 
     @staticmethod
-    def _shape(b: ShardedBuffer, r: ParamRecord, key: str) -> tuple[int, ...]:
+    def _shape(b: FlatGroup, r: ParamRecord, key: str) -> tuple[int, ...]:
         """The shape of state tensor ``key`` in ``r``'s entry (see ``entry``)."""
         if key == "step":
             return ()
@@ -258,7 +258,7 @@ class ParamStateView(MutableMapping):
                 if key == "step" or not b.moments.live:
                     h.watch(key, value)
 
-    def assign(self, found: tuple[ShardedBuffer, ParamRecord], entry: StateEntry, key: Any, value: Any) -> None:
+    def assign(self, found: tuple[FlatGroup, ParamRecord], entry: StateEntry, key: Any, value: Any) -> None:
         """``entry[key] = value`` (``entry``: ``opt.state[p]`` of ``found``): taken into the shard
         at once; the entry then holds ``value`` where it is a tensor of the entry's own shape and
         dtype (watched for writes in place, as torch's state tensor), else the state as it reads
@@ -292,7 +292,7 @@ class ParamStateView(MutableMapping):
             dict.pop(entry, key, None)  # no state here (no piece on this rank, or no step taken)
         self._fill(h, fresh)
 
-    def restart(self, b: ShardedBuffer, r: ParamRecord, *, keep: StateEntry | None = None) -> None:
+    def restart(self, b: FlatGroup, r: ParamRecord, *, keep: StateEntry | None = None) -> None:
         """Restart parameter ``r``'s state as torch's next step would after ``del opt.state[p]``:
         its moments zero, its step count 0. What was handed out for it is no longer its state,
         except ``keep`` (``opt.state[p].clear()``: torch's next step fills that very dict), emptied. Local."""

@@ -13,7 +13,7 @@ Expert parallelism: each expert is held by a few ranks of the optimizer's group 
 data-parallel group), the dense parameters by all. A param group with its own ``"process_group"``
 is laid out in flat buffers of its own, sharded, reduced and gathered over that group only. Its
 gradient is the sum over that group divided by the optimizer's data-parallel size
-(``ShardedBuffer.grad_factor``): the gradient of the mean loss over all the optimizer's ranks, as
+(``FlatGroup.grad_factor``): the gradient of the mean loss over all the optimizer's ranks, as
 for the dense parameters (Megatron's expert-gradient scaling), whether a rank's tokens reached the
 expert through an all-to-all or the expert only sees its own ranks'. The clip norm sums every
 rank's shards over the optimizer's group, so each expert counts once. Its checkpoint keys carry

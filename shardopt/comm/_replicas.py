@@ -28,7 +28,7 @@ from shardopt.comm._digest import digest_code, digests_agree
 #   without a message between groups; whether the step is applied at all is torchft's vote
 #   (``should_commit``), taken by its ``OptimizerWrapper`` before ``step``.
 # - Collectives across groups must be issued in the same order in every group, so the buckets are
-#   launched in a fixed order (reverse layout order, reduce._rounds), not one guessed from each
+#   launched in a fixed order (reverse layout order, group._rounds), not one guessed from each
 #   group's first forward; and every parameter takes every step (a zero gradient where no rank of
 #   a group had one), because which parameters had gradients is not exchanged between groups.
 

@@ -68,7 +68,7 @@ _MODE_STACK = ("_len_torch_function_stack", "_get_function_stack_at", "_pop_torc
 def function_modes_missing() -> list[str]:
     """The torch internals of :func:`insert_function_mode`/:func:`remove_function_mode` that this
     torch lacks (empty on the tested versions); no fallback: ``overlap_param_gather=True`` is
-    refused where one is missing (comm._gather_wait)."""
+    refused where one is missing (group._gather_wait)."""
     return [f"torch._C.{name}" for name in _MODE_STACK if not hasattr(torch._C, name)]
 
 
@@ -127,7 +127,7 @@ def require(overlap_param_gather: bool = False) -> None:
         raise RuntimeError(f"overlap_param_gather=True needs {', '.join(missing_modes)}, which torch "
                            f"{torch.__version__} does not have: every read of a weight right after step() waits for its "
                            "gather through a torch function mode placed beneath the others on that stack (see "
-                           f"comm._gather_wait); leave overlap_param_gather off, or install torch {TESTED}")
+                           f"group._gather_wait); leave overlap_param_gather off, or install torch {TESTED}")
     missing = [name for name, ok in (
         ("torch._C._current_graph_task_id", hasattr(torch._C, "_current_graph_task_id")),
         ("torch.autograd.Variable._execution_engine.queue_callback",

@@ -16,10 +16,10 @@ backward: the optimizer holds it (in stage 2 as shards), as it holds a plain par
 stage 2; clip with ``opt.clip_grad_norm_``. Once the optimizer stops training the parameter
 (closed, superseded, collected), what its stand-in's ``.grad`` held goes to the DTensor
 parameter's ``.grad`` (``leave_grad``), and the next optimizer's construction moves it into its own
-stand-in (``move_grad``), where reduce._left_grads takes it as a plain parameter's.
+stand-in (``move_grad``), where group._left_grads takes it as a plain parameter's.
 
 Writes from outside (``load_state_dict``, ``copy_``, a write into ``to_local()``) are noticed
-through the model's DTensor parameter, not its stand-in (see update._binding [Note: writes into
+through the model's DTensor parameter, not its stand-in (see group._binding [Note: writes into
 DTensor parameters]).
 
 Each DTensor parameter's mesh (1-D: the tensor-parallel ranks) is a model axis (see
@@ -160,7 +160,7 @@ def local_of(p: Tensor) -> Tensor:
     """DTensor ``p``'s local tensor (or a view of it: torch 2.13 gives a parameter's as a view): its
     storage, and the version counter that a write through ``p.to_local()`` moves.
     ``p.detach().to_local()`` is no such thing: DTensor detaches below autograd, so that alias has a
-    counter of its own that no write to ``p`` moves (see update._binding [Note: writes into DTensor
+    counter of its own that no write to ``p`` moves (see group._binding [Note: writes into DTensor
     parameters]). Local."""
     with torch.no_grad():  # to_local() is no autograd function there
         return p.to_local()  # type: ignore[attr-defined]
@@ -221,7 +221,7 @@ def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
 
 def leave_grad(p: Tensor, into: Tensor) -> None:
     """Stand-in ``into``'s optimizer no longer trains DTensor parameter ``p``: put what it leaves in
-    ``into.grad`` (a view of its flat gradient, or a stage-2 placeholder, see reduce._left_grads) in
+    ``into.grad`` (a view of its flat gradient, or a stage-2 placeholder, see group._left_grads) in
     ``p.grad``, as a DTensor in ``p``'s placements whose local tensor is that very tensor (what marks
     it as left stays with it), where torch holds a DTensor parameter's gradient: ``model.zero_grad()``
     drops it, a backward pass adds to it, and the next optimizer over ``p`` takes it at its

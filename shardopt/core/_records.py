@@ -53,7 +53,7 @@ from shardopt.core._layout import FlatLayout, ParamSpan, Range
 
 if TYPE_CHECKING:
     class Placeholder(Tensor):
-        """What reduce._grad_placeholder.GradPlaceholder adds to a tensor, for the type checker: this
+        """What group._grad_placeholder.GradPlaceholder adds to a tensor, for the type checker: this
         layer cannot name that class. At run time the name is Tensor, GradPlaceholder's base."""
 
         zeroed: bool
@@ -107,7 +107,7 @@ class Holds(enum.Enum):
 
 
 class Reach(enum.Enum):
-    """How a backward pass reaches the parameter (see reduce._rounds [Note: launch order])."""
+    """How a backward pass reaches the parameter (see group._rounds [Note: launch order])."""
 
     DIRECT = "direct"  # the outer pass shows it: counted ready at once where that pass will not reach it
     NESTED = "nested"  # its gradient may come from a pass nested in the outer one: never counted ahead
@@ -143,7 +143,7 @@ class ParamRecord:
     bucket: BucketRecord = field(init=False, repr=False)
     at: slice = field(init=False, repr=False)  # its elements within its bucket (a bucket-sized buffer)
     accumulator: Any = None  # autograd's gradient accumulator, held so that autograd keeps using this one
-    placeholder: Placeholder | None = None  # its stage-2 / no_sync placeholder (reduce._grad_placeholder)
+    placeholder: Placeholder | None = None  # its stage-2 / no_sync placeholder (group._grad_placeholder)
     state: ParamState = ParamState.WAITING
     slot: GradSlot = GradSlot.OWN
     used: bool = False  # got a gradient on this rank since its gradient was last zeroed
@@ -151,7 +151,7 @@ class ParamRecord:
     arrival: int | None = None  # its place in the order gradients arrived in the first round; None: none arrived
     replaced: bool = False  # stage 2: p.grad replaced by a tensor after backward; reported at the step
     trained: bool = True  # some rank has a gradient for it at this step: the update touches it (step._usage_checks)
-    hook: Any = None  # the handle of its post-accumulate-grad hook (reduce._rounds)
+    hook: Any = None  # the handle of its post-accumulate-grad hook (group._rounds)
     kept_bytes: int = 0  # its .grad kept across no_sync backward passes, bytes
     first_use: int | None = None  # position of its first use in the forwards before the first round
     forward_with_grad: bool = False  # its module ran a forward with gradients enabled then
@@ -305,7 +305,7 @@ class BucketRecord:
     local: Range  # this rank's part of it, relative to the start of this rank's shard (may be empty)
     pieces: tuple[Range, ...]  # each rank's part of it, relative to the bucket start: how its reduction is cut
     gather_pieces: tuple[Range, ...]  # each rank's global range of it: what its weight all-gather assembles
-    position: int = -1  # its place among every bucket of the optimizer (reduce._rounds)
+    position: int = -1  # its place among every bucket of the optimizer (group._rounds)
     launch: int | None = None  # its place in the launch order the ranks agreed on; None until the first round
     ready: int = 0  # parameters in for the open round
     state: BucketState = BucketState.WAITING
@@ -329,7 +329,7 @@ class BucketRecord:
         self.position = position
 
     def ordered(self, launch: int) -> None:
-        """Its place in the launch order the ranks agreed on (reduce._rounds [Note: launch order])."""
+        """Its place in the launch order the ranks agreed on (group._rounds [Note: launch order])."""
         self.launch = launch
 
     def one_ready(self) -> None:

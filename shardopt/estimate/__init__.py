@@ -61,8 +61,8 @@ import torch
 from shardopt.memory._buffer_model import replay_buffers
 from shardopt.core._config import OFFLOAD_TARGETS
 from shardopt.core._layout import DEFAULT_ALIGNMENT, build_layout
-from shardopt.update._muon_packing import owned_layout
-from shardopt.reduce._rounds import MAX_INFLIGHT
+from shardopt.group._muon_packing import owned_layout
+from shardopt.group._rounds import MAX_INFLIGHT
 from shardopt.update._master import STRATEGIES
 from shardopt.update._moments import MOMENTS, MUON_MOMENTS, moment_alignment
 from shardopt.memory import CATEGORIES, ddp_adamw_bytes, predict_bytes

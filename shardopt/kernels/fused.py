@@ -61,7 +61,7 @@ from shardopt.kernels import _cpu_codegen, reference
 # A fused kernel runs with torch functions off (torch._C.DisableTorchFunction): the torch function
 # modes on the stack when step() or clip_grad_norm_ calls it are not traced into its graph. They
 # are the caller's (a user's mode entered around the loop, or the read guard another optimizer's
-# overlapped step left in this thread, see comm._gather_wait), and a kernel reads and writes the
+# overlapped step left in this thread, see group._gather_wait), and a kernel reads and writes the
 # optimizer's own buffers only, which no such mode has a reason to see: traced, a mode would make
 # the kernel's compile depend on it (the read guard's wait is a graph break, which the kernel's
 # fullgraph=True compile refuses), and the reference kernel would be taken for good.

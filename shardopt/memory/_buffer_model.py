@@ -1,9 +1,9 @@
 """The one model of communication buffers, used by ``memory_report().predicted`` and by
-``shardopt.estimate``: staging buffers and cast copies replayed bucket by bucket as ``reduce._reducer``
-and ``reduce._rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
+``shardopt.estimate``: staging buffers and cast copies replayed bucket by bucket as ``group._intake``
+and ``group._rounds`` allocate and free them (see ``shardopt.estimate`` [Note: buffers estimate]).
 A model of its own, from a layout alone (the estimate has no optimizer): its per-bucket tables
 are the simulation's, not the optimizer's state, which lives in ``core._records``. The callers
-pass the scheduler's ``max_inflight`` (``reduce._rounds.MAX_INFLIGHT``).
+pass the scheduler's ``max_inflight`` (``group._rounds.MAX_INFLIGHT``).
 """
 from __future__ import annotations
 

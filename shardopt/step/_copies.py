@@ -83,7 +83,7 @@ if TYPE_CHECKING:
     from shardopt.core._flat import ShardView
     from shardopt.core._layout import Range
     from shardopt.core._records import ParamRecord
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 _CHUNK = 1 << 22  # elements fingerprinted at a time: bounds the int64 temporaries (32 MiB)
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> the integer its bits are read as
@@ -138,7 +138,7 @@ class DeclaredCopies:
     trained parameters in param-group order, ``buffers`` (indexed by ``ParamRecord.bucket.buffer``),
     ``param_groups``, ``parts`` (who holds what), ``comm`` (the data-parallel group)."""
 
-    def __init__(self, records: Sequence[ParamRecord], buffers: Sequence[ShardedBuffer],
+    def __init__(self, records: Sequence[ParamRecord], buffers: Sequence[FlatGroup],
                  param_groups: Sequence[dict[str, Any]], parts: ModelParts, comm: Comm) -> None:
         self.records, self.buffers, self.param_groups = list(records), list(buffers), param_groups
         self.parts, self.comm = parts, comm
@@ -173,7 +173,7 @@ class DeclaredCopies:
         averaged gradient's ``grad_profile`` over the group, zeros for a part). Every rank of the
         group."""
         rows, shaped = [], []
-        grads = [buf.reducer.local_grad() for buf in self.buffers]  # this rank's shard of each buffer's gradient
+        grads = [buf.local_grad() for buf in self.buffers]  # this rank's shard of each buffer's gradient
         for r, copy in zip(self.records, self.copies):
             w = fingerprint(r.param, weighted=True)[:2]
             g = fingerprint(grads[r.bucket.buffer][r.local.as_slice()], weighted=False)[[0, 2]] \
@@ -242,7 +242,7 @@ class DeclaredCopies:
         both = torch.cat([flat, -flat])
         comm.control_all_reduce(both, "max").wait()
         high, low = both[:flat.numel()].view(-1, 4), -both[flat.numel():].view(-1, 4)
-        sizes = [buf.reducer.local_grad().element_size() for buf in self.buffers]  # each buffer's gradient's
+        sizes = [buf.local_grad().element_size() for buf in self.buffers]  # each buffer's gradient's
         out = []
         for i, hi, lo in zip(copies, high.tolist(), low.tolist()):
             norm = math.sqrt(max(hi[0], 0.0))

@@ -23,16 +23,16 @@ from shardopt.step._agreement import (adopt_hyperparameters, check_hyperparamete
 from shardopt.step._usage_checks import Scaling
 
 if TYPE_CHECKING:
-    from shardopt.reduce._rounds import Rounds
+    from shardopt.group._rounds import Rounds
     from shardopt.step._usage_checks import Findings, UsageChecks
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 
 class StepAgreement:
     """The step's all-reduce for one optimizer's flat buffers (``buffers``), its scheduler
     (``rounds``) and usage checks (``checks``) over ``comm``."""
 
-    def __init__(self, buffers: Sequence[ShardedBuffer], rounds: Rounds, checks: UsageChecks, comm: Comm,
+    def __init__(self, buffers: Sequence[FlatGroup], rounds: Rounds, checks: UsageChecks, comm: Comm,
                  axes: ModelAxes) -> None:
         self.buffers, self.rounds, self.checks, self.comm = list(buffers), rounds, checks, comm
         self.axes = axes  # the ranks with the rest of the model (see _model_axes); empty without

@@ -19,7 +19,7 @@ pipeline's): without them ``opt.backward(t, gradient=g)`` takes ``g`` as a gradi
 multiplies it as it multiplies a loss (counted as through ``opt.backward(loss)``; beside
 ``opt.backward(loss)`` in one step it would otherwise be divided by a scale it never had). So each
 rank counts its backward passes since the last step by how they were started
-(``reduce._reducer.Backward``: through ``opt.backward(loss)``, through ``opt.backward(t,
+(``group._intake.Backward``: through ``opt.backward(loss)``, through ``opt.backward(t,
 gradient=g)`` beside ``model_parallel_group=`` axes, or neither; gradients assigned by hand count as neither), the counts are summed
 over the data-parallel group in the step's message and then over the model axes (``Scaling``,
 see comm._model_axes [Note: the whole model's agreement]), and every rank of the model decides
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 
     from shardopt.core._records import ParamRecord
-    from shardopt.update._sharded_buffer import ShardedBuffer
+    from shardopt.group._flat_group import FlatGroup
 
 log = logging.getLogger("shardopt")
 
@@ -100,15 +100,15 @@ class Followed:
 
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
-    flags. ``buffers`` are the optimizer's sharded buffers (update._sharded_buffer): their
+    flags. ``buffers`` are the optimizer's sharded buffers (group._flat_group): their
     records, reducer and binding are read."""
 
-    def __init__(self, buffers: Sequence[ShardedBuffer], untracked: Sequence[torch.nn.Parameter],
+    def __init__(self, buffers: Sequence[FlatGroup], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
-        self.late_problems: list[str] = []  # found outside a check (a write racing a gather), reported at the next
+        self.late_problems: list[str] = []  # found outside a check (a write into opt.state), reported at the next
         self._warned_unscaled = False
         self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
 
@@ -119,8 +119,8 @@ class UsageChecks:
         start = time.perf_counter()
         followed = Followed()
         for b in self.buffers:
-            followed.regraded |= b.reducer.follow_views()
-            followed.regraded |= b.reducer.apply_zeroing(at_step=True)
+            followed.regraded |= b.follow_views()
+            followed.regraded |= b.apply_zeroing(at_step=True)
             followed.bindings.append(b.binding.follow())
         self.seconds += time.perf_counter() - start
         return followed
@@ -133,7 +133,7 @@ class UsageChecks:
         found = Findings(written=[], problems=list(self.late_problems),
                          regraded=self.zeroed_after_round or followed.regraded)
         for b, (written, problems) in zip(self.buffers, followed.bindings):
-            found.problems += b.reducer.problems
+            found.problems += b.problems
             replaced = flagged(b.records, "replaced")
             found.regraded |= bool(replaced)
             for r in replaced:
@@ -144,9 +144,9 @@ class UsageChecks:
                     "added to), change the loss instead, or use stage=1, where p.grad is the averaged gradient")
             found.written.append(written)
             found.problems += problems
-            found.scaled += b.reducer.scaled_backwards
-            found.carried += b.reducer.carried_backwards
-            found.unscaled += b.reducer.unscaled_backwards
+            found.scaled += b.scaled_backwards
+            found.carried += b.carried_backwards
+            found.unscaled += b.unscaled_backwards
             found.used.append([r.used for r in b.records])
         for p in self.untracked:
             if p.requires_grad and p.grad is not None:
@@ -162,7 +162,7 @@ class UsageChecks:
         """The step acted on what ``local`` found: clear the problems and replacements it reported. Local."""
         self.late_problems, self.zeroed_after_round = [], False
         for b in self.buffers:
-            b.reducer.problems = []
+            b.forget_problems()
             for r in flagged(b.records, "replaced"):
                 r.mark_replaced(False)
 
@@ -176,16 +176,6 @@ class UsageChecks:
         """Problems found outside a check (a write into ``opt.state`` that cannot be taken): raised
         by the next check on every rank. Local."""
         self.late_problems += problems
-
-    def note_gathered(self, b: ShardedBuffer, records: Sequence[ParamRecord]) -> None:
-        """An overlapped all-gather of ``records`` of buffer ``b`` just landed: a parameter written
-        from outside before it did lost that write to it. Noted for the next check. Local."""
-        for r in b.binding.raced(records):
-            self.late_problems.append(
-                f"parameter {r.name} was written (through the parameter, a view or .data) while "
-                "the optimizer (overlap_param_gather=True) was still gathering the weights of the last step into the "
-                "model, which overwrote the write. A write in the thread that called step() waits for the gathers by "
-                "itself; from another thread, call opt.finish_param_gather() before writing weights into the model")
 
     def take_outside_writes(self, late: Sequence[str] = ()) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint

@@ -1,2 +1,3 @@
-"""A flat buffer's shard and its update: the sharded buffer, the master-weight and moment
-strategies, Muon's whole-matrix packing, and the parameters' binding to the flat buffer."""
+"""The strategies of a shard's update: master weights, moments, where they live (offload) and the
+split of a shard between host and device, and Muon for a tensor-parallel matrix. Imports nothing
+but ``core`` and ``kernels``."""

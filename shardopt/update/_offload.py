@@ -1,7 +1,7 @@
 """Where this rank's optimizer state lives: beside the weights, or in host memory (``offload="cpu"``).
 
 [Note: offload]
-A placement is the strategy a ``ShardedBuffer`` holds for where its master weights, moments and
+A placement is the strategy a ``FlatGroup`` holds for where its master weights, moments and
 the update run. ``OnDevice`` (``offload=None``) keeps them on the parameters' device and copies
 nothing: the master strategy writes the flat buffer's shard in place. ``OnHost`` (``offload="cpu"``)
 allocates, once per buffer at construction, one host buffer of the exact size (64-byte aligned

@@ -52,7 +52,7 @@ def _summed(name: str) -> property:
 
 class _Pieces(Generic[_Strategy]):
     """Routes local ranges to the piece holding them. The callers move values to the piece's
-    device themselves (``ShardedBuffer.place_of``)."""
+    device themselves (``FlatGroup.place_of``)."""
 
     def __init__(self, parts: Sequence[_Strategy], starts: Sequence[int]) -> None:
         self.parts, self.starts = list(parts), list(starts)

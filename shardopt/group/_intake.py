@@ -27,7 +27,7 @@ import enum
 import operator
 import time
 from itertools import compress, repeat
-from typing import Sequence, cast
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -39,12 +39,12 @@ from shardopt.core._compat import will_execute_each
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import (BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach, column,
                                     flagged, grads)
-from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
-from shardopt.reduce._grad_store import FlatGrads, Launch, ShardGrads
-from shardopt.reduce._held_bytes import HeldBytes
-from shardopt.reduce._left_grads import LeftScale, tag_left
+from shardopt.group._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
+from shardopt.group._grad_store import FlatGrads, Launch, ShardGrads
+from shardopt.group._held_bytes import HeldBytes, HeldTotal
+from shardopt.group._left_grads import LeftScale, tag_left
 
-__all__ = ["Backward", "GradReducer", "ParamState"]
+__all__ = ["Backward", "GradIntake", "ParamState"]
 
 
 class Backward(enum.Enum):
@@ -56,19 +56,24 @@ class Backward(enum.Enum):
     CARRIED = "carried"  # opt.backward(t, gradient=g) beside model_parallel_group= axes: not multiplied; g carries the scale of the stage it came from
 
 
-class GradReducer:
-    """Reduces the gradients of one :class:`FlatParams` buffer over ``comm``'s ranks."""
+class GradIntake:
+    """The backward half of a flat group (``_flat_group.FlatGroup``): takes the gradients of one
+    :class:`FlatParams` buffer into its buckets and reduces them over ``comm``'s ranks."""
 
     flat_grad: Tensor | None  # stage 1: 1D, grad dtype, the whole padded buffer; params' .grad view it
     grad_shard: Tensor | None  # stage 2: 1D, grad dtype, this rank's shard of the averaged gradient
 
     accum: Tensor | None  # 1D fp32, whole buffer: gradients accumulated under no_sync (16-bit params only)
 
-    def __init__(self, flat: FlatParams, comm: Comm, stage: int, records: Sequence[ParamRecord],
-                 buckets: Sequence[BucketRecord], accumulate_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None) -> None:
-        self.flat, self.comm = flat, comm
-        self.records, self.buckets = list(records), list(buckets)
+    # what the flat group that this is the backward half of sets before ``_init_intake``
+    flat: FlatParams
+    comm: Comm
+    records: list[ParamRecord]  # one per parameter, in buffer order
+    buckets: list[BucketRecord]  # one per bucket, in layout order
+
+    def _init_intake(self, stage: int, accumulate_dtype: torch.dtype | None, reduce_dtype: torch.dtype | None,
+                     held_total: HeldTotal) -> None:
+        flat = self.flat
         self.dtensor_records = [r for r in self.records if r.dtensor is not None]  # see core._dtensor
         # On the native path reductions sum in the gradient dtype unless reduce_dtype (e.g. fp32) asks for
         # more precision, from a cast copy of the bucket; the rank-order path always sums in fp32 (see
@@ -82,7 +87,6 @@ class GradReducer:
         self.accum = None
         # Backward passes since the last step, by how they were started (see Backward).
         self.scaled_backwards = self.carried_backwards = self.unscaled_backwards = 0
-        self.backward = Backward.PLAIN  # set by the optimizer while opt.backward runs
         self.check_seconds = 0.0  # time spent tracking zeroing (placeholders, apply_zeroing) since the step, seconds
         self.zeroings = 0  # times gradients were found zeroed or replaced since construction (apply_zeroing, follow_views)
         for r in self.records:
@@ -90,15 +94,14 @@ class GradReducer:
             # in the fp32 accumulation buffer under no_sync.
             # Its gradient accumulator (held, so autograd keeps using this one): which ones a backward pass reaches.
             r.attach(GradPlaceholder(r.param), get_gradient_edge(r.leaf).node)
-        self.store = (FlatGrads(flat, comm, self.reduce_dtype, self.buckets) if stage == 1 else
-                      ShardGrads(flat, comm, self.reduce_dtype, self.accumulate_dtype, self.buckets))  # see _grad_store
+        self.store = (FlatGrads(flat, self.comm, self.reduce_dtype, self.buckets) if stage == 1 else
+                      ShardGrads(flat, self.comm, self.reduce_dtype, self.accumulate_dtype, self.buckets))  # see _grad_store
         self.flat_grad = getattr(self.store, "flat_grad", None)
         self.grad_shard = getattr(self.store, "grad_shard", None)
-        self.held = HeldBytes(self.store.nbytes, self._buffer_bytes)  # see _held_bytes
-        self.store.on_alloc = self.held.buffers_changed
+        self.held = HeldBytes(self.store.nbytes, self, held_total)  # see _held_bytes
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self._arrivals = 0  # gradients that arrived in the first round so far
-        self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
+        self.problems: list[str] = []  # gradients that could not be reduced, weights written under a gather: reported at the next step
         self.released = False  # its optimizer no longer trains the parameters (``release``)
 
     # -- what _rounds asks of a reducer ----------------------------------------------------
@@ -140,12 +143,12 @@ class GradReducer:
         self.apply_zeroing()
         self.check_seconds += time.perf_counter() - start
 
-    def begin_backward(self) -> None:
-        """A backward pass starts: note how it was started (``backward``) and follow what was zeroed
+    def begin_backward(self, how: Backward) -> None:
+        """A backward pass starts: note how it was started (``how``) and follow what was zeroed
         since the last. Local."""
-        if self.backward is Backward.SCALED:
+        if how is Backward.SCALED:
             self.scaled_backwards += 1
-        elif self.backward is Backward.CARRIED:
+        elif how is Backward.CARRIED:
             self.carried_backwards += 1
         else:
             self.unscaled_backwards += 1
@@ -155,7 +158,9 @@ class GradReducer:
 
     def _put(self, r: ParamRecord, grad: Tensor | None) -> None:
         """Hand ``grad`` (parameter ``r``'s whole gradient, or None) to the store."""
+        allocated = self.store.allocations
         used = self.store.put(r, grad)
+        self._note_allocations(allocated)
         if used is not None:
             r.got_gradient(used)
 
@@ -212,13 +217,13 @@ class GradReducer:
         self.zeroings += 1
         return True
 
-    def arrive_fresh(self, r: ParamRecord) -> bool:
-        """The usual case of :meth:`arrive`, from a hook of a backward pass that reduces, not nested,
+    def take_fresh(self, r: ParamRecord) -> bool:
+        """The usual case of :meth:`take`, from a hook of a backward pass that reduces, not nested,
         after the first round: parameter ``r`` is waiting for its first gradient of the round, which
         autograd just produced (stage 2: a new tensor, taken into a staging buffer that exists
         already; stage 1: added in place to its view), nothing is accumulated or kept under
-        ``no_sync``, and it is no DTensor's. Then the same as ``arrive``, in a few steps: True.
-        Otherwise False, and nothing changed: call ``arrive``. Local."""
+        ``no_sync``, and it is no DTensor's. Then the same as ``take``, in a few steps: True.
+        Otherwise False, and nothing changed: call ``take``. Local."""
         if r.state is not ParamState.WAITING or r.kept_bytes or r.dtensor is not None or self.accum is not None:
             return False
         nbytes = self.store.take_fresh(r)
@@ -229,7 +234,7 @@ class GradReducer:
         self.held.spike(nbytes)  # see _held_bytes [Note: a gradient taken at once]
         return True
 
-    def arrive(self, r: ParamRecord, *, sync: bool, nested: bool, first: bool) -> bool:
+    def take(self, r: ParamRecord, *, sync: bool, nested: bool, first: bool) -> bool:
         """Parameter ``r``'s gradient was accumulated into ``p.grad`` (from the scheduler's hook):
         take it into its bucket, or hold it (``no_sync``), or fold or refuse a second one.
         ``nested``: in a backward pass nested in the round's; ``first``: in the first round. True
@@ -264,7 +269,7 @@ class GradReducer:
         if state is ParamState.TAKEN:  # a second gradient in one round: used inside and outside a reentrant checkpoint
             self._late(r)
             return False
-        self._take(r)
+        self._into_bucket(r)
         return True
 
     def _late(self, r: ParamRecord) -> None:
@@ -274,7 +279,9 @@ class GradReducer:
         if r.bucket.state is BucketState.WAITING:
             grad = take_pending(r.param.grad)
             if grad is not None:
+                allocated = self.store.allocations
                 self.store.add_late(r, grad)
+                self._note_allocations(allocated)
             return
         self._refuse(r, f"parameter {r.name} got a second gradient in one backward "
                         "pass (it is used both inside and outside a torch.utils.checkpoint with use_reentrant=True, or "
@@ -286,6 +293,10 @@ class GradReducer:
         self.problems.append(message + "; the step was not taken")
         if not self.store.keeps_views or is_placeholder(r.param.grad):
             r.param.grad = None
+
+    def forget_problems(self) -> None:
+        """The step reported ``problems`` on every rank: clear them. Local."""
+        self.problems = []
 
     def reset_peaks(self) -> None:
         """Restart the high-water marks from what is held now. Local."""
@@ -314,7 +325,7 @@ class GradReducer:
             r.place(GradSlot.OWN)
             r.param.grad = None
 
-    def _take(self, r: ParamRecord) -> None:
+    def _into_bucket(self, r: ParamRecord) -> None:
         """Move parameter ``r``'s accumulated ``.grad`` into the buffer being reduced."""
         if r.state is ParamState.TAKEN:
             return
@@ -333,7 +344,7 @@ class GradReducer:
         self._put(r, take_pending(p.grad))  # autograd added to a placeholder: the new part; the rest is in the shard
         self.held.taken()  # the .grad is gone (it was counted while the staging buffer was allocated)
 
-    def _buffer_bytes(self) -> int:
+    def buffer_bytes(self) -> int:
         """The store's buffers (its reductions' receive buffers included) and the no_sync fp32 sum held now, bytes."""
         held = self.store.buffer_bytes()
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
@@ -345,8 +356,17 @@ class GradReducer:
         taken = ParamState.TAKEN
         for r in b.params:
             if r.state is not taken:
-                self._take(r)  # parameters without a gradient this round count as zero
-        return self.store.launch(b)
+                self._into_bucket(r)  # parameters without a gradient this round count as zero
+        allocated = self.store.allocations
+        launch = self.store.launch(b)
+        self._note_allocations(allocated)
+        return launch
+
+    def _note_allocations(self, before: int) -> None:
+        """The store allocated a buffer since it counted ``before`` allocations: a moment whose bytes
+        the high-water marks must see (the ``.grad`` being taken still counts as held)."""
+        if self.store.allocations != before:
+            self.held.buffers_changed()
 
     def landed(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction arrived: its staging was read."""
@@ -411,7 +431,7 @@ class GradReducer:
         replaces its gradient: the round or the step then takes it as one assigned by hand. See
         core._dtensor [Note: DTensor parameters]. A parameter swapped for another tensor since (its
         gradient accumulator is not the one held: ``model.to(...)``, which took the hooks away) keeps
-        its ``.grad``: the step reports it on every rank (see update._binding). Local."""
+        its ``.grad``: the step reports it on every rank (see group._binding). Local."""
         for r in self.dtensor_records:
             dt = r.dtensor
             if dt is not None and dt.grad is not None and get_gradient_edge(dt).node is r.accumulator:

@@ -92,7 +92,7 @@ did not use), after which the mode is gone: the backward pass, the next ``step()
 runs until then pay nothing, and the optimizer's own update in ``step()`` never runs under it
 (see [Note: the optimizer's own update]).
 Shardopt's own work when a gather lands (its profiler range, the check of its parameters'
-version counters, see step._usage_checks) runs with torch functions off (comm._gathers), and
+version counters, see step._usage_checks) runs with torch functions off (group._gathers), and
 looks at that bucket's parameters only, so a landing costs the same whatever the number of
 buckets. The global module hooks cost every module call one Python call each that reads a
 module-level flag and returns while nothing is in flight (and the optimizer has taken its first
@@ -169,16 +169,19 @@ import contextlib
 import functools
 import threading
 import weakref
-from typing import Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence, cast
 
 import torch
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 
 from shardopt.core._compat import compiled_inner, insert_function_mode, remove_function_mode
-from shardopt.comm._gathers import WeightGathers
 from shardopt.core._ownership import owned_hook
-from shardopt.core._records import BucketRecord
+from shardopt.comm._collectives import Pending
+from shardopt.core._records import BucketRecord, ParamRecord
+
+if TYPE_CHECKING:
+    from shardopt.group._flat_group import FlatGroup
 
 # Module-level flags, read first by every hook (also in traced code, where dynamo guards on them):
 _in_flight = False  # some overlapped gather may be in flight
@@ -192,6 +195,94 @@ _watches: weakref.WeakSet = weakref.WeakSet()  # the GatherWatch of every optimi
 _flying: tuple[weakref.ref, ...] = ()
 _exit_hook = False  # _finish_at_exit is registered with atexit (once per process)
 _weight_dtypes: frozenset[torch.dtype] = frozenset()  # the dtypes of every watch's flat buffers (read when traced)
+
+
+class WeightGathers:
+    """One optimizer's weight all-gathers in flight, over its flat groups: each group starts, holds
+    and waits its own (``FlatGroup.start_gather``, ``wait_gather``; the bucket record holds the
+    handle); this is what the forward's hooks and the read guard look through. step() starts one
+    gather per bucket as soon as that bucket's part of the shard is updated. Without
+    ``overlap_param_gather`` it waits for all of them before it returns; with it, the next
+    forward, or the first torch call that reads or writes a weight still in flight, waits bucket
+    by bucket. Either way each gather is waited for exactly once, under its group's lock: a thread
+    that asks for a bucket another thread is waiting for returns once it has landed. Local: the
+    collectives were issued by step() on every rank; waiting is each rank's own, from any thread."""
+
+    def __init__(self, groups: Sequence[FlatGroup], record_of: dict[int, ParamRecord], overlap: bool) -> None:
+        self.groups = list(groups)
+        self.record_of = record_of  # id(param) -> its record, for every trained parameter (the optimizer's one index)
+        self.overlap = overlap  # the read guard follows what is in flight (overlap_param_gather)
+        # Each flat buffer's bytes (first, one past the last), by group index: the memory the gathers
+        # write, for touching(). A flat buffer is allocated once and never moves.
+        self._memory = [(g.flat.data.data_ptr(), g.flat.data.data_ptr() + g.flat.data.nbytes) for g in self.groups]
+        self.dtypes = frozenset(g.flat.dtype for g in self.groups)  # the weights' dtypes (see [Note: compiled models])
+
+    def wait(self, bucket: BucketRecord) -> bool:
+        """Wait for the gather of ``bucket`` if it is in flight (``FlatGroup.wait_gather``); True if
+        it was. Then, with the read guard, whether any gather is still in flight."""
+        if bucket.gather is None:  # landed already (a thread waiting for it holds it until it has)
+            return False
+        waited = ended = False
+        try:
+            waited = self.groups[bucket.buffer].wait_gather(bucket)
+            ended = True
+        finally:  # also when the wait raised
+            if self.overlap and (waited or not ended):
+                landed()
+        return waited
+
+    def finish(self) -> None:
+        """Wait for every gather in flight, group by group in the order they were started."""
+        for g in self.groups:
+            for bucket in g.gathers_in_flight:
+                self.wait(bucket)
+
+    def wait_quietly(self) -> None:
+        """Wait for every gather without looking at what landed (an optimizer being collected)."""
+        for g in self.groups:
+            g.drop_gathers()
+
+    def touching(self, t: Tensor) -> list[BucketRecord]:
+        """The buckets in flight whose memory ``t`` may read or write: the bucket of a trained
+        parameter, or those a view of a flat buffer overlaps (``p.data``, ``p.detach()``, a slice,
+        ``flat[a:b]``); every bucket in flight for a tensor without a data pointer (a wrapper
+        subclass: it may hold one). A question. Local."""
+        r = self.record_of.get(id(t))
+        if r is not None:
+            return [r.bucket] if r.bucket.gather is not None else []
+        try:
+            first = t.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no storage of its own to look at
+            return list(self)
+        for g, (lo, hi) in zip(self.groups, self._memory):
+            if lo <= first < hi and t.numel():  # a view of this flat buffer (no view starts before its storage)
+                end = first + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+                return g.touching(first, end)
+        return []
+
+    def touching_storage(self, t: Tensor) -> list[BucketRecord]:
+        """The buckets in flight in the whole storage of ``t`` (what ``t.untyped_storage()`` hands
+        out: for a weight, its whole flat buffer); as ``touching`` for a tensor without one. A
+        question. Local."""
+        try:
+            storage = t.untyped_storage()
+            first = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return list(self)
+        for g, (lo, hi) in zip(self.groups, self._memory):
+            if lo <= first < hi:  # this flat buffer's storage (a flat buffer is an allocation of its own)
+                return g.touching(first, first + storage.nbytes())
+        return []
+
+    def handles(self) -> list[Pending]:
+        """The handles in flight (for tests that check they were waited for)."""
+        return [cast(Pending, b.gather) for b in self]  # each started bucket holds its Pending
+
+    def __iter__(self) -> Iterator[BucketRecord]:
+        return (b for g in self.groups for b in g.gathers_in_flight)
+
+    def __bool__(self) -> bool:
+        return any(g.gathers_in_flight for g in self.groups)
 
 
 class _Local(threading.local):

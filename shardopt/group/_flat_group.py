@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Any, Callable, Sequence, cast
 
 import torch
 from torch import Tensor
 
-from shardopt.update._binding import ParamBinding, warn_layout_change
+from shardopt.group._binding import ParamBinding, warn_layout_change
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._config import ShardConfig
 from shardopt.core._flat import FlatParams, ShardView, views, whole
 from shardopt.core._layout import Range, build_layout
-from shardopt.core._ranges import ALL_GATHER, UPDATE, bucket_range
+from shardopt.core._ranges import ALL_GATHER, GATHER_WAIT, UPDATE, bucket_range
 from shardopt.core._records import BucketRecord, ParamRecord, build_records
-from shardopt.reduce._reducer import GradReducer
-from shardopt.reduce._rounds import MAX_INFLIGHT
+from shardopt.group._held_bytes import HeldTotal
+from shardopt.group._intake import GradIntake
+from shardopt.group._rounds import MAX_INFLIGHT
 from shardopt.memory._buffer_model import replay_buffers
-from shardopt.update._muon_packing import owned_layout
+from shardopt.group._muon_packing import owned_layout
 from shardopt.update._muon_tp import sharded_dim, whole_orthogonalizer
 from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
@@ -31,6 +33,13 @@ from shardopt.update._moments import MuonMomentum, make_moments, moment_alignmen
 from shardopt.update._offload import OnDevice, make_placement
 from shardopt.update._split import SplitMaster, SplitMoments, split_point
 from shardopt.memory import MemoryReport, predict_bytes
+
+
+# a parameter written while its bucket's gather was in flight (see ``FlatGroup.wait_gather``)
+_RACED = ("parameter {} was written (through the parameter, a view or .data) while the optimizer "
+          "(overlap_param_gather=True) was still gathering the weights of the last step into the model, which "
+          "overwrote the write. A write in the thread that called step() waits for the gathers by itself; from "
+          "another thread, call opt.finish_param_gather() before writing weights into the model")
 
 
 def lr_value(lr: object) -> float | Tensor:
@@ -42,14 +51,25 @@ def lr_value(lr: object) -> float | Tensor:
 _Segments = list[tuple[tuple[int, int], Range]]  # runs of one (param group, lag) key in the shard (update)
 
 
-class ShardedBuffer:
-    """Parameters of one (dtype, device), their flat buffer, and this rank's optimizer state."""
+class FlatGroup(GradIntake):
+    """Parameters of one (dtype, device, update rule, process group), their flat buffer, and
+    everything this rank keeps and does for them: one owner for each bucket's life. Its verbs, in
+    the order a training step calls them:
+
+    * backward (``GradIntake``, the scheduler ``_rounds`` calls them): ``take_fresh``/``take`` a
+      parameter's gradient into its bucket, ``launch`` a complete bucket's reduction, ``landed``
+      and ``reduced`` when it arrives, ``end_round``;
+    * step: ``grad_stats``/``nonfinite_params`` read the averaged gradient, ``update`` steps this
+      rank's shard and starts each bucket's weight gather (``start_gather``);
+    * forward: ``wait_gather`` (one bucket), ``finish_gathers`` (all) before the weights are read.
+
+    One list of parameter records and one of bucket records (see core._records)."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group_of: Sequence[int], comm: Comm,
                  config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
                  amsgrad: bool = False, counted: Sequence[bool] | None = None,
                  dtensors: Sequence[Tensor | None] | None = None,
-                 grad_factor: float = 1.0) -> None:
+                 grad_factor: float = 1.0, held_total: HeldTotal | None = None) -> None:
         self.comm, self.config, self.rule = comm, config, rule
         # The reduction averages over this buffer's group; the gradient each rank steps with is
         # that average times this (a param group with its own process_group, see
@@ -97,10 +117,13 @@ class ShardedBuffer:
             if at < self.layout.shard_numel:
                 self.counted_runs.append(Range(at, self.layout.shard_numel))
         self._segments: dict[tuple, _Segments] = {}  # update segments by (group, lag)-or-None keys (a cache)
-        self.reducer = GradReducer(self.flat, comm, config.stage, self.records, self.buckets,
-                                   config.accumulate_dtype, config.reduce_dtype)
+        self._init_intake(config.stage, config.accumulate_dtype, config.reduce_dtype,
+                          held_total if held_total is not None else HeldTotal())
         self._place_state(config, rule)
         self.binding = ParamBinding(self.flat, self.records)
+        # Buckets whose weight gather is in flight, in the order started (see ``wait_gather``)
+        self._started: tuple[BucketRecord, ...] = ()
+        self._gather_lock = threading.RLock()  # held while a gather is waited for (RLock: a landing may look again)
 
     def _place_state(self, config: ShardConfig, rule: str) -> None:
         """Where the master weights and moments live and the update runs (see update._offload [Note:
@@ -149,11 +172,10 @@ class ShardedBuffer:
         [Note: logical offsets]): the key of its random bits."""
         return self.layout.logical_offset(self.comm.shard_rank, start + local)
 
-    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
+    def update(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> None:
         """AdamW on this rank's shard, then the all-gather of the new weights, bucket by bucket in
         the order the forward pass uses them: a bucket's gather is started as soon as its part of
-        the shard is updated, so it runs while the next bucket is updated. Returns the gathers in
-        flight, by bucket. One kernel call per run of parameters with the same param group and
+        the shard is updated (``start_gather``), so it runs while the next bucket is updated. One kernel call per run of parameters with the same param group and
         step count within a bucket. Parameters whose record is not ``trained`` (no rank has a gradient); the
         others are left untouched, as ``torch.optim.AdamW`` leaves parameters whose ``.grad`` is
         None. Every rank."""
@@ -166,8 +188,9 @@ class ShardedBuffer:
                                  "constructor. The step was not taken")
         grad_scale *= self.grad_factor
         if self.rule == "muon":
-            return self._update_muon(step, grad_scale, param_groups)
-        grad = self.reducer.local_grad()
+            self._update_muon(step, grad_scale, param_groups)
+            return
+        grad = self.local_grad()
         keys = tuple((r.group, r.lag) if r.trained else None for r in self.records)
         segments = self._segments.get(keys)
         if segments is None:
@@ -186,8 +209,7 @@ class ShardedBuffer:
                     grad_scale=-grad_scale if hp.get("maximize") else grad_scale, device=device)
             return scalars[g, lag, device]
 
-        gathers = []
-        order = self.reducer.forward_order
+        order = self.forward_order
         for place in self.placements:
             place.begin(grad, order)
         for b in order:
@@ -202,11 +224,10 @@ class ShardedBuffer:
                         m, v = self.moments.prepare(r, gr, s, self.master.kernels_for(r))
                         self.master.update_(r, gr, m, v, s, step - key[1], vmax)
                 place.publish(b)
-            gathers.append((b, self._gather(b)))
+            self.start_gather(b)
         if None in keys:  # some parameter had no gradient on any rank: its own step count falls behind
             for rec in self.records:
                 rec.stepped()
-        return gathers
 
     def _muon_step(self, rec: ParamRecord, grad: Tensor | ShardView, grad_scale: float, param_groups: Sequence[dict],
                    step: int) -> None:
@@ -239,35 +260,33 @@ class ShardedBuffer:
             self.master.write_fp32_(r, master.to(place.device), step)
             moments.write_(r, momentum.to(place.device))
 
-    def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> list[tuple[BucketRecord, Pending]]:
+    def _update_muon(self, step: int, grad_scale: float, param_groups: Sequence[dict]) -> None:
         """``update`` for Muon matrices: each one this rank owns (whole in its shard) gets torch.optim.Muon's
         step on its fp32 master (as the master-weight mode decodes it) from its averaged fp32 gradient,
         and the mode encodes the result. Muon keeps no step count; a matrix's lag (steps no rank had a
         gradient for it) only tells whether it has state yet. Every rank."""
-        grad = self.reducer.local_grad()
-        gathers = []
+        grad = self.local_grad()
         # Tensor-parallel pieces first, in layout order (see _muon_tp [Note: Muon beside tensor parallelism])
         split = [rec for rec in self.records if rec.dtensor is not None and sharded_dim(rec.dtensor) is not None]
         for rec in split:  # by owner, not by elements held: an owner's piece may be empty
             if self.packing.owner[rec.index] == self.comm.shard_rank and rec.trained:
                 self._muon_step(rec, grad, grad_scale, param_groups, step)
         done = {id(rec) for rec in split}
-        for b in self.reducer.forward_order:
+        for b in self.forward_order:
             place = self.place_of(b)
             with bucket_range(UPDATE, b):
                 for rec in b.params:
                     if rec.local is not None and rec.trained and id(rec) not in done:
                         self._muon_step(rec, grad, grad_scale, param_groups, step)
                 place.publish(b)
-            gathers.append((b, self._gather(b)))
+            self.start_gather(b)
         for rec in self.records:  # left out: no state yet (see checkpoint._torch_state), as AdamW's lag
             rec.stepped()
-        return gathers
 
     def grad_stats(self, norm_type: float | None) -> tuple[Tensor, Tensor]:
         """(inf/NaN count, the norm to the power p or, for the inf-norm, the max) of this rank's
         gradient shard, 0-d fp32 (no sync); ``norm_type`` None: the count only. Local."""
-        grad = self.reducer.local_grad()
+        grad = self.local_grad()
         zero = torch.zeros((), dtype=torch.float32, device=self.flat.device)
         if not grad.numel():
             return zero, zero
@@ -292,7 +311,7 @@ class ShardedBuffer:
     def nonfinite_params(self) -> Tensor:
         """1D fp32, one flag per parameter in buffer order: 1 where this rank's part of its averaged
         gradient holds an inf/NaN. Local."""
-        grad = self.reducer.local_grad()
+        grad = self.local_grad()
         flags = torch.zeros(len(self.records), dtype=torch.float32, device=self.flat.device)
         for r in self.records:
             if r.local is not None:
@@ -301,7 +320,7 @@ class ShardedBuffer:
 
     def take_model_weights(self, records: Sequence[ParamRecord]) -> None:
         """Make rank 0's current weights of the parameters of ``records`` the master weights on every
-        rank (see update._binding [Note: parameters changed behind the optimizer's back]). Every rank."""
+        rank (see group._binding [Note: parameters changed behind the optimizer's back]). Every rank."""
         pending = [self.comm.broadcast(self.flat.slice(r), src=0)
                    for r in self.layout.param_runs([rec.index for rec in records])]
         for p in pending:
@@ -328,18 +347,74 @@ class ShardedBuffer:
         host copies (``b.host``), else the one beside the weights."""
         return self.placements[0] if b.host is not None else self.placements[-1]
 
-    def gather_buckets(self) -> list[tuple[BucketRecord, Pending]]:
-        """Start the all-gather of every rank's updated shard into the flat buffer (the model's
-        weights), one bucket at a time in the order the forward pass uses them. Every rank."""
-        return [(b, self._gather(b)) for b in self.reducer.forward_order]
-
+    # -- the weight gathers: started by the update, waited once (see group._gather_wait) ---------
     def _gather(self, b: BucketRecord) -> Pending:
         with bucket_range(ALL_GATHER, b):
             return self.comm.all_gather_inplace(self.flat.data, b.gather_pieces)
 
+    def start_gather(self, b: BucketRecord) -> None:
+        """Start the all-gather of bucket ``b``'s updated pieces into the flat buffer (the model's
+        weights); its record holds the handle until ``wait_gather``. Every rank, in one order."""
+        pending = self._gather(b)
+        with self._gather_lock:
+            if b.gathering(pending) is None:  # a bucket still in flight keeps its place, with the new handle
+                self._started += (b,)
+
+    def wait_gather(self, b: BucketRecord) -> bool:
+        """Wait for the gather of bucket ``b`` if it is in flight; True if it was. The bucket counts
+        as in flight until its gather has landed: another thread asking for it meanwhile waits here.
+        Once it arrived with ``overlap_param_gather``, a parameter of ``b`` written from outside
+        while it was in flight lost that write: a problem the next step reports on every rank. The
+        landing is shardopt's own work (its profiler range): it runs with torch functions off, so
+        that no torch function mode sees it, the read guard of group._gather_wait included, whose
+        look at every call would otherwise be paid for each of them. Local, from any thread."""
+        with self._gather_lock, torch._C.DisableTorchFunction():
+            pending = b.gather
+            if pending is None:
+                return False
+            arrived = False
+            try:
+                with bucket_range(GATHER_WAIT, b):  # see core._ranges [Note: profiler ranges]
+                    pending.wait()
+                arrived = True
+            finally:  # waited once, also when the wait raised
+                b.gathering(None)
+                # the first, as a rule (the forward waits in the order step() started them): O(1) to find
+                at = next((i for i, x in enumerate(self._started) if x is b), len(self._started))
+                self._started = self._started[:at] + self._started[at + 1:]
+                if arrived and self.config.overlap_param_gather:
+                    self.problems += [_RACED.format(r.name) for r in self.binding.raced(b.params)]
+            return True
+
+    def finish_gathers(self) -> None:
+        """Wait for every gather in flight, in the order they were started. Local, from any thread."""
+        for b in self._started:
+            self.wait_gather(b)
+
+    def drop_gathers(self) -> None:
+        """Wait for every gather in flight without looking at what landed (the optimizer is being
+        collected). Local."""
+        with self._gather_lock:
+            for b in self._started:
+                cast(Pending, b.gathering(None)).wait()  # a started bucket holds its gather
+            self._started = ()
+
+    @property
+    def gathers_in_flight(self) -> tuple[BucketRecord, ...]:
+        """The buckets whose gather is in flight, in the order started: replaced, never changed in
+        place, so a thread may go through it while another waits. A question."""
+        return self._started
+
+    def touching(self, first: int, end: int) -> list[BucketRecord]:
+        """The buckets in flight with memory in the bytes [first, end) of this group's flat buffer. A question."""
+        lo, size = self.flat.data.data_ptr(), self.flat.data.element_size()
+        return [b for b in self._started
+                if first < lo + b.global_range.end * size and lo + b.global_range.start * size < end]
+
     def gather_params(self) -> Pending:
-        """All buckets' all-gathers as one handle. Every rank."""
-        parts = [p for _, p in self.gather_buckets()]
+        """All buckets' all-gathers as one handle, in the order the forward pass uses them, not
+        kept in flight (a checkpoint's restore waits for it). Every rank."""
+        parts = [self._gather(b) for b in self.forward_order]
         return Pending([w for p in parts for w in p.works], keep_alive=[self.flat.data], stats=self.comm.stats,
                        comm=self.comm, what="the gather of the weights")
 
@@ -350,21 +425,21 @@ class ShardedBuffer:
                                   moments=self.moments.name, rule=self.rule, amsgrad=self.amsgrad)
         # The one model of buffers (see _buffer_model), replayed with the order gradients arrived in
         # the first round (buffer order before any), plus the no_sync fp32 sum when one was used.
-        arrival = [r.index for r in self.reducer.arrival()] or None
-        reduce_dtype = self.reducer.reduce_dtype  # None: the gradient's own
+        arrival = [r.index for r in self.arrival()] or None
+        reduce_dtype = self.reduce_dtype  # None: the gradient's own
         predicted["buffers"], _ = replay_buffers(self.layout, self.comm.shard_rank, arrival, stage=self.config.stage,
                                                  psize=self.flat.data.element_size(),
                                                  rank_order=self.comm.path.name == "rank-order",
                                                  reduce_size=reduce_dtype.itemsize if reduce_dtype is not None else 0,
                                                  hybrid=self.comm.hybrid, max_inflight=MAX_INFLIGHT)
-        if self.reducer.accumulated:
-            predicted["buffers"] += self.layout.numel * cast(torch.dtype, self.reducer.accumulate_dtype).itemsize
-        if self.reducer.store.shard_accumulated:  # several rounds between two steps (see _grad_store)
-            predicted["buffers"] += self.layout.shard_numel * cast(torch.dtype, self.reducer.accumulate_dtype).itemsize
+        if self.accumulated:
+            predicted["buffers"] += self.layout.numel * cast(torch.dtype, self.accumulate_dtype).itemsize
+        if self.store.shard_accumulated:  # several rounds between two steps (see _grad_store)
+            predicted["buffers"] += self.layout.shard_numel * cast(torch.dtype, self.accumulate_dtype).itemsize
         return MemoryReport(
-            params=self.flat.nbytes, grads=self.reducer.grad_bytes, master=self.master.master_bytes,
+            params=self.flat.nbytes, grads=self.grad_bytes, master=self.master.master_bytes,
             exp_avg=self.moments.exp_avg_bytes, exp_avg_sq=self.moments.exp_avg_sq_bytes, extra=self.master.extra_bytes,
-            buffers=self.reducer.held.buffer_peak, grads_peak=self.reducer.held.grad_peak,
+            buffers=self.held.buffer_peak, grads_peak=self.held.grad_peak,
             predicted=predicted,
             num_params=self.layout.param_numel, world_size=self.comm.world_size, rank=self.comm.rank,
             shard_size=self.comm.shard_size,
@@ -377,14 +452,16 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
                   amsgrad_of: Callable[[int], bool] = lambda gi: False,
                   counted_of: Callable[[torch.nn.Parameter, int], bool] = lambda p, gi: True,
                   dtensor_of: dict[int, Tensor] | None = None,
-                  group_comm: Callable[[int], Comm] | None = None) -> list[ShardedBuffer]:
-    """One ShardedBuffer per parameter dtype, update rule (``rule_of(group index)``) and process
+                  group_comm: Callable[[int], Comm] | None = None,
+                  held_total: HeldTotal | None = None) -> list[FlatGroup]:
+    """One FlatGroup per parameter dtype, update rule (``rule_of(group index)``) and process
     group, from (parameter, param-group index) pairs; ``names`` by ``id``;
     ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counted_of(param, group
     index)``: whether this rank counts the parameter in the gradient's norm (a copy across a model
     axis counts on that axis's rank 0 only, see comm._model_axes); ``dtensor_of``: by ``id`` of a
     stand-in, the DTensor parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
-    group's parameters are sharded over (its own process_group, else ``comm``). Every rank (each
+    group's parameters are sharded over (its own process_group, else ``comm``); ``held_total``:
+    the optimizer's high-water mark of bytes held, over its flat groups. Every rank (each
     buffer broadcasts rank 0's weights)."""
     dtensor_of = dtensor_of or {}
     group_comm = group_comm or (lambda gi: comm)
@@ -400,10 +477,10 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
         # Gradients become ready roughly in reverse registration order: lay buffers out that
         # way so bucket 0 fills first during backward.
         entries = entries[::-1]
-        buffers.append(ShardedBuffer([p for p, _ in entries], [g for _, g in entries], own, config,
+        buffers.append(FlatGroup([p for p, _ in entries], [g for _, g in entries], own, config,
                                      names=[names[id(p)] for p, _ in entries], rule=rule, index=k,
                                      amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
                                      counted=[counted_of(p, g) for p, g in entries],
                                      dtensors=[dtensor_of.get(id(p)) for p, _ in entries],
-                                     grad_factor=own.world_size / comm.world_size))
+                                     grad_factor=own.world_size / comm.world_size, held_total=held_total))
     return buffers

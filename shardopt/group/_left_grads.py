@@ -68,7 +68,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from shardopt.comm._collectives import Comm
 from shardopt.core._flat import ShardView
 from shardopt.core._layout import FlatLayout
-from shardopt.reduce._grad_placeholder import GradPlaceholder, is_placeholder
+from shardopt.group._grad_placeholder import GradPlaceholder, is_placeholder
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class LeftScale:
     left gradients])."""
 
     scale: float  # the loss scale opt.backward applied when they were made
-    scaled: int  # backward passes since that optimizer's last step through opt.backward(loss) (see reduce._reducer.Backward)
+    scaled: int  # backward passes since that optimizer's last step through opt.backward(loss) (see group._intake.Backward)
     carried: int  # ... through opt.backward(t, gradient=g) beside model_parallel_group= axes
     unscaled: int  # ... outside opt.backward, or gradients assigned by hand
 

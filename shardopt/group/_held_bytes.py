@@ -19,25 +19,33 @@ backward pass is followed by such an event before the next hook, which the sched
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Protocol, Sequence
 
 from shardopt.core._records import ParamRecord
+
+
+class _Buffers(Protocol):
+    """What holds the buffers counted (a flat group)."""
+
+    def buffer_bytes(self) -> int:
+        """Its staging, fp32 sums and what its own reductions in flight hold now, bytes."""
 
 
 class HeldBytes:
     """One reducer's bytes: its gradient storage, the ``.grad`` tensors autograd holds until they
     are taken (one just produced, and those kept across ``no_sync`` passes) and its buffers."""
 
-    def __init__(self, grad_bytes: int, buffer_bytes: Callable[[], int]) -> None:
+    def __init__(self, grad_bytes: int, owner: _Buffers, total: HeldTotal) -> None:
         self.grad_bytes = grad_bytes  # the flat gradient (stage 1) or the gradient shard (stage 2), bytes
         # staging, fp32 sums and what this reducer's own reductions in flight hold now (receive buffers), bytes
-        self._buffer_bytes = buffer_bytes
+        self._owner = owner
         self._loose_total = 0  # .grad kept across no_sync backward passes (ParamRecord.kept_bytes), bytes
         self._pending = 0  # the .grad autograd just produced, until taken, bytes
         self.grad_peak = 0  # high-water mark of grad_bytes + loose + pending, bytes
         self.buffer_peak = 0  # high-water mark of buffer_bytes(), bytes
         self.spiked = 0  # the largest .grad taken at once since the last event, bytes (see [Note: a gradient taken at once])
-        self.on_change: Callable[[], None] = lambda: None  # told when the bytes held may have changed
+        self._total = total  # the optimizer's: told when the bytes held may have changed
+        total.parts.append(self)
 
     def produced(self, r: ParamRecord, nbytes: int, keep: bool) -> None:
         """Autograd produced a ``.grad`` of ``nbytes`` (0: it is the storage itself) for parameter
@@ -46,7 +54,7 @@ class HeldBytes:
             self._loose_total += r.keep_bytes(nbytes)
         self._pending = 0 if r.kept_bytes else nbytes
         self.grad_peak = max(self.grad_peak, self.grad_bytes + self._loose_total + self._pending)
-        self.on_change()
+        self._total.note()
 
     @property
     def pending(self) -> int:
@@ -79,16 +87,16 @@ class HeldBytes:
 
     def buffers_changed(self) -> None:
         """A buffer was allocated or freed, or a collective issued or landed."""
-        self.buffer_peak = max(self.buffer_peak, self._buffer_bytes())
-        self.on_change()
+        self.buffer_peak = max(self.buffer_peak, self._owner.buffer_bytes())
+        self._total.note()
 
     def now(self, pending: bool = True) -> int:
         """Bytes held now; without ``pending``, leaving out the ``.grad`` produced last."""
-        return self.grad_bytes + self._loose_total + (self._pending if pending else 0) + self._buffer_bytes()
+        return self.grad_bytes + self._loose_total + (self._pending if pending else 0) + self._owner.buffer_bytes()
 
     def reset(self) -> None:
         """Restart the high-water marks from what is held now."""
-        self.buffer_peak = self._buffer_bytes()
+        self.buffer_peak = self._owner.buffer_bytes()
         self.grad_peak = self.grad_bytes + self._loose_total
         self.spiked = 0
 
@@ -98,10 +106,8 @@ class HeldTotal:
     own buffers only (the receive buffers of its own reductions, see comm._bucket_paths.InFlight),
     so the sum over the parts counts each buffer once, also where they share a Comm."""
 
-    def __init__(self, parts: Sequence[HeldBytes]) -> None:
-        self.parts = list(parts)
-        for p in self.parts:
-            p.on_change = self.note
+    def __init__(self) -> None:
+        self.parts: list[HeldBytes] = []  # one per flat group, each added as it is built
         self._peak = 0  # bytes, without the gradients taken at once since the last event
         self._before = 0  # bytes held at the last event, without any .grad just produced
 

@@ -84,18 +84,21 @@ gets a second gradient in one round (used inside and outside such a checkpoint) 
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import weakref
-from typing import Callable, Sequence, cast
+from typing import Any, Callable, Iterator, Sequence, cast
 
 import torch
+from torch.distributed.algorithms.join import Join, Joinable
 
 from shardopt.comm._collectives import Comm, Pending
 from shardopt.comm._replicas import ManagedReplicas
 from shardopt.comm._messages import StepMessage, call_header, check_calls, digests_agree, joined_ranks, steps_code
 from shardopt.core._compat import graph_task_id, queue_at_end_of_backward
 from shardopt.core._dtensor import move_grad
-from shardopt.reduce._forward_order import ForwardOrder
+from shardopt.group._forward_order import ForwardOrder
+from shardopt.group._intake import Backward, GradIntake
 from shardopt.core._ownership import owned_hook
 from shardopt.core import _ranges
 from shardopt.core._records import BucketRecord, ParamRecord
@@ -160,19 +163,50 @@ def _rewire_hooks(leaf: torch.Tensor) -> None:
         leaf._post_accumulate_grad_hooks = hooks
 
 
+class JoinNotice:
+    """Inside torch's ``Join``: the notice that this rank has inputs for the coming step, sent once
+    per step before its first collective (a round's tag, or the step's message when no round ran),
+    never while the rank shadows the others' step (``joined``). Held by the rounds, which open the
+    step's first round; the optimizer sends and ends it around its own calls. Local decision;
+    every rank of a Join makes the same calls."""
+
+    def __init__(self, joinable: Callable[[], Joinable | None], world_size: int) -> None:
+        self._joinable = joinable  # the optimizer, weakly: it holds its rounds
+        self._world_size = world_size
+        self._sent: Any = None  # None: none sent this step; else its work handle (or False: Join sends none)
+        self.joined = False  # this rank shadows the others' calls (the optimizer's _shadow_step)
+
+    def active(self) -> bool:
+        """Whether a Join with this optimizer enabled is running. A question."""
+        joinable = self._joinable()
+        return joinable is not None and joinable._join_config.enable and self._world_size > 1
+
+    def send(self) -> None:
+        """Tell the Join that this rank has inputs, once per step (a no-op outside one)."""
+        if self._sent is None and not self.joined and self.active():
+            self._sent = Join.notify_join_context(cast(Joinable, self._joinable())) or False
+
+    def end(self) -> None:
+        """The step's notice was read by the step: wait for its collective; the next step sends anew."""
+        sent, self._sent = self._sent, None
+        if sent:
+            sent.wait()
+
+
 class Rounds:
     """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
 
     Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
     that clip_grad_norm_ and step start with (see comm._messages [Note: ranks in different calls])."""
 
-    def __init__(self, reducers: Sequence, comm: Comm, record_of: dict[int, ParamRecord]) -> None:
-        self.reducers, self.comm = list(reducers), comm
-        self._device = self.reducers[0].flat.device
-        self.buckets: list[BucketRecord] = [b for r in self.reducers for b in r.buckets]  # every buffer's
+    def __init__(self, groups: Sequence[GradIntake], comm: Comm, record_of: dict[int, ParamRecord],
+                 join: JoinNotice, hyperparameters: Callable[[], object]) -> None:
+        self.groups, self.comm = list(groups), comm
+        self._device = self.groups[0].flat.device
+        self.buckets: list[BucketRecord] = [b for r in self.groups for b in r.buckets]  # every buffer's
         for i, b in enumerate(self.buckets):
             b.placed(i)
-        for k, r in enumerate(self.reducers):
+        for k, r in enumerate(self.groups):
             for rec in r.records:
                 _rewire_hooks(rec.leaf)
                 rec.hooked(owned_hook(rec.leaf.register_post_accumulate_grad_hook(self._make_hook(k, rec.index)),
@@ -181,7 +215,8 @@ class Rounds:
         self._forward = ForwardOrder(record_of)  # until then, the guess
         self._gradless = False  # some parameter was used only in forwards without gradients
         self.require_sync = True  # False under no_sync
-        self.on_open: Callable[[], None] = lambda: None  # told before a round's first collective (a Join's notice)
+        self.started_by = Backward.PLAIN  # how the backward pass running now was started: opt.backward sets it (``started``)
+        self.join = join  # sent before a round's first collective, inside a Join
         self.sync_backward = True  # require_sync when the backward seen last started
         self.state = RoundState.IDLE
         self.opened = 0  # rounds opened since construction (tells a stale end-of-backward callback apart)
@@ -197,8 +232,8 @@ class Rounds:
         self.nesting_seen = False  # some backward pass ran nested in another (reentrant checkpointing)
         self.steps_taken = 0  # steps the state has taken, skipped ones included: what the tags say (see _messages.steps_code)
         # the hyperparameters the coming step uses, which replica groups under torchft compare (see
-        # comm._replicas [Note: replicas through torchft]); the optimizer's, set by it
-        self.hyperparameters: Callable[[], object] = lambda: ()
+        # comm._replicas [Note: replicas through torchft]): the optimizer's param groups', asked
+        self.hyperparameters = hyperparameters
         self.agreed_hyper: object = None  # what the last round's check across replica groups compared (torchft)
         self._agree_due = False  # that check is still to be made in the open round
         self._reset()
@@ -227,15 +262,15 @@ class Rounds:
             rounds = ref()
             if rounds is None:  # the optimizer was freed; its hooks go with it
                 return
-            reducer = rounds.reducers[k]
-            rec = reducer.records[index]
-            if rounds.steady_task == graph_task_id() and reducer.arrive_fresh(rec):
+            group = rounds.groups[k]
+            rec = group.records[index]
+            if rounds.steady_task == graph_task_id() and group.take_fresh(rec):
                 rounds._count(rec.bucket)  # see [Note: the usual hook]
                 return
             if rec.dtensor is not None:  # see core._dtensor [Note: DTensor parameters]
                 move_grad(rec.dtensor, rec.param)
             sync = rounds.on_hook(rec)
-            if reducer.arrive(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
+            if group.take(rec, sync=sync, nested=rounds.nested, first=rounds.total_rounds == 0):
                 rounds._count(rec.bucket)
 
         # Eager also where dynamo traces the backward pass (compiled autograd): the rounds'
@@ -249,11 +284,20 @@ class Rounds:
     def release(self) -> None:
         """Stop taking gradients: remove the hooks from the parameters. Local."""
         self._forward.stop()
-        for r in self.reducers:
+        for r in self.groups:
             for rec in r.records:
                 if rec.hook is not None:
                     rec.hook.remove()
                     rec.hooked(None)
+
+    @contextlib.contextmanager
+    def started(self, how: Backward) -> Iterator[None]:
+        """Inside, backward passes count as started ``how`` (``opt.backward``: see ``Backward``). Local."""
+        previous, self.started_by = self.started_by, how
+        try:
+            yield
+        finally:
+            self.started_by = previous
 
     def on_hook(self, rec: ParamRecord) -> bool:
         """From every gradient hook (``rec``'s), before the reducer looks at the gradient: opens a
@@ -265,8 +309,8 @@ class Rounds:
             if self.state is not RoundState.OPEN:  # not nested in the open round
                 self.settle()
                 self._round_task = task
-                for r in self.reducers:
-                    r.begin_backward()
+                for r in self.groups:
+                    r.begin_backward(self.started_by)
                 self.sync_backward = self.require_sync
                 if self.sync_backward:
                     self._open(reached=rec)
@@ -305,17 +349,17 @@ class Rounds:
         if none ran since the last step and some ``p.grad`` holds a gradient no round took (see
         [Note: gradients assigned by hand]); the gradient they read is then final. Every rank."""
         self.settle()
-        for r in self.reducers:  # a DTensor parameter's gradient assigned by hand: to its stand-in
+        for r in self.groups:  # a DTensor parameter's gradient assigned by hand: to its stand-in
             r.take_dtensor_grads()
-        if self.rounds == 0 or (self.rounds_since_step == 0 and any(r.holds_unreduced() for r in self.reducers)):
-            for r in self.reducers:
+        if self.rounds == 0 or (self.rounds_since_step == 0 and any(r.holds_unreduced() for r in self.groups)):
+            for r in self.groups:
                 r.begin_hand_round()
             self._open(queue=False)
             # A rank alone here (it dropped averaged gradients with opt.zero_grad()) meets the others'
             # step with this tag: raise before issuing bucket collectives that no rank would match.
             self._wait_tag()
             self.finish_round()
-        for r in self.reducers:
+        for r in self.groups:
             r.round_sum()
 
     def zero_grad(self) -> None:
@@ -342,7 +386,7 @@ class Rounds:
         assigned by hand (finished at once)."""
         self._to(RoundState.OPEN)
         self.opened += 1
-        self.on_open()
+        self.join.send()
         if queue:
             queue_at_end_of_backward(_EndOfBackward(self, self.opened))
         self._agree_due = self.comm.managed  # every replica group holds the same state (see comm._replicas)
@@ -356,7 +400,7 @@ class Rounds:
             self._agree_order()
         if queue and not self.nesting_seen and (self.total_rounds or not self._gradless):
             # Inside a backward pass: parameters it will not reach hold nothing back.
-            for r in self.reducers:
+            for r in self.groups:
                 for rec in r.unreached(reached):
                     r.mark_absent(rec)
                     self._count(rec.bucket)
@@ -380,9 +424,9 @@ class Rounds:
         broadcast. Every rank."""
         self._wait_tag()
         self._forward.stop()
-        for r in self.reducers:
+        for r in self.groups:
             r.note_forward_use()
-        self._gradless = any(rec.gradless for r in self.reducers for rec in r.records)  # the first round counts nothing ahead
+        self._gradless = any(rec.gradless for r in self.groups for rec in r.records)  # the first round counts nothing ahead
         # beside torchft's replica groups the order must be every group's, whatever each group's
         # first forward saw: the reverse of the layout (see comm._replicas [Note: replicas through torchft])
         guess = (sorted(self.buckets, key=lambda b: (b.buffer, b.index), reverse=True) if self.comm.managed
@@ -413,10 +457,10 @@ class Rounds:
     def _launch(self, b: BucketRecord) -> None:
         """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
         with _ranges.bucket_range(_ranges.REDUCE_LAUNCH, b):  # see _ranges [Note: profiler ranges]
-            parts = self.reducers[b.buffer].launch(b)
+            parts = self.groups[b.buffer].launch(b)
             for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
                 self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
-                self.reducers[b.buffer].held.buffers_changed()
+                self.groups[b.buffer].held.buffers_changed()
                 # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
                 while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
                     self._complete_oldest()
@@ -437,7 +481,7 @@ class Rounds:
 
     def _layout(self) -> tuple:
         """What replica groups must share to exchange pieces: the shard count and each buffer's size."""
-        return (self.comm.shard_size, tuple((r.flat.layout.numel, str(r.flat.dtype)) for r in self.reducers))
+        return (self.comm.shard_size, tuple((r.flat.layout.numel, str(r.flat.dtype)) for r in self.groups))
 
     def _check_tag(self) -> None:
         if self._tag_pending is None:
@@ -466,14 +510,14 @@ class Rounds:
         with _ranges.bucket_range(_ranges.REDUCE_LAND, b):
             follow = pending.wait_landed()
             if b is not None and not follow_up:  # the bucket's last collective: its staging was read
-                self.reducers[b.buffer].landed(b)
+                self.groups[b.buffer].landed(b)
             if follow is not None:
                 self._inflight.append((follow, b, True))
                 self._follow_ups += 1
             elif b is not None:
-                self.reducers[b.buffer].reduced(b)
+                self.groups[b.buffer].reduced(b)
             if b is not None:  # its staging or receive buffers went (see _held_bytes [Note: a gradient taken at once])
-                self.reducers[b.buffer].held.buffers_changed()
+                self.groups[b.buffer].held.buffers_changed()
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs
@@ -494,5 +538,5 @@ class Rounds:
         self.rounds_since_step += 1
         self.total_rounds += 1
         self._reset()
-        for r in self.reducers:
+        for r in self.groups:
             r.end_round()

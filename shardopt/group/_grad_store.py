@@ -22,7 +22,7 @@ from torch import Tensor
 from shardopt.comm._collectives import Comm, InFlight, Pending
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
-from shardopt.reduce._left_grads import LeftGrads, LeftScale
+from shardopt.group._left_grads import LeftGrads, LeftScale
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
 
@@ -44,7 +44,7 @@ class _Store:
                  buckets: Sequence[BucketRecord]) -> None:
         self.flat, self.comm, self.reduce_dtype = flat, comm, reduce_dtype
         self.buckets = list(buckets)
-        self.on_alloc: Callable[[], None] = lambda: None  # told when a buffer was allocated
+        self.allocations = 0  # buffers allocated since construction: the flat group asks after each call that may allocate
         # What this store's reductions in flight hold beside its buckets (receive buffers, cast copies),
         # bytes: its own, not the other flat buffers' that share the Comm (see comm._bucket_paths.InFlight)
         self.in_flight = InFlight()
@@ -82,7 +82,7 @@ class FlatGrads(_Store):
     def put(self, r: ParamRecord, grad: Tensor | None) -> bool | None:
         """Make parameter ``r``'s view hold ``grad`` (None: no gradient) and point ``p.grad``
         back at it. Returns whether the parameter now has a gradient, or None if unchanged. A
-        parameter converted or replaced after the optimizer was built (see update._binding) must
+        parameter converted or replaced after the optimizer was built (see group._binding) must
         not stop a backward on one rank only: its gradient is dropped here and step() reports it
         on every rank."""
         view, used = cast(Tensor, r.bucket.view_of(r)), None  # stage 1: every bucket has its view
@@ -263,7 +263,7 @@ class ShardGrads(_Store):
             staging = torch.zeros(b.global_range.size, dtype=self.flat.dtype, device=self.flat.device)
             b.stage(staging)
             self._staging_bytes += staging.numel() * staging.element_size()
-            self.on_alloc()
+            self.allocations += 1
         return staging
 
     def shard_part(self, b: BucketRecord) -> Tensor:
@@ -282,7 +282,7 @@ class ShardGrads(_Store):
             if self.sum is not ShardSum.FRESH and self.accumulate_dtype is not None and self.accum_shard is None:
                 self.accum_shard = self.grad_shard.to(self.accumulate_dtype)  # see [Note: accumulating in the shard]
                 self.shard_accumulated = True
-                self.on_alloc()
+                self.allocations += 1
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
         b.land_in(None if out is dest else out)
         return self.comm.reduce_scatter_parts(out, staging, b.pieces, self.in_flight)
