@@ -1,5 +1,6 @@
 """``ShardedAdamW``: orchestration only. The math lives in ``kernels``, index math in ``_layout``,
-communication in ``_collectives``/``_reducer`` and per-buffer state in ``_sharded_buffer``.
+communication in ``comm``, and each flat buffer's gradients, state and gathers in its
+``group._flat_group.FlatGroup``.
 """
 from __future__ import annotations
 
@@ -229,7 +230,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # healing, see shardopt.fault_tolerance): a reader sees the state between two steps
         self._state_lock = threading.RLock()
         self._clip_coef = 1.0  # what clip_grad_norm_ asked the next step to multiply the gradient by
-        self._clip_zeroings = self._clip_rounds = 0  # the reducers' zeroings and rounds when it asked (see _pending_clip)
+        self._clip_zeroings = self._clip_rounds = 0  # the flat groups' zeroings and rounds when it asked (see _pending_clip)
         self._rounds_at_step = 0  # rounds of reductions completed when the last step() ran
         self.step_was_skipped = False
         self.skipped_steps = 0
@@ -248,7 +249,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     def _release(self, why: str) -> None:
         """See ``Lifetime.close``; also hand ``p.grad`` back as torch would hold it (see
-        ``GradReducer.release``). Local."""
+        ``FlatGroup.release``). Local."""
         if self.__dict__.get("_closed") is None:
             self._leave_gradients()
         super()._release(why)

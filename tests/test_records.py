@@ -80,12 +80,12 @@ def test_asking_changes_nothing() -> None:
     model = _model()
     opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, stage=2)
     view = opt.inspect().buffers[0]
-    reducer = opt._buffers[0]
+    group = opt._buffers[0]
     asked = []
 
     def ask(grad: torch.Tensor) -> None:  # inside the backward pass, before any parameter's gradient
         states = view.param_states
-        asked.append(reducer.unreached() == reducer.unreached() and view.param_states == states)
+        asked.append(group.unreached() == group.unreached() and view.param_states == states)
 
     for _ in range(2):  # two rounds: the fp32 sum of both is what the step reads
         out = model(torch.ones(4, 5))

@@ -4,7 +4,7 @@
 A DTensor parameter's values on this rank are its *local tensor*, a plain tensor; the optimizer
 shards and updates local tensors over its data-parallel ranks exactly as it does plain
 parameters. Each DTensor parameter gets a *stand-in*: a plain ``nn.Parameter`` that the records,
-the flat buffer, the reducer and the update see in its place (``ParamRecord.param``). Once the
+the flat buffer, the flat group and the update see in its place (``ParamRecord.param``). Once the
 stand-in is a view of the flat buffer, the DTensor parameter is made to hold that same memory as its
 local tensor (``rewrap``; the model keeps the very same parameter object, a DTensor with its mesh,
 placements, shape and stride, its gradient hooks and its gradient accumulator): the forward pass
@@ -198,7 +198,7 @@ def move_grad(p: Tensor, into: Tensor, *, replace: bool = False) -> None:
     ``into.grad`` is None, else added in place; a stage-2 placeholder keeps it as its pending part);
     with ``replace`` (a gradient assigned by hand, ``p.grad = g``), assigned in place of whatever
     ``into.grad`` holds, as assigning ``p.grad`` replaces the gradient in torch: the stand-in then
-    holds a gradient assigned by hand, which the reducer takes as a plain parameter's (see
+    holds a gradient assigned by hand, which the flat group takes as a plain parameter's (see
     [Note: DTensor parameters]). ``p.grad`` becomes None. Local, but for a gradient in other
     placements than ``p``'s (a Partial one): every rank of ``p``'s mesh, in the same order (see
     [Note: a gradient in another placement])."""

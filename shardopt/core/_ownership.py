@@ -1,6 +1,6 @@
 """Which ShardedAdamW trains a parameter.
 
-[Note: one optimizer per parameter] A ShardedAdamW hooks every parameter it trains (its reducer
+[Note: one optimizer per parameter] A ShardedAdamW hooks every parameter it trains (its flat group
 takes each gradient as autograd produces it, stage 2 leaving a placeholder in ``p.grad``). A
 second optimizer built over the same parameters, as frameworks do on every ``fit`` or after a
 learning-rate finder, must not find the first one still taking the gradients: building it takes

@@ -4,7 +4,7 @@
 Everything shardopt knows about one parameter sits in its :class:`ParamRecord`, and everything
 about one bucket (a run of whole parameters that is reduced and gathered together) in its
 :class:`BucketRecord`. They are built once per flat buffer, from its layout (:func:`build_records`),
-and every other part reads them and asks them to change: the scheduler and the reducer
+and every other part reads them and asks them to change: the scheduler and the flat group
 (``reduce/``) move a parameter's gradient through its round, the step's checks (``step/``) read
 what each parameter got and whether it was written from outside, the update (``update/``) reads
 each parameter's shard range, param group and lag, and starts each bucket's weight gather. No
@@ -188,7 +188,7 @@ class ParamRecord:
         self.state = state
 
     def attach(self, placeholder: Placeholder, accumulator: Any) -> None:
-        """The reducer's: its stage-2 placeholder, and autograd's gradient accumulator (held)."""
+        """The flat group's: its stage-2 placeholder, and autograd's gradient accumulator (held)."""
         self.placeholder, self.accumulator = placeholder, accumulator
 
     def hooked(self, handle: Any) -> None:

@@ -20,7 +20,7 @@ place. On NCCL (the native path, see ``_bucket_paths`` [Note: the bucket paths])
 collectives need no receive buffer; with ``reduce_dtype`` other than the gradient's, each
 reduction reads a cast copy of its bucket, held until it lands. On gloo (the rank-order path)
 each reduction receives the other ranks' copies of this rank's piece of the bucket,
-``(world_size - 1) / world_size`` of a bucket, in two all-to-alls. With the shapes, the estimate replays the reducer: every
+``(world_size - 1) / world_size`` of a bucket, in two all-to-alls. With the shapes, the estimate replays the flat group: every
 backward pass, the first included, launches a bucket once it is complete and every bucket that
 completed before it has been launched (the first pass follows rank 0's completions, later ones the
 order they learned; see ``_rounds`` [Note: launch order]), and a stage-2 bucket's staging exists

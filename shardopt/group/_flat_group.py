@@ -1,7 +1,9 @@
-"""One flat buffer of same-dtype parameters with everything this rank keeps for it.
+"""One flat buffer of same-dtype parameters with everything this rank keeps and does for it.
 
-Ties together the layout, the flat parameters, the gradient reducer, the master-weight strategy
-and the Adam moments of this rank's shard. Holds no math of its own.
+The owner of each bucket's life (see design.md "Decisions", one owner for a bucket's life): its
+layout, flat parameters and records, its gradients (the backward half, ``_intake.GradIntake``),
+the master-weight and moment strategies of this rank's shard, the update, and the weight gathers
+from their start to their wait. Holds no math of its own.
 """
 from __future__ import annotations
 

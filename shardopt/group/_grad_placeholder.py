@@ -12,14 +12,14 @@ the next backward should start from zero or add to the gradient it holds (torch 
 gradient was zeroed). So after each reduction ``p.grad`` is a :class:`GradPlaceholder`: a tensor
 with the parameter's shape, dtype and device but no storage.
 
-* ``model.zero_grad()`` (``p.grad = None``) or ``p.grad.zero_()`` is seen by the reducer at the
+* ``model.zero_grad()`` (``p.grad = None``) or ``p.grad.zero_()`` is seen by the flat group at the
   start of the next backward (or at ``step``), which then zeroes that parameter's part of the
   gradient shard: zeroing works exactly as in torch, through the model or the optimizer.
 * Anything else that reads the values (a norm, a clip, arithmetic) raises a ``RuntimeError``
   that says what to call instead, on every rank that does it, rather than computing with a
   gradient that is not there.
 * When autograd accumulates a new gradient into a placeholder (no zeroing since the last step),
-  the placeholder keeps it as ``pending`` until the reducer's post-accumulate hook adds it to the
+  the placeholder keeps it as ``pending`` until the flat group's post-accumulate hook adds it to the
   shard. In the usual loop (zeroing every step) autograd finds ``p.grad is None`` and stores the
   gradient as a plain tensor: the placeholder costs no hook and no work per parameter.
 """
@@ -57,8 +57,8 @@ LEFT = ("the shardopt optimizer that held this parameter's gradient no longer tr
 class GradPlaceholder(Placeholder):
     """A storage-less stand-in for a stage-2 parameter's gradient (see the module docstring)."""
 
-    zeroed: bool  # p.grad.zero_() was called on it since the reducer last looked
-    pending: Tensor | None  # gradient autograd added to it since the reducer last took one
+    zeroed: bool  # p.grad.zero_() was called on it since the flat group last looked
+    pending: Tensor | None  # gradient autograd added to it since the flat group last took one
     accumulating: bool  # it stands for a 16-bit gradient summed in fp32 under no_sync (else: stage-2 shards)
     # Once its optimizer stopped training the parameter: (what holds the values, the parameter's index
     # in its buffer, whether it had a gradient on this rank); see _left_grads. None while it trains.
@@ -93,7 +93,7 @@ class GradPlaceholder(Placeholder):
             return None if func is _aten._foreach_zero_.default else args[0]
         if func is _aten.add_.Tensor and isinstance(args[0], GradPlaceholder):
             # Autograd accumulating a new gradient into p.grad (p.grad += new; with create_graph it
-            # adds out of place, which is refused below): held until the reducer's hook moves it
+            # adds out of place, which is refused below): held until the flat group's hook moves it
             # into the shard, which already holds the rest of the gradient.
             ph, new = args[0], args[1]
             alpha = (kwargs or {}).get("alpha", 1)

@@ -7,7 +7,7 @@ into them: one strategy per ZeRO stage.
   gradients are copied into a short-lived staging buffer (``BucketRecord.staging``) and
   reduce-scattered into the shard.
 
-The reducer (``_reducer``) decides what goes in and when; a store only holds, stages and reduces.
+The flat group (``_intake``) decides what goes in and when; a store only holds, stages and reduces.
 It issues collectives through :mod:`shardopt.comm._collectives` and knows nothing of rounds.
 """
 from __future__ import annotations
@@ -100,7 +100,7 @@ class FlatGrads(_Store):
         return used
 
     def take_fresh(self, r: ParamRecord) -> int | None:
-        """The usual case of a hook (``GradReducer.arrive_fresh``): ``p.grad`` is parameter ``r``'s
+        """The usual case of a hook (``FlatGroup.take_fresh``): ``p.grad`` is parameter ``r``'s
         own view, to which autograd added in place; nothing to move, 0 bytes produced. None when
         ``p.grad`` is anything else. Local."""
         g = r.param.grad
@@ -232,7 +232,7 @@ class ShardGrads(_Store):
         return used
 
     def take_fresh(self, r: ParamRecord) -> int | None:
-        """The usual case of a hook (``GradReducer.arrive_fresh``): ``p.grad`` is a dense tensor
+        """The usual case of a hook (``FlatGroup.take_fresh``): ``p.grad`` is a dense tensor
         autograd just made and its bucket's staging exists: copy it in, ``p.grad`` goes. Returns its
         bytes; None, changing nothing, in any other case (the slow path decides). Local."""
         g = r.param.grad

@@ -1,14 +1,14 @@
 """Memory accounting of the reduction path: gradient and communication-buffer bytes held on this
 rank, and their high-water marks (``memory_report()``'s ``grads_peak``, ``buffers`` and ``held_peak``).
 
-Kept apart from the reduction itself: the reducer reports what happened (a ``.grad`` produced or
+Kept apart from the reduction itself: the flat group reports what happened (a ``.grad`` produced or
 taken, a buffer allocated or in flight). Each event updates a few integers (the ``.grad`` bytes kept
 under ``no_sync`` are a running total) and one sum over the buffers held at that moment (a few
 staging buffers at most); the marks are read when ``memory_report()`` asks. Local to this rank.
 
 [Note: a gradient taken at once]
 In the usual case a hook's gradient is taken as soon as it is produced, into a buffer that exists
-already (``GradReducer.arrive_fresh``): for that instant the bytes held are what was held before
+already (``FlatGroup.take_fresh``): for that instant the bytes held are what was held before
 plus that gradient, and nothing else changes. Such a hook only notes the gradient's size
 (``spike``); the totals are summed at the next event that changes what is held (a buffer
 allocated or freed, a collective issued or landed: ``buffers_changed``, or a slow hook's
@@ -32,12 +32,12 @@ class _Buffers(Protocol):
 
 
 class HeldBytes:
-    """One reducer's bytes: its gradient storage, the ``.grad`` tensors autograd holds until they
+    """One flat group's bytes: its gradient storage, the ``.grad`` tensors autograd holds until they
     are taken (one just produced, and those kept across ``no_sync`` passes) and its buffers."""
 
     def __init__(self, grad_bytes: int, owner: _Buffers, total: HeldTotal) -> None:
         self.grad_bytes = grad_bytes  # the flat gradient (stage 1) or the gradient shard (stage 2), bytes
-        # staging, fp32 sums and what this reducer's own reductions in flight hold now (receive buffers), bytes
+        # staging, fp32 sums and what this flat group's own reductions in flight hold now (receive buffers), bytes
         self._owner = owner
         self._loose_total = 0  # .grad kept across no_sync backward passes (ParamRecord.kept_bytes), bytes
         self._pending = 0  # the .grad autograd just produced, until taken, bytes
@@ -58,7 +58,7 @@ class HeldBytes:
 
     @property
     def pending(self) -> int:
-        """The ``.grad`` autograd produced last and the reducer did not take yet, bytes."""
+        """The ``.grad`` autograd produced last and the flat group did not take yet, bytes."""
         return self._pending
 
     def spike(self, nbytes: int) -> None:
@@ -102,7 +102,7 @@ class HeldBytes:
 
 
 class HeldTotal:
-    """The most bytes held at one moment over the reducers of one optimizer. Each part counts its
+    """The most bytes held at one moment over the flat groups of one optimizer. Each part counts its
     own buffers only (the receive buffers of its own reductions, see comm._bucket_paths.InFlight),
     so the sum over the parts counts each buffer once, also where they share a Comm."""
 
@@ -112,7 +112,7 @@ class HeldTotal:
         self._before = 0  # bytes held at the last event, without any .grad just produced
 
     def now(self, pending: bool = True) -> int:
-        """Bytes held now; without ``pending``, the ``.grad`` each reducer produced last."""
+        """Bytes held now; without ``pending``, the ``.grad`` each flat group produced last."""
         return sum(p.now(pending=pending) for p in self.parts)
 
     def _fold(self) -> None:

@@ -9,7 +9,7 @@ rounds between two steps accumulate correctly: stage 1 averages the accumulated 
 part averaged before is equal on every rank, so averaging it again is exact), stage 2 adds each
 round's averaged shard into the gradient shard.
 
-[Note: what the reducer knows about each parameter's gradient]
+[Note: what the flat group knows about each parameter's gradient]
 Torch semantics decide whether a parameter is updated and whether a backward adds to or replaces
 the gradient: ``ParamRecord.used`` says that the parameter got a gradient on this rank since its
 gradient was last zeroed (by ``opt.zero_grad()``, ``model.zero_grad()``, ``p.grad = None`` or
@@ -104,7 +104,7 @@ class GradIntake:
         self.problems: list[str] = []  # gradients that could not be reduced, weights written under a gather: reported at the next step
         self.released = False  # its optimizer no longer trains the parameters (``release``)
 
-    # -- what _rounds asks of a reducer ----------------------------------------------------
+    # -- what _rounds asks of a flat group ----------------------------------------------------
     def unreached(self, reached: ParamRecord | None = None) -> list[ParamRecord]:
         """When a round opens inside a backward pass: the parameters that pass will not reach, which
         the round counts as ready at once (``mark_absent``). ``reached``: the parameter whose hook

@@ -7,7 +7,7 @@ the parameters after a backward pass steps on it. A ShardedAdamW with stage=2 (a
 while a 16-bit gradient is summed in fp32 under no_sync) holds the gradients itself, and ``p.grad``
 is a placeholder without values (see _grad_placeholder). When it stops training them (``close()``,
 superseded by a new optimizer over them, or collected by the garbage collector while its
-placeholders are out), ``GradReducer.release`` hands each placeholder in ``p.grad`` what holds its
+placeholders are out), ``FlatGroup.release`` hands each placeholder in ``p.grad`` what holds its
 values: the :class:`LeftGrads` of its flat buffer (this rank's shard of the averaged gradient, the
 fp32 sums under no_sync, the layout, the group), with the parameter's index and whether it had a
 gradient on this rank. A ``LeftGrads`` holds no parameter, so the placeholder can keep it past the
@@ -40,7 +40,7 @@ gradient carries]): the placeholders through their ``LeftGrads``, stage 1's view
 gradient by a weak tag on the tensor (``tag_left``). At the construction ``take_left`` brings
 each such gradient to the new optimizer's loss scale (multiplied by the ratio of the scales, powers
 of two for dynamic scaling: exact unless it overflows, which then skips the step as any overflow
-does) and returns how it was made, which the new optimizer's reducers count as the backward passes
+does) and returns how it was made, which the new optimizer's flat groups count as the backward passes
 since its last step. The tensor it puts in ``p.grad`` is tagged again, at the new scale: the new
 optimizer holds it as a gradient there when it was built, neither its view nor its placeholder,
 and where it is still there when that one stops training (closed or dropped before a backward

@@ -2,7 +2,7 @@
 
 Owns the order in which bucket collectives are issued, the rounds' bookkeeping (which round is
 open, which backward pass it belongs to, whether it ended), and the small tag that starts each
-round. The reducers (one per flat buffer) own the gradients and issue a bucket's collective
+round. The flat groups (one per flat buffer) own the gradients and issue a bucket's collective
 when asked; this module decides when.
 
 [Note: launch order]
@@ -18,7 +18,7 @@ agreed order, each from the hook that completes it once every bucket before it w
 the rest when backward ends, by a callback queued on the autograd engine, which then waits for
 every reduction of that backward. Each backward pass is thus one *round* in which every bucket is
 reduced exactly once, in the agreed order, on every rank. Several rounds between two steps
-accumulate correctly (see ``_reducer``).
+accumulate correctly (see ``_intake``).
 
 A parameter that this backward pass will not reach on this rank (``torch._C._will_engine_execute_
 node`` of its gradient accumulator, asked when the round opens) counts as ready at once, so a
@@ -29,14 +29,14 @@ module ran its forward with gradients disabled before the first backward (a reen
 runs its forward so), or that once got a gradient in a nested pass, and none at all once some
 pass ran nested in another. Those wait for their gradient or for the end of the outer pass, the
 plain slow path. A parameter counted ready that gets a gradient anyway is refused at the step on
-every rank (the reducer keeps it for the step).
+every rank (the flat group keeps it for the step).
 
 [Note: gradients assigned by hand]
 Code that computes gradients itself (``torch.autograd.grad``, a closed form, a test) assigns
 ``p.grad = g`` and calls ``step()`` with no backward pass, so no hook runs and no round opens.
 ``clip_grad_norm_`` and ``step`` then run a round of their own (``before_step``): when no round
 ran since ``zero_grad``, or when none ran since the last step and some ``p.grad`` holds a tensor
-that no round took (``GradReducer.holds_unreduced``: assigned by hand, or accumulated under
+that no round took (``FlatGroup.holds_unreduced``: assigned by hand, or accumulated under
 ``no_sync``). That round takes every such ``p.grad`` as its parameter's gradient (in stage 2 a
 tensor put in place of the placeholder replaces what the shard held, as assigning ``p.grad``
 replaces torch's gradient) and reduces it like any other: averaged over the ranks. Such
@@ -53,9 +53,9 @@ on each rank and pair one buffer's reduction with the other's.
 Most hooks of a backward pass find the same situation: the round this pass opened is open, the
 pass reduces (not under ``no_sync``) and is not nested in another, it is not the first round (whose
 hooks note the order gradients arrive in), and the parameter waits for its first gradient of the
-round, which autograd just produced (``GradReducer.arrive_fresh``). ``on_hook`` notes the pass's
+round, which autograd just produced (``FlatGroup.take_fresh``). ``on_hook`` notes the pass's
 graph task as ``steady_task`` when that holds for the round (any change of the round's state
-clears it); a hook in that task asks the reducer to take the gradient the short way, which checks
+clears it); a hook in that task asks the flat group to take the gradient the short way, which checks
 what is the parameter's own, and counts it. Anything else (the pass's first hook, a nested or
 no_sync pass, a second gradient, a placeholder, a DTensor, a bucket whose staging is not allocated
 yet) takes the full path, ``on_hook`` and ``arrive``. The short way does what the full path does in
@@ -80,7 +80,7 @@ with ``use_reentrant=True``) that starts while the outer pass's round is open jo
 one whose hooks come first opens a round of its own, which ends with it: correct, but each such
 segment then reduces every bucket once more (``use_reentrant=False`` avoids it). A parameter that
 gets a second gradient in one round (used inside and outside such a checkpoint) counts once; see
-``_reducer`` for that second gradient.
+``_intake`` for that second gradient.
 """
 from __future__ import annotations
 
@@ -194,7 +194,7 @@ class JoinNotice:
 
 
 class Rounds:
-    """The rounds of bucket reductions of one optimizer's reducers, over ``comm``'s ranks.
+    """The rounds of bucket reductions of one optimizer's flat groups, over ``comm``'s ranks.
 
     Each round's tag is a ``StepMessage`` with only its call header, the shape of the all-reduce
     that clip_grad_norm_ and step start with (see comm._messages [Note: ranks in different calls])."""
@@ -249,13 +249,13 @@ class Rounds:
 
     # -- entry points ---------------------------------------------------------------------
     def _make_hook(self, k: int, index: int) -> Callable[[torch.Tensor], None]:
-        # Weakly: the parameter holds its hooks, and autograd's accumulator (held by the reducer) holds
+        # Weakly: the parameter holds its hooks, and autograd's accumulator (held by the flat group) holds
         # the parameter from C++, where the garbage collector cannot follow. A strong reference would
         # close a cycle it cannot free: the optimizer's state would outlive the optimizer.
         # The record too is found through the rounds: it holds the accumulator.
         ref = weakref.ref(self)
 
-        def hook(param: torch.Tensor) -> None:  # parameter ``index`` of reducer ``k`` got its gradient
+        def hook(param: torch.Tensor) -> None:  # parameter ``index`` of flat group ``k`` got its gradient
             if torch.compiler.is_compiling():  # see below
                 eager_only(param)
                 return
@@ -300,7 +300,7 @@ class Rounds:
             self.started_by = previous
 
     def on_hook(self, rec: ParamRecord) -> bool:
-        """From every gradient hook (``rec``'s), before the reducer looks at the gradient: opens a
+        """From every gradient hook (``rec``'s), before the flat group looks at the gradient: opens a
         round at the first hook of a backward pass. True when this backward pass reduces (not under
         no_sync)."""
         task = graph_task_id()

@@ -40,7 +40,7 @@ def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None,
 
 
 class _Buffers:
-    """Staging and receive buffers on one rank, allocated and freed as ``GradReducer`` does."""
+    """Staging and receive buffers on one rank, allocated and freed as a flat group (``GradIntake``) does."""
 
     def __init__(self, numels: Sequence[int], receives: Sequence[Sequence[int]],
                  follows: Sequence[Sequence[int | None]], *, stage: int, psize: int, max_inflight: int) -> None:

@@ -101,7 +101,7 @@ class Followed:
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
     flags. ``buffers`` are the optimizer's sharded buffers (group._flat_group): their
-    records, reducer and binding are read."""
+    records, flat group and binding are read."""
 
     def __init__(self, buffers: Sequence[FlatGroup], untracked: Sequence[torch.nn.Parameter],
                  names: dict[int, str], comm: Comm) -> None:
