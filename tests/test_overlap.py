@@ -181,6 +181,32 @@ def test_a_handle_is_waited_once():
         p.wait()
 
 
+def test_tensors_whose_memory_cannot_be_seen_wait_for_every_gather_in_flight():
+    """The read guard's look at a tensor's memory: a view of a flat buffer waits for the buckets it
+    overlaps, another tensor for none, and a tensor whose memory torch does not show (no storage:
+    sparse, a vmap batched tensor; for its whole storage, a wrapper subclass too) for all of them."""
+    from shardopt.comm._gathers import WeightGathers
+    from shardopt.core._layout import Range
+    from shardopt.core._records import BucketRecord
+    from shardopt.reduce._grad_placeholder import GradPlaceholder
+
+    flat = torch.zeros(8)
+    gathers = WeightGathers(lambda bucket, arrived: None, {}, [flat])
+    first, second = (BucketRecord(index=i, buffer=0, params=(), global_range=Range(4 * i, 4 * i + 4),
+                                  local=Range(0, 0), pieces=(), gather_pieces=()) for i in (0, 1))
+    gathers.started(first, object())
+    gathers.started(second, object())
+    both = [first, second]
+    assert gathers.touching(flat[5:7]) == [second] and gathers.touching(torch.zeros(8)) == []
+    assert gathers.touching_storage(flat[5:7]) == both and gathers.touching_storage(torch.zeros(8)) == []
+    sparse = torch.ones(2, 2).to_sparse()
+    assert gathers.touching(sparse) == both and gathers.touching_storage(sparse) == both
+    seen = []
+    torch.vmap(lambda x: seen.append((gathers.touching(x), gathers.touching_storage(x))) or x)(torch.ones(2, 3))
+    assert seen == [(both, both)], seen
+    assert gathers.touching_storage(GradPlaceholder(torch.ones(3))) == both
+
+
 # -- weights read right after an overlapped step ------------------------------------------------------
 # [Note: reads right after an overlapped step] (tests) Each case trains with overlap_param_gather=True
 # and reads the weights in some way right after step(), while the gathers are still in flight, then

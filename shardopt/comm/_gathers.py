@@ -6,6 +6,15 @@ returns; with it, the next forward, or the first torch call that reads or writes
 flight, waits bucket by bucket (see ``_gather_wait``). Either way each gather is waited for exactly
 once, here, under a lock: a thread that asks for a bucket another thread is waiting for returns
 once it has landed.
+
+[Note: storage torch will not show]
+``touching`` and ``touching_storage`` look at a tensor's memory. A tensor without storage (sparse,
+MKL-DNN, a ``torch.vmap`` batched tensor, a ``torch.func`` wrapper) is told by
+``torch._C._has_storage`` and waits for every bucket in flight. Some tensors have storage whose
+address torch refuses to hand out, and torch has no question to ask first, so the refusal is
+caught: a FunctionalTensor or FakeTensor while tracing, an output of a CUDA graph that a later
+replay overwrote, and, for ``untyped_storage()``, a wrapper subclass (DTensor, the stage-2
+gradient placeholder: a storage of some bytes without data). They wait for every bucket too.
 """
 from __future__ import annotations
 
@@ -87,9 +96,11 @@ class WeightGathers:
         r = self.record_of.get(id(t))
         if r is not None:
             return [r.bucket] if r.bucket.gather is not None else []
+        if not torch._C._has_storage(t):  # no storage of its own to look at (sparse, MKL-DNN, vmap's, torch.func's)
+            return list(self._started)
         try:
             first = t.data_ptr()
-        except (RuntimeError, NotImplementedError):  # no storage of its own to look at
+        except (RuntimeError, NotImplementedError):  # see [Note: storage torch will not show]
             return list(self._started)
         for i, (lo, hi, size) in enumerate(self._memory):
             if lo <= first < hi and t.numel():  # a view of flat buffer i (no view starts before its storage)
@@ -101,10 +112,12 @@ class WeightGathers:
         """The buckets in flight in the whole storage of ``t`` (what ``t.untyped_storage()`` hands
         out: for a weight, its whole flat buffer); as ``touching`` for a tensor without one. A
         question. Local."""
+        if not torch._C._has_storage(t):  # as in touching
+            return list(self._started)
         try:
             storage = t.untyped_storage()
             first = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):  # see [Note: storage torch will not show]
             return list(self._started)
         for i, (lo, hi, size) in enumerate(self._memory):
             if lo <= first < hi:  # flat buffer i's storage (a flat buffer is an allocation of its own)
