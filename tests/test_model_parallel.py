@@ -693,6 +693,30 @@ def dtensor_tp_case(stage: int) -> dict:
             "replicas_equal": torch.equal(plain, other)}
 
 
+def test_only_shard_and_replicate_placements_are_taken():
+    """The placements a DTensor parameter may have, told by torch's placement classes: Shard and
+    Replicate are taken; Partial and _StridedShard (the interleaved split FSDP2 makes over tensor
+    parallelism; a Shard subclass in torch 2.9), whose pieces are not Shard's, are refused with the
+    message of docs/troubleshooting.md; only a plain Shard is a split."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from shardopt.core._dtensor import check_placements, replicated
+
+    def param(*placements):
+        return SimpleNamespace(device_mesh=SimpleNamespace(ndim=1), placements=placements)
+
+    for taken in [(Shard(0),), (Shard(1),), (Replicate(),)]:
+        check_placements(param(*taken), "w")
+    for refused in [(Partial(),), (_StridedShard(0, split_factor=2),)]:
+        with pytest.raises(ValueError, match="takes Shard and Replicate placements"):
+            check_placements(param(*refused), "w")
+    assert replicated(param(Replicate())) and not replicated(param(Shard(0)))
+    assert not replicated(param(Partial())) and not replicated(param(_StridedShard(0, split_factor=2)))
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_dtensor_tp_parameters_stay_dtensors_and_clip_with_the_models_norm(pools, stage):
     for r, got in enumerate(pools(4).run(dtensor_tp_case, stage)):

@@ -181,6 +181,34 @@ def test_a_handle_is_waited_once():
         p.wait()
 
 
+def test_tensors_whose_memory_cannot_be_seen_wait_for_every_gather_in_flight(one_rank_group):
+    """The read guard's look at a tensor's memory: a view of a flat buffer waits for the buckets it
+    overlaps, another tensor for none, and a tensor whose memory torch does not show (no storage:
+    sparse, a vmap batched tensor; for its whole storage, a wrapper subclass too) for all of them."""
+    from shardopt.group._grad_placeholder import GradPlaceholder
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 64, bias=False))
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, bucket_cap_mb=64 * 64 * 4 / 2**20)  # a bucket each
+    group, gathers = opt._buffers[0], opt._gathers
+    first, second = group.buckets
+    flat = group.flat.data
+    inside = flat[second.global_range.start + 5:second.global_range.start + 7]
+    group.start_gather(first)  # in flight, without the read guard (no overlap_param_gather)
+    group.start_gather(second)
+    both = [first, second]
+    assert gathers.touching(inside) == [second] and gathers.touching(torch.zeros(8)) == []
+    assert gathers.touching_storage(inside) == both and gathers.touching_storage(torch.zeros(8)) == []
+    sparse = torch.ones(2, 2).to_sparse()
+    assert gathers.touching(sparse) == both and gathers.touching_storage(sparse) == both
+    seen = []
+    torch.vmap(lambda x: seen.append((gathers.touching(x), gathers.touching_storage(x))) or x)(torch.ones(2, 3))
+    assert seen == [(both, both)], seen
+    assert gathers.touching_storage(GradPlaceholder(torch.ones(3))) == both
+    opt.finish_param_gather()
+    assert not gathers
+    opt.close()
+
+
 # -- weights read right after an overlapped step ------------------------------------------------------
 # [Note: reads right after an overlapped step] (tests) Each case trains with overlap_param_gather=True
 # and reads the weights in some way right after step(), while the gathers are still in flight, then

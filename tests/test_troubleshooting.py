@@ -52,7 +52,7 @@ UNRESOLVED: dict[tuple[str, str, str], str] = {
         "rank, with 'on rank …:' in front on the others",
     ("shardopt/step/_agreement.py", "agree_on_building", "error"):
         "re-raises this rank's own TypeError or ValueError from building its flat buffers (build_buffers and what "
-        "it calls: _sharded_buffer.py, _muon_packing.py, _layout.py), whose message is collected where it is "
+        "it calls: _flat_group.py, _muon_packing.py, _layout.py), whose message is collected where it is "
         "raised; the other ranks raise it with 'on rank …:' in front",
     ("shardopt/checkpoint/_files.py", "agree", "error"):
         "re-raises this rank's own exception, whose message is collected where its caller raised it "

@@ -162,9 +162,14 @@ def converted_case(stage: int, how: str) -> tuple[str, str] | None:
         model.float()
     elif how == "one_rank" and dist.get_rank() == 1:  # the forward still runs (type promotion)
         model.scalar.data = model.scalar.data.half()
+    reshaped = how == "reshaped" or (how == "one_rank_reshaped" and dist.get_rank() == 1)
+    if reshaped:  # the forward still runs: broadcast over the model width
+        model.scalar.data = model.scalar.data.expand(model.fc2.out_features).clone()
 
     def train() -> None:
         opt.zero_grad()
+        if reshaped:  # autograd sums its gradient to the old shape; one assigned by hand has the new one
+            model.scalar.grad = torch.ones_like(model.scalar)
         opt.backward(model(batch(dist.get_rank(), 1)))
         opt.step()
 
@@ -186,7 +191,7 @@ def test_errors_name_named_parameters(pools):
 def test_converted_parameters_raise_on_every_rank(pools):
     pool = pools(2)
     for stage in (1, 2):
-        for how in ("half", "float", "one_rank"):
+        for how in ("half", "float", "one_rank", "reshaped", "one_rank_reshaped"):
             for got in pool.run(converted_case, stage, how):
                 assert got is not None and got[0] == "RuntimeError", (stage, how, got)
                 assert "torch.bfloat16 on cpu when the optimizer was built" in got[1], got

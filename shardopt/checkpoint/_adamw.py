@@ -37,27 +37,21 @@ def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> No
     all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
     into the model from outside as master weights; refuse an optimizer whose ranks fell out of
     step. Every rank."""
-    rounds = getattr(opt, "_rounds", None)
-    if rounds is not None:
-        rounds.settle()  # see _rounds [Note: a round that did not end]
-    notice = getattr(opt, "_notice_join", None)
-    if notice is not None:  # inside a Join, a joined rank then meets this call and raises with it
-        notice()
+    rounds = opt._rounds
+    rounds.settle()  # see _rounds [Note: a round that did not end]
+    opt._notice_join()  # inside a Join, a joined rank then meets this call and raises with it
     if timeout is None:
-        timeout = getattr(getattr(opt, "config", None), "timeout", None)
+        timeout = opt.config.timeout
     try:
-        enter(opt._comm, call, lost_round=rounds is not None and rounds.lost_round, deadline=timeout)
+        enter(opt._comm, call, lost_round=rounds.lost_round, deadline=timeout)
     except (RuntimeError, TimeoutError) as e:
-        if rounds is not None:
-            rounds.fail(str(e))
+        rounds.fail(str(e))
         raise
-    finish = getattr(opt, "finish_param_gather", None)
-    if finish is not None:
-        finish()
-    checks = getattr(opt, "_checks", None)
-    if checks is not None:  # writes into opt.state first: a checkpoint or a load reads the state
-        state = getattr(opt, "state", None)
-        checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
+    opt.finish_param_gather()
+    # writes into opt.state first: a checkpoint or a load reads the state (unless opt.state was
+    # replaced by another object, which torch.optim code may assign)
+    state = opt.state
+    opt._checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
 
 
 def _locations(opt: ShardedOptimizer) -> dict[int, tuple[FlatGroup, int]]:

@@ -116,15 +116,31 @@ def check_placements(p: Tensor, name: str) -> None:
                          "takes DTensor parameters on a 1-D (tensor-parallel) mesh and shards their local tensors "
                          "over its own data-parallel group; parallelize the model over mesh['tp'] and pass "
                          "device_mesh=mesh['dp'] to the optimizer")
-    kinds = {type(pl).__name__ for pl in p.placements}  # type: ignore[attr-defined]
-    if not kinds <= {"Shard", "Replicate"}:
+    if not all(is_shard(pl) or is_replicate(pl) for pl in p.placements):  # type: ignore[attr-defined]
         raise ValueError(f"parameter {name} is a DTensor with placements {tuple(p.placements)}: shardopt "  # type: ignore[attr-defined]
                          "takes Shard and Replicate placements (as parallelize_module makes them)")
 
 
+def is_shard(pl: object) -> bool:
+    """Whether placement ``pl`` is a plain ``Shard``: this exact class, so that a subclass, which
+    splits a dimension otherwise than ``shard_extent`` does, is not taken for one (torch 2.9's
+    ``_StridedShard``, which FSDP2 over tensor parallelism makes, is a ``Shard``; in later torch it
+    is not). Only called for DTensors, so torch.distributed.tensor is loaded already."""
+    from torch.distributed.tensor import Shard
+
+    return type(pl) is Shard
+
+
+def is_replicate(pl: object) -> bool:
+    """Whether placement ``pl`` is a ``Replicate`` (see ``is_shard``)."""
+    from torch.distributed.tensor import Replicate
+
+    return isinstance(pl, Replicate)
+
+
 def replicated(p: Tensor) -> bool:
     """Whether DTensor ``p`` is a copy on every rank of its mesh (a Replicate placement)."""
-    return all(type(pl).__name__ == "Replicate" for pl in p.placements)  # type: ignore[attr-defined]
+    return all(is_replicate(pl) for pl in p.placements)  # type: ignore[attr-defined]
 
 
 def shard_extent(size: int, parts: int, index: int) -> tuple[int, int]:
@@ -145,7 +161,7 @@ def local_box(p: Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
     offsets = [0] * len(shape)
     mesh = mesh_of(p)
     for pl in p.placements:  # type: ignore[attr-defined]
-        if type(pl).__name__ != "Shard":
+        if not is_shard(pl):
             continue
         d, rank = int(pl.dim), mesh.get_local_rank()
         offsets[d], length = shard_extent(shape[d], mesh.size(), rank)

@@ -138,11 +138,25 @@ def whole(t: Tensor | ShardView) -> Tensor:
 
 
 def set_grad(param: Tensor, grad: Tensor | None) -> bool:
-    """``param.grad = grad``; False where torch refuses it because the parameter was converted or
-    replaced after the optimizer was built (another dtype or device): dropped here so that a
-    backward on one rank is not stopped, and reported by the binding check at step() on every rank."""
-    try:
-        param.grad = grad
-        return True
-    except RuntimeError:
+    """``param.grad = grad``; False, changing nothing, where torch would refuse it because the
+    parameter was converted or replaced after the optimizer was built (another dtype, device or
+    shape): dropped here so that a backward on one rank is not stopped, and reported by the
+    binding check at step() on every rank."""
+    # What torch's setter (THPVariable_set_grad) checks, in its order: dtype, device, layout (not
+    # for a sparse COO gradient), size.
+    if grad is not None and (grad.dtype != param.dtype or grad.device != param.device
+                             or (grad.layout != param.layout and grad.layout is not torch.sparse_coo)
+                             or grad.shape != param.shape):
         return False
+    param.grad = grad
+    return True
+
+
+def copies_into(src: Tensor, dst: Tensor) -> bool:
+    """Whether ``dst.copy_(src)`` takes ``src``'s shape: torch broadcasts ``src`` to ``dst``'s
+    shape (no more dimensions than ``dst``; aligned from the last one, each of its sizes equal to
+    ``dst``'s or 1). The dtype and device never stop a copy (it casts and moves). A question."""
+    s, d = src.shape, dst.shape
+    if s == d:
+        return True
+    return len(s) <= len(d) and all(a == b or a == 1 for a, b in zip(reversed(s), reversed(d)))

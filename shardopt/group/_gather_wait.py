@@ -197,6 +197,16 @@ _exit_hook = False  # _finish_at_exit is registered with atexit (once per proces
 _weight_dtypes: frozenset[torch.dtype] = frozenset()  # the dtypes of every watch's flat buffers (read when traced)
 
 
+# [Note: storage torch will not show]
+# ``WeightGathers.touching`` and ``touching_storage`` look at a tensor's memory. A tensor without
+# storage (sparse, MKL-DNN, a ``torch.vmap`` batched tensor, a ``torch.func`` wrapper) is told by
+# ``torch._C._has_storage`` and waits for every bucket in flight. Some tensors have storage whose
+# address torch refuses to hand out, and torch has no question to ask first, so the refusal is
+# caught: a FunctionalTensor or FakeTensor while tracing, an output of a CUDA graph that a later
+# replay overwrote, and, for ``untyped_storage()``, a wrapper subclass (DTensor, the stage-2
+# gradient placeholder: a storage of some bytes without data). They wait for every bucket too.
+
+
 class WeightGathers:
     """One optimizer's weight all-gathers in flight, over its flat groups: each group starts, holds
     and waits its own (``FlatGroup.start_gather``, ``wait_gather``; the bucket record holds the
@@ -250,9 +260,11 @@ class WeightGathers:
         r = self.record_of.get(id(t))
         if r is not None:
             return [r.bucket] if r.bucket.gather is not None else []
+        if not torch._C._has_storage(t):  # no storage of its own to look at (sparse, MKL-DNN, vmap's, torch.func's)
+            return list(self)
         try:
             first = t.data_ptr()
-        except (RuntimeError, NotImplementedError):  # no storage of its own to look at
+        except (RuntimeError, NotImplementedError):  # see [Note: storage torch will not show]
             return list(self)
         for g, (lo, hi) in zip(self.groups, self._memory):
             if lo <= first < hi and t.numel():  # a view of this flat buffer (no view starts before its storage)
@@ -264,10 +276,12 @@ class WeightGathers:
         """The buckets in flight in the whole storage of ``t`` (what ``t.untyped_storage()`` hands
         out: for a weight, its whole flat buffer); as ``touching`` for a tensor without one. A
         question. Local."""
+        if not torch._C._has_storage(t):  # as in touching
+            return list(self)
         try:
             storage = t.untyped_storage()
             first = storage.data_ptr()
-        except (RuntimeError, NotImplementedError):
+        except (RuntimeError, NotImplementedError):  # see [Note: storage torch will not show]
             return list(self)
         for g, (lo, hi) in zip(self.groups, self._memory):
             if lo <= first < hi:  # this flat buffer's storage (a flat buffer is an allocation of its own)

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from shardopt.comm._collectives import Comm, InFlight, Pending
-from shardopt.core._flat import FlatParams, ShardView, set_grad
+from shardopt.core._flat import FlatParams, ShardView, copies_into, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
+from shardopt.group._grad_placeholder import is_placeholder
 from shardopt.group._left_grads import LeftGrads, LeftScale
 
 Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
@@ -90,10 +91,12 @@ class FlatGrads(_Store):
             view.zero_()
             used = False  # zeroed by p.grad = None and no gradient since
         elif not self.is_storage(r, grad):
-            try:
-                view.copy_(grad)  # .grad was reset to None or replaced: it holds the full sum
+            # .grad was reset to None or replaced: it holds the full sum, unless the parameter's
+            # shape changed (or it is a placeholder converted along with it, which holds no values)
+            if copies_into(grad, view) and not is_placeholder(grad):
+                view.copy_(grad)
                 used = True
-            except RuntimeError:
+            else:
                 view.zero_()
         if r.param.grad is not view:
             set_grad(r.param, view)
@@ -222,11 +225,11 @@ class ShardGrads(_Store):
         None when unchanged."""
         used = None
         if grad is not None:
-            try:
-                self._staged(r).copy_(_flat(grad))
+            staged, flat = self._staged(r), _flat(grad)
+            if copies_into(flat, staged):
+                staged.copy_(flat)
                 used = True
-            except RuntimeError:
-                pass  # converted after construction: reported at step() on every rank (see FlatGrads.put)
+            # else converted after construction: reported at step() on every rank (see FlatGrads.put)
             if r.param.grad is grad:
                 r.param.grad = None
         return used
@@ -239,10 +242,10 @@ class ShardGrads(_Store):
         staging = r.bucket.staging
         if staging is None or type(g) is not Tensor or g.layout is not torch.strided:
             return None
-        try:
-            staging[r.at].copy_(_flat(g))
-        except RuntimeError:
+        staged, flat = staging[r.at], _flat(g)
+        if not copies_into(flat, staged):
             return None  # converted after construction: the slow path drops it and step() reports it
+        staged.copy_(flat)
         r.param.grad = None
         return g.nbytes
 

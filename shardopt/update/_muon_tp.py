@@ -23,14 +23,14 @@ from typing import Any, Callable, cast
 
 from torch import Tensor
 
-from shardopt.core._dtensor import shard_extent
+from shardopt.core._dtensor import is_shard, shard_extent
 from shardopt.kernels.muon_reference import orthogonalize
 
 
 def sharded_dim(dt: Tensor) -> int | None:
     """The dimension DTensor parameter ``dt`` is split along on its mesh, or None (a copy)."""
     for pl in dt.placements:  # type: ignore[attr-defined]
-        if type(pl).__name__ == "Shard":
+        if is_shard(pl):
             return int(pl.dim)
     return None
 
