@@ -24,8 +24,6 @@ from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
 from shardopt.reduce._left_grads import LeftGrads, LeftScale
 
-Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
-
 
 def _flat(grad: Tensor) -> Tensor:
     """``grad`` as a 1-D tensor, as it lies in a bucket (a 1-D one itself: a reshape costs about as
@@ -121,9 +119,9 @@ class FlatGrads(_Store):
     def add_late(self, r: ParamRecord, grad: Tensor) -> None:
         """A second gradient in one round: autograd already added it to the view, in place."""
 
-    def launch(self, b: BucketRecord) -> Launch:
-        return self.comm.all_reduce_parts(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype,  # stage 1: a view
-                                          self.in_flight)
+    def launch(self, b: BucketRecord) -> Pending:
+        return self.comm.all_reduce(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype,  # stage 1: a view
+                                  self.in_flight)
 
     def landed(self, b: BucketRecord) -> None:
         pass
@@ -270,7 +268,7 @@ class ShardGrads(_Store):
         """Bucket ``b``'s part of this rank's gradient shard (a view; may be empty)."""
         return self.grad_shard[b.local.as_slice()]
 
-    def launch(self, b: BucketRecord) -> Launch:
+    def launch(self, b: BucketRecord) -> Pending:
         """Bucket ``b``'s reduce-scatter: straight into its part of the gradient shard when that
         part is overwritten in the gradient dtype (the first round since zero_grad), else into a
         landing buffer that :meth:`reduced` writes into the shard or the fp32 sum."""
@@ -285,7 +283,7 @@ class ShardGrads(_Store):
                 self.on_alloc()
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
         b.land_in(None if out is dest else out)
-        return self.comm.reduce_scatter_parts(out, staging, b.pieces, self.in_flight)
+        return self.comm.reduce_scatter(out, staging, b.pieces, self.in_flight)
 
     def reduced(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction is complete (a cross-replica follow-up too): write what landed
