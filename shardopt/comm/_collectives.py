@@ -455,6 +455,20 @@ class Comm:
         path, ``sum_dtype`` other than the bucket's, hybrid). ``held``: as for :meth:`reduce_scatter`."""
         return self.path.all_reduce(bucket.detach(), pieces, sum_dtype, held)  # detached: see reduce_scatter
 
+    def gather_tensor_parallel(self, piece: Tensor, like: Tensor) -> Tensor:
+        """The whole tensor of which ``piece`` is this rank's part, split as DTensor ``like`` is
+        across its own mesh (tensor parallelism, not this comm's group): DTensor's all-gather
+        (``full_tensor``), blocking. A failure raises as :meth:`collective_failed`, naming the call in
+        progress. Every rank of ``like``'s mesh, in the same order."""
+        from torch.distributed.tensor import DTensor
+
+        split = DTensor.from_local(piece, like.device_mesh, like.placements,  # type: ignore[attr-defined]
+                                   run_check=False, shape=like.shape, stride=like.stride())
+        try:
+            return split.full_tensor()
+        except RuntimeError as e:
+            self.collective_failed(e, "the gather of a tensor-parallel matrix's update across its mesh (Muon)")
+
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of
         ``flat``, already holding that rank's data on rank r; r counts the ranks of this rank's shard

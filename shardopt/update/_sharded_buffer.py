@@ -233,7 +233,7 @@ class ShardedBuffer:
                    lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                    nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                    eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"],
-                   orthogonalize_fn=whole_orthogonalizer(tp) if tp is not None else None,
+                   orthogonalize_fn=whole_orthogonalizer(tp, self.comm) if tp is not None else None,
                    shape=tuple(tp.shape) if tp is not None else None)
         if r is not None:
             self.master.write_fp32_(r, master.to(place.device), step)
