@@ -175,8 +175,9 @@ class Comm:
         self._global = [dist.get_global_rank(process_group, r) if process_group is not None else r
                         for r in range(self.world_size)]
         self.control = control_group(process_group, connect) if self.world_size > 1 else None
-        self._shard_global = [dist.get_global_rank(shard_group, r) if shard_group is not None else r
-                              for r in range(self.shard_size)]
+        # the default group's rank of each rank of the shard group, in shard-rank order
+        self.shard_global = [dist.get_global_rank(shard_group, r) if shard_group is not None else r
+                             for r in range(self.shard_size)]
 
     @property
     def global_ranks(self) -> list[int]:
@@ -215,7 +216,7 @@ class Comm:
             if host is not t:
                 t.copy_(host)
 
-        return Pending(self._count([work]), keep_alive=[host, rows, sent], stats=self.stats, then=land, comm=self,
+        return Pending(self.count([work]), keep_alive=[host, rows, sent], stats=self.stats, then=land, comm=self,
                        deadline=deadline, control=True)
 
     def _exchanged(self, host: Tensor) -> Tensor | None:
@@ -323,7 +324,7 @@ class Comm:
         if rows is not None:
             deadline = self.timeout if self.timeout is not None else cast(ControlGroup, self.control).timeout.total_seconds()
             work, sent = self._send_control(t, rows, "sum", deadline)
-            Pending(self._count([work]), keep_alive=[t, rows, sent], stats=self.stats, comm=self, deadline=deadline,
+            Pending(self.count([work]), keep_alive=[t, rows, sent], stats=self.stats, comm=self, deadline=deadline,
                     control=True).wait()
             return [row.view_as(t) for row in rows]
         table = torch.zeros((self.world_size, *t.shape), dtype=t.dtype)
@@ -379,7 +380,7 @@ class Comm:
     def broadcast(self, t: Tensor, src: int = 0) -> Pending:
         """Broadcast ``t`` in place from group rank ``src``. Call on every rank."""
         work = dist.broadcast(t, src=self._global[src], group=self.group, async_op=True)
-        return Pending(self._count([work]), stats=self.stats, comm=self)
+        return Pending(self.count([work]), stats=self.stats, comm=self)
 
     @property
     def data_group(self) -> Any:
@@ -397,7 +398,9 @@ class Comm:
             self.where = previous
 
     # -- bucket collectives --------------------------------------------------------------
-    def _count(self, works: list, *, reduced: int = 0, gathered: int = 0, crossed: int = 0) -> list:
+    def count(self, works: list, *, reduced: int = 0, gathered: int = 0, crossed: int = 0) -> list:
+        """``works`` (collectives just issued) and the bytes they reduce, gather or send across the
+        replicas, added to ``stats``; returns ``works``. Local."""
         self.stats.collectives += len(works)
         self.stats.reduce_bytes += reduced
         self.stats.gather_bytes += gathered
@@ -413,45 +416,58 @@ class Comm:
         inside = (passes * stats.reduce_bytes + stats.gather_bytes) * (s - 1) // s
         return inside, 2 * stats.cross_bytes * (r - 1) // r
 
-    def _cross(self, t: Tensor, avg: bool, then: Callable[[], None] | None = None) -> Pending:
+    def cross_replicas(self, t: Tensor, avg: bool, then: Callable[[], Pending | None] | None = None) -> Pending:
         """All-reduce this rank's piece ``t`` across the replicate group (SUM, or AVG), in place;
-        a follow-up its issuer may wait on later (see [Note: hybrid sharding]). An empty piece
-        (empty on every rank of the replicate group alike) issues nothing, but still returns a
-        follow-up, so that every rank's queue of collectives has the same shape (the stage-1
-        all-gather chained after it must be issued at the same point on every rank of a shard group)."""
+        a follow-up its issuer may wait on later (see [Note: hybrid sharding]), whose landing runs
+        ``then`` (the reduction's next step, which may return one more collective to wait). An empty
+        piece (empty on every rank of the replicate group alike) issues nothing, but still returns a
+        follow-up that runs ``then`` when waited, so that every rank's queue of collectives has the
+        same shape (the stage-1 all-gather that ``then`` issues must be issued at the same point on
+        every rank of a shard group)."""
         if not t.numel():
-            if then is not None:
-                then()
-            return Pending(stats=self.stats, comm=self, overlap=True)
+            return Pending(stats=self.stats, comm=self, then=then, overlap=True)
         work = self.cross.all_reduce(t, avg)
-        return Pending(self._count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
+        return Pending(self.count([work], crossed=t.nbytes), keep_alive=[t], stats=self.stats, then=then, comm=self,
                        overlap=True, what="a cross-replica gradient reduction")
 
-    def reduce_scatter_parts(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range],
-                             held: InFlight) -> list[Callable[[], Pending]]:
-        """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once the last collective
-        is waited: the collectives, each issued when its function is called (in list order, on
-        every rank). ``held`` counts what they hold beside the bucket until they land (receive
-        buffers, cast copies), bytes: the caller's own. ``pieces[r]`` is shard rank r's range relative to the start of
-        ``bucket``: equal, in rank order, tiling it (``build_layout``'s buckets). How, is the
-        comm's bucket path (see comm._bucket_paths [Note: the bucket paths]). With hybrid sharding the
-        average spans the replicas too (see [Note: hybrid sharding])."""
+    def reduce_scatter(self, out: Tensor, bucket: Tensor, pieces: Sequence[Range], held: InFlight) -> Pending:
+        """Average ``bucket`` over ranks; this rank's piece lands in ``out`` once the one handle
+        returned is waited (its collectives issued here, on every rank in the same order; with
+        hybrid sharding its landing returns the cross-replica follow-up, and the average spans the
+        replicas once that lands too, see [Note: hybrid sharding]). ``held`` counts what the
+        reduction holds beside the bucket until it lands (receive buffers, cast copies), bytes: the
+        caller's own. ``pieces[r]`` is shard rank r's range relative to the start of ``bucket``:
+        equal, in rank order, tiling it (``build_layout``'s buckets). How, is the comm's bucket path
+        (see comm._bucket_paths [Note: the bucket paths])."""
         if not equal_pieces(pieces) or pieces[0].start != 0 or pieces[-1].end != bucket.numel():
             raise AssertionError(f"a bucket's reduction takes equal pieces that tile it, got {list(pieces)} of a "
                                  f"{bucket.numel()}-element bucket")
         # without autograd: under create_graph=True a staged gradient requires grad, and the collective writes in place
         out, bucket = out.detach(), bucket.detach()
-        return self.path.reduce_scatter_parts(out, bucket, pieces, held)
+        return self.path.reduce_scatter(out, bucket, pieces, held)
 
-    def all_reduce_parts(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
-                         held: InFlight) -> list[Callable[[], Pending]]:
-        """Average ``bucket`` over ranks, in place, as collectives issued when their functions are
-        called (in order, every rank): the native path's one all-reduce (``ReduceOp.AVG``), or a
-        reduce-scatter (summed in ``sum_dtype``, default the bucket's; see
-        :meth:`reduce_scatter_parts`) followed, once it is waited, by an all-gather of the
-        averaged pieces (the rank-order path, ``sum_dtype`` other than the bucket's, hybrid). ``held``:
-        as for :meth:`reduce_scatter_parts`."""
-        return self.path.all_reduce_parts(bucket.detach(), pieces, sum_dtype, held)  # detached: see reduce_scatter_parts
+    def all_reduce(self, bucket: Tensor, pieces: Sequence[Range], sum_dtype: torch.dtype | None,
+                   held: InFlight) -> Pending:
+        """Average ``bucket`` over ranks, in place, as one handle (its collectives issued here, on
+        every rank in the same order): the native path's one all-reduce (``ReduceOp.AVG``), or a
+        reduce-scatter (summed in ``sum_dtype``, default the bucket's; see :meth:`reduce_scatter`)
+        whose landing, once the average is complete, gathers the averaged pieces (the rank-order
+        path, ``sum_dtype`` other than the bucket's, hybrid). ``held``: as for :meth:`reduce_scatter`."""
+        return self.path.all_reduce(bucket.detach(), pieces, sum_dtype, held)  # detached: see reduce_scatter
+
+    def gather_tensor_parallel(self, piece: Tensor, like: Tensor) -> Tensor:
+        """The whole tensor of which ``piece`` is this rank's part, split as DTensor ``like`` is
+        across its own mesh (tensor parallelism, not this comm's group): DTensor's all-gather
+        (``full_tensor``), blocking. A failure raises as :meth:`collective_failed`, naming the call in
+        progress. Every rank of ``like``'s mesh, in the same order."""
+        from torch.distributed.tensor import DTensor
+
+        split = DTensor.from_local(piece, like.device_mesh, like.placements,  # type: ignore[attr-defined]
+                                   run_check=False, shape=like.shape, stride=like.stride())
+        try:
+            return split.full_tensor()
+        except RuntimeError as e:
+            self.collective_failed(e, "the gather of a tensor-parallel matrix's update across its mesh (Muon)")
 
     def all_gather_inplace(self, flat: Tensor, pieces: Sequence[Range]) -> Pending:
         """Fill ``flat`` with every rank's piece, in place; ``pieces[r]`` is rank r's range of

@@ -1,8 +1,10 @@
 """Handles of collectives in flight (``Pending``) and the counters they add to.
 
-A collective is issued asynchronously and its handle waited on explicitly, exactly once; what
-runs once its data has arrived (``then``) may start more (a follow-up). Shared by the comm and its
-bucket paths (``_collectives``, ``_bucket_paths``).
+A collective is issued asynchronously and its handle waited on explicitly, exactly once; one
+handle may hold several collectives issued together (a bucket's reduction on the rank-order path:
+two all-to-alls). What runs once its data has arrived (``then``, a named step of whoever issued
+it) may start more (a follow-up). Shared by the comm and its bucket paths (``_collectives``,
+``_bucket_paths``).
 """
 from __future__ import annotations
 
@@ -60,6 +62,12 @@ class Pending(Gather):
     control: bool = False  # a message of the control group: gloo's own timeout is ``deadline`` (Comm.control_failed)
     what: str = "a collective of the optimizer's group"  # what the message of a failure names (Comm.collective_failed)
     issued: float = field(default_factory=time.monotonic)  # when it was issued: gloo's own wait starts there
+
+    @property
+    def collectives(self) -> int:
+        """The collectives of this handle not yet waited: what it counts against a limit of
+        collectives in flight (``_rounds.MAX_INFLIGHT``). A question."""
+        return len(self.works)
 
     def arrived(self) -> bool:
         """True once every collective of this handle has finished (it still needs ``wait``); never blocks."""
@@ -136,14 +144,3 @@ def says_timed_out(e: Exception) -> bool:
     """Whether torch's error says a wait ran out of time (gloo's and NCCL's wordings)."""
     return "imeout" in str(e) or "imed out" in str(e)
 
-
-def and_then(pending: Pending, fn: Callable[[], Pending | None]) -> Pending:
-    """``pending``, changed to run ``fn`` once it and every follow-up it starts have landed."""
-    first = pending.then
-
-    def then() -> Pending | None:
-        follow = first() if first is not None else None
-        return and_then(follow, fn) if follow is not None else fn()
-
-    pending.then = then
-    return pending

@@ -27,7 +27,7 @@ from shardopt.group._intake import GradIntake
 from shardopt.group._rounds import MAX_INFLIGHT
 from shardopt.memory._buffer_model import replay_buffers
 from shardopt.group._muon_packing import owned_layout
-from shardopt.update._muon_tp import sharded_dim, whole_orthogonalizer
+from shardopt.group._muon_tp import sharded_dim, whole_orthogonalizer
 from shardopt.kernels import make_scalars, select
 from shardopt.kernels.muon_reference import muon_step_
 from shardopt.update._master import make_master
@@ -256,7 +256,7 @@ class FlatGroup(GradIntake):
                    lr=lr_value(hp["lr"]), weight_decay=float(hp["weight_decay"]), momentum=float(hp["momentum"]),
                    nesterov=bool(hp["nesterov"]), ns_coefficients=tuple(hp["ns_coefficients"]),
                    eps=float(hp["eps"]), ns_steps=int(hp["ns_steps"]), adjust_lr_fn=hp["adjust_lr_fn"],
-                   orthogonalize_fn=whole_orthogonalizer(tp) if tp is not None else None,
+                   orthogonalize_fn=whole_orthogonalizer(tp, self.comm) if tp is not None else None,
                    shape=tuple(tp.shape) if tp is not None else None)
         if r is not None:
             self.master.write_fp32_(r, master.to(place.device), step)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from typing import Callable, Sequence, cast
+from typing import Sequence, cast
 
 import torch
 from torch import Tensor
@@ -24,8 +24,6 @@ from shardopt.core._flat import FlatParams, ShardView, copies_into, set_grad
 from shardopt.core._records import BucketRecord, GradSlot, ParamRecord, column, grads
 from shardopt.group._grad_placeholder import is_placeholder
 from shardopt.group._left_grads import LeftGrads, LeftScale
-
-Launch = list[Callable[[], Pending]]  # a bucket's collectives, to issue in order
 
 
 def _flat(grad: Tensor) -> Tensor:
@@ -124,9 +122,9 @@ class FlatGrads(_Store):
     def add_late(self, r: ParamRecord, grad: Tensor) -> None:
         """A second gradient in one round: autograd already added it to the view, in place."""
 
-    def launch(self, b: BucketRecord) -> Launch:
-        return self.comm.all_reduce_parts(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype,  # stage 1: a view
-                                          self.in_flight)
+    def launch(self, b: BucketRecord) -> Pending:
+        return self.comm.all_reduce(cast(Tensor, b.grad_view), b.pieces, self.reduce_dtype,  # stage 1: a view
+                                  self.in_flight)
 
     def landed(self, b: BucketRecord) -> None:
         pass
@@ -273,7 +271,7 @@ class ShardGrads(_Store):
         """Bucket ``b``'s part of this rank's gradient shard (a view; may be empty)."""
         return self.grad_shard[b.local.as_slice()]
 
-    def launch(self, b: BucketRecord) -> Launch:
+    def launch(self, b: BucketRecord) -> Pending:
         """Bucket ``b``'s reduce-scatter: straight into its part of the gradient shard when that
         part is overwritten in the gradient dtype (the first round since zero_grad), else into a
         landing buffer that :meth:`reduced` writes into the shard or the fp32 sum."""
@@ -288,7 +286,7 @@ class ShardGrads(_Store):
                 self.allocations += 1
             out = torch.empty_like(dest, dtype=self.reduce_dtype or dest.dtype)
         b.land_in(None if out is dest else out)
-        return self.comm.reduce_scatter_parts(out, staging, b.pieces, self.in_flight)
+        return self.comm.reduce_scatter(out, staging, b.pieces, self.in_flight)
 
     def reduced(self, b: BucketRecord) -> None:
         """Bucket ``b``'s reduction is complete (a cross-replica follow-up too): write what landed

@@ -33,14 +33,14 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import get_gradient_edge
 
-from shardopt.comm._collectives import Comm
+from shardopt.comm._collectives import Comm, Pending
 from shardopt.core._dtensor import leave_grad, move_grad
 from shardopt.core._compat import will_execute_each
 from shardopt.core._flat import FlatParams, ShardView, set_grad
 from shardopt.core._records import (BucketRecord, BucketState, GradSlot, Holds, ParamRecord, ParamState, Reach, column,
                                     flagged, grads)
 from shardopt.group._grad_placeholder import GradPlaceholder, is_placeholder, pending_of, take_pending
-from shardopt.group._grad_store import FlatGrads, Launch, ShardGrads
+from shardopt.group._grad_store import FlatGrads, ShardGrads
 from shardopt.group._held_bytes import HeldBytes, HeldTotal
 from shardopt.group._left_grads import LeftScale, tag_left
 
@@ -349,9 +349,8 @@ class GradIntake:
         held = self.store.buffer_bytes()
         return held + (self.accum.numel() * self.accum.element_size() if self.accum is not None else 0)
 
-    def launch(self, b: BucketRecord) -> Launch:
-        """Stage bucket ``b``: the functions that issue its reduction, one collective each, to be
-        called in order on every rank."""
+    def launch(self, b: BucketRecord) -> Pending:
+        """Stage bucket ``b`` and issue its reduction: its one handle. Every rank, in the same order."""
         b.to(BucketState.LAUNCHED)
         taken = ParamState.TAKEN
         for r in b.params:

@@ -103,7 +103,7 @@ from shardopt.core._ownership import owned_hook
 from shardopt.core import _ranges
 from shardopt.core._records import BucketRecord, ParamRecord
 
-MAX_INFLIGHT = 2  # bucket reductions in flight before the oldest is waited on (follow-ups not counted)
+MAX_INFLIGHT = 2  # collectives of bucket reductions in flight before the oldest is waited on (follow-ups not counted)
 
 
 class RoundState(enum.Enum):
@@ -240,9 +240,8 @@ class Rounds:
 
     def _reset(self) -> None:
         self._pos = 0  # next position in self.order to launch
-        # oldest first: (collective, the bucket on its last collective, whether a cross-replica follow-up)
-        self._inflight: list[tuple[Pending, BucketRecord | None, bool]] = []
-        self._follow_ups = 0  # of those, cross-replica all-reduces started when a reduction landed (hybrid)
+        # oldest first: (a bucket's handle, its bucket, whether a cross-replica follow-up)
+        self._inflight: list[tuple[Pending, BucketRecord, bool]] = []
         self._tag_pending: Pending | None = None
         self._tag_lost = False
         self._tag_sum: torch.Tensor | None = None
@@ -455,15 +454,14 @@ class Rounds:
             self._pos += 1
 
     def _launch(self, b: BucketRecord) -> None:
-        """Issue bucket ``b``'s collectives; its staging goes when the last lands."""
+        """Issue bucket ``b``'s reduction, one handle; its staging goes when it lands."""
         with _ranges.bucket_range(_ranges.REDUCE_LAUNCH, b):  # see _ranges [Note: profiler ranges]
-            parts = self.groups[b.buffer].launch(b)
-            for j, issue in enumerate(parts):  # one collective each (gloo cuts a bucket one rank owns most of)
-                self._inflight.append((issue(), b if j == len(parts) - 1 else None, False))
-                self.groups[b.buffer].held.buffers_changed()
-                # at most MAX_INFLIGHT reductions on the network, besides their cross-replica follow-ups
-                while len(self._inflight) - self._follow_ups > MAX_INFLIGHT:
-                    self._complete_oldest()
+            self._inflight.append((self.groups[b.buffer].launch(b), b, False))
+            self.groups[b.buffer].held.buffers_changed()
+            # at most MAX_INFLIGHT collectives on the network (a rank-order handle holds two), besides
+            # the cross-replica follow-ups
+            while sum(p.collectives for p, _, follow_up in self._inflight if not follow_up) > MAX_INFLIGHT:
+                self._complete_oldest()
 
     def _wait_tag(self) -> None:
         """Before a round's first bucket collective: its tag's answer, then (beside torchft) the check
@@ -500,24 +498,21 @@ class Rounds:
                 "another checkpoint or state dict than the others")
 
     def _complete_oldest(self) -> None:
-        """Wait for the oldest collective in flight. A reduction that starts a follow-up (the
+        """Wait for the oldest handle in flight. A reduction that starts a follow-up (the
         cross-replica all-reduce of hybrid sharding) frees its staging now; the follow-up goes to
         the back of the queue, and the bucket's gradient is complete when it lands."""
         self._wait_tag()
         pending, b, follow_up = self._inflight.pop(0)
-        if follow_up:
-            self._follow_ups -= 1
         with _ranges.bucket_range(_ranges.REDUCE_LAND, b):
             follow = pending.wait_landed()
-            if b is not None and not follow_up:  # the bucket's last collective: its staging was read
+            if not follow_up:  # the bucket's reduction: its staging was read
                 self.groups[b.buffer].landed(b)
             if follow is not None:
                 self._inflight.append((follow, b, True))
-                self._follow_ups += 1
-            elif b is not None:
+            else:
                 self.groups[b.buffer].reduced(b)
-            if b is not None:  # its staging or receive buffers went (see _held_bytes [Note: a gradient taken at once])
-                self.groups[b.buffer].held.buffers_changed()
+            # its staging or receive buffers went (see _held_bytes [Note: a gradient taken at once])
+            self.groups[b.buffer].held.buffers_changed()
 
     def finish_round(self) -> None:
         """Launch every bucket not yet launched in this round, in order, and wait for all; runs

@@ -18,41 +18,44 @@ def replay_buffers(layout: FlatLayout, rank: int, arrival: Sequence[int] | None,
     """(peak bytes of communication buffers on shard rank ``rank`` over one backward pass whose
     gradients arrive in ``arrival`` order (buffer indices; None: buffer order; missing ones: at the
     end), the most bytes one bucket adds). ``psize``: bytes per gradient element; ``rank_order``:
-    the comm's bucket path (see ``_bucket_paths`` [Note: the bucket paths]): a reduction is
-    two all-to-alls that receive the copies of this rank's piece from the ranks above it, then
-    from those below, held until the second lands, and with ``hybrid`` its fp32 partial sum until
-    the cross-replica all-reduce lands; else (native) one collective that reads a cast copy of the
-    bucket when ``reduce_size`` (bytes per element of ``reduce_dtype`` where it is not the
-    gradient's) is not 0, the cross-replica all-reduce in place."""
+    the comm's bucket path (see ``_bucket_paths`` [Note: the bucket paths]): a reduction is one
+    handle of two all-to-alls, issued together, that receive the copies of this rank's piece from
+    the ranks above and below it, held until the handle lands, and with ``hybrid`` its fp32
+    partial sum until the cross-replica all-reduce lands; else (native) one collective that reads
+    a cast copy of the bucket when ``reduce_size`` (bytes per element of ``reduce_dtype`` where it
+    is not the gradient's) is not 0, the cross-replica all-reduce in place. ``max_inflight``
+    counts collectives: a rank-order handle counts two."""
     numels = [b.global_range.size for b in layout.buckets]
-    held: list[list[int]]  # per bucket and collective: the bytes its launch adds, held until the bucket's last lands
-    follows: list[list[int | None]]  # per bucket and collective: bytes its follow-up holds; None: no follow-up
+    held: list[int]  # per bucket: the bytes its launch adds, held until its handle lands
+    follows: list[int | None]  # per bucket: bytes its follow-up holds; None: no follow-up
     if rank_order:
         acc = max(psize, 4)  # the sum runs in fp32 (fp64 for fp64 gradients)
-        above, below = layout.world_size - 1 - rank, rank
-        held = [[above * b.piece_numel * psize, below * b.piece_numel * psize] for b in layout.buckets]
-        follows = [[None, acc * b.piece_numel if hybrid else None] for b in layout.buckets]
+        held = [(layout.world_size - 1) * b.piece_numel * psize for b in layout.buckets]  # every other rank's copy
+        follows = [acc * b.piece_numel if hybrid else None for b in layout.buckets]
     else:
-        held = [[n * reduce_size] for n in numels]
-        follows = [[0 if hybrid else None] for _ in numels]
+        held = [n * reduce_size for n in numels]
+        follows = [0 if hybrid else None for _ in numels]
     members = [b.params for b in layout.buckets]
-    return _replay(numels, held, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight)
+    return _replay(numels, held, follows, members, arrival, stage=stage, psize=psize, max_inflight=max_inflight,
+                   collectives=2 if rank_order else 1)
 
 
 class _Buffers:
-    """Staging and receive buffers on one rank, allocated and freed as a flat group (``GradIntake``) does."""
+    """Staging and receive buffers on one rank, allocated and freed as a flat group (``GradIntake``) and
+    ``Rounds`` do: one handle per bucket, the oldest waited while more than ``max_inflight``
+    collectives of bucket handles are in flight (follow-ups not counted)."""
 
-    def __init__(self, numels: Sequence[int], receives: Sequence[Sequence[int]],
-                 follows: Sequence[Sequence[int | None]], *, stage: int, psize: int, max_inflight: int) -> None:
-        self.max_inflight = max_inflight  # reductions in flight before the oldest is waited on
+    def __init__(self, numels: Sequence[int], receives: Sequence[int], follows: Sequence[int | None], *,
+                 stage: int, psize: int, max_inflight: int, collectives: int) -> None:
+        self.max_inflight = max_inflight  # collectives in flight before the oldest handle is waited on
+        self.collectives = collectives  # of one bucket's handle
         self.staging_bytes = [n * psize if stage == 2 else 0 for n in numels]
-        self.recv_bytes = [list(r) for r in receives]  # per bucket, per collective: bytes its launch adds
-        self.held: dict[int, int] = {}  # per bucket in flight: the bytes its collectives hold until its last lands
+        self.recv_bytes = list(receives)  # per bucket: bytes its launch adds
         self.follows = follows
         self.staging: dict[int, int] = {}
-        # (bucket, bytes held, its last collective, bytes of its follow-up or None, is a follow-up)
-        self.inflight: list[tuple[int, int, bool, int | None, bool]] = []
-        self.follow_ups = 0
+        # oldest first: (bucket, bytes held, its collectives counted against max_inflight (0: a follow-up),
+        # bytes of its follow-up or None)
+        self.inflight: list[tuple[int, int, int, int | None]] = []
         self.live = self.peak = 0
 
     def _note(self) -> None:
@@ -66,29 +69,23 @@ class _Buffers:
 
     def launch(self, b: int) -> None:
         self.fill(b)
-        for j, nbytes in enumerate(self.recv_bytes[b]):
-            self.live += nbytes
-            self.held[b] = self.held.get(b, 0) + nbytes
-            self.inflight.append((b, nbytes, j == len(self.recv_bytes[b]) - 1, self.follows[b][j], False))
-            self._note()
-            while len(self.inflight) - self.follow_ups > self.max_inflight:
-                self.complete()
+        self.live += self.recv_bytes[b]
+        self.inflight.append((b, self.recv_bytes[b], self.collectives, self.follows[b]))
+        self._note()
+        while sum(n for _, _, n, _ in self.inflight) > self.max_inflight:
+            self.complete()
 
     def complete(self) -> None:
-        b, nbytes, last, follow, is_follow = self.inflight.pop(0)
-        self.follow_ups -= is_follow
-        if is_follow:
-            self.live -= nbytes
-        elif last:
-            self.live -= self.held.pop(b, 0)
+        b, nbytes, collectives, follow = self.inflight.pop(0)
+        self.live -= nbytes
+        if collectives:  # the bucket's own handle: its staging was read
             self.staging.pop(b, None)
         if follow is not None:  # the cross-replica all-reduce, to the back of the queue (see _rounds)
             self.live += follow
-            self.inflight.append((b, follow, False, None, True))
-            self.follow_ups += 1
+            self.inflight.append((b, follow, 0, None))
 
 
-def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], follows: Sequence[Sequence[int | None]],
+def _replay(numels: Sequence[int], receives: Sequence[int], follows: Sequence[int | None],
             members: Sequence[Sequence[int]], arrival: Sequence[int] | None, **kw: int) -> tuple[int, int]:
     """Peak bytes of communication buffers on one rank over a backward pass whose gradients arrive
     in ``arrival`` order (buffer indices; None: buffer order), each bucket launched once it is
@@ -108,6 +105,5 @@ def _replay(numels: Sequence[int], receives: Sequence[Sequence[int]], follows: S
             buf.launch(b)
     while buf.inflight:
         buf.complete()
-    slack = max((s + sum(r) + max((f or 0 for f in fs), default=0)
-                 for s, r, fs in zip(buf.staging_bytes, buf.recv_bytes, follows)), default=0)
+    slack = max((s + r + (f or 0) for s, r, f in zip(buf.staging_bytes, buf.recv_bytes, follows)), default=0)
     return buf.peak, slack

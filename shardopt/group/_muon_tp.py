@@ -7,7 +7,8 @@ one rank of its data-parallel group, the same data-parallel rank at every tensor
 owners are placed by the whole matrices' shapes, also where an uneven split gives the positions
 pieces of different sizes (see _muon_packing [Note: owners of tensor-parallel pieces]). That
 owner's momentum-averaged update of its piece is gathered
-across the tensor-parallel mesh (the DTensor's own all-gather, ``full_tensor``), every owner
+across the tensor-parallel mesh (the DTensor's own all-gather, ``full_tensor``, through
+``Comm.gather_tensor_parallel``, which names the call if a peer is lost), every owner
 orthogonalises the whole matrix, as ``torch.optim.Muon`` would, and keeps its piece (the split
 DTensor's Shard placement makes, ``core._dtensor.shard_extent``: pieces of ``ceil(rows / tp)``,
 the last ones short or empty, so 4 rows over 3 ranks are 2, 2 and 0; an owner whose piece is empty
@@ -23,6 +24,7 @@ from typing import Any, Callable, cast
 
 from torch import Tensor
 
+from shardopt.comm._collectives import Comm
 from shardopt.core._dtensor import is_shard, shard_extent
 from shardopt.kernels.muon_reference import orthogonalize
 
@@ -35,18 +37,16 @@ def sharded_dim(dt: Tensor) -> int | None:
     return None
 
 
-def whole_orthogonalizer(dt: Tensor) -> Callable[..., Tensor]:
+def whole_orthogonalizer(dt: Tensor, comm: Comm) -> Callable[..., Tensor]:
     """``orthogonalize`` for this rank's piece of DTensor parameter ``dt``'s update: gathers the
-    pieces across ``dt``'s mesh, orthogonalises the whole, returns this rank's piece (see [Note:
-    Muon beside tensor parallelism]). Every rank of the mesh, in the same order."""
-    from torch.distributed.tensor import DTensor
-
+    pieces across ``dt``'s mesh (``comm.gather_tensor_parallel``: a failure names the optimizer's
+    call), orthogonalises the whole, returns this rank's piece (see [Note: Muon beside tensor
+    parallelism]). Every rank of the mesh, in the same order."""
     dim = cast(int, sharded_dim(dt))  # only a piece split along a dimension gets here
-    mesh, placements = dt.device_mesh, dt.placements  # type: ignore[attr-defined]
+    mesh = dt.device_mesh  # type: ignore[attr-defined]
 
     def piece(update: Tensor, **kw: Any) -> Tensor:
-        whole = DTensor.from_local(update.contiguous(), mesh, placements, run_check=False,
-                                   shape=dt.shape, stride=dt.stride()).full_tensor()
+        whole = comm.gather_tensor_parallel(update.contiguous(), dt)
         ortho = orthogonalize(whole, **kw)
         return ortho.narrow(dim, *shard_extent(int(dt.shape[dim]), mesh.size(), mesh.get_local_rank()))
 
