@@ -169,7 +169,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
         self._parts = ModelParts(self.param_groups, self._names, self._comm, model_parallel_group, self.config.timeout)
         with self._comm.during(f"{type(self).__name__}'s construction"):
-            trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+            trainable = agree_on_params(self, self._comm, self._parts, self._names, loss_scale,
+                                         check=self._check_params)
         # after the data-parallel ranks agreed on the axes (see comm._model_parts [Note: ranks that built the optimizer differently])
         self._parts.connect()
         self._closed: str | None = None  # why this optimizer no longer trains, once released
