@@ -245,6 +245,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # Weight all-gathers still in flight, in their buckets' records: see group._gather_wait.
         self._gathers = WeightGathers(self._buffers, self._record_of, self.config.overlap_param_gather)
         self._gather_hook = GatherWatch(self._gathers) if self.config.overlap_param_gather else None
+        self._consolidated: dict[str, Any] | None = None  # consolidate_state_dict's result, until step()
         self._ddp_watch: RemovableHandle | None = watch_for_ddp(tracked, stage, ref)  # until the first forward over them, or the first step
         Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
         # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)

@@ -30,12 +30,12 @@ class OptimizerStateDict(_Mixed):
         state: ParamStateView  # type: ignore[assignment]
         skipped_steps: int
         internals: Internals
+        # consolidate_state_dict's whole state on the rank it gathered onto, until the next step
+        # (which drops it) or load; None elsewhere. An instance attribute (set at construction),
+        # never a class one: a LightningOptimizer wrapper reads the optimizer's through __getattr__.
+        _consolidated: dict[str, Any] | None
 
         def finish_param_gather(self) -> None: ...
-
-    # consolidate_state_dict's whole state on the rank it gathered onto, until the next step (which
-    # drops it) or load; None elsewhere. This mixin's own, on the optimizer it is mixed into.
-    _consolidated: dict[str, Any] | None = None
 
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state onto rank ``to`` (as ``ZeroRedundancyOptimizer`` does): until the
