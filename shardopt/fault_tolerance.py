@@ -50,10 +50,11 @@ def register(manager: Any, optimizer: ShardedAdamW, *, scheduler: Any = None, mo
     if not isinstance(optimizer, ShardedAdamW):
         raise TypeError(f"register takes a shardopt ShardedAdamW or ShardedMuon, got {type(optimizer).__name__}; "
                         "register it before wrapping it in torchft.optim.OptimizerWrapper")
-    if not optimizer._comm.managed or optimizer._comm.cross.manager is not manager:  # type: ignore[union-attr]
+    comm = optimizer.internals.comm
+    if not comm.managed or comm.cross.manager is not manager:  # type: ignore[union-attr]
         raise ValueError("the optimizer was not built with replicas=manager for this manager: build it with "
                          "ShardedAdamW(..., replicas=manager), so that it averages over torchft's quorum")
-    replicas = optimizer._comm.cross
+    replicas = comm.cross
     if replicas.registered:  # type: ignore[union-attr]
         raise ValueError(f"register was already called for this optimizer (under key {key!r}): call it once per "
                          "optimizer, on every rank of every replica group")

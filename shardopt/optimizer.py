@@ -40,6 +40,7 @@ from shardopt.checkpoint._state_dict import OptimizerStateDict
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.step._step_agreement import StepAgreement
 from shardopt.step._copies import DeclaredCopies
+from shardopt.step._internals import Internals, Progress
 from shardopt.step._usage_checks import UsageChecks, watch_for_ddp
 from shardopt.step._loss_scale import LossScaler, make_scaler
 from shardopt.memory import MemoryReport
@@ -115,6 +116,10 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     # torch.optim.Optimizer's stub types state as a defaultdict; here it is a view of the shard.
     state: ParamStateView  # type: ignore[assignment]
+    internals: Internals
+    """This optimizer's parts (flat groups, comm, rounds, loss scaler, step count, ...), the objects it
+    holds itself, as the package's own checkpoint and inspection code reads them (see
+    ``step._internals``). Not a stable API: ``inspect()`` is the public view."""
 
     def __init__(
         self,
@@ -169,7 +174,8 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # Which ranks hold which part of the model: tensor, pipeline and expert parallelism (see comm._model_parts)
         self._parts = ModelParts(self.param_groups, self._names, self._comm, model_parallel_group, self.config.timeout)
         with self._comm.during(f"{type(self).__name__}'s construction"):
-            trainable = agree_on_params(self, self._comm, self._names, loss_scale, check=self._check_params)
+            trainable = agree_on_params(self, self._comm, self._parts, self._names, loss_scale,
+                                         check=self._check_params)
         # after the data-parallel ranks agreed on the axes (see comm._model_parts [Note: ranks that built the optimizer differently])
         self._parts.connect()
         self._closed: str | None = None  # why this optimizer no longer trains, once released
@@ -225,7 +231,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         # The last step's update with the gathers started bucket by bucket, then the time blocked on
         # the gathers after it (0 with overlap_param_gather: the next forward waits), seconds, this rank.
         self.last_step_update_seconds = self.last_step_gather_wait_seconds = 0.0
-        self._step = 0
+        self._progress = Progress()  # the step count (see step._internals)
         # held by step() and by what reads or writes the state from another thread (torchft's
         # healing, see shardopt.fault_tolerance): a reader sees the state between two steps
         self._state_lock = threading.RLock()
@@ -244,7 +250,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         Joinable.__init__(self)  # the Join context manager sets _join_config (see [Note: uneven inputs])
         # torch.optim's per-parameter state, read from this rank's shard (see checkpoint._torch_state)
         self.state = ParamStateView(self._buffers, [p for g in self.param_groups for p in g["params"]],
-                                    lambda: ref()._step)  # type: ignore[union-attr]
+                                    lambda: ref()._progress.step)  # type: ignore[union-attr]
+        self.internals = Internals(self._buffers, self._comm, self._parts, self._scaler, self._checks, self._rounds,
+                                   self._gathers, self._held, self._state_lock, self._progress)
         self._built = True
 
     def _release(self, why: str) -> None:
@@ -355,7 +363,9 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         """(any inf/NaN gradient on any rank, global norm of the scaled gradient): the step's one
         all-reduce (see _step_agreement). Every rank."""
         self.finish_param_gather()
-        self._notice_join()
+        # inside a Join, before this step's first collective: tell it that this rank has inputs
+        # (group._rounds.JoinNotice). Local decision, once per step
+        self._rounds.join.send()
         return self._agreement.exchange(self.param_groups, self._scaler.scale, norm_type, caller, self._in_join())
 
     @torch.compiler.disable
@@ -455,14 +465,14 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             b.stepped()
         if found_inf:
             self.skipped_steps += 1
-            attempt = self._step + self.skipped_steps  # step() calls so far, skipped ones included
+            attempt = self._progress.step + self.skipped_steps  # step() calls so far, skipped ones included
             self._scaler.update(True, attempt)
             log.info("shardopt: step %d skipped: inf/NaN gradients on some rank; loss scale now %g (%d skipped so far)",
                      attempt, self._scaler.scale, self.skipped_steps)
             self._skips.skipped(attempt, self._scaler, self._nonfinite_params)
             return loss
         self._skips.taken()
-        self._step += 1
+        self._progress.step += 1
         grad_scale = coef / self._checks.grad_scale
         # See FlatGroup.update: each bucket's all-gather runs while the next bucket is updated.
         start = time.perf_counter()
@@ -471,7 +481,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             # (see _gather_wait [Note: the optimizer's own update])
             with outside_read_guard():
                 for b in self._buffers:
-                    b.update(self._step, grad_scale, self.param_groups)
+                    b.update(self._progress.step, grad_scale, self.param_groups)
         finally:
             if self.config.overlap_param_gather:  # the read guard, see _gather_wait [Note: reads of a weight in flight]
                 in_flight()
@@ -480,7 +490,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
             self.finish_param_gather()
         self.last_step_update_seconds = waited - start
         self.last_step_gather_wait_seconds = time.perf_counter() - waited
-        self._scaler.update(False, self._step + self.skipped_steps)
+        self._scaler.update(False, self._progress.step + self.skipped_steps)
         self.state.refresh()  # the state tensors opt.state handed out hold the new state, as torch's
         self.last_step_comm = dataclasses.replace(self._comm.stats)
         self._comm.stats.reset()
@@ -508,11 +518,6 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
 
     def _in_join(self) -> bool:
         return self._rounds.join.active()
-
-    def _notice_join(self) -> None:
-        """Inside a Join, before this step's first collective: tell it that this rank has inputs
-        (``group._rounds.JoinNotice``). Local decision, once per step."""
-        self._rounds.join.send()
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -640,7 +645,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
     @property
     def step_count(self) -> int:
         """Steps taken (skipped steps not counted)."""
-        return self._step
+        return self._progress.step
 
     def inspect(self) -> OptimizerView:
         """A read-only view of what this optimizer holds on this rank: ranks, buffers and their

@@ -29,27 +29,18 @@ from shardopt.group._muon_packing import MuonPacking
 from shardopt.group._flat_group import FlatGroup
 
 if TYPE_CHECKING:
-    from shardopt.comm._collectives import Comm
-    from shardopt.group._gather_wait import WeightGathers
     from shardopt.core._config import ShardConfig
-    from shardopt.group._held_bytes import HeldTotal
-    from shardopt.group._rounds import Rounds
-    from shardopt.step._loss_scale import LossScaler
+    from shardopt.step._internals import Internals
     from shardopt.update._master import FP32Master
     from shardopt.update._split import SplitMaster
 
     class _Optimizer(Protocol):
         """What a view reads of a ShardedAdamW, which lives a layer up (optimizer.py): named by these
-        attributes, since setup.cfg's contracts let no lower folder import it, not even for types."""
+        attributes, since setup.cfg's contracts let no lower folder import it, not even for types; its
+        parts through ``internals`` (``step._internals``)."""
 
         config: ShardConfig
-        _buffers: list[FlatGroup]
-        _comm: Comm
-        _step: int
-        _scaler: LossScaler
-        _held: HeldTotal
-        _gathers: WeightGathers
-        _rounds: Rounds
+        internals: Internals
 
 _T = TypeVar("_T")
 
@@ -270,32 +261,32 @@ class OptimizerView:
     @property
     def rank(self) -> int:
         """This rank in the optimizer's process group."""
-        return self._opt._comm.rank
+        return self._opt.internals.comm.rank
 
     @property
     def world_size(self) -> int:
         """Ranks in the optimizer's process group (all data-parallel ranks)."""
-        return self._opt._comm.world_size
+        return self._opt.internals.comm.world_size
 
     @property
     def shard_rank(self) -> int:
         """This rank within its shard group (the ranks one copy of the state is split over)."""
-        return self._opt._comm.shard_rank
+        return self._opt.internals.comm.shard_rank
 
     @property
     def shard_size(self) -> int:
         """Ranks in a shard group (``world_size`` unless hybrid sharding)."""
-        return self._opt._comm.shard_size
+        return self._opt.internals.comm.shard_size
 
     @property
     def replica(self) -> int:
         """Which copy of the state this rank's shard group holds (0 unless hybrid sharding)."""
-        return self._opt._comm.replica
+        return self._opt.internals.comm.replica
 
     @property
     def replicas(self) -> int:
         """Copies of the state: shard groups (1 unless hybrid sharding)."""
-        return self._opt._comm.replicas
+        return self._opt.internals.comm.replicas
 
     # -- configuration and state -----------------------------------------------------------
     @property
@@ -306,40 +297,40 @@ class OptimizerView:
     @property
     def buffers(self) -> tuple[BufferView, ...]:
         """One view per flat buffer (per parameter dtype and device), in the optimizer's order."""
-        return tuple(BufferView(b) for b in self._opt._buffers)
+        return tuple(BufferView(b) for b in self._opt.internals.buffers)
 
     @property
     def step_count(self) -> int:
         """Steps taken (skipped steps not counted)."""
-        return self._opt._step
+        return self._opt.internals.progress.step
 
     @property
     def scaler_state(self) -> dict[str, Any]:
         """The loss scaler's ``state_dict()`` (a fresh dict: writing it changes nothing)."""
-        return self._opt._scaler.state_dict()
+        return self._opt.internals.scaler.state_dict()
 
     @property
     def held_bytes(self) -> int:
         """Gradient and communication-buffer bytes this rank holds now, over every buffer."""
-        return self._opt._held.now()
+        return self._opt.internals.held.now()
 
     @property
     def gather_handles(self) -> tuple[Pending, ...]:
         """The weight all-gathers ``step`` started that were not waited for yet."""
-        return tuple(self._opt._gathers.handles())
+        return tuple(self._opt.internals.gathers.handles())
 
     # -- rounds of gradient reductions -----------------------------------------------------
     @property
     def round_state(self) -> RoundState:
         """Where this rank's round of bucket reductions is (``IDLE`` between backward passes)."""
-        return self._opt._rounds.state
+        return self._opt.internals.rounds.state
 
     @property
     def total_rounds(self) -> int:
         """Rounds of reductions completed since construction."""
-        return self._opt._rounds.total_rounds
+        return self._opt.internals.rounds.total_rounds
 
     @property
     def lost_round(self) -> bool:
         """A backward pass raised inside a round since the last step (the round was finished later)."""
-        return self._opt._rounds.lost_round
+        return self._opt.internals.rounds.lost_round

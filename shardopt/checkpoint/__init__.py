@@ -41,6 +41,7 @@ from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_co
                                         checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
                                         list_checkpoints, read_manifest, temp_path, verify_data, write_json)
 from shardopt.checkpoint._hyper import TENSORS, jsonable, restore_group, tensor_kinds
+from shardopt.checkpoint._resume import resume
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
 from shardopt.comm._messages import enter, entry_deadline
 from shardopt.core._dtensor import is_dtensor, local_box, local_of, replicated
@@ -80,7 +81,7 @@ class _Entry:
 def _part(opt: ShardedOptimizer | None) -> str:
     """The prefix of this rank's keys in a checkpoint it saves (``ModelParts.key_part``; "" for a
     weights-only load). Local."""
-    return opt._parts.key_part() if opt is not None else ""
+    return opt.internals.parts.key_part() if opt is not None else ""
 
 
 def _saved_part(manifest: dict, opt: ShardedOptimizer | None) -> str:
@@ -91,29 +92,29 @@ def _saved_part(manifest: dict, opt: ShardedOptimizer | None) -> str:
     part, parts = _part(opt), manifest.get("parts") or {}
     if opt is None or not part or part in parts:
         return part
-    if opt._parts.named_part() in parts:
-        return opt._parts.named_part()
+    if opt.internals.parts.named_part() in parts:
+        return opt.internals.parts.named_part()
     one_axis = {m.group(1) if (m := re.fullmatch(r"([^./\d]+)\d+/", p)) else None for p in parts}
-    if len(one_axis) == 1 and None not in one_axis and len(opt._parts.layout()) == 1:
-        return f"{one_axis.pop()}{opt._parts.place}/"
+    if len(one_axis) == 1 and None not in one_axis and len(opt.internals.parts.layout()) == 1:
+        return f"{one_axis.pop()}{opt.internals.parts.place}/"
     return part
 
 
 def replicated_writer(opt: ShardedOptimizer | None) -> bool:
     """Whether this rank writes the copies every rank of a DTensor mesh holds (``ModelParts.writes_copies``)."""
-    return opt is None or opt._parts.writes_copies()
+    return opt is None or opt.internals.parts.writes_copies()
 
 
 def _state_items(model: torch.nn.Module, opt: ShardedOptimizer | None, part: str) -> list[tuple[str, Any]]:
     """The model's state-dict entries, keyed with this rank's ``part`` prefix. Local."""
-    own = opt._parts.key_prefix if opt is not None else {}
+    own = opt.internals.parts.key_prefix if opt is not None else {}
     return [(part + own.get(id(t), "") + key, t) for key, t in model.state_dict(keep_vars=True).items()]
 
 
 def _entries(model: torch.nn.Module, opt: ShardedOptimizer | None, part: str) -> tuple[list[_Entry], dict[str, str]]:
     """The model's state-dict entries (each tensor once, keyed under this rank's ``part``) and the
     aliases of tied ones. Local."""
-    where = {id(r.leaf): (b, r.index) for b in (opt._buffers if opt is not None else []) for r in b.records}
+    where = {id(r.leaf): (b, r.index) for b in (opt.internals.buffers if opt is not None else []) for r in b.records}
     entries, aliases = [], {}
     first: dict[int, str] = {}  # id(tensor) -> its first key
     for key, t in _state_items(model, opt, part):
@@ -166,13 +167,13 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
             b, i = e.where
             span = b.layout.params[i]
             info["master"] = (MODEL if b.dtype == torch.float32 else MASTER) + e.key
-            info["buffer"] = opt._buffers.index(b)
+            info["buffer"] = opt.internals.buffers.index(b)
             info["flat_range"] = [span.global_range.start, span.global_range.end]  # elements, in the flat buffer
             info["rule"] = b.rule  # which moments it has: AdamW's two, or Muon's momentum buffer
             if b.amsgrad:  # AdamW's third: amsgrad's max_exp_avg_sq
                 info["amsgrad"] = True
             if b.records[i].lag:  # steps this parameter took, when fewer than the optimizer's (it had no gradient in some)
-                info["step"] = opt._step - b.records[i].lag
+                info["step"] = opt.internals.progress.step - b.records[i].lag
         tensors[e.key] = info
     groups = []
     for gi, (g, keys) in enumerate(zip(opt.param_groups, _group_keys(opt, model, part))):
@@ -180,17 +181,18 @@ def _manifest(opt: ShardedOptimizer, model: torch.nn.Module, entries: list[_Entr
         kinds = tensor_kinds(hp)  # a tensor lr comes back a tensor (see _hyper [Note: tensor hyperparameters])
         groups.append({**{k: jsonable(v, f"param group {gi} {k!r}") for k, v in hp.items()},
                        **({TENSORS: kinds} if kinds else {}), "params": keys})
-    cfg = opt.config
+    cfg, inner = opt.config, opt.internals
     config = {f.name: jsonable(getattr(cfg, f.name), f"optimizer setting {f.name!r}") for f in dataclasses.fields(cfg)}
     return {
         "format": FORMAT, "shardopt_version": __version__, "torch_version": torch.__version__,
-        "world_size": opt._comm.world_size, "shard_size": opt._comm.shard_size, "step": opt._step, "skipped_steps": opt.skipped_steps,
+        "world_size": inner.comm.world_size, "shard_size": inner.comm.shard_size, "step": inner.progress.step,
+        "skipped_steps": opt.skipped_steps,
         "config": config,  # informational, but for the stochastic-rounding seed, which load_checkpoint restores
-        "loss_scaler": jsonable(opt._scaler.state_dict(), "loss scaler state"),
+        "loss_scaler": jsonable(inner.scaler.state_dict(), "loss scaler state"),
         "param_groups": groups,
-        "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in opt._buffers],
+        "buffers": [{"dtype": _dtype_name(b.dtype), "numel": b.layout.numel} for b in inner.buffers],
         "tensors": tensors, "aliases": aliases,
-        **({"axes": opt._parts.layout()} if part else {}),  # moved beside its part by _merged
+        **({"axes": inner.parts.layout()} if part else {}),  # moved beside its part by _merged
     }
 
 
@@ -212,7 +214,7 @@ def save_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     rank raises]). ``extra`` (rank 0's is kept; tensors, numbers, strings, containers) is
     returned by ``load_checkpoint``: the place for an LR scheduler's or a data loader's state."""
     path = checkpoint_path(path)
-    with opt._comm.during("save_checkpoint()"):
+    with opt.internals.comm.during("save_checkpoint()"):
         _save(path, model, opt, extra, timeout)
     return path
 
@@ -243,16 +245,17 @@ def _job(opt: ShardedOptimizer) -> Comm:
     """The ranks that write or read one checkpoint together: the optimizer's group, or with model
     axes every rank of the default group (``ModelParts.job``, made at construction where the
     data-parallel group and the axes cover the default group). Local."""
-    axes = opt._parts.axes
+    parts, comm = opt.internals.parts, opt.internals.comm
+    axes = parts.axes
     if not axes:
-        return opt._comm
-    if opt._parts.job is None:
-        n = opt._comm.world_size * axes.size
+        return comm
+    if parts.job is None:
+        n = comm.world_size * axes.size
         raise ValueError(f"a checkpoint of a model split over {axes.describe()} is written by every rank of "
-                         f"the job together, over the default group, but the data-parallel group ({opt._comm.world_size} "
+                         f"the job together, over the default group, but the data-parallel group ({comm.world_size} "
                          f"ranks) times the model axes make {n} ranks, not the {world_size()} of the default group; "
                          "build the optimizer on every rank of the job")
-    return opt._parts.job
+    return parts.job
 
 
 def _merged(parts: list[tuple[str, dict]]) -> dict:
@@ -289,23 +292,24 @@ def _own_part(manifest: dict, opt: ShardedOptimizer | None, path: str, part: str
     groups and buffers. Raises ValueError when the checkpoint was saved with another layout of
     model axes (see comm._model_parts [Note: a part is named by its ranks]). Local."""
     parts = manifest.get("parts")
-    mine_groups = set(opt._parts.key_prefix.values()) if opt is not None else set()
+    mine_groups = set(opt.internals.parts.key_prefix.values()) if opt is not None else set()
     if any(GROUP_PREFIX.search(k) for k in manifest["tensors"]):  # other expert groups' keys are theirs
         manifest = {**manifest,
                     "tensors": {k: v for k, v in manifest["tensors"].items() if _group_of(k) in mine_groups | {""}},
                     "aliases": {k: v for k, v in manifest["aliases"].items() if _group_of(k) in mine_groups | {""}}}
     if not part and not parts:
         return manifest
-    places = opt._parts.places if opt is not None else 1
+    places = opt.internals.parts.places if opt is not None else 1
     saved_axes = (parts or {}).get(part, {}).get("axes")  # None in a checkpoint of before parts were named by ranks
     if not part or not parts or part not in parts or len(parts) != places or (
-            saved_axes is not None and opt is not None and not _same_axes(saved_axes, opt._parts.layout())):
+            saved_axes is not None and opt is not None and not _same_axes(saved_axes, opt.internals.parts.layout())):
         def axes(layout: list | None) -> str:
             return " x ".join(f"{n} {size}" for n, _, size in layout) if layout else "axes unrecorded"
 
         saved = ", ".join(f"{p.rstrip('/')} ({axes(v.get('axes'))}{_positions(v.get('axes'))})"
                           for p, v in sorted((parts or {}).items())) or "none"
-        here = (f"{part.rstrip('/')} of {places} ({axes(opt._parts.layout())}{_positions(opt._parts.layout())})"
+        here = (f"{part.rstrip('/')} of {places} "
+                f"({axes(opt.internals.parts.layout())}{_positions(opt.internals.parts.layout())})"
                 if part and opt is not None else "(the whole model: no model_parallel_group)")
         raise ValueError(f"checkpoint {path} was saved by a model split into the parts {saved}; this rank holds "
                          f"part {here}: load it with the same tensor- and pipeline-parallel layout (the ranks and "
@@ -336,7 +340,7 @@ def _save(path: str, model: torch.nn.Module, opt: ShardedOptimizer, extra: Any, 
     """``save_checkpoint`` of a path written as ``checkpoint_path`` writes it. Every rank."""
     settle(opt, "save_checkpoint", timeout)
     comm: Comm = _job(opt)  # every rank of the model (see [Note: one checkpoint for every part of the model])
-    if comm is not opt._comm:  # the other parts' ranks are in this call too
+    if comm is not opt.internals.comm:  # the other parts' ranks are in this call too
         enter(comm, "save_checkpoint", deadline=timeout)
     with comm.during("save_checkpoint()"):  # what a failure of the other ranks names
         _write(path, model, opt, comm, extra)
@@ -379,8 +383,8 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
         error = e
     # the ranks' manifests differ only when they hold different parts: gathered then, merged on every rank
     agreed = agree(comm, error, (uuid.uuid4().hex[:12], os.path.abspath(path),
-                                 (part, manifest) if opt._parts else None))
-    if opt._parts:
+                                 (part, manifest) if opt.internals.parts else None))
+    if opt.internals.parts:
         manifest = _merged([part for _, _, part in agreed])
     paths = [where for _, where, _ in agreed]
     if len(set(paths)) > 1:
@@ -407,7 +411,7 @@ def _write(path: str, model: torch.nn.Module, opt: ShardedOptimizer, comm: Comm,
 
     blocks: list[Block] = []
     try:  # fp32 copies of the master weights and moments (out of memory: agreed before DCP's exchanges)
-        blocks, error = _blocks_to_save(entries, opt._comm), None
+        blocks, error = _blocks_to_save(entries, opt.internals.comm), None
     except Exception as e:  # noqa: BLE001 - see [Note: every rank raises]
         error = e
     try:
@@ -543,7 +547,7 @@ def load_checkpoint(path: str | os.PathLike, model: torch.nn.Module, opt: Sharde
     finished. ``path`` is written as ``save_checkpoint`` writes it, after finishing a commit to it
     that a kill interrupted; a directory of checkpoints raises FileNotFoundError naming its latest."""
     path = checkpoint_path(path)
-    comm: Comm = opt._comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
+    comm: Comm = opt.internals.comm if opt is not None else Comm(process_group, connect=entry_deadline(timeout))
     with comm.during("load_checkpoint()"):
         return _load(path, model, opt, comm, timeout)
 
@@ -614,10 +618,10 @@ def _plan(manifest: dict, entries: list[_Entry], opt: ShardedOptimizer | None) -
     against the model's ``entries``) into the model and, if given, ``opt``'s staging. Local:
     nothing is modified."""
     plan = _ReadPlan([], {}, {}, [])
-    for b in opt._buffers if opt is not None else []:
+    for b in opt.internals.buffers if opt is not None else []:
         plan.staging[id(b)] = torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
         plan.moments[id(b)] = tuple(torch.zeros_like(plan.staging[id(b)]) for _ in range(3 if b.amsgrad else 2))
-    pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt._buffers if opt is not None else [])}
+    pieces = {id(b): _pieces(b, b.comm.shard_rank) for b in (opt.internals.buffers if opt is not None else [])}
     for e in entries:
         s = manifest["tensors"][e.key]
         if math.prod(s["shape"]) == 0 or not e.tensor.numel():
@@ -664,7 +668,7 @@ def _fill(plan: _ReadPlan, entries: list[_Entry], opt: ShardedOptimizer | None) 
     with torch.no_grad():
         for vmax, v in plan.without_max:
             vmax.copy_(v)
-        for b in opt._buffers if opt is not None else []:
+        for b in opt.internals.buffers if opt is not None else []:
             b.moments.load_(*plan.moments[id(b)])
             b.load_master({"master": plan.staging[id(b)]})  # also writes this rank's weight shard
         for e in entries:  # a weights-only load into a trained model: its optimizer's next step sees the write
@@ -689,7 +693,7 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[t
     """Gather the loaded weights (every rank's shard, written by ``_fill``), then restore the param
     groups and the counters of ``manifest``; ``model_keys``: (id of buffer, index in it) ->
     state-dict key of that parameter. Every rank."""
-    for pending in [b.gather_params() for b in opt._buffers]:
+    for pending in [b.gather_params() for b in opt.internals.buffers]:
         pending.wait()
     for g, saved in zip(opt.param_groups, manifest["param_groups"]):
         restore_group(g, saved)
@@ -699,5 +703,5 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[t
         saved = manifest["tensors"].get(model_keys.get((id(b), r.index), ""), {})
         return step - int(saved.get("step", step)) if saved.get("sharded") else step
 
-    opt._resume(step=step, lag_of=lag_of, skipped_steps=int(manifest["skipped_steps"]),
+    resume(opt, step=step, lag_of=lag_of, skipped_steps=int(manifest["skipped_steps"]),
                 seed=manifest["config"].get("seed"), loss_scaler=manifest["loss_scaler"])

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from shardopt.checkpoint._files import agree
 from shardopt.checkpoint._hyper import restore_group
+from shardopt.checkpoint._resume import resume
 from shardopt.checkpoint._torch_state import ParamStateView
 from shardopt.comm._messages import enter
 from shardopt.core._layout import Range
@@ -37,13 +38,13 @@ def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> No
     all-gathers that ``step`` left in flight (``overlap_param_gather``) and take weights written
     into the model from outside as master weights; refuse an optimizer whose ranks fell out of
     step. Every rank."""
-    rounds = opt._rounds
+    rounds = opt.internals.rounds
     rounds.settle()  # see _rounds [Note: a round that did not end]
-    opt._notice_join()  # inside a Join, a joined rank then meets this call and raises with it
+    rounds.join.send()  # inside a Join, a joined rank then meets this call and raises with it
     if timeout is None:
         timeout = opt.config.timeout
     try:
-        enter(opt._comm, call, lost_round=rounds.lost_round, deadline=timeout)
+        enter(opt.internals.comm, call, lost_round=rounds.lost_round, deadline=timeout)
     except (RuntimeError, TimeoutError) as e:
         rounds.fail(str(e))
         raise
@@ -51,11 +52,12 @@ def settle(opt: ShardedOptimizer, call: str, timeout: float | None = None) -> No
     # writes into opt.state first: a checkpoint or a load reads the state (unless opt.state was
     # replaced by another object, which torch.optim code may assign)
     state = opt.state
-    opt._checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
+    opt.internals.checks.take_outside_writes(state.take_writes() if isinstance(state, ParamStateView) else [])
 
 
 def _locations(opt: ShardedOptimizer) -> dict[int, tuple[FlatGroup, int]]:
-    return {id(r.leaf): (b, r.index) for b in opt._buffers for r in b.records}  # the model's parameter (core._dtensor)
+    # the model's parameter (core._dtensor)
+    return {id(r.leaf): (b, r.index) for b in opt.internals.buffers for r in b.records}
 
 
 def _param_pieces(b: FlatGroup, i: int) -> list[Range]:
@@ -78,21 +80,21 @@ def full_state_dict(opt: ShardedOptimizer, *, to: int = 0, extras: bool = False,
     Every rank must call it. Gathered one parameter at a time: besides the result on rank ``to``
     (on the CPU, fp32), each rank holds at most three fp32 copies of the largest parameter.
     Parameters with ``requires_grad=False`` get no state, as in AdamW."""
-    with opt._comm.during(f"{call}()"):
+    with opt.internals.comm.during(f"{call}()"):
         settle(opt, call)
         return _gather_state(opt, to, extras)
 
 
 def _gather_state(opt: ShardedOptimizer, to: int, extras: bool) -> dict[str, Any]:
     """``full_state_dict`` once every rank is in the call. Every rank."""
-    comm = opt._comm
+    comm = opt.internals.comm
     keep = comm.rank == to
     where, defaults = _locations(opt), adamw_defaults()
     state: dict[int, dict[str, Tensor]] = {}
     masters: dict[int, Tensor] = {}
-    shards = {id(b): b.master.fp32() for b in opt._buffers if extras and _keeps_master(opt, b)}
+    shards = {id(b): b.master.fp32() for b in opt.internals.buffers if extras and _keeps_master(opt, b)}
     # fp32, whatever the moments mode; a Muon buffer's one moment is its momentum buffer
-    decoded = {id(b): b.moments.fp32()[:1] if b.rule == "muon" else b.moments.fp32() for b in opt._buffers}
+    decoded = {id(b): b.moments.fp32()[:1] if b.rule == "muon" else b.moments.fp32() for b in opt.internals.buffers}
     groups, index = [], 0
     for g in opt.param_groups:
         ids = []
@@ -105,7 +107,7 @@ def _gather_state(opt: ShardedOptimizer, to: int, extras: bool) -> dict[str, Any
                     master = _gather(b, i, shards[id(b)], b.comm)
                     if keep:
                         masters[index] = master.view(shape).cpu()
-                steps = opt._step - b.records[i].lag
+                steps = opt.internals.progress.step - b.records[i].lag
                 if keep and steps > 0 and b.rule == "muon":  # torch.optim.Muon's state
                     state[index] = {"momentum_buffer": moments[0].view(shape).cpu()}
                 elif keep and steps > 0:  # AdamW has no state for a parameter it never updated
@@ -122,7 +124,7 @@ def _gather_state(opt: ShardedOptimizer, to: int, extras: bool) -> dict[str, Any
         return {}
     out: dict[str, Any] = {"state": state, "param_groups": groups}
     if extras:
-        out["shardopt"] = {"master": masters, "loss_scaler": opt._scaler.state_dict(),
+        out["shardopt"] = {"master": masters, "loss_scaler": opt.internals.scaler.state_dict(),
                            "skipped_steps": opt.skipped_steps, "seed": opt.config.seed}
     return out
 
@@ -174,7 +176,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     master weights, so the master weights are set from the model's current weights (load those
     on every rank, before or after), except where the dict carries ``consolidate_state_dict``'s
     ``"shardopt"`` entry: its fp32 master weights and loss scaler are restored exactly."""
-    with opt._comm.during("load_full_state_dict()"):
+    with opt.internals.comm.during("load_full_state_dict()"):
         settle(opt, "load_full_state_dict")
         load_settled(opt, state_dict)
 
@@ -182,13 +184,13 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
 def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     """``load_full_state_dict`` once every rank is in the call (``settle``: its own, or
     ``load_state_dict``'s). Every rank."""
-    if opt._parts:
+    if opt.internals.parts:
         raise ValueError("loading a torch.optim.AdamW-format state dict (load_full_state_dict, load_state_dict) "
                          "hands rank 0's dict to every rank, but this optimizer's ranks hold different parts of the "
                          "model (model_parallel_group, DTensor parameters or a param group's own process_group), which "
                          "one dict cannot describe; use "
                          "shardopt.save_checkpoint and shardopt.load_checkpoint, which keep each part apart")
-    comm = opt._comm
+    comm = opt.internals.comm
     header, error = None, None
     if comm.rank == 0:
         try:
@@ -207,8 +209,8 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     with torch.no_grad():
         # fp32 moments to fill (the stored ones for fp32 moments), encoded at the end
         moments = {id(b): tuple(torch.zeros(b.layout.shard_numel, dtype=torch.float32, device=b.flat.device)
-                                for _ in range(3 if b.amsgrad else 2)) for b in opt._buffers}
-        masters = {id(b): b.shard.float() for b in opt._buffers}  # from the weights
+                                for _ in range(3 if b.amsgrad else 2)) for b in opt.internals.buffers}
+        masters = {id(b): b.shard.float() for b in opt.internals.buffers}  # from the weights
         for idx in sorted(set(header["state"]) | set(header["master"])):
             p = numbered[idx]
             if id(p) not in where:
@@ -231,10 +233,10 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
                 if local is not None:
                     in_param = _param_pieces(b, i)[comm.shard_rank]
                     shard[local.as_slice()] = full[in_param.as_slice()]
-        for b in opt._buffers:
+        for b in opt.internals.buffers:
             b.moments.load_(*moments[id(b)])
             b.load_master({"master": masters[id(b)]})
-        for pending in [b.gather_params() for b in opt._buffers]:
+        for pending in [b.gather_params() for b in opt.internals.buffers]:
             pending.wait()
     ours, adamw_only = set(opt.defaults) | {k for g in opt.param_groups for k in g}, set(adamw_defaults())
     for g, saved in zip(opt.param_groups, header["param_groups"]):
@@ -244,7 +246,7 @@ def load_settled(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
     step_of = {id(numbered[idx]): int(s) for idx, (_, _, s, _) in header["state"].items() if s is not None}
     scaler = header["loss_scaler"]
     # a parameter's own step count, as AdamW keeps it (0 without state; Muon keeps none)
-    opt._resume(step=step, lag_of=lambda b, r: 0 if b.rule == "muon" else step - step_of.get(id(r.leaf), 0),
+    resume(opt, step=step, lag_of=lambda b, r: 0 if b.rule == "muon" else step - step_of.get(id(r.leaf), 0),
                 skipped_steps=header["skipped_steps"] if scaler is not None else None, seed=header["seed"],
                 loss_scaler=scaler)
 
@@ -261,7 +263,7 @@ def _check_structure(opt: ShardedOptimizer, header: dict[str, Any], numbered: li
         if not 0 <= idx < len(numbered) or tuple(numbered[idx].shape) != shape:
             raise ValueError(f"state dict has master weights of shape {shape} for parameter #{idx}, which this "
                              "optimizer does not have; was it saved for another model?")
-    rule = {id(r.leaf): b.rule for b in opt._buffers for r in b.records}
+    rule = {id(r.leaf): b.rule for b in opt.internals.buffers for r in b.records}
     for idx, (shape, shape_sq, step, _) in sorted(header["state"].items()):
         if not 0 <= idx < len(numbered):
             raise ValueError(f"state dict has state for parameter #{idx}; this optimizer has {len(numbered)}")

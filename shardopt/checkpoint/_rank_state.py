@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from shardopt.checkpoint._hyper import restore_group
+from shardopt.checkpoint._resume import resume
 
 if TYPE_CHECKING:
     from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
@@ -20,7 +21,7 @@ def rank_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     """``opt``'s shard on this rank: master weights, moments, steps, groups, scaler, and torch's two
     keys (see [Note: torch's keys in the rank state dict]). Local."""
     opt.finish_param_gather()
-    opt._checks.refresh_local()
+    opt.internals.checks.refresh_local()
     problems = opt.state.take_writes()  # writes into opt.state, as the state dict reads it
     if problems:
         raise RuntimeError(problems[0])
@@ -36,35 +37,36 @@ def _shard_state(opt: ShardedOptimizer, copy: Callable[[Tensor], Tensor], *, tor
         # a param group's own process_group is this run's object, not state (and cannot be pickled)
         groups.append({**{k: v for k, v in g.items() if k not in ("params", "process_group")},
                        "params": [index[id(p)] for p in g["params"]]})
-    buffers = [{k: copy(v) for k, v in b.moments.tensors().items()} for b in opt._buffers]
+    inner = opt.internals
+    buffers = [{k: copy(v) for k, v in b.moments.tensors().items()} for b in inner.buffers]
     state: dict[Any, Any] = {}
     if torch_keys:
-        for b, moments in zip(opt._buffers, buffers):
+        for b, moments in zip(inner.buffers, buffers):
             for r in b.records:
-                if opt.state.has_entry(b, r, opt._step):
-                    state[index[id(r.leaf)]] = _on_clones(opt.state.entry(b, r, opt._step), moments, r)
+                if opt.state.has_entry(b, r, inner.progress.step):
+                    state[index[id(r.leaf)]] = _on_clones(opt.state.entry(b, r, inner.progress.step), moments, r)
         state = {k: state[k] for k in sorted(state)}
     state.update(opt.state.other_entries())  # entries of other keys, as torch
     return {
         "format": STATE_FORMAT,
-        "world_size": opt._comm.world_size,
-        "rank": opt._comm.rank,
-        "shard_size": opt._comm.shard_size,
+        "world_size": inner.comm.world_size,
+        "rank": inner.comm.rank,
+        "shard_size": inner.comm.shard_size,
         "stage": opt.config.stage,
         "master_weights": opt.config.master_weights,
         "moments": opt.config.moments,
         "seed": opt.config.seed,
-        "step": opt._step,
+        "step": inner.progress.step,
         "skipped_steps": opt.skipped_steps,
         "param_groups": groups,
-        "loss_scaler": opt._scaler.state_dict(),
+        "loss_scaler": inner.scaler.state_dict(),
         "buffers": [
             {"dtype": str(b.dtype), "layout_numel": b.layout.numel,
              "bucket_pieces": [bucket.piece_numel for bucket in b.layout.buckets],
              "param_shapes": [span.shape for span in b.layout.params],
              **{k: copy(v) for k, v in b.master.state_tensors().items()},
              **moments, "lag": [r.lag for r in b.records]}
-            for b, moments in zip(opt._buffers, buffers)
+            for b, moments in zip(inner.buffers, buffers)
         ],
         "state": state,
     }
@@ -79,12 +81,12 @@ def heal_state_dict(opt: ShardedOptimizer) -> dict[str, Any]:
     and the weights of its flat buffers, copied into host memory under the optimizer's state lock,
     so from any thread and between two steps. No communication; takes in nothing written since
     the last step (a read only). Local."""
-    with opt._state_lock:
+    with opt.internals.state_lock:
         def host(t: Tensor) -> Tensor:
             return t.detach().to("cpu", copy=True)
         sd = _shard_state(opt, host, torch_keys=False)
         sd["format"] = HEAL_FORMAT
-        sd["weights"] = [host(b.flat.data) for b in opt._buffers]
+        sd["weights"] = [host(b.flat.data) for b in opt.internals.buffers]
     return sd
 
 
@@ -103,8 +105,8 @@ def load_heal_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         raise ValueError(f"this replica group cannot heal from the live group: {e}. Replica groups under torchft must "
                          f"have the same shard count, model and settings; a group of another shard count restarts "
                          f"from a checkpoint (shardopt.load_checkpoint reshards) instead") from None
-    with opt._state_lock:
-        for saved, weights, b in zip(sd["buffers"], sd["weights"], opt._buffers):
+    with opt.internals.state_lock:
+        for saved, weights, b in zip(sd["buffers"], sd["weights"], opt.internals.buffers):
             b.flat.data.copy_(weights)  # every piece of the weights; this rank's own is rewritten from its master next
             b.moments.load_tensors(saved)
             b.load_master(saved)
@@ -113,8 +115,8 @@ def load_heal_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
         for k, v in sd.get("state", {}).items():
             if not isinstance(k, int):
                 opt.state[k] = v
-        lags = {id(b): saved["lag"] for saved, b in zip(sd["buffers"], opt._buffers)}
-        opt._resume(step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
+        lags = {id(b): saved["lag"] for saved, b in zip(sd["buffers"], opt.internals.buffers)}
+        resume(opt, step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
                     skipped_steps=int(sd["skipped_steps"]), seed=sd.get("seed"), loss_scaler=sd["loss_scaler"])
 
 
@@ -153,11 +155,12 @@ def _on_clones(entry: dict[str, Any], moments: dict[str, Tensor], r: ParamRecord
 
 def check_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Raise ``ValueError`` unless ``sd`` is ``rank_state_dict``'s output for this rank and layout. Local."""
-    if sd["world_size"] != opt._comm.world_size or sd["rank"] != opt._comm.rank or \
-            sd.get("shard_size", sd["world_size"]) != opt._comm.shard_size:
+    comm = opt.internals.comm
+    if sd["world_size"] != comm.world_size or sd["rank"] != comm.rank or \
+            sd.get("shard_size", sd["world_size"]) != comm.shard_size:
         raise ValueError(f"state dict is rank {sd['rank']} of world size {sd['world_size']} sharded over "
-                         f"{sd.get('shard_size', sd['world_size'])}, this is rank {opt._comm.rank} of "
-                         f"{opt._comm.world_size} sharded over {opt._comm.shard_size}: a {type(opt).__name__}'s state_dict() is one rank's "
+                         f"{sd.get('shard_size', sd['world_size'])}, this is rank {comm.rank} of "
+                         f"{comm.world_size} sharded over {comm.shard_size}: a {type(opt).__name__}'s state_dict() is one rank's "
                          "shard. Save the whole state with opt.consolidate_state_dict() before state_dict() (it "
                          "loads at any world size), or use shardopt.save_checkpoint / load_checkpoint")
     if sd.get("moments", "fp32") != opt.config.moments:
@@ -167,19 +170,19 @@ def check_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     if sd["master_weights"] != opt.config.master_weights:
         raise ValueError(f"state dict was saved with master_weights={sd['master_weights']!r}, this optimizer "
                          f"uses {opt.config.master_weights!r}")
-    if len(sd["buffers"]) != len(opt._buffers) or len(sd["param_groups"]) != len(opt.param_groups):
+    if len(sd["buffers"]) != len(opt.internals.buffers) or len(sd["param_groups"]) != len(opt.param_groups):
         raise ValueError("state dict does not match this optimizer's parameters: "
                          f"{len(sd['buffers'])} dtype buffers and {len(sd['param_groups'])} param groups saved, "
-                         f"{len(opt._buffers)} and {len(opt.param_groups)} here")
-    for saved, b in zip(sd["buffers"], opt._buffers):
+                         f"{len(opt.internals.buffers)} and {len(opt.param_groups)} here")
+    for saved, b in zip(sd["buffers"], opt.internals.buffers):
         shapes = [tuple(s) for s in saved["param_shapes"]]
         mine = [span.shape for span in b.layout.params]
         pieces = [bucket.piece_numel for bucket in b.layout.buckets]
-        if "bucket_pieces" not in saved and shapes == mine and opt._comm.shard_size > 1 and len(pieces) > 1:
+        if "bucket_pieces" not in saved and shapes == mine and comm.shard_size > 1 and len(pieces) > 1:
             raise ValueError(f"this rank state dict was saved by a shardopt whose shards were one range of the flat "
                              f"buffer; shards are now each rank's equal piece of every bucket, so this rank's "
                              f"saved {b.dtype} shard does not hold what it holds now ({len(pieces)} buckets, "
-                             f"{opt._comm.shard_size} ranks). Load it with the shardopt that saved it and write a "
+                             f"{comm.shard_size} ranks). Load it with the shardopt that saved it and write a "
                              f"checkpoint with save_checkpoint (or full_state_dict), which every version and world "
                              f"size loads")
         if saved["dtype"] != str(b.dtype) or shapes != mine or saved["layout_numel"] != b.layout.numel or \
@@ -194,7 +197,7 @@ def load_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     """Restore ``rank_state_dict``'s output (checked by ``check_rank_state_dict``) on the rank and
     world size it came from, and write the restored master weights into the model. Every rank
     (the weights are all-gathered)."""
-    for saved, b in zip(sd["buffers"], opt._buffers):
+    for saved, b in zip(sd["buffers"], opt.internals.buffers):
         b.moments.load_tensors(saved)
         b.load_master(saved)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
@@ -202,8 +205,8 @@ def load_rank_state_dict(opt: ShardedOptimizer, sd: dict[str, Any]) -> None:
     for k, v in sd.get("state", {}).items():
         if not isinstance(k, int):
             opt.state[k] = v  # entries of other keys, as torch.optim keeps them
-    for pending in [b.gather_params() for b in opt._buffers]:
+    for pending in [b.gather_params() for b in opt.internals.buffers]:
         pending.wait()
-    lags = {id(b): saved.get("lag", [0] * len(b.records)) for saved, b in zip(sd["buffers"], opt._buffers)}
-    opt._resume(step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
+    lags = {id(b): saved.get("lag", [0] * len(b.records)) for saved, b in zip(sd["buffers"], opt.internals.buffers)}
+    resume(opt, step=int(sd["step"]), lag_of=lambda b, r: lags[id(b)][r.index],
                 skipped_steps=int(sd.get("skipped_steps", 0)), seed=sd.get("seed"), loss_scaler=sd["loss_scaler"])

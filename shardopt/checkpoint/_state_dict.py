@@ -4,34 +4,40 @@ torch runs them) over shardopt's two formats, this rank's shard (``_rank_state``
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any
 
 from shardopt.checkpoint._rank_state import STATE_FORMAT, check_rank_state_dict, load_rank_state_dict, rank_state_dict
 
 if TYPE_CHECKING:
-    from shardopt.checkpoint._sharded_optimizer import ShardedOptimizer
-    from shardopt.core._records import ParamRecord
-    from shardopt.group._flat_group import FlatGroup
+    import torch
 
-    class _Hooked(ShardedOptimizer, Protocol):
-        """The optimizer with torch.optim's state-dict hooks (its ``torch.optim.Optimizer`` base keeps them)."""
+    from shardopt.checkpoint._torch_state import ParamStateView
+    from shardopt.core._config import ShardConfig
+    from shardopt.step._internals import Internals
 
-        @property
-        def _optimizer_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-        @property
-        def _optimizer_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-        @property
-        def _optimizer_load_state_dict_pre_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-        @property
-        def _optimizer_load_state_dict_post_hooks(self) -> Mapping[int, Callable[..., Any]]: ...
-        def _load_state_dict(self, sd: Any) -> None: ...
+    # For the type checker, the mixin is what it is mixed into: a torch.optim.Optimizer, whose
+    # state-dict hooks it runs as torch runs them. At run time ShardedAdamW's bases give it that.
+    _Mixed = torch.optim.Optimizer
+else:
+    _Mixed = object
 
 
-class OptimizerStateDict:
-    """Mixed into ``ShardedAdamW``; reads its ``_comm`` and ``_consolidated``."""
+class OptimizerStateDict(_Mixed):
+    """Mixed into ``ShardedAdamW``: its state-dict methods, over ``internals`` (see ``step._internals``)."""
 
-    def consolidate_state_dict(self: ShardedOptimizer, to: int = 0) -> None:
+    if TYPE_CHECKING:  # set by ShardedAdamW (a layer up), declared here for the type checker
+        config: ShardConfig
+        state: ParamStateView  # type: ignore[assignment]
+        skipped_steps: int
+        internals: Internals
+        # consolidate_state_dict's whole state on the rank it gathered onto, until the next step
+        # (which drops it) or load; None elsewhere. An instance attribute (set at construction),
+        # never a class one: a LightningOptimizer wrapper reads the optimizer's through __getattr__.
+        _consolidated: dict[str, Any] | None
+
+        def finish_param_gather(self) -> None: ...
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state onto rank ``to`` (as ``ZeroRedundancyOptimizer`` does): until the
         next ``step``, ``state_dict()`` on that rank returns it in ``torch.optim.AdamW``'s format, plus
         a ``"shardopt"`` entry with the fp32 master weights of 16-bit parameters and the loss scaler.
@@ -39,12 +45,13 @@ class OptimizerStateDict:
         time, held on the CPU of rank ``to`` only."""
         from shardopt.checkpoint import full_state_dict
 
-        if not 0 <= to < self._comm.world_size:
-            raise ValueError(f"consolidate_state_dict(to={to}): no such rank in a world of {self._comm.world_size}")
+        comm = self.internals.comm
+        if not 0 <= to < comm.world_size:
+            raise ValueError(f"consolidate_state_dict(to={to}): no such rank in a world of {comm.world_size}")
         consolidated = full_state_dict(self, to=to, extras=True, call="consolidate_state_dict")
-        self._consolidated = consolidated if self._comm.rank == to else None
+        self._consolidated = consolidated if comm.rank == to else None
 
-    def state_dict(self: _Hooked) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state (master weights, moments, step, groups, scaler),
         loadable by ``load_state_dict`` on the same rank at the same world size and layout; on the
         rank that ``consolidate_state_dict`` gathered onto, the whole state instead (until the next
@@ -58,67 +65,42 @@ class OptimizerStateDict:
         parameter is re-bound to its place in the flat buffer and this rank's part of the master
         follows it; the next step then finds nothing more to take in (and, as every step does,
         still makes every rank agree on rank 0's values)."""
-        for hook in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
-            hook(self)
+        for pre in self._optimizer_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            pre(self)
         sd = dict(self._consolidated) if self._consolidated is not None else rank_state_dict(self)
-        for hook in self._optimizer_state_dict_post_hooks.values():
-            out = hook(self, sd)
+        for post in self._optimizer_state_dict_post_hooks.values():
+            out = post(self, sd)
             sd = sd if out is None else out
         return sd
 
-    def _resume(self: ShardedOptimizer, *, step: int, lag_of: Callable[[FlatGroup, ParamRecord], int],
-                skipped_steps: int | None = None, seed: int | None = None,
-                loss_scaler: dict[str, Any] | None = None) -> None:
-        """The one place a load sets the optimizer's counters, after the loaded master weights were
-        gathered into the parameters: the step count, each parameter's lag (``lag_of(buffer,
-        record)``: steps it was left out of, so its own step count is ``step`` minus that), the
-        skipped steps and the loss scaler (None: kept), and the stochastic-rounding seed (None:
-        kept; the saved one continues the same random stream). The parameters' values are then
-        the loaded ones, not writes from outside. Every rank, each with its own shard."""
-        self._step = int(step)
-        for b in self._buffers:
-            for r in b.records:
-                r.resume(lag_of(b, r))
-        if skipped_steps is not None:
-            self.skipped_steps = int(skipped_steps)
-        if loss_scaler is not None:
-            self._scaler.load_state_dict(loss_scaler)
-        self._rounds.resumed(self._step + self.skipped_steps)  # what the round tags say from here (see group._rounds)
-        if seed is not None and int(seed) != self.config.seed:
-            self.config = dataclasses.replace(self.config, seed=int(seed))
-        for b in self._buffers:
-            b.master.seed = self.config.seed
-            b.binding.record()  # the loaded master weights are the authority, not what was written before
-        self.state.forget()  # what opt.state handed out before is no longer the state, as in torch
-
-    def full_state_dict(self: ShardedOptimizer) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, Any]:
         """This optimizer's state in ``torch.optim.AdamW``'s format on rank 0 (``{}`` on other
         ranks), gathered one parameter at a time. Every rank."""
         from shardopt.checkpoint import full_state_dict  # checkpoint builds on the optimizer
 
         return full_state_dict(self)
 
-    def load_full_state_dict(self: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+    def load_full_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``torch.optim.AdamW``-format state dict (rank 0's is used; others may pass ``{}``)
         at any world size; the master weights are taken from the model's current weights. Every rank."""
         from shardopt.checkpoint import load_full_state_dict
 
         load_full_state_dict(self, state_dict)
 
-    def load_state_dict(self: _Hooked, state_dict: dict[str, Any]) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore either a ``state_dict`` taken on this rank at the same world size, or a whole
         state in ``torch.optim.AdamW``'s format (a plain AdamW's, ``full_state_dict``'s or
         ``consolidate_state_dict``'s) at any world size, where rank 0's copy is used; write the
         restored master weights into the model. Every rank, all with the same kind of dict."""
         sd = state_dict.copy() if isinstance(state_dict, dict) else state_dict
-        for hook in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
-            out = hook(self, sd)
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():  # torch.optim's hooks, as torch runs them
+            out = pre(self, sd)
             sd = sd if out is None else out
         self._load_state_dict(sd)
-        for hook in self._optimizer_load_state_dict_post_hooks.values():
-            hook(self)
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
 
-    def _load_state_dict(self: ShardedOptimizer, sd: Any) -> None:
+    def _load_state_dict(self, sd: Any) -> None:
         """``load_state_dict`` between torch's hooks. Like every call that every rank must make, it
         starts with the entry message (``checkpoint._adamw.settle``): a call on some ranks only
         raises on every rank that made it, naming it, instead of meeting another call's messages
@@ -126,14 +108,15 @@ class OptimizerStateDict:
         from shardopt.checkpoint._adamw import load_settled, settle
         from shardopt.checkpoint._files import agree
 
-        with self._comm.during("load_state_dict()"):
+        comm = self.internals.comm
+        with comm.during("load_state_dict()"):
             settle(self, "load_state_dict")
             kind = ("rank" if isinstance(sd, dict) and sd.get("format") == STATE_FORMAT else
                     "adamw" if isinstance(sd, dict) and (("state" in sd and "param_groups" in sd)
-                                                        or (not sd and self._comm.rank != 0)) else "other")
-            kinds = agree(self._comm, None, kind)
+                                                        or (not sd and comm.rank != 0)) else "other")
+            kinds = agree(comm, None, kind)
             if len(set(kinds)) > 1 or kind == "other":
-                raise ValueError(f"load_state_dict got {kinds[self._comm.rank]!r} here and {kinds} on ranks "
+                raise ValueError(f"load_state_dict got {kinds[comm.rank]!r} here and {kinds} on ranks "
                                  "0..N-1 ('rank' = a shardopt rank state dict, 'adamw' = torch.optim.AdamW's "
                                  "format, 'other' = neither): every rank must load the same kind of state dict; to "
                                  "change the world size load an 'adamw' one or use shardopt.load_checkpoint")
@@ -146,5 +129,5 @@ class OptimizerStateDict:
                 error = None
             except (ValueError, KeyError, TypeError) as e:
                 error = ValueError(str(e))
-            agree(self._comm, error)  # a rank given another rank's shard makes every rank raise
+            agree(comm, error)  # a rank given another rank's shard makes every rank raise
             load_rank_state_dict(self, sd)

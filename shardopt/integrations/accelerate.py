@@ -256,7 +256,7 @@ class _Binding(SavedState):
         acc = self.accelerator
         if acc.scaler is None:
             return
-        if type(opt._scaler) is LossScaler:  # no scaling at all
+        if type(opt.internals.scaler) is LossScaler:  # no scaling at all
             raise ValueError("mixed_precision='fp16' needs loss scaling, and shardopt does it itself: build the "
                              "optimizer with ShardedAdamW(..., loss_scale='dynamic') (or pass loss_scale='dynamic' "
                              "to shardopt.integrations.accelerate.prepare)")

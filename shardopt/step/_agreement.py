@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 
         config: ShardConfig
         param_groups: list[dict[str, Any]]
-        _parts: ModelParts
 
-def settings(opt: _Built, comm: Comm, loss_scale: object, dtypes: set[torch.dtype]) -> dict[str, object]:
-    """What must be equal on every rank besides the parameters: the sharding settings, every
-    group's hyperparameters and the loss scaler (each shapes the collectives or the math). Local."""
+def settings(opt: _Built, comm: Comm, parts: ModelParts, loss_scale: object,
+             dtypes: set[torch.dtype]) -> dict[str, object]:
+    """What must be equal on every rank besides the parameters: the sharding settings, the model's
+    axes (``parts``), every group's hyperparameters and the loss scaler (each shapes the collectives
+    or the math). Local."""
     c = opt.config
     scaler = make_scaler(loss_scale, dtypes)
     return {"stage": c.stage, "master_weights": c.master_weights, "moments": c.moments, "bucket_cap_mb": c.bucket_cap_mb,
@@ -38,21 +39,20 @@ def settings(opt: _Built, comm: Comm, loss_scale: object, dtypes: set[torch.dtyp
             "overlap_param_gather": c.overlap_param_gather, "seed": c.seed, "timeout": c.timeout,
             "max_consecutive_skips": c.max_consecutive_skips,
             "mesh (replicas, shard size)": (comm.replicas, comm.shard_size),
-            "model_parallel_group": tuple((a.name, a.size) for a in opt._parts.axes.axes
-                                          if a.name in opt._parts.user_axes),
-            "DTensor meshes": tuple((a.name, a.size) for a in opt._parts.axes.axes
-                                    if a.name in opt._parts.dtensor_axes),
+            "model_parallel_group": tuple((a.name, a.size) for a in parts.axes.axes if a.name in parts.user_axes),
+            "DTensor meshes": tuple((a.name, a.size) for a in parts.axes.axes if a.name in parts.dtensor_axes),
             "loss_scale": (type(scaler).__name__, scaler.state_dict()),
             **{f"param group {gi} {k}": v if k != "process_group" else f"a group of {len(group_ranks(v))} ranks"
                for gi, g in enumerate(opt.param_groups) for k, v in sorted(g.items()) if k not in ("params", "param_names")}}
 
 
-def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: object,
+def agree_on_params(opt: _Built, comm: Comm, parts: ModelParts, names: dict[int, str], loss_scale: object,
                     check: Callable[[], None] = lambda: None) -> list[tuple[torch.nn.Parameter, int]]:
     """(parameter, param-group index) of ``opt``'s trainable parameters, validated on every rank and
     compared across ranks with one small collective; any problem, local or a mismatch, raises on
-    every rank (never a hang). ``check``: the update rule's own check of the param groups (raises
-    TypeError or ValueError), run first. Parameters are compared by (group, shape, dtype) and,
+    every rank (never a hang). ``parts``: the optimizer's ``ModelParts``, whose axes are compared
+    too. ``check``: the update rule's own check of the param groups (raises TypeError or
+    ValueError), run first. Parameters are compared by (group, shape, dtype) and,
     when named parameters were given, by name; two same-shape parameters swapped on one rank
     without names cannot be told apart. Every rank, at construction."""
     try:
@@ -60,7 +60,8 @@ def agree_on_params(opt: _Built, comm: Comm, names: dict[int, str], loss_scale: 
         trainable, error = trainable_params(opt.param_groups, type(opt).__name__), None
         named = any(g.get("param_names") for g in opt.param_groups)
         desc: list = [(gi, tuple(p.shape), str(p.dtype)) + ((names[id(p)],) if named else ()) for p, gi in trainable]
-        desc.insert(0, ("settings", sorted(settings(opt, comm, loss_scale, {p.dtype for p, _ in trainable}).items())))
+        own = settings(opt, comm, parts, loss_scale, {p.dtype for p, _ in trainable})
+        desc.insert(0, ("settings", sorted(own.items())))
         tracked = {id(p) for p, _ in trainable}
         frozen = [(gi, tuple(p.shape), str(p.dtype)) for gi, g in enumerate(opt.param_groups)
                   for p in g["params"] if id(p) not in tracked]
