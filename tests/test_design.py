@@ -422,3 +422,46 @@ def test_the_reference_check_flags_stale_names():
         """)
     assert row_problems(rows) == [
         "`group/_grad_store.py` row: `FlatGroup` is not defined (or imported) in group/_grad_store.py"]
+
+
+def private_protocol_members(sources: dict[str, str]) -> list[str]:
+    """``file: Class.member`` for each member with a leading underscore (dunders aside) that a
+    ``typing.Protocol`` class names, annotated or defined, in ``sources`` (path -> source)."""
+    found = []
+    for path, source in sorted(sources.items()):
+        for node in ast.walk(ast.parse(source)):
+            if not isinstance(node, ast.ClassDef):
+                continue
+            bases = {b.id if isinstance(b, ast.Name) else b.attr if isinstance(b, ast.Attribute) else "" for b in node.bases}
+            if "Protocol" not in bases:
+                continue
+            for item in node.body:
+                name = item.target.id if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name) else \
+                    item.name if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else None
+                if name and name.startswith("_") and not (name.startswith("__") and name.endswith("__")):
+                    found.append(f"{path}: {node.name}.{name}")
+    return found
+
+
+def test_protocols_name_public_members_only():
+    """A Protocol is how a lower layer names an object of a higher one (see design.md, "The folders,
+    as layers"): it names what is used of that object, and what is used across a layer is public.
+    The check can fail: a Protocol naming a private member is found, a dunder and a plain class are not."""
+    package = Path(__file__).resolve().parent.parent / "shardopt"
+    sources = {str(p.relative_to(package)): p.read_text() for p in package.rglob("*.py")}
+    assert private_protocol_members(sources) == []
+    planted = textwrap.dedent("""\
+        from typing import Protocol
+        import typing
+        class A(Protocol):
+            x: int
+            _y: int
+            def __call__(self) -> None: ...
+            def _z(self) -> None: ...
+        class B(typing.Protocol):
+            _w: int
+        class C:
+            _v: int
+        """)
+    assert private_protocol_members({"planted.py": planted}) == ["planted.py: A._y", "planted.py: A._z",
+                                                                   "planted.py: B._w"]
