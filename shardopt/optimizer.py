@@ -34,7 +34,7 @@ from shardopt.core._ranges import STEP, STEP_AGREEMENT, record_function
 from shardopt.group._left_grads import take_left
 from shardopt.group._intake import Backward
 from shardopt.group._rounds import JoinNotice, Rounds
-from shardopt.group._flat_group import build_buffers
+from shardopt.group._flat_group import LateProblems, build_buffers
 from shardopt.step._skips import SkipWatch
 from shardopt.checkpoint._state_dict import OptimizerStateDict
 from shardopt.checkpoint._torch_state import ParamStateView
@@ -196,12 +196,13 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         error: TypeError | ValueError | None = None
         # The most gradient and buffer bytes held at one moment over every flat group (see _held_bytes).
         held_total = HeldTotal()
+        late = LateProblems()  # found outside a check (a write racing a gather, into opt.state), in order
         try:  # from each rank's own pieces: a problem may be one rank's, raised on every rank below
             self._buffers = build_buffers(flat, self._comm, self.config, self._names,
                                           lambda gi: self._rule_of(self.param_groups[gi]),
                                           lambda gi: bool(self.param_groups[gi].get("amsgrad")),
                                           lambda p, gi: parts.counted(p, self.param_groups[gi]),
-                                          parts.dtensor_of, parts.group_comm, held_total)
+                                          parts.dtensor_of, parts.group_comm, held_total, late)
         except (TypeError, ValueError) as e:
             error = e
         with self._comm.during(f"{type(self).__name__}'s construction"):
@@ -212,7 +213,7 @@ class ShardedAdamW(Lifetime, OptimizerStateDict, torch.optim.Optimizer, Joinable
         for p in self._untracked:
             if p.device == self._buffers[0].flat.device:
                 self._comm.broadcast(p.detach().to_local() if is_dtensor(p) else p.detach(), src=0).wait()
-        self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm)
+        self._checks = UsageChecks(self._buffers, self._untracked, self._names, self._comm, late)
         # id(param) -> its record (core._records): the one index by parameter, for hooks that get a parameter
         self._record_of = {id(k): r for b in self._buffers for r in b.records for k in (r.param, r.leaf)}
         ref = weakref.ref(self)

@@ -874,3 +874,34 @@ def test_an_optimizer_dropped_with_gathers_in_flight_is_freed_at_once(pools):
     for a, b in zip(pool.run(dropped_in_flight_case, False), pool.run(dropped_in_flight_case, True)):
         assert _same(a["weights"], b["weights"])
         assert a["freed"] and b["freed"] and b["guards"] == [], (a, b)
+
+
+def test_writes_racing_gathers_of_two_flat_groups_are_named_in_the_order_their_gathers_landed(one_rank_group):
+    """Another thread writes two weights of two flat buffers (fp32 and bf16) while their overlapped
+    gathers are in flight; the forward then waits bucket by bucket in module order. The next step
+    refuses and names the write whose gather landed first (the bf16 layer, the second of the
+    fp32 buffer's layout order), as it names the first of problems found in any order."""
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8).to(torch.bfloat16), torch.nn.Linear(8, 8)
+    model = torch.nn.ModuleDict({"a": a, "b": b, "c": c})
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return c(b(a(x).to(torch.bfloat16)).float())
+
+    opt = shardopt.ShardedAdamW(model.parameters(), lr=0.1, overlap_param_gather=True, bucket_cap_mb=1e-5)
+    assert len(opt._buffers) == 2
+    x = torch.ones(4, 8)
+    forward(x).sum().backward()
+    opt.step()  # every bucket's gather in flight
+    def write() -> None:
+        with torch.no_grad():
+            c.weight.add_(1.0)
+            b.weight.add_(1.0)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    writer.join()
+    forward(x).sum().backward()  # waits for a's, b's, then c's buckets: b's write is found first
+    with pytest.raises(RuntimeError, match=r"parameter #2 \(param group 0, shape \(8, 8\)\) was written .* still gathering"):
+        opt.step()
+    opt.close()

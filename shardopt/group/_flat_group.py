@@ -44,6 +44,22 @@ _RACED = ("parameter {} was written (through the parameter, a view or .data) whi
           "another thread, call opt.finish_param_gather() before writing weights into the model")
 
 
+class LateProblems:
+    """Problems found outside a check, in the order they were found, over every flat group of one
+    optimizer: a weight written while its bucket's gather was in flight (``FlatGroup.wait_gather``),
+    a write into ``opt.state`` that cannot be taken (``UsageChecks.report_late``). The next check
+    reports them on every rank (the first one named), then ``clear``. Local."""
+
+    def __init__(self) -> None:
+        self.found: list[str] = []  # the messages, oldest first
+
+    def add(self, problems: Sequence[str]) -> None:
+        self.found += problems
+
+    def clear(self) -> None:
+        self.found = []
+
+
 def lr_value(lr: object) -> float | Tensor:
     """A param group's ``lr`` as the update takes it: a float, or a 1-element tensor kept a tensor
     (see kernels.reference [Note: a tensor learning rate])."""
@@ -71,7 +87,8 @@ class FlatGroup(GradIntake):
                  config: ShardConfig, names: Sequence[str], rule: str = "adamw", index: int = 0,
                  amsgrad: bool = False, counted: Sequence[bool] | None = None,
                  dtensors: Sequence[Tensor | None] | None = None,
-                 grad_factor: float = 1.0, held_total: HeldTotal | None = None) -> None:
+                 grad_factor: float = 1.0, held_total: HeldTotal | None = None,
+                 late: LateProblems | None = None) -> None:
         self.comm, self.config, self.rule = comm, config, rule
         # The reduction averages over this buffer's group; the gradient each rank steps with is
         # that average times this (a param group with its own process_group, see
@@ -126,6 +143,7 @@ class FlatGroup(GradIntake):
         # Buckets whose weight gather is in flight, in the order started (see ``wait_gather``)
         self._started: tuple[BucketRecord, ...] = ()
         self._gather_lock = threading.RLock()  # held while a gather is waited for (RLock: a landing may look again)
+        self.late = late if late is not None else LateProblems()  # the optimizer's, over every group
 
     def _place_state(self, config: ShardConfig, rule: str) -> None:
         """Where the master weights and moments live and the update runs (see update._offload [Note:
@@ -366,7 +384,7 @@ class FlatGroup(GradIntake):
         """Wait for the gather of bucket ``b`` if it is in flight; True if it was. The bucket counts
         as in flight until its gather has landed: another thread asking for it meanwhile waits here.
         Once it arrived with ``overlap_param_gather``, a parameter of ``b`` written from outside
-        while it was in flight lost that write: a problem the next step reports on every rank. The
+        while it was in flight lost that write: a late problem the next step reports on every rank. The
         landing is shardopt's own work (its profiler range): it runs with torch functions off, so
         that no torch function mode sees it, the read guard of group._gather_wait included, whose
         look at every call would otherwise be paid for each of them. Local, from any thread."""
@@ -385,7 +403,7 @@ class FlatGroup(GradIntake):
                 at = next((i for i, x in enumerate(self._started) if x is b), len(self._started))
                 self._started = self._started[:at] + self._started[at + 1:]
                 if arrived and self.config.overlap_param_gather:
-                    self.problems += [_RACED.format(r.name) for r in self.binding.raced(b.params)]
+                    self.late.add([_RACED.format(r.name) for r in self.binding.raced(b.params)])
             return True
 
     def finish_gathers(self) -> None:
@@ -455,7 +473,7 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
                   counted_of: Callable[[torch.nn.Parameter, int], bool] = lambda p, gi: True,
                   dtensor_of: dict[int, Tensor] | None = None,
                   group_comm: Callable[[int], Comm] | None = None,
-                  held_total: HeldTotal | None = None) -> list[FlatGroup]:
+                  held_total: HeldTotal | None = None, late: LateProblems | None = None) -> list[FlatGroup]:
     """One FlatGroup per parameter dtype, update rule (``rule_of(group index)``) and process
     group, from (parameter, param-group index) pairs; ``names`` by ``id``;
     ``amsgrad_of(group index)``: the group keeps amsgrad's maximum; ``counted_of(param, group
@@ -463,7 +481,8 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
     axis counts on that axis's rank 0 only, see comm._model_axes); ``dtensor_of``: by ``id`` of a
     stand-in, the DTensor parameter it stands in for (see core._dtensor); ``group_comm(group index)``: the Comm a param
     group's parameters are sharded over (its own process_group, else ``comm``); ``held_total``:
-    the optimizer's high-water mark of bytes held, over its flat groups. Every rank (each
+    the optimizer's high-water mark of bytes held, over its flat groups; ``late``: its problems
+    found outside a check. Every rank (each
     buffer broadcasts rank 0's weights)."""
     dtensor_of = dtensor_of or {}
     group_comm = group_comm or (lambda gi: comm)
@@ -484,5 +503,6 @@ def build_buffers(trainable: Sequence[tuple[torch.nn.Parameter, int]], comm: Com
                                      amsgrad=rule == "adamw" and any(amsgrad_of(g) for _, g in entries),
                                      counted=[counted_of(p, g) for p, g in entries],
                                      dtensors=[dtensor_of.get(id(p)) for p, _ in entries],
-                                     grad_factor=own.world_size / comm.world_size, held_total=held_total))
+                                     grad_factor=own.world_size / comm.world_size, held_total=held_total,
+                                     late=late))
     return buffers

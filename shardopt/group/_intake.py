@@ -101,7 +101,7 @@ class GradIntake:
         self.held = HeldBytes(self.store.nbytes, self, held_total)  # see _held_bytes
         self.accumulated = False  # the no_sync fp32 sum was allocated since the peaks were reset
         self._arrivals = 0  # gradients that arrived in the first round so far
-        self.problems: list[str] = []  # gradients that could not be reduced, weights written under a gather: reported at the next step
+        self.problems: list[str] = []  # gradients that could not be reduced: reported at the next step
         self.released = False  # its optimizer no longer trains the parameters (``release``)
 
     # -- what _rounds asks of a flat group ----------------------------------------------------

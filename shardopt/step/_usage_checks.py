@@ -49,7 +49,7 @@ if TYPE_CHECKING:
 
 
     from shardopt.core._records import ParamRecord
-    from shardopt.group._flat_group import FlatGroup
+    from shardopt.group._flat_group import FlatGroup, LateProblems
 
 log = logging.getLogger("shardopt")
 
@@ -100,15 +100,15 @@ class Followed:
 
 class UsageChecks:
     """The checks of one ``ShardedAdamW``: ``local()`` on this rank, then ``apply()`` on the summed
-    flags. ``buffers`` are the optimizer's sharded buffers (group._flat_group): their
-    records, flat group and binding are read."""
+    flags. ``buffers`` are the optimizer's flat groups (group._flat_group): their records,
+    gradients and binding are read; ``late``: the problems found outside a check, shared with them."""
 
     def __init__(self, buffers: Sequence[FlatGroup], untracked: Sequence[torch.nn.Parameter],
-                 names: dict[int, str], comm: Comm) -> None:
+                 names: dict[int, str], comm: Comm, late: LateProblems) -> None:
         self.buffers, self.untracked, self.names, self.comm = list(buffers), list(untracked), names, comm
         self.grad_scale = 1.0  # the loss scale the gradients of the coming step carry
         self.seconds = 0.0  # time spent in local() and apply() since the last reset, seconds
-        self.late_problems: list[str] = []  # found outside a check (a write into opt.state), reported at the next
+        self.late = late  # found outside a check, in order (a write racing a gather, into opt.state): the next check's
         self._warned_unscaled = False
         self.zeroed_after_round = False  # opt.zero_grad() dropped averaged gradients (see _raise_regraded)
 
@@ -130,7 +130,7 @@ class UsageChecks:
         ``followed``): writes, problems, gradients. A question: ``forget`` clears what it reported
         once the step acted on it. Local; no communication."""
         start = time.perf_counter()
-        found = Findings(written=[], problems=list(self.late_problems),
+        found = Findings(written=[], problems=list(self.late.found),
                          regraded=self.zeroed_after_round or followed.regraded)
         for b, (written, problems) in zip(self.buffers, followed.bindings):
             found.problems += b.problems
@@ -160,7 +160,8 @@ class UsageChecks:
 
     def forget(self) -> None:
         """The step acted on what ``local`` found: clear the problems and replacements it reported. Local."""
-        self.late_problems, self.zeroed_after_round = [], False
+        self.late.clear()
+        self.zeroed_after_round = False
         for b in self.buffers:
             b.forget_problems()
             for r in flagged(b.records, "replaced"):
@@ -175,7 +176,7 @@ class UsageChecks:
     def report_late(self, problems: Sequence[str]) -> None:
         """Problems found outside a check (a write into ``opt.state`` that cannot be taken): raised
         by the next check on every rank. Local."""
-        self.late_problems += problems
+        self.late.add(problems)
 
     def take_outside_writes(self, late: Sequence[str] = ()) -> None:
         """Only the written-weights part of the checks, as small collectives: before a checkpoint
