@@ -39,7 +39,8 @@ from shardopt.checkpoint._blocks import (EXP_AVG, EXP_AVG_SQ, GROUP_PREFIX, MAST
                                          blocks_of, placed, whole)
 from shardopt.checkpoint._files import (EXTRA, FORMAT, MANIFEST, agree, check_complete, check_replaceable,
                                         checkpoint_path, claim, commit, data_checksums, find_checkpoint, latest_checkpoint,
-                                        list_checkpoints, read_manifest, temp_path, verify_data, write_json)
+                                        list_checkpoints, read_extra, read_manifest, temp_path, verify_data,
+                                        write_json)
 from shardopt.checkpoint._hyper import TENSORS, jsonable, restore_group, tensor_kinds
 from shardopt.checkpoint._resume import resume
 from shardopt.comm._collectives import Comm, ProcessGroup, world_size
@@ -579,7 +580,7 @@ def _read(path: str, model: torch.nn.Module, opt: ShardedOptimizer | None, job: 
         verify_data(path, marker, job.rank, job.world_size)  # each rank its share of the tensor files
         entries, aliases = _entries(model, opt, part)
         _check_matches(manifest, entries, aliases, opt, model, path, part)
-        extra = _read_extra(path)  # before anything is modified: a load completes or changes nothing
+        extra = read_extra(path)  # before anything is modified: a load completes or changes nothing
         plan = _plan(manifest, entries, opt)
         error = None
     except Exception as err:  # noqa: BLE001 - whatever it is, every rank raises it (see [Note: every rank raises])
@@ -675,20 +676,6 @@ def _fill(plan: _ReadPlan, entries: list[_Entry], opt: ShardedOptimizer | None) 
             torch.autograd.graph.increment_version(e.tensor)
 
 
-def _read_extra(path: str) -> Any:
-    import pickle
-
-    extra_path = os.path.join(path, EXTRA)
-    if not os.path.exists(extra_path):
-        return None
-    try:
-        return torch.load(extra_path, weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{extra_path} cannot be read back with torch.load(weights_only=True) ({first}); nothing "
-                         "was loaded") from None
-
-
 def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[tuple, str]) -> None:
     """Gather the loaded weights (every rank's shard, written by ``_fill``), then restore the param
     groups and the counters of ``manifest``; ``model_keys``: (id of buffer, index in it) ->
@@ -704,4 +691,4 @@ def _restore_optimizer(opt: ShardedOptimizer, manifest: dict, model_keys: dict[t
         return step - int(saved.get("step", step)) if saved.get("sharded") else step
 
     resume(opt, step=step, lag_of=lag_of, skipped_steps=int(manifest["skipped_steps"]),
-                seed=manifest["config"].get("seed"), loss_scaler=manifest["loss_scaler"])
+           seed=manifest["config"].get("seed"), loss_scaler=manifest["loss_scaler"])

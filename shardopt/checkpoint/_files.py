@@ -457,3 +457,19 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
     """The complete checkpoint under ``root`` with the highest step, or None. Local; no communication."""
     found = list_checkpoints(root)
     return found[-1] if found else None
+
+
+def read_extra(path: str) -> Any:
+    """The ``extra`` object saved with the checkpoint at ``path`` (None when none was); ValueError
+    when ``torch.load(weights_only=True)`` cannot read it back. Local."""
+    import pickle
+
+    extra_path = os.path.join(path, EXTRA)
+    if not os.path.exists(extra_path):
+        return None
+    try:
+        return torch.load(extra_path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError, AttributeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(f"{extra_path} cannot be read back with torch.load(weights_only=True) ({first}); nothing "
+                         "was loaded") from None
