@@ -241,7 +241,7 @@ class ShardGrads(_Store):
         if staging is None or type(g) is not Tensor or g.layout is not torch.strided:
             return None
         staged, flat = staging[r.at], _flat(g)
-        if not copies_into(flat, staged):
+        if g.numel() != staged.numel() and not copies_into(flat, staged):
             return None  # converted after construction: the slow path drops it and step() reports it
         staged.copy_(flat)
         r.param.grad = None
