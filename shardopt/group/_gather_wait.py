@@ -242,10 +242,14 @@ class WeightGathers:
         return waited
 
     def finish(self) -> None:
-        """Wait for every gather in flight, group by group in the order they were started."""
-        for g in self.groups:
-            for bucket in g.gathers_in_flight:
-                self.wait(bucket)
+        """Wait for every gather in flight, group by group in the order they were started
+        (``FlatGroup.finish_gathers``); then, with the read guard, that none is in flight."""
+        try:
+            for g in self.groups:
+                g.finish_gathers()
+        finally:  # also when a wait raised
+            if self.overlap:
+                landed()
 
     def wait_quietly(self) -> None:
         """Wait for every gather without looking at what landed (an optimizer being collected)."""
